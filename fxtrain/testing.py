@@ -73,7 +73,7 @@ def from_jnp(t: Any) -> Any:
         if not hasattr(x, "dtype") or not hasattr(x, "shape"):
             return x
         if x.dtype == jnp.bfloat16:
-            return torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(torch.bfloat16)
+            return torch.from_numpy(np.array(x.astype(jnp.float32))).to(torch.bfloat16)
         return torch.from_numpy(np.array(x))
 
     return tree.map(conv, t)
