@@ -70,29 +70,41 @@ def paths(tree: Tree) -> list[str]:
 def first_mismatch(a: Tree, b: Tree) -> str | None:
     """The dotted path where the structures of ``a`` and ``b`` first differ, or ``None`` if they match.
 
+    Names the first leaf one tree has and the other lacks (or the node whose container type differs).
     Leaf values are not compared; ``None`` matches any leaf.
 
     >>> first_mismatch({"a": 1, "b": [1, 2]}, {"a": 1, "b": [1]})
-    'b'
+    'b.1'
     """
     if structure(a) == structure(b):
         return None
     a_paths = [tuple(p) for p in optree.tree_paths(a, **_kw())]
     b_paths = [tuple(p) for p in optree.tree_paths(b, **_kw())]
-    for pa_, pb_ in zip(a_paths, b_paths):
-        if pa_ != pb_:
-            # Report the deepest common prefix: the node whose children differ.
-            n = 0
-            while n < min(len(pa_), len(pb_)) and pa_[n] == pb_[n]:
-                n += 1
-            return _path_str(pa_[:n])
-    shorter, longer = sorted((a_paths, b_paths), key=len)
-    extra = longer[len(shorter)]
-    common = shorter[-1] if shorter else ()
-    n = 0
-    while n < min(len(common), len(extra)) and common[n] == extra[n]:
-        n += 1
-    return _path_str(extra[:n])
+    a_set, b_set = set(a_paths), set(b_paths)
+    for p in a_paths + b_paths:  # a leaf that one tree has and the other lacks
+        if p not in a_set or p not in b_set:
+            return _path_str(_deepest_shared_prefix(p, a_set if p in b_set else b_set))
+    # Same leaf paths, different containers (a list where a tuple was expected, say): name the node.
+    for p in a_paths:
+        for k in range(len(p)):
+            if type(_get(a, p[:k])) is not type(_get(b, p[:k])):
+                return _path_str(p[:k])
+    return "<root>"
+
+
+def _deepest_shared_prefix(path: tuple, other_paths: set) -> tuple:
+    # The path itself if the other tree has a leaf there, else the path of the missing entry.
+    prefixes = {q[:k] for q in other_paths for k in range(len(q) + 1)}
+    k = len(path)
+    while k > 0 and path[:k - 1] not in prefixes:
+        k -= 1
+    return path[:k]
+
+
+def _get(t: Tree, path: tuple) -> Any:
+    for key in path:
+        t = getattr(t, key) if hasattr(t, "_fields") and isinstance(key, str) else t[key]
+    return t
 
 
 def map(fn: Callable, tree: Tree, *rest: Tree) -> Tree:  # noqa: A001 - mirrors optree.tree_map

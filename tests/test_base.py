@@ -1,0 +1,118 @@
+"""Tests for fxtrain/_base.py: the protocol, the @transform decorator, chain, named_chain, apply_updates."""
+
+import pytest
+import torch
+
+import fxtrain as fx
+from fxtrain import _base
+from fxtrain.testing import assert_trees_close, nested_params
+
+
+def _double():
+    """A hand-written, Optax-style transform (pure update, no decorator)."""
+    return fx.GradientTransformation(lambda p: fx.EmptyState(), lambda u, s, p=None: (fx.tree.map(lambda x: 2 * x, u), s))
+
+
+def test_update_is_pure_and_kernel_donates():
+    g = nested_params()
+    tx = fx.chain(fx.scale(2.0), fx.scale(3.0))
+    before = fx.tree.clone(g)
+    u, _ = tx.update(g, tx.init(g))
+    assert_trees_close(g, before, rtol=0, atol=0)
+    assert_trees_close(u, fx.tree.map(lambda x: 6 * x, before))
+    u2, _ = fx.update_(tx, g, tx.init(g))
+    assert u2["dense"]["w"] is g["dense"]["w"]  # written into the donated buffer
+    assert_trees_close(u2, u, rtol=0, atol=0)
+
+
+def test_hand_written_transform_composes():
+    tx = fx.chain(_double(), fx.scale(0.5))
+    g = {"w": torch.ones(2)}
+    assert tx.update(g, tx.init(g))[0]["w"].tolist() == [1.0, 1.0]
+    assert "GradientTransformation(init=" in repr(_double())
+
+
+def test_repr_shows_structure_and_non_default_args():
+    tx = fx.named_chain(("pre", fx.chain(fx.identity(), fx.scale(-1.0))), ("post", fx.scale(2.0)))
+    assert repr(tx) == "named_chain(pre=chain(identity(), scale(-1.0)), post=scale(2.0))"
+
+
+def test_named_chain_rejects_duplicates_and_wrong_state():
+    with pytest.raises(ValueError, match="duplicate"):
+        fx.named_chain(("a", fx.identity()), ("a", fx.identity()))
+    tx = fx.named_chain(("a", fx.identity()))
+    with pytest.raises(ValueError, match="named_chain"):
+        tx.update({"w": torch.ones(1)}, {"b": fx.EmptyState()})
+
+
+def test_chain_state_length_checked():
+    tx = fx.chain(fx.identity(), fx.identity())
+    with pytest.raises(ValueError, match="chain of 2 transforms got a state of 1"):
+        tx.update({"w": torch.ones(1)}, (fx.EmptyState(),))
+
+
+def test_elementwise_flags_compose():
+    assert fx.is_elementwise(fx.chain(fx.scale(1.0), fx.identity()))
+    assert not fx.is_elementwise(fx.chain(fx.scale(1.0), fx.stateless(lambda u, p: u)))
+    assert not fx.is_elementwise(_double())
+
+
+def test_wrap_loss_composes_first_outermost():
+    calls = []
+
+    def make(tag):
+        def wrap(loss_fn, state):
+            def wrapped(params, batch):
+                calls.append(tag)
+                return loss_fn(params, batch)
+            return wrapped
+        return fx.GradientTransformation(lambda p: fx.EmptyState(), lambda u, s, p=None: (u, s), wrap)
+
+    tx = fx.chain(make("outer"), fx.identity(), make("inner"))
+    loss = _base.wrap_loss(tx, lambda p, b: p + b, tx.init(None))
+    assert loss(1, 2) == 3 and calls == ["outer", "inner"]
+    assert _base.wrap_loss(fx.identity(), abs, None) is abs
+
+
+def test_apply_updates_keeps_dtype_and_none():
+    p = {"w": torch.ones(2, dtype=torch.bfloat16), "frozen": torch.ones(1), "absent": None}
+    u = {"w": torch.full((2,), 0.5), "frozen": None, "absent": None}
+    out = fx.apply_updates(p, u)
+    assert out["w"].dtype == torch.bfloat16 and out["w"].tolist() == [1.5, 1.5]
+    assert out["frozen"] is p["frozen"] and out["absent"] is None
+    assert p["w"].tolist() == [1.0, 1.0]
+    out_ = fx.apply_updates_(p, u)
+    assert out_["w"] is p["w"] and p["w"].tolist() == [1.5, 1.5]
+
+
+def test_apply_updates_names_mismatching_path():
+    with pytest.raises(ValueError, match="differ at 'layer.v'"):
+        fx.apply_updates({"layer": {"w": torch.ones(1)}}, {"layer": {"v": torch.ones(1)}})
+
+
+def test_update_error_names_transform():
+    tx = fx.chain(fx.identity())
+
+    def bad(u, s, p=None):
+        raise ValueError("boom")
+
+    tx = fx.chain(fx.GradientTransformation(lambda p: fx.EmptyState(), bad))
+    with pytest.raises(ValueError, match=r"^chain\(GradientTransformation.*boom"):
+        tx.update({}, tx.init({}))
+
+
+def test_report_collects_from_nested_states():
+    class S(tuple):
+        pass
+
+    from typing import NamedTuple
+
+    class Reporting(NamedTuple):
+        value: torch.Tensor
+
+        def report(self):
+            return {"thing": self.value}
+
+    state = (fx.EmptyState(), {"x": Reporting(torch.tensor(2.0)), "y": Reporting(torch.tensor(3.0))})
+    assert _base.report(state) == {"thing": torch.tensor(2.0)}
+    assert _base.report((fx.EmptyState(),)) == {}
