@@ -64,10 +64,18 @@ class EmptyState(NamedTuple):
 class _Update:
     """The pure ``update`` of an fxtrain transform: copies its inputs, then runs the in-place kernel."""
 
-    __slots__ = ("kernel", "label", "elementwise")
+    __slots__ = ("kernel", "_label", "elementwise")
 
-    def __init__(self, kernel: Callable, label: str, elementwise: bool):
-        self.kernel, self.label, self.elementwise = kernel, label, elementwise
+    def __init__(self, kernel: Callable, label: str | Callable[[], str], elementwise: bool):
+        self.kernel, self._label, self.elementwise = kernel, label, elementwise
+
+    @property
+    def label(self) -> str:
+        # Formatted on first read: inject_hyperparams rebuilds transforms with tensor hyperparameters
+        # every update, and formatting their reprs there would cost a host sync each.
+        if callable(self._label):
+            self._label = self._label()
+        return self._label
 
     def __call__(self, updates: Updates, state: State, params: Params = None) -> tuple[Updates, State]:
         try:
@@ -176,7 +184,7 @@ def transform(factory: Callable | None = None, *, elementwise: bool | None = Tru
         @functools.wraps(factory)
         def build(*args, **kwargs) -> GradientTransformation:
             tx = factory(*args, **kwargs)
-            label = _label(factory.__name__, sig, args, kwargs)
+            label = functools.partial(_label, factory.__name__, sig, args, kwargs)
             flag = is_elementwise(tx) if elementwise is None else elementwise
             return GradientTransformation(tx.init, _Update(kernel(tx), label, flag), tx.wrap_loss)
 

@@ -1,0 +1,432 @@
+"""Schedules: a step count in, a hyperparameter value out (Optax's names, arguments, defaults and math).
+
+A schedule is a callable object with a readable ``repr``. It takes a Python int or an integer tensor
+(the ``count`` kept in a transform's state) and returns a float32 tensor of the same shape on the same
+device, computed with tensor ops only: no host sync, no Python branch on the count, so it runs inside a
+compiled or CUDA-graphed step. The float32 operations follow Optax's order, so values agree with Optax
+to the last bit or two.
+
+Arguments are checked where the schedule is built, and errors name the schedule and the argument
+(``decay_step is not an argument of cosine_decay_schedule``), which is what a Hydra config needs.
+
+Example:
+    >>> import fxtrain as fx
+    >>> s = fx.warmup_cosine_decay_schedule(init_value=0.0, peak_value=1.0, warmup_steps=2, decay_steps=6)
+    >>> s
+    warmup_cosine_decay_schedule(init_value=0.0, peak_value=1.0, warmup_steps=2, decay_steps=6)
+    >>> [round(float(s(t)), 4) for t in range(8)]
+    [0.0, 0.5, 1.0, 0.8536, 0.5, 0.1464, 0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import math
+import numbers
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from fxtrain._base import _name
+
+Count = int | torch.Tensor
+Value = float | torch.Tensor
+
+__all__ = [
+    "Schedule", "constant_schedule", "linear_schedule", "cosine_decay_schedule",
+    "warmup_cosine_decay_schedule", "exponential_decay", "piecewise_constant_schedule", "join_schedules",
+]
+
+
+class Schedule:
+    """A step count -> value function with a readable ``repr`` (what every factory here returns).
+
+    Calling it with a Python int or an integer tensor of any shape gives a float32 tensor of that shape,
+    on the count's device.
+    """
+
+    __slots__ = ("fn", "label")
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], label: str):
+        self.fn, self.label = fn, label
+
+    def __call__(self, count: Count) -> torch.Tensor:
+        return _as_value(self.fn(_as_count(count, self.label)))
+
+    def __repr__(self) -> str:
+        return self.label
+
+
+# --- argument binding and checks ------------------------------------------------------------------
+
+def bind(owner: str, fn_name: str, sig: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """``sig.bind(*args, **kwargs)`` with errors that name ``owner``, the bad argument and the valid ones.
+
+    Shared with :func:`fxtrain.inject_hyperparams`, whose arguments usually come from a config file.
+    """
+    params = sig.parameters
+    valid = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    for k in kwargs:
+        if k not in params and not takes_any:
+            close = difflib.get_close_matches(k, valid, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise TypeError(f"{owner}: {k} is not an argument of {fn_name}{hint}; "
+                            f"its arguments are {', '.join(valid)}")
+    try:
+        return sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{owner}: {e} (the arguments of {fn_name} are {', '.join(valid)})") from None
+
+
+def _schedule(factory: Callable) -> Callable[..., Schedule]:
+    """Turns ``factory(**args) -> fn(count_tensor)`` into a public schedule factory with checked args."""
+    sig = inspect.signature(factory)
+    name = factory.__name__
+
+    @functools.wraps(factory)
+    def build(*args, **kwargs) -> Schedule:
+        bound = bind(name, name, sig, args, kwargs)
+        label = f"{name}({', '.join(f'{k}={_name(v)}' for k, v in bound.arguments.items())})"
+        bound.apply_defaults()
+        return Schedule(factory(**bound.arguments), label)
+
+    return build
+
+
+def _value(owner: str, arg: str, v: Any, *, optional: bool = False) -> Value | None:
+    """A numeric schedule argument: a Python number or a 0-dim real tensor."""
+    if v is None and optional:
+        return v
+    if isinstance(v, torch.Tensor) and v.ndim == 0 and not v.is_complex() and v.dtype != torch.bool:
+        return v
+    if isinstance(v, numbers.Real) and not isinstance(v, bool):
+        return float(v)
+    raise TypeError(f"{owner}: {arg} must be a number or a 0-dim tensor, got {type(v).__name__} {v!r}")
+
+
+def _steps(owner: str, arg: str, v: Any, *, minimum: int = 0) -> int:
+    """A step-count argument: a Python int (an integral float such as 1e4 from a config is accepted)."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+        raise TypeError(f"{owner}: {arg} must be an integer number of steps, got {type(v).__name__} {v!r}")
+    if v < minimum:
+        raise ValueError(f"{owner}: {arg}={v} must be >= {minimum}")
+    return int(v)
+
+
+def _as_count(count: Any, owner: str) -> torch.Tensor:
+    if isinstance(count, torch.Tensor):
+        if count.dtype == torch.bool or count.is_complex():
+            raise TypeError(f"{owner}: the step count must be an integer tensor, got dtype {count.dtype}")
+        return count
+    if isinstance(count, numbers.Real) and not isinstance(count, bool):
+        return torch.tensor(count)
+    raise TypeError(f"{owner}: the step count must be an int or an integer tensor, got {type(count).__name__}")
+
+
+def _as_value(v: Any) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.to(torch.float32)
+    return torch.tensor(float(v), dtype=torch.float32)
+
+
+def _full(count: torch.Tensor, value: Value) -> torch.Tensor:
+    """``value`` (rounded to float32, as Optax does) shaped and placed like ``count``."""
+    return torch.zeros(count.shape, dtype=torch.float32, device=count.device).add_(value)
+
+
+# --- schedules ------------------------------------------------------------------------------------
+
+@_schedule
+def constant_schedule(value: Value) -> Schedule:
+    """Constant schedule: ``value`` at every step (Optax's ``constant_schedule``).
+
+    Args:
+      value: the value held throughout.
+
+    Returns:
+      A :class:`Schedule`.
+
+    >>> import fxtrain as fx
+    >>> s = fx.constant_schedule(5)
+    >>> s, float(s(0)), float(s(100))
+    (constant_schedule(value=5), 5.0, 5.0)
+    """
+    value = _value("constant_schedule", "value", value)
+    return lambda count: _full(count, value)
+
+
+@_schedule
+def linear_schedule(init_value: Value, end_value: Value, transition_steps: int,
+                    transition_begin: int = 0) -> Schedule:
+    r"""Linear transition from ``init_value`` to ``end_value`` (Optax's ``linear_schedule``).
+
+    .. math::
+      v(t) = I + (E - I) \, \mathrm{clip}\!\left(\frac{t - B}{T}, 0, 1\right)
+
+    with :math:`I` = ``init_value``, :math:`E` = ``end_value``, :math:`T` = ``transition_steps``,
+    :math:`B` = ``transition_begin``. ``transition_steps=0`` holds ``init_value`` forever (as in Optax).
+
+    Args:
+      init_value: value before and at ``transition_begin``.
+      end_value: value from ``transition_begin + transition_steps`` on.
+      transition_steps: length of the transition, >= 0.
+      transition_begin: steps to hold ``init_value`` before the transition starts, >= 0.
+
+    Returns:
+      A :class:`Schedule`.
+
+    >>> import fxtrain as fx
+    >>> s = fx.linear_schedule(init_value=1.0, end_value=0.0, transition_steps=4)
+    >>> [float(s(t)) for t in (0, 1, 4, 9)]
+    [1.0, 0.75, 0.0, 0.0]
+    """
+    name = "linear_schedule"
+    init_value, end_value = _value(name, "init_value", init_value), _value(name, "end_value", end_value)
+    transition_steps = _steps(name, "transition_steps", transition_steps)
+    transition_begin = _steps(name, "transition_begin", transition_begin)
+    if transition_steps == 0:
+        return lambda count: _full(count, init_value)
+
+    def fn(count):
+        done = (count - transition_begin).clamp(0, transition_steps)
+        frac = 1 - done.to(torch.float32) / transition_steps
+        return (init_value - end_value) * frac + end_value
+
+    return fn
+
+
+@_schedule
+def cosine_decay_schedule(init_value: Value, decay_steps: int, alpha: Value = 0.0,
+                          exponent: Value = 1.0) -> Schedule:
+    r"""Cosine decay from ``init_value`` to ``alpha * init_value`` (Optax's ``cosine_decay_schedule``).
+
+    .. math::
+      v(t) = I \left[(1 - \alpha) \left(\tfrac12 \left(1 + \cos\frac{\pi \min(t, T)}{T}\right)\right)^p
+             + \alpha\right]
+
+    with :math:`I` = ``init_value``, :math:`T` = ``decay_steps``, :math:`p` = ``exponent``.
+
+    Args:
+      init_value: value at step 0.
+      decay_steps: steps over which to decay, > 0.
+      alpha: the final value as a fraction of ``init_value``.
+      exponent: power applied to the cosine factor.
+
+    Returns:
+      A :class:`Schedule`.
+
+    References:
+      Loshchilov & Hutter, `SGDR: Stochastic Gradient Descent with Warm Restarts
+      <https://arxiv.org/abs/1608.03983>`_, 2017.
+
+    >>> import fxtrain as fx
+    >>> s = fx.cosine_decay_schedule(init_value=1.0, decay_steps=4, alpha=0.1)
+    >>> [round(float(s(t)), 4) for t in (0, 2, 4, 8)]
+    [1.0, 0.55, 0.1, 0.1]
+    """
+    name = "cosine_decay_schedule"
+    init_value = _value(name, "init_value", init_value)
+    alpha, exponent = _value(name, "alpha", alpha), _value(name, "exponent", exponent)
+    decay_steps = _steps(name, "decay_steps", decay_steps, minimum=1)
+
+    def fn(count):
+        t = count.to(torch.float32).clamp(max=decay_steps)
+        cosine = 0.5 * (1 + torch.cos(math.pi * t / decay_steps))
+        return init_value * ((1 - alpha) * cosine ** exponent + alpha)
+
+    return fn
+
+
+@_schedule
+def warmup_cosine_decay_schedule(init_value: Value, peak_value: Value, warmup_steps: int, decay_steps: int,
+                                 end_value: Value = 0.0, exponent: Value = 1.0) -> Schedule:
+    r"""Linear warmup to ``peak_value``, then cosine decay to ``end_value`` (Optax's schedule of that name).
+
+    .. math::
+      v(t) = \begin{cases}
+        I + (P - I)\, t / W & t < W \\
+        \mathrm{cosine\_decay}(P, D - W, \alpha = E / P, p)(t - W) & t \ge W
+      \end{cases}
+
+    with :math:`W` = ``warmup_steps`` and :math:`D` = ``decay_steps``, the total length *including*
+    the warmup.
+
+    Args:
+      init_value: value at step 0.
+      peak_value: value at the end of the warmup.
+      warmup_steps: length of the linear warmup, >= 0.
+      decay_steps: total length of the schedule, > ``warmup_steps``.
+      end_value: value from ``decay_steps`` on.
+      exponent: power applied to the cosine factor.
+
+    Returns:
+      A :class:`Schedule`.
+
+    >>> import fxtrain as fx
+    >>> s = fx.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=2, decay_steps=4, end_value=0.5)
+    >>> [float(s(t)) for t in (0, 1, 2, 3, 4, 5)]
+    [0.0, 0.5, 1.0, 0.75, 0.5, 0.5]
+    """
+    name = "warmup_cosine_decay_schedule"
+    init_value, peak_value = _value(name, "init_value", init_value), _value(name, "peak_value", peak_value)
+    end_value, exponent = _value(name, "end_value", end_value), _value(name, "exponent", exponent)
+    warmup_steps = _steps(name, "warmup_steps", warmup_steps)
+    decay_steps = _steps(name, "decay_steps", decay_steps)
+    if decay_steps <= warmup_steps:
+        raise ValueError(f"{name}: decay_steps={decay_steps} must be greater than warmup_steps={warmup_steps} "
+                         "(decay_steps is the total length, warmup included)")
+    if isinstance(peak_value, torch.Tensor):
+        alpha = torch.where(peak_value == 0, 0.0, end_value / peak_value)
+    else:
+        alpha = 0.0 if peak_value == 0.0 else end_value / peak_value
+    warmup = linear_schedule(init_value=init_value, end_value=peak_value, transition_steps=warmup_steps)
+    decay = cosine_decay_schedule(init_value=peak_value, decay_steps=decay_steps - warmup_steps,
+                                  alpha=alpha, exponent=exponent)
+    return join_schedules([warmup, decay], [warmup_steps]).fn
+
+
+@_schedule
+def exponential_decay(init_value: Value, transition_steps: int, decay_rate: Value, transition_begin: int = 0,
+                      staircase: bool = False, end_value: Value | None = None) -> Schedule:
+    r"""Decays ``init_value`` by ``decay_rate`` every ``transition_steps`` (Optax's ``exponential_decay``).
+
+    .. math::
+      v(t) = I \cdot r^{(t - B) / T} \text{ for } t > B, \quad I \text{ before}
+
+    with :math:`r` = ``decay_rate``, :math:`T` = ``transition_steps``, :math:`B` = ``transition_begin``;
+    the exponent is floored when ``staircase``. ``end_value`` bounds the result (below when
+    ``decay_rate < 1``, above otherwise). ``transition_steps=0`` or ``decay_rate=0`` hold ``init_value``
+    forever (as in Optax).
+
+    Args:
+      init_value: value up to ``transition_begin``.
+      transition_steps: steps per factor of ``decay_rate``, >= 0.
+      decay_rate: factor per ``transition_steps``, >= 0.
+      transition_begin: steps to hold ``init_value`` first, >= 0.
+      staircase: decay in discrete jumps every ``transition_steps``.
+      end_value: optional bound on the decayed value.
+
+    Returns:
+      A :class:`Schedule`.
+
+    >>> import fxtrain as fx
+    >>> s = fx.exponential_decay(init_value=1.0, transition_steps=2, decay_rate=0.5, staircase=True)
+    >>> [float(s(t)) for t in range(6)]
+    [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+    """
+    name = "exponential_decay"
+    init_value, decay_rate = _value(name, "init_value", init_value), _value(name, "decay_rate", decay_rate)
+    end_value = _value(name, "end_value", end_value, optional=True)
+    transition_steps = _steps(name, "transition_steps", transition_steps)
+    transition_begin = _steps(name, "transition_begin", transition_begin)
+    if not isinstance(staircase, bool):
+        raise TypeError(f"{name}: staircase must be a bool, got {staircase!r}")
+    if float(decay_rate) < 0:
+        raise ValueError(f"{name}: decay_rate={float(decay_rate)!r} must be >= 0")
+    if transition_steps == 0 or float(decay_rate) == 0:
+        return lambda count: _full(count, init_value)
+    decaying = float(decay_rate) < 1.0
+
+    def fn(count):
+        steps = count - transition_begin
+        p = steps.to(torch.float32) / transition_steps
+        if staircase:
+            p = torch.floor(p)
+        value = torch.where(steps <= 0, _full(count, init_value), init_value * torch.pow(decay_rate, p))
+        if end_value is not None:
+            value = value.clamp(min=end_value) if decaying else value.clamp(max=end_value)
+        return value
+
+    return fn
+
+
+@_schedule
+def piecewise_constant_schedule(init_value: Value,
+                                boundaries_and_scales: Mapping[int, float] | None = None) -> Schedule:
+    r"""``init_value`` times every scale whose boundary has been reached (Optax's ``piecewise_constant_schedule``).
+
+    .. math::
+      v(t) = I \prod_{b_i \le t} s_i
+
+    Args:
+      init_value: value before the first boundary.
+      boundaries_and_scales: ``{step: scale}``; scales are >= 0 and multiply in from their step on.
+
+    Returns:
+      A :class:`Schedule`.
+
+    >>> import fxtrain as fx
+    >>> s = fx.piecewise_constant_schedule(1.0, {2: 0.5, 4: 0.5})
+    >>> [float(s(t)) for t in range(6)]
+    [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+    """
+    name = "piecewise_constant_schedule"
+    init_value = _value(name, "init_value", init_value)
+    if boundaries_and_scales is not None and not isinstance(boundaries_and_scales, Mapping):
+        raise TypeError(f"{name}: boundaries_and_scales must be a dict {{step: scale}}, "
+                        f"got {type(boundaries_and_scales).__name__}")
+    pieces = []
+    for b, s in (boundaries_and_scales or {}).items():
+        b = _steps(name, f"boundaries_and_scales key {b!r}", b, minimum=-(2**63))
+        s = _value(name, f"boundaries_and_scales[{b}]", s)
+        if float(s) < 0:
+            raise ValueError(f"{name}: boundaries_and_scales[{b}]={float(s)!r}: scales must be >= 0")
+        pieces.append((b, s))
+    pieces.sort(key=lambda bs: bs[0])
+
+    def fn(count):
+        value = _full(count, init_value)
+        for boundary, s in pieces:
+            value = torch.where(count < boundary, value, s * value)
+        return value
+
+    return fn
+
+
+@_schedule
+def join_schedules(schedules: Sequence[Callable[[Count], Value]], boundaries: Sequence[int]) -> Schedule:
+    r"""Runs ``schedules`` one after another, switching at ``boundaries`` (Optax's ``join_schedules``).
+
+    .. math::
+      v(t) = s_k(t - b_k) \quad \text{for } b_k \le t < b_{k+1}, \quad b_0 = 0
+
+    Each schedule sees the steps since its own boundary.
+
+    Args:
+      schedules: step -> value callables (fxtrain schedules or functions of a tensor count).
+      boundaries: ``len(schedules) - 1`` non-decreasing steps at which the next schedule takes over.
+
+    Returns:
+      A :class:`Schedule`.
+
+    >>> import fxtrain as fx
+    >>> s = fx.join_schedules([fx.constant_schedule(1.0), fx.linear_schedule(1.0, 0.0, 2)], [3])
+    >>> [float(s(t)) for t in range(6)]
+    [1.0, 1.0, 1.0, 1.0, 0.5, 0.0]
+    """
+    name = "join_schedules"
+    schedules = list(schedules)
+    if not schedules:
+        raise ValueError(f"{name}: schedules is empty")
+    for i, s in enumerate(schedules):
+        if not callable(s):
+            raise TypeError(f"{name}: schedules[{i}] is not callable: {s!r}")
+    boundaries = [_steps(name, f"boundaries[{i}]", b) for i, b in enumerate(boundaries)]
+    if len(boundaries) != len(schedules) - 1:
+        raise ValueError(f"{name}: {len(schedules)} schedules need {len(schedules) - 1} boundaries, "
+                         f"got {len(boundaries)}")
+    if boundaries != sorted(boundaries):
+        raise ValueError(f"{name}: boundaries={boundaries} must be non-decreasing")
+
+    def fn(count):
+        value = _as_value(schedules[0](count))
+        for boundary, s in zip(boundaries, schedules[1:]):
+            value = torch.where(count < boundary, value, _as_value(s(count - boundary)))
+        return value
+
+    return fn

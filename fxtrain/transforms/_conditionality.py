@@ -1,0 +1,92 @@
+"""Transforms applied conditionally: ``apply_if_finite`` (Optax's, decided on device)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import torch
+
+from fxtrain import tree
+from fxtrain._base import GradientTransformation, kernel, transform
+from fxtrain.transforms._hyperparams import param_device, safe_increment_
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of :func:`apply_if_finite` (Optax's ``ApplyIfFiniteState``).
+
+    Attributes:
+      notfinite_count: consecutive updates with an Inf or NaN so far (0-dim int32); reset by a finite one.
+      last_finite: whether the last update was finite (0-dim bool).
+      total_notfinite: updates with an Inf or NaN since init (0-dim int32); never reset.
+      inner_state: the state of the wrapped transform.
+    """
+
+    notfinite_count: torch.Tensor
+    last_finite: torch.Tensor
+    total_notfinite: torch.Tensor
+    inner_state: Any
+
+    def report(self) -> dict[str, torch.Tensor]:
+        """``total_notfinite``: how many updates were not finite so far (skipped or given up on)."""
+        return {"total_notfinite": self.total_notfinite}
+
+
+@transform(elementwise=False)
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:
+    r"""Skips updates holding an Inf or NaN, unless too many came in a row (Optax's ``apply_if_finite``).
+
+    With :math:`n` the number of consecutive non-finite updates including this one, the inner transform's
+    result is used when the updates are all finite or :math:`n >` ``max_consecutive_errors``; otherwise the
+    updates are zeros and the inner state is left exactly as it was. The decision is a 0-dim tensor
+    (``tree.all_finite``): the inner kernel always runs and its results are selected with ``torch.where``,
+    so there is no host sync. ``tx.update`` stays pure; the in-place kernel copies the inner state once to
+    be able to restore it.
+
+    Args:
+      inner: the transform to protect.
+      max_consecutive_errors: how many non-finite updates in a row to skip before accepting one, >= 0.
+
+    Returns:
+      A transform with an :class:`ApplyIfFiniteState`.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.apply_if_finite(fx.scale(-0.1), max_consecutive_errors=2)
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> u, state = tx.update({"w": torch.tensor([1.0, float("nan")])}, state)
+        >>> u["w"].tolist(), bool(state.last_finite), int(state.total_notfinite)
+        ([0.0, 0.0], False, 1)
+    """
+    if not isinstance(max_consecutive_errors, numbers.Integral) or isinstance(max_consecutive_errors, bool):
+        raise TypeError(f"apply_if_finite: max_consecutive_errors must be an int, got {max_consecutive_errors!r}")
+    if max_consecutive_errors < 0:
+        raise ValueError(f"apply_if_finite: max_consecutive_errors={max_consecutive_errors} must be >= 0")
+    inner_kernel = kernel(inner)
+
+    def init_fn(params):
+        device = param_device(params)
+        return ApplyIfFiniteState(
+            notfinite_count=torch.zeros((), dtype=torch.int32, device=device),
+            last_finite=torch.ones((), dtype=torch.bool, device=device),
+            total_notfinite=torch.zeros((), dtype=torch.int32, device=device),
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(updates, state, params=None):
+        finite = tree.all_finite(tree.leaves(updates)).to(state.last_finite.device)
+        notfinite = safe_increment_(state.notfinite_count).mul_(~finite)  # reset to 0 by a finite update
+        accept = finite | (notfinite > max_consecutive_errors)
+        before = tree.clone(state.inner_state)  # the inner kernel works in place; keep what to restore
+        updates, inner_state = inner_kernel(updates, state.inner_state, params)
+        updates = tree.map(lambda u: torch.where(accept, u, 0), updates)
+        inner_state = tree.where(accept, inner_state, before)
+        total = state.total_notfinite.add_(~finite & (state.total_notfinite < torch.iinfo(torch.int32).max))
+        return updates, ApplyIfFiniteState(notfinite, state.last_finite.copy_(finite), total, inner_state)
+
+    wrap_loss = None
+    if inner.wrap_loss is not None:
+        def wrap_loss(loss_fn, state):
+            return inner.wrap_loss(loss_fn, state.inner_state)
+
+    return GradientTransformation(init_fn, update_fn, wrap_loss)

@@ -1,0 +1,179 @@
+"""Hyperparameters in the optimizer state: ``inject_hyperparams`` (Optax's, on tensors)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import numbers
+from typing import Any, Callable, Iterable, NamedTuple
+
+import numpy as np
+import torch
+
+from fxtrain import tree
+from fxtrain._base import GradientTransformation, _name, _Update, is_elementwise, kernel
+from fxtrain.schedules import bind
+
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
+class InjectHyperparamsState(NamedTuple):
+    """State of :func:`inject_hyperparams`: update count, hyperparameters as 0-dim tensors, inner state.
+
+    ``hyperparams`` holds the values used by the last update (at init: the values for the first one).
+    Write into it to change a non-scheduled hyperparameter from the next update on.
+    """
+
+    count: torch.Tensor  # 0-dim int32
+    hyperparams: dict[str, torch.Tensor]
+    inner_state: Any
+
+    def report(self) -> dict[str, torch.Tensor]:
+        """The hyperparameters, so ``learning_rate`` (and the rest) show in the step's metrics."""
+        return {k: torch.as_tensor(v) for k, v in self.hyperparams.items()}
+
+
+def safe_increment_(count: torch.Tensor) -> torch.Tensor:
+    """``count += 1`` in place, saturating at the dtype's maximum (Optax's ``safe_increment``)."""
+    return count.add_(count < torch.iinfo(count.dtype).max)
+
+
+def param_device(params: Any) -> torch.device:
+    """Where a transform's counters and scalars live: the device of the first tensor in ``params``."""
+    for x in tree.leaves(params):
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], static_args: str | Iterable[str] = (),
+                       hyperparam_dtype: torch.dtype | None = None) -> Callable[..., GradientTransformation]:
+    r"""Moves the numeric hyperparameters of ``inner_factory`` into the state, and lets them be schedules.
+
+    ``inject_hyperparams(adamw)(learning_rate=sched, weight_decay=1e-4)`` behaves like
+    ``adamw(learning_rate=sched(t), weight_decay=1e-4)`` at update :math:`t`: each update evaluates the
+    schedules at the count, reads the other numeric hyperparameters from ``state.hyperparams`` (so they
+    can be changed mid-run by writing into it), rebuilds the inner transform with 0-dim tensor
+    hyperparameters (cheap: factories are closures) and runs its kernel on the inner state. The values
+    used are kept in ``state.hyperparams``, which :func:`fxtrain.train_step` reports as metrics.
+
+    As in Optax, callables are schedules unless named in ``static_args``; bools, strings, ``None`` and
+    other non-numbers are static (passed unchanged). Float values become tensors of ``hyperparam_dtype``,
+    by default the widest floating dtype of the params but at least float32 (Optax would round, say,
+    ``b2=0.999`` to 1.0 in bfloat16); ints become int32 tensors; tensors keep their dtype.
+
+    Args:
+      inner_factory: a transform factory, e.g. :func:`fxtrain.adamw`; its hyperparameters must accept
+        0-dim tensors.
+      static_args: names of callable arguments that are not schedules.
+      hyperparam_dtype: dtype of the float hyperparameters, or ``None`` for the default above.
+
+    Returns:
+      A factory with the signature of ``inner_factory`` whose transforms have an
+      :class:`InjectHyperparamsState`.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.inject_hyperparams(fx.scale)(step_size=fx.linear_schedule(1.0, 0.0, 4))
+        >>> tx
+        inject_hyperparams(scale)(step_size=linear_schedule(init_value=1.0, end_value=0.0, transition_steps=4))
+        >>> g = {"w": torch.ones(1)}
+        >>> state = tx.init(g)
+        >>> for _ in range(3):
+        ...     u, state = tx.update(g, state, g)
+        >>> u["w"].tolist(), float(state.hyperparams["step_size"]), int(state.count)
+        ([0.5], 0.5, 3)
+    """
+    static = {static_args} if isinstance(static_args, str) else set(static_args)
+    if hyperparam_dtype is not None and not isinstance(hyperparam_dtype, torch.dtype):
+        raise TypeError(f"inject_hyperparams: hyperparam_dtype must be a torch.dtype or None, "
+                        f"got {hyperparam_dtype!r}")
+    fname = getattr(inner_factory, "__name__", None) or repr(inner_factory)
+    sig = inspect.signature(inner_factory)
+    if not static <= set(sig.parameters):
+        raise ValueError(f"inject_hyperparams({fname}): static_args {sorted(static - set(sig.parameters))} "
+                         f"are not arguments of {fname}; its arguments are {', '.join(sig.parameters)}")
+    options = [f"static_args={tuple(sorted(static))!r}"] if static else []
+    options += [f"hyperparam_dtype={hyperparam_dtype}"] if hyperparam_dtype is not None else []
+    head = f"inject_hyperparams({', '.join([fname] + options)})"
+
+    @functools.wraps(inner_factory)
+    def wrapped(*args, **kwargs) -> GradientTransformation:
+        bound = bind(head, fname, sig, args, kwargs)
+        label = f"{head}({', '.join(f'{k}={_name(v)}' for k, v in bound.arguments.items())})"
+        bound.apply_defaults()
+        schedules, numeric, other = {}, {}, {}
+        for k, v in bound.arguments.items():
+            if k in static or isinstance(v, bool):
+                other[k] = v
+            elif callable(v):
+                schedules[k] = v
+            elif isinstance(v, (numbers.Number, torch.Tensor, np.ndarray, np.generic)):
+                numeric[k] = v
+            else:
+                other[k] = v
+        # Built once now with plain values: checks the arguments early and gives the flags to forward.
+        proto = inner_factory(**other, **numeric, **{k: f(0) for k, f in schedules.items()})
+
+        def current(state, params) -> dict:
+            """Hyperparameters for the update at ``state.count``: stored values, then schedules evaluated."""
+            dtype = functools.cache(lambda: _float_dtype(params, hyperparam_dtype))
+            device = state.count.device
+            hps = {k: v if isinstance(v, torch.Tensor) else _as_hparam(v, dtype(), device)
+                   for k, v in state.hyperparams.items()}
+            for k, f in schedules.items():
+                prev = hps.get(k)
+                keep = isinstance(prev, torch.Tensor) and prev.is_floating_point()
+                hps[k] = _as_hparam(f(state.count), prev.dtype if keep else dtype(), device)
+            return hps
+
+        def init_fn(params):
+            dtype, device = _float_dtype(params, hyperparam_dtype), param_device(params)
+            count = torch.zeros((), dtype=torch.int32, device=device)
+            hps = {k: _as_hparam(v, dtype, device, keep_tensor_dtype=True) for k, v in numeric.items()}
+            hps.update({k: _as_hparam(f(count), dtype, device) for k, f in schedules.items()})
+            inner_state = inner_factory(**other, **hps).init(params)
+            return InjectHyperparamsState(count, hps, inner_state)
+
+        def update_fn(updates, state, params=None):
+            hps = current(state, params)
+            inner = inner_factory(**other, **hps)
+            updates, inner_state = kernel(inner)(updates, state.inner_state, params)
+            return updates, InjectHyperparamsState(safe_increment_(state.count), hps, inner_state)
+
+        wrap_loss = None
+        if proto.wrap_loss is not None:
+            def wrap_loss(loss_fn, state):
+                inner = inner_factory(**other, **current(state, None))
+                return inner.wrap_loss(loss_fn, state.inner_state)
+
+        update = _Update(update_fn, label, is_elementwise(proto))
+        return GradientTransformation(init_fn, update, wrap_loss)
+
+    return wrapped
+
+
+inject_hyperparams.is_transform_factory = True  # a public factory of transforms (see the conformance test)
+
+
+def _float_dtype(params: Any, override: torch.dtype | None) -> torch.dtype:
+    if override is not None:
+        return override
+    dtypes = [x.dtype for x in tree.leaves(params) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
+
+
+def _as_hparam(v: Any, dtype: torch.dtype, device: torch.device, keep_tensor_dtype: bool = False) -> torch.Tensor:
+    """A value as a 0-dim tensor of its own on ``device``: floats in ``dtype``, ints in int32.
+
+    A tensor given by the user keeps its dtype (``keep_tensor_dtype``, as Optax keeps a typed array).
+    """
+    if isinstance(v, torch.Tensor):
+        cast = v.is_floating_point() and not keep_tensor_dtype
+        return v.detach().to(device=device, dtype=dtype if cast else v.dtype, copy=True)
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return torch.tensor(int(v), dtype=torch.int32, device=device)
+    v = np.asarray(v)
+    if np.issubdtype(v.dtype, np.integer):
+        return torch.tensor(v.item(), dtype=torch.int32, device=device)
+    return torch.tensor(float(v), dtype=dtype, device=device)

@@ -1,0 +1,258 @@
+"""Tests for fxtrain/transforms/_hyperparams.py: inject_hyperparams against Optax, state, metrics, errors."""
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import fxtrain as fx
+from fxtrain import _base
+from fxtrain.testing import assert_trees_close, from_jnp, nested_params, to_jnp
+
+
+class TraceState(NamedTuple):
+    trace: dict
+
+
+@fx.transform
+def _trace(decay):
+    """Optax's ``trace`` (no Nesterov), written here so these tests do not depend on fxtrain's optimizers."""
+    def init_fn(params):
+        return TraceState(fx.tree.zeros_like(params))
+
+    def update_fn(updates, state, params=None):
+        g, t = fx.tree.align(updates, state.trace)
+        torch._foreach_mul_(t, decay)
+        torch._foreach_add_(t, g)
+        torch._foreach_copy_(g, t)
+        return updates, state
+
+    return fx.GradientTransformation(init_fn, update_fn)
+
+
+def _sgd(learning_rate, momentum=0.9):
+    """Optax's ``sgd`` with momentum: ``chain(trace(momentum), scale(-learning_rate))``."""
+    return fx.chain(_trace(momentum), fx.scale(-learning_rate))
+
+
+def _grads(step):
+    return fx.tree.map(lambda x: x * (1.0 + 0.1 * step), nested_params(seed=step + 1))
+
+
+def _run(tx, otx, steps, change=None, rtol=1e-5, atol=1e-7):
+    """Runs fxtrain and Optax side by side; ``change(step, state, ostate)`` may edit both states."""
+    optax = pytest.importorskip("optax")
+    params = nested_params(seed=0)
+    oparams = to_jnp(params)
+    state, ostate = tx.init(params), otx.init(oparams)
+    spec = fx.tree.structure(state)
+    for step in range(steps):
+        if change is not None:
+            change(step, state, ostate)
+        g = _grads(step)
+        u, state = tx.update(g, state, params)
+        ou, ostate = otx.update(to_jnp(g), ostate, oparams)
+        params, oparams = fx.apply_updates(params, u), optax.apply_updates(oparams, ou)
+        assert fx.tree.structure(state) == spec, f"state structure changed at step {step}"
+        assert int(state.count) == int(ostate.count) == step + 1
+        assert_trees_close(state.hyperparams, from_jnp(dict(ostate.hyperparams)), rtol=1e-6, atol=0)
+        assert_trees_close(u, from_jnp(ou), rtol=rtol, atol=atol)
+        assert_trees_close(params, from_jnp(oparams), rtol=rtol, atol=atol)
+    return state, ostate
+
+
+# --- Optax parity ------------------------------------------------------------------------------
+
+@pytest.mark.optax
+def test_schedule_and_midrun_change_match_optax():
+    optax = pytest.importorskip("optax")
+    tx = fx.inject_hyperparams(_sgd)(learning_rate=fx.warmup_cosine_decay_schedule(0.0, 0.1, 5, 25), momentum=0.9)
+    otx = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.warmup_cosine_decay_schedule(0.0, 0.1, 5, 25),
+                                              momentum=0.9)
+
+    def change(step, state, ostate):
+        if step == 8:  # a Python number, as in Optax's documentation
+            state.hyperparams["momentum"] = ostate.hyperparams["momentum"] = 0.5
+        if step == 15:  # a tensor
+            state.hyperparams["momentum"] = torch.tensor(0.7)
+            ostate.hyperparams["momentum"] = to_jnp(torch.tensor(0.7))
+
+    state, ostate = _run(tx, otx, steps=30, change=change)
+    assert_trees_close(state.inner_state[0].trace, from_jnp(ostate.inner_state[0].trace))
+    assert float(state.hyperparams["momentum"]) == pytest.approx(0.7)
+
+
+@pytest.mark.optax
+@pytest.mark.skipif(not hasattr(fx, "adamw"), reason="fx.adamw not built yet")
+def test_adamw_with_schedule_and_midrun_change_matches_optax():
+    optax = pytest.importorskip("optax")
+    tx = fx.inject_hyperparams(fx.adamw)(learning_rate=fx.cosine_decay_schedule(1e-2, 20, alpha=0.1),
+                                         weight_decay=1e-4)
+    otx = optax.inject_hyperparams(optax.adamw)(learning_rate=optax.cosine_decay_schedule(1e-2, 20, alpha=0.1),
+                                                weight_decay=1e-4)
+
+    def change(step, state, ostate):
+        if step == 10:
+            state.hyperparams["weight_decay"] = ostate.hyperparams["weight_decay"] = 0.1
+            state.hyperparams["b1"] = ostate.hyperparams["b1"] = 0.5
+
+    _run(tx, otx, steps=25, change=change)
+
+
+@pytest.mark.optax
+def test_scheduled_value_written_into_state_is_overridden_as_in_optax():
+    optax = pytest.importorskip("optax")
+    tx = fx.inject_hyperparams(fx.scale)(step_size=fx.linear_schedule(1.0, 0.0, 10))
+    otx = optax.inject_hyperparams(optax.scale)(step_size=optax.linear_schedule(1.0, 0.0, 10))
+
+    def change(step, state, ostate):
+        state.hyperparams["step_size"] = ostate.hyperparams["step_size"] = 123.0
+
+    _run(tx, otx, steps=12, change=change)
+
+
+# --- state, metrics, None leaves, purity ----------------------------------------------------------
+
+def test_learning_rate_reported_and_state_stable():
+    sched = fx.cosine_decay_schedule(init_value=0.1, decay_steps=10)
+    tx = fx.inject_hyperparams(_sgd)(learning_rate=sched)
+    params = nested_params()
+    state = tx.init(params)
+    assert _base.report(state)["learning_rate"].item() == pytest.approx(0.1)
+    spec = fx.tree.structure(state)
+    for step in range(12):
+        _, state = tx.update(_grads(step), state, params)
+        metrics = _base.report(state)
+        assert set(metrics) == {"learning_rate", "momentum"}
+        assert metrics["learning_rate"].item() == sched(step).item()  # the value used by this update
+        assert fx.tree.structure(state) == spec
+        assert state.count.dtype == torch.int32 and state.count.shape == ()
+
+
+def test_train_step_metrics_show_learning_rate():
+    tx = fx.inject_hyperparams(_sgd)(learning_rate=fx.linear_schedule(1.0, 0.0, 4), momentum=0.0)
+    step = fx.train_step(lambda p, b: ((p["w"] - b) ** 2).sum(), tx)
+    params = {"w": torch.zeros(2)}
+    state = tx.init(params)
+    seen = []
+    for _ in range(3):
+        params, state, metrics = step(params, state, torch.ones(2))
+        seen.append(metrics["learning_rate"].item())
+    assert seen == [1.0, 0.75, 0.5]
+
+
+def test_none_leaves_pass():
+    tx = fx.inject_hyperparams(_sgd)(learning_rate=fx.constant_schedule(0.1))
+    params = nested_params()
+    params["blocks"][1] = (None, params["blocks"][1][1])
+    state = tx.init(params)
+    for step in range(3):
+        g = _grads(step)
+        g["blocks"][1] = (None, g["blocks"][1][1])
+        u, state = tx.update(g, state, params)
+        assert u["blocks"][1][0] is None
+        params = fx.apply_updates(params, u)
+
+
+def test_update_is_pure_and_donated_kernel_agrees():
+    tx = fx.inject_hyperparams(_sgd)(learning_rate=fx.linear_schedule(0.1, 0.0, 5), momentum=0.9)
+    params = nested_params()
+    state = tx.init(params)
+    for step in range(3):
+        g = _grads(step)
+        g0, s0 = fx.tree.clone(g), fx.tree.clone(state)
+        u, new = tx.update(g, state, params)
+        assert_trees_close(g, g0, rtol=0, atol=0)
+        assert_trees_close(state, s0, rtol=0, atol=0)
+        du, dnew = fx.update_(tx, fx.tree.clone(g), fx.tree.clone(state), params)
+        assert_trees_close(du, u, rtol=0, atol=0)
+        assert_trees_close(dnew, new, rtol=0, atol=0)
+        state = new
+
+
+def test_no_host_sync_on_meta_tensors():
+    # Meta tensors carry no data: any .item() or Python branch on a value would raise.
+    tx = fx.inject_hyperparams(_sgd)(learning_rate=fx.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10))
+    params = {"w": torch.zeros(3, device="meta")}
+    state = tx.init(params)
+    for _ in range(2):
+        u, state = tx.update({"w": torch.ones(3, device="meta")}, state, params)
+    assert u["w"].device.type == "meta" and state.hyperparams["learning_rate"].device.type == "meta"
+
+
+# --- dtypes, static arguments, flags ------------------------------------------------------------
+
+def test_hyperparameter_dtypes():
+    build = fx.inject_hyperparams(_sgd)
+    f32 = build(learning_rate=0.1).init(nested_params())
+    assert f32.hyperparams["learning_rate"].dtype == torch.float32
+    # bfloat16 params keep float32 hyperparameters (Optax would round momentum=0.999 to 1.0 in bfloat16).
+    bf16 = build(learning_rate=0.1, momentum=0.999).init(nested_params(dtype=torch.bfloat16))
+    assert bf16.hyperparams["momentum"].dtype == torch.float32 and bf16.hyperparams["momentum"].item() != 1.0
+    f64 = build(learning_rate=fx.constant_schedule(0.1)).init(nested_params(dtype=torch.float64))
+    assert f64.hyperparams["learning_rate"].dtype == torch.float64
+    forced = fx.inject_hyperparams(_sgd, hyperparam_dtype=torch.bfloat16)(learning_rate=0.1)
+    assert forced.init(nested_params()).hyperparams["learning_rate"].dtype == torch.bfloat16
+    given = build(learning_rate=torch.tensor(0.1, dtype=torch.float64)).init(nested_params())
+    assert given.hyperparams["learning_rate"].dtype == torch.float64  # a tensor keeps its dtype (as in Optax)
+
+
+def test_static_bool_and_callable_arguments():
+    seen = {}
+
+    def factory(step_size, flag=False, fn=None, every=2):
+        seen.update(step_size=step_size, flag=flag, fn=fn, every=every)
+        return fx.scale(step_size)
+
+    tx = fx.inject_hyperparams(factory, static_args="fn")(0.5, flag=True, fn=abs)
+    state = tx.init({"w": torch.ones(1)})
+    assert set(state.hyperparams) == {"step_size", "every"}
+    assert state.hyperparams["every"].dtype == torch.int32  # ints are numeric hyperparameters, as in Optax
+    u, state = tx.update({"w": torch.ones(1)}, state)
+    assert u["w"].tolist() == [0.5]
+    assert seen["flag"] is True and seen["fn"] is abs and isinstance(seen["step_size"], torch.Tensor)
+
+
+def test_repr_and_flags():
+    tx = fx.inject_hyperparams(_sgd)(learning_rate=fx.cosine_decay_schedule(0.1, 100), momentum=0.5)
+    assert repr(tx) == ("inject_hyperparams(_sgd)(learning_rate=cosine_decay_schedule(init_value=0.1, "
+                        "decay_steps=100), momentum=0.5)")
+    assert fx.is_elementwise(tx)
+    tx = fx.inject_hyperparams(fx.scale, static_args=(), hyperparam_dtype=torch.float64)(0.1)
+    assert repr(tx) == "inject_hyperparams(scale, hyperparam_dtype=torch.float64)(step_size=0.1)"
+    tx = fx.inject_hyperparams(lambda step_size: fx.stateless(lambda u, p: u))(0.1)
+    assert not fx.is_elementwise(tx)
+
+
+def test_wrap_loss_sees_current_hyperparameters():
+    def scaled(factor):
+        def wrap(fn, state):
+            def wrapped(params, batch):
+                objective, rest = fn(params, batch)
+                return objective * factor, rest
+            return wrapped
+        return fx.GradientTransformation(lambda p: fx.EmptyState(), lambda u, s, p=None: (u, s), wrap)
+
+    tx = fx.inject_hyperparams(scaled)(factor=fx.linear_schedule(1.0, 3.0, 2))
+    params = {"w": torch.ones(1)}
+    state = tx.init(params)
+    fn = lambda p, b: (p["w"].sum(), (None, None))  # noqa: E731
+    assert _base.wrap_loss(tx, fn, state)(params, None)[0].item() == 1.0
+    _, state = tx.update({"w": torch.ones(1)}, state, params)
+    assert _base.wrap_loss(tx, fn, state)(params, None)[0].item() == 2.0
+    assert fx.inject_hyperparams(fx.scale)(0.1).wrap_loss is None
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+def test_unknown_argument_names_factory():
+    with pytest.raises(TypeError, match=r"inject_hyperparams\(scale\): step is not an argument of scale "
+                                        r"\(did you mean step_size\?\)"):
+        fx.inject_hyperparams(fx.scale)(step=0.1)
+
+
+def test_bad_static_args_and_dtype():
+    with pytest.raises(ValueError, match=r"static_args \['nope'\] are not arguments of scale"):
+        fx.inject_hyperparams(fx.scale, static_args="nope")
+    with pytest.raises(TypeError, match="hyperparam_dtype must be a torch.dtype"):
+        fx.inject_hyperparams(fx.scale, hyperparam_dtype="float32")
