@@ -1,0 +1,344 @@
+"""From config to objects: instantiate ``_target_`` nodes with checked keys, and build the transform stack.
+
+The training script calls these; they are the one place where a config error is turned into a message
+that names what the user wrote: the config key, the transform, the argument, the options there are.
+
+* :func:`instantiate` is ``hydra.utils.instantiate`` for our configs, with every node's keys checked
+  against its target's signature first (``optim.chain.adamw: lerning_rate is not an argument of
+  fxtrain.adamw (did you mean learning_rate?)``), not a ``TypeError`` from deep inside.
+* :func:`stack` builds the transform stack from ``optim.chain`` (order kept), the ``schedule`` group and
+  the wrapper groups (``amp``, ``accumulate``, ``parallel``).
+* :func:`check_overrides` checks command-line group choices (``model=mlpp``,
+  ``optim/transform@optim.chain=[adamz]``) before Hydra composes, and lists the options of the group.
+
+Example:
+    >>> from omegaconf import OmegaConf
+    >>> from fxtrain import build
+    >>> build.instantiate(OmegaConf.create({"_target_": "fxtrain.clip", "max_delta": 1.0}), "optim.chain.clip")
+    clip(1.0)
+    >>> build.instantiate(OmegaConf.create({"_target_": "fxtrain.clip", "max_dleta": 1.0}), "optim.chain.clip")
+    Traceback (most recent call last):
+    ...
+    fxtrain.build.ConfigError: optim.chain.clip: max_dleta is not an argument of fxtrain.clip (did you mean max_delta?); it takes max_delta
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+import pathlib
+import re
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+import fxtrain as fx
+from fxtrain import _runtime
+
+__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "cast_params", "constant_hyperparams",
+           "check_overrides", "ScaledSchedule"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be built; the message starts with the config key at fault."""
+
+
+# --- instantiate ------------------------------------------------------------------------------------
+
+def instantiate(node: DictConfig | dict, key: str, **given: Any) -> Any:
+    """Builds ``node`` (a ``_target_`` config) after checking its keys against the target's signature.
+
+    Nested ``_target_`` nodes are built first, each checked the same way. ``given`` adds arguments from
+    the code (the run directory, say); they are checked too.
+
+    Args:
+      node: the config node, e.g. ``cfg.model``.
+      key: where it sits in the config (``"model"``), for messages.
+      given: extra keyword arguments.
+    """
+    return _build(_resolve(node, key), key, given)
+
+
+def target(node: DictConfig | dict, key: str) -> tuple[Callable, dict]:
+    """The located ``_target_`` of ``node`` and its other keys (resolved, nested targets built), checked."""
+    return _parts(_resolve(node, key), key, {})
+
+
+def _resolve(node: DictConfig | dict, key: str) -> dict:
+    try:
+        spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{key}: {_omegaconf_message(e)}") from None
+    if not isinstance(spec, dict) or "_target_" not in spec:
+        raise ConfigError(f"{key}: expected a node with a _target_ (what to build), got {spec!r}")
+    return spec
+
+
+def _parts(spec: dict, key: str, given: dict) -> tuple[Callable, dict]:
+    fn = _locate(spec, key)
+    kwargs = {k: _build_nested(v, f"{key}.{k}") for k, v in spec.items() if k != "_target_"}
+    kwargs.update(given)
+    check_args(fn, kwargs, key, spec["_target_"])
+    return fn, kwargs
+
+
+def _build(spec: dict, key: str, given: dict) -> Any:
+    fn, kwargs = _parts(spec, key, given)
+    try:
+        return fn(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key} ({spec['_target_']}): {e}") from e
+
+
+def _build_nested(value: Any, key: str) -> Any:
+    if isinstance(value, dict) and "_target_" in value:
+        return _build(value, key, {})
+    if isinstance(value, dict):
+        return {k: _build_nested(v, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_build_nested(v, f"{key}.{i}") for i, v in enumerate(value)]
+    return value
+
+
+def _locate(spec: dict, key: str) -> Callable:
+    path = spec["_target_"]
+    if not isinstance(path, str) or "." not in path:
+        raise ConfigError(f"{key}._target_: expected a dotted path like fxtrain.adamw, got {path!r}")
+    module_name, _, name = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{key}._target_: cannot import {module_name} ({e})") from None
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        options = sorted(n for n in dir(module) if not n.startswith("_") and _buildable(getattr(module, n)))
+        close = difflib.get_close_matches(name, options, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{key}._target_: {module_name} has no {name!r}{hint}; "
+                          f"available: {', '.join(options)}")
+    return fn
+
+
+def _buildable(obj: Any) -> bool:
+    # Functions and classes a config could target; not modules, nor state NamedTuples (tuple subclasses).
+    return callable(obj) and not inspect.ismodule(obj) and not (inspect.isclass(obj) and issubclass(obj, tuple))
+
+
+def check_args(fn: Callable, kwargs: dict, key: str, label: str) -> None:
+    """Raises :class:`ConfigError` naming ``key``, the argument and ``label`` if ``fn`` does not take ``kwargs``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature: let the call report
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for k in kwargs:
+        if k not in valid:
+            close = difflib.get_close_matches(k, valid, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{key}: {k} is not an argument of {label}{hint}; it takes {', '.join(valid)}")
+    missing = [n for n, p in params.items()
+               if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in kwargs]
+    if missing:
+        raise ConfigError(f"{key}: {label} needs {', '.join(missing)}; add {key}.{missing[0]}=...")
+
+
+def _omegaconf_message(e: OmegaConfBaseException) -> str:
+    msg = getattr(e, "msg", None) or str(e)
+    return msg.splitlines()[0]
+
+
+# --- the transform stack ------------------------------------------------------------------------
+
+class ScaledSchedule:
+    """``peak * shape(every * count)``: an optimizer's ``learning_rate`` (peak) times the ``schedule`` group's shape.
+
+    ``count`` is the optimizer's update count; with gradient accumulation an update takes ``every``
+    batches, so the shape is read at the batch count and its steps (``warmup_steps``, ``decay_steps``)
+    mean batches, like every other step count in the config.
+
+    >>> import fxtrain as fx
+    >>> lr = ScaledSchedule(0.1, fx.linear_schedule(1.0, 0.0, 10))
+    >>> lr, round(float(lr(5)), 6)
+    (0.1*linear_schedule(init_value=1.0, end_value=0.0, transition_steps=10), 0.05)
+    >>> ScaledSchedule(0.1, fx.linear_schedule(1.0, 0.0, 10), every=4)
+    0.1*linear_schedule(init_value=1.0, end_value=0.0, transition_steps=10)@(4*count)
+    """
+
+    def __init__(self, peak: float, shape: Callable, every: int = 1):
+        self.peak, self.shape, self.every = peak, shape, every
+
+    def __call__(self, count):
+        return self.peak * self.shape(count * self.every if self.every != 1 else count)
+
+    def __repr__(self) -> str:
+        at = f"@({self.every}*count)" if self.every != 1 else ""
+        return f"{self.peak:g}*{self.shape!r}{at}"
+
+
+def stack(cfg: DictConfig, world_size: int = 1) -> fx.GradientTransformation:
+    """The gradient transformation a config describes:
+    ``accumulate(amp_cast(chain(all_reduce_mean, *optim.chain)))``, each part only when configured.
+
+    * ``fx.chain`` of the ``optim.chain`` entries in order. An entry whose target takes a
+      ``learning_rate`` is built with :func:`fxtrain.inject_hyperparams` and ``learning_rate = value *
+      schedule(batches)`` (the ``schedule`` group gives the shape, the entry the peak), so the step
+      reports ``learning_rate``.
+    * ``parallel=dp`` with several ranks: a gradient all-reduce (mean) first in the chain, so it runs
+      once per optimizer update (inside ``accumulate``) on unscaled gradients (inside ``amp_cast``).
+    * ``amp.policy``: :func:`fxtrain.amp_cast` around the chain (the DESIGN's recommended order).
+    * ``accumulate.every > 1``: :func:`fxtrain.accumulate` outermost.
+    """
+    chain_cfg = cfg.optim.get("chain")
+    if not chain_cfg:
+        raise ConfigError("optim.chain is empty: pick transforms with "
+                          "'optim/transform@optim.chain=[clip_by_global_norm,adamw]'")
+    every = cfg.accumulate.every
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ConfigError(f"accumulate.every: expected a positive integer, got {every!r}")
+    if cfg.trainer.max_steps % every:
+        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} is not a multiple of accumulate.every={every} "
+                          "(both count batches)")
+    shape = instantiate(cfg.schedule, "schedule") if cfg.get("schedule") is not None else None
+    txs = [_transform(node, f"optim.chain.{name}", shape, every) for name, node in chain_cfg.items()]
+    dp = cfg.parallel.strategy == "dp" and world_size > 1
+    if dp:
+        txs.insert(0, _runtime.all_reduce_mean(world_size))
+    tx = fx.chain(*txs)
+    if cfg.amp.policy is not None:
+        kwargs = {"policy": cfg.amp.policy}
+        if cfg.amp.loss_scale is not None:
+            loss_scale = cfg.amp.loss_scale
+            kwargs["loss_scale"] = OmegaConf.to_container(loss_scale) if isinstance(loss_scale, DictConfig) else loss_scale
+        if dp:
+            # Gradients are still per-rank when amp_cast checks them (the all-reduce is inside): the
+            # overflow decision must be taken over all ranks.
+            kwargs["groups"] = (_runtime.world_mesh(_runtime.device(cfg.trainer.device).type),)
+        tx = _call(_wrapper("amp_cast", "amp.policy"), "amp", tx, **kwargs)
+    if every > 1:
+        tx = _call(_wrapper("accumulate", "accumulate.every"), "accumulate", tx, every=every,
+                   mean=cfg.accumulate.mean)
+    return tx
+
+
+def cast_params(cfg: DictConfig, params: Any) -> Any:
+    """``params`` in the storage dtype of ``amp.policy`` (the pure half modes keep no float32 copy).
+
+    Mixed modes (``p=f32``) and ``amp=off`` leave them as they are.
+    """
+    if cfg.amp.policy is None:
+        return params
+    return _call(_wrapper("Policy", "amp.policy").parse, "amp.policy", cfg.amp.policy).cast_to_param(params)
+
+
+def _call(fn: Callable, key: str, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from e
+
+
+def constant_hyperparams(cfg: DictConfig) -> set[str]:
+    """Names of the hyperparameters :func:`stack` injects only to schedule the learning rate (``b1``, ``eps``...).
+
+    ``inject_hyperparams`` puts every numeric argument (defaults included) in the state, and the step
+    reports them all; apart from ``learning_rate`` they stay constant for the whole run (``config.yaml``
+    has them), so the script leaves them out of its logs.
+    """
+    if cfg.get("schedule") is None:
+        return set()
+    names: set[str] = set()
+    for name, node in (cfg.optim.get("chain") or {}).items():
+        factory, kwargs = target(node, f"optim.chain.{name}")
+        if "learning_rate" in kwargs:
+            bound = inspect.signature(factory).bind_partial(**kwargs)
+            bound.apply_defaults()
+            names.update(k for k, v in bound.arguments.items()
+                         if k != "learning_rate" and isinstance(v, (int, float)) and not isinstance(v, bool))
+    return names
+
+
+def _transform(node: DictConfig, key: str, shape: Callable | None, every: int) -> fx.GradientTransformation:
+    factory, kwargs = target(node, key)
+    if "learning_rate" in kwargs and shape is not None:
+        lr = kwargs.pop("learning_rate")
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+            raise ConfigError(f"{key}.learning_rate: expected a number (the schedule's peak), got {lr!r}")
+        try:
+            return fx.inject_hyperparams(factory)(learning_rate=ScaledSchedule(float(lr), shape, every), **kwargs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{key} ({node._target_}): {e}") from e
+    try:
+        tx = factory(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key} ({node._target_}): {e}") from e
+    if not isinstance(tx, fx.GradientTransformation):
+        raise ConfigError(f"{key}: {node._target_} built a {type(tx).__name__}, not a GradientTransformation")
+    return tx
+
+
+def _wrapper(name: str, key: str) -> Callable:
+    fn = getattr(fx, name, None)
+    if fn is None:
+        raise ConfigError(f"{key} needs fx.{name}, which this version of fxtrain does not have yet; "
+                          f"leave {key.split('.')[0]} at its default")
+    return fn
+
+
+# --- command-line group choices ---------------------------------------------------------------------
+
+_CHOICE = re.compile(r"^(?:\+\+|\+|~)?(?P<group>[\w/]+)(?:@[\w.]+)?=(?P<value>.*)$")
+
+
+def check_overrides(overrides: list[str], conf_dir: str | pathlib.Path) -> None:
+    """Checks the group choices among command-line ``overrides`` against the YAML files in ``conf_dir``.
+
+    Hydra reports an unknown option of a multi-select group (``optim/transform@optim.chain=[adamz]``)
+    without listing the options; this lists them for every group, and names the optional extra that
+    ``hparams_search`` needs when it is missing.
+
+    >>> import pathlib, fxtrain
+    >>> conf = pathlib.Path(fxtrain.__file__).parent.parent / "conf"
+    >>> check_overrides(["seed=1", "model=resnet"], conf)   # fine
+    >>> check_overrides(["-m", "model=mlp,resnett"], conf)
+    Traceback (most recent call last):
+    ...
+    fxtrain.build.ConfigError: model=mlp,resnett: no option 'resnett' in conf/model (did you mean resnet?); available: mlp, resnet, transformer
+    """
+    conf_dir = pathlib.Path(conf_dir)
+    for arg in overrides:
+        m = _CHOICE.match(arg)
+        if not m or m["group"].startswith("hydra") or not (conf_dir / m["group"]).is_dir():
+            continue
+        group = m["group"]
+        options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+        kind = "transform" if group == "optim/transform" else "option"
+        for value in _choices(m["value"]):
+            if value not in options:
+                close = difflib.get_close_matches(value, options, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(f"{arg}: no {kind} {value!r} in conf/{group}{hint}; available: {', '.join(options)}")
+        if group == "hparams_search" and any(v != "null" for v in _choices(m["value"])):
+            _require_optuna(arg)
+
+
+def _choices(value: str) -> list[str]:
+    value = re.sub(r"^\w+\((.*)\)$", r"\1", value.strip())  # choice(a,b), glob(...) sweeps
+    value = value.strip("[]")
+    return [v.strip() for v in value.split(",") if v.strip() and v.strip() != "null"]
+
+
+def _require_optuna(arg: str) -> None:
+    try:
+        found = importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+    except ImportError:  # no hydra_plugins namespace at all
+        found = False
+    if not found:
+        raise ConfigError(f"{arg} runs the Optuna sweeper, which is not installed: "
+                          "pip install 'fxtrain[optuna]' (optuna and hydra-optuna-sweeper)")

@@ -1,0 +1,255 @@
+"""The training script: ``python -m fxtrain.train [overrides]``, sweeps with ``-m``, data parallel under torchrun.
+
+    python -m fxtrain.train                                   # digits MLP, about 10 s on 2 CPU cores
+    python -m fxtrain.train experiment=stdlib_lm trainer.max_steps=100
+    python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3
+    torchrun --nproc_per_node=2 -m fxtrain.train parallel=dp
+
+:func:`train` reads top to bottom in execution order: config, build (data, model, transform stack,
+step), loop (step, log, eval, checkpoint), summary. Everything else is a library call. Each run
+directory gets ``config.yaml`` (resolved), ``metrics.jsonl``, ``checkpoint.pt``, ``summary.json`` and
+``train.log``; a sweep directory also gets ``summary.csv`` (see :mod:`fxtrain.report`). Under torchrun
+every rank runs the same code on the same config, and only rank 0 writes or prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+import hydra
+import torch
+import torch.nn.functional as F
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+import fxtrain as fx
+from fxtrain import _runtime, build, report, tree
+from fxtrain.models import count_params
+
+log = logging.getLogger("fxtrain")
+CONF_DIR = pathlib.Path(__file__).resolve().parent.parent / "conf"  # conf/ at the repository root
+
+
+def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
+    """Trains the experiment ``cfg`` describes and returns ``float(metrics[cfg.optimized_metric])``.
+
+    Args:
+      cfg: a composed ``conf/train.yaml`` (Hydra hands it over; tests use ``hydra.compose``).
+      out_dir: the run directory; ``None`` writes nothing. Only rank 0 writes.
+
+    Raises:
+      FloatingPointError: a non-finite loss or metric; training stops there, and ``metrics.jsonl`` and
+        ``checkpoint.pt`` keep the last finite step.
+      fxtrain.build.ConfigError: a config that cannot be built, naming the key.
+    """
+    # --- config ---------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    rank, world = _runtime.rank_and_world()
+    if world > 1 and cfg.parallel.strategy != "dp":
+        raise build.ConfigError(f"parallel.strategy={cfg.parallel.strategy!r}, but {world} processes run this "
+                                "script (torchrun): use parallel=dp")
+    say = log.info if rank == 0 else (lambda *args: None)
+    out = pathlib.Path(out_dir) if out_dir is not None and rank == 0 else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(_resolved_yaml(cfg))
+    trainer = cfg.trainer
+    device = _runtime.device(trainer.device)
+    if device.type == "cpu" and trainer.cpu_threads:
+        torch.set_num_threads(trainer.cpu_threads)
+    torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order)
+
+    # --- build ----------------------------------------------------------------------------------
+    data = build.instantiate(cfg.data, "data").to(device)
+    model = build.instantiate(cfg.model, "model").to(device)
+    apply, params, buffers = fx.functional(model)
+    params = build.cast_params(cfg, params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
+    tx = build.stack(cfg, world)
+    opt_state = tx.init(params)
+
+    def loss_fn(params, batch):
+        # Classifier logits (B, C) or LM logits (B, T, V): one cross-entropy for both. BatchNorm statistics
+        # come back from apply as new buffers, carried out of the step in aux.
+        buffers, x, y = batch
+        logits, buffers = apply(params, buffers, x, train=True)
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
+        accuracy = (logits.argmax(-1) == y).float().mean()
+        return loss, {"accuracy": accuracy, "buffers": buffers}
+
+    step = fx.train_step(loss_fn, tx, has_aux=True, donate=True)
+    constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
+    logger = build.instantiate(cfg.logger, "logger", dir=out) if out is not None else None
+    where = str(out) if out is not None else "(not saved)"
+    say(f"run    {where}" + (f"  [{world} ranks, parallel=dp]" if world > 1 else ""))
+    say(f"data   {data}")
+    say(f"model  {type(model).__name__}: {count_params(params):,} params on {device}")
+    say(f"stack  {tx!r}")
+
+    # --- loop -----------------------------------------------------------------------------------
+    max_steps = trainer.max_steps
+    train_metrics: dict[str, float] = {}   # the last logged ones
+    eval_metrics: dict[str, float] = {}
+    checkpoint: tuple[int, pathlib.Path] | None = None  # (step, path) of the last one written
+    bar = tqdm(total=max_steps, desc="train", disable=rank != 0 or not trainer.progress, dynamic_ncols=True)
+    with logging_redirect_tqdm(), bar, (logger or contextlib.nullcontext()):
+        for i in range(1, max_steps + 1):
+            batch = _runtime.local_batch(data.train[i - 1], rank, world)
+            params, opt_state, metrics = step(params, opt_state, (buffers, *batch))
+            aux = metrics.pop("aux")
+            buffers = aux.pop("buffers")
+            metrics = {k: v for k, v in {**metrics, **aux}.items() if k not in constants}
+            bar.update()
+            if i == 1:
+                _check_metric_name(cfg.optimized_metric, [*metrics, "test_loss", "test_accuracy"])
+
+            record: dict[str, float] = {}
+            if i % trainer.log_every == 0 or i == max_steps:
+                train_metrics = _runtime.mean_across_ranks(_floats(metrics), world)
+                record.update(train_metrics)
+            if i % trainer.eval_every == 0 or i == max_steps:
+                eval_metrics = evaluate(apply, params, buffers, data.test, trainer.eval_batch_size)
+                record.update(eval_metrics)
+            if record:
+                _stop_if_not_finite(record, i, checkpoint)
+                record["time_s"] = round(time.perf_counter() - t0, 3)
+                if logger is not None:
+                    logger.log(i, record)
+                bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "learning_rate", "test_accuracy")
+                                 if k in record})
+
+            if out is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0) or i == max_steps):
+                checkpoint = (i, save_checkpoint(out / "checkpoint.pt", i, params, buffers, opt_state, checkpoint))
+
+    # --- summary --------------------------------------------------------------------------------
+    elapsed = time.perf_counter() - t0
+    final = {**train_metrics, **eval_metrics}
+    value = final[cfg.optimized_metric]
+    if out is not None:
+        summary = {"status": "completed", "step": max_steps, "time_s": round(elapsed, 2),
+                   "optimized_metric": cfg.optimized_metric, "value": value, "metrics": final}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    shown = [cfg.optimized_metric] + [k for k in ("test_accuracy", "test_loss", "loss") if k != cfg.optimized_metric]
+    say(f"done   {max_steps} steps in {elapsed:.1f} s | " + " | ".join(f"{k} {final[k]:.4f}" for k in shown
+                                                                   if k in final))
+    if not math.isfinite(value):
+        raise FloatingPointError(f"optimized_metric {cfg.optimized_metric} is {value}")
+    return float(value)
+
+
+@torch.no_grad()
+def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], batch_size: int) -> dict[str, float]:
+    """Mean cross-entropy and accuracy on the whole held-out split, in eval mode (running BatchNorm stats)."""
+    x, y = test
+    if x.is_floating_point():  # in the params' dtype (pure half amp modes store bf16/fp16 params)
+        x = x.to(tree.leaves(params)[0].dtype)
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    correct = torch.zeros((), dtype=torch.long, device=x.device)
+    for j in range(0, len(x), batch_size):
+        logits, _ = apply(params, buffers, x[j:j + batch_size], train=False)
+        yb = y[j:j + batch_size]
+        loss += F.cross_entropy(logits.flatten(0, -2).float(), yb.flatten(), reduction="sum")
+        correct += (logits.argmax(-1) == yb).sum()
+    return {"test_loss": float(loss / y.numel()), "test_accuracy": float(correct / y.numel())}
+
+
+def save_checkpoint(path: pathlib.Path, step: int, params: Any, buffers: Any, opt_state: Any,
+                    previous: tuple[int, pathlib.Path] | None) -> pathlib.Path:
+    """Writes ``{step, params, buffers, opt_state}`` to ``path`` atomically, refusing non-finite params.
+
+    Interim format (``torch.save``) until ``fx.save``/``fx.load`` land; the write goes to a temporary file
+    renamed over ``path``, so a crash never leaves a half-written checkpoint.
+    """
+    if not bool(tree.all_finite(tree.leaves(params))):
+        _raise_not_finite(f"params are not finite after step {step}", previous)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "params": params, "buffers": buffers, "opt_state": opt_state}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    """Metrics as Python floats: one host sync for all the tensor ones."""
+    names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.ndim == 0]
+    values = torch.stack([metrics[k].detach().float() for k in names]).tolist() if names else []
+    out = dict(zip(names, values))
+    out.update({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return {k: out[k] for k in metrics if k in out}
+
+
+def _stop_if_not_finite(record: dict[str, float], step: int, checkpoint: tuple[int, pathlib.Path] | None) -> None:
+    bad = [k for k in ("loss", "test_loss") if k in record and not math.isfinite(record[k])]
+    if bad:
+        _raise_not_finite(f"{bad[0]} is {record[bad[0]]} at step {step}", checkpoint)
+
+
+def _raise_not_finite(what: str, checkpoint: tuple[int, pathlib.Path] | None) -> None:
+    kept = (f"the last good checkpoint is step {checkpoint[0]} ({checkpoint[1]})" if checkpoint
+            else "no checkpoint was written yet")
+    raise FloatingPointError(f"{what}: training stopped. metrics.jsonl ends at the last logged finite step and "
+                             f"{kept}. A lower optim.chain.<name>.learning_rate often helps.")
+
+
+def _check_metric_name(name: str, available: list[str]) -> None:
+    if name not in available:
+        raise build.ConfigError(f"optimized_metric={name} is not a metric of this run; "
+                                f"it has: {', '.join(available)}")
+
+
+def _resolved_yaml(cfg: DictConfig) -> str:
+    try:
+        return OmegaConf.to_yaml(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise build.ConfigError(str(e).splitlines()[0]) from None
+
+
+# --- the Hydra app --------------------------------------------------------------------------------
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+def _task(cfg: DictConfig) -> float:
+    """Hydra's task function: one run (one job of a sweep) in Hydra's output directory."""
+    out = pathlib.Path(HydraConfig.get().runtime.output_dir)
+    try:
+        return train(cfg, out)
+    except Exception as e:
+        if _runtime.rank_and_world()[0] == 0:  # a failed job still says why in its directory (and summary.csv)
+            failed = {"status": "failed", "error": f"{type(e).__name__}: {e}", "optimized_metric": cfg.optimized_metric}
+            (out / "summary.json").write_text(json.dumps(failed, indent=2) + "\n")
+        raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m fxtrain.train [overrides]``: checks group choices, joins torchrun's group, runs Hydra."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        build.check_overrides(argv, CONF_DIR)
+    except build.ConfigError as e:
+        raise SystemExit(f"Error: {e}") from None
+    rank, world = _runtime.init_from_env()
+    if world > 1:
+        # One run directory for all ranks (no per-rank timestamps); only rank 0 writes Hydra's files and logs.
+        os.environ["FXTRAIN_RUN_STAMP"] = _runtime.shared_stamp()
+        if rank > 0:
+            argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    saved_argv = sys.argv
+    sys.argv = [saved_argv[0] if saved_argv else "fxtrain.train", *argv]
+    try:
+        _task()
+    finally:
+        sys.argv = saved_argv
+        report.finish_sweep()  # the summary table of a sweep that stopped on a failed job
+        _runtime.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""The Hydra runner: configs compose and build, runs write their files, sweeps summarize, torchrun works."""
+
+import csv
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException
+
+import fxtrain as fx
+import fxtrain.models
+from fxtrain import build, train as runner
+from fxtrain.models import MLP
+
+CONF = runner.CONF_DIR
+FAST = ["trainer.progress=false", "trainer.device=cpu", "trainer.cpu_threads=null"]
+
+
+def options(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def cfg_of(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.fixture(autouse=True)
+def _isolate(monkeypatch, tmp_path):
+    # Runs write under tmp_path; Hydra's global state, logging handlers and torch threads are restored.
+    monkeypatch.chdir(tmp_path)
+    root, threads = logging.getLogger(), torch.get_num_threads()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in root.handlers:
+        if h not in handlers:
+            h.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    torch.set_num_threads(threads)
+    GlobalHydra.instance().clear()
+
+
+def run_main(*argv):
+    """fxtrain.train.main in this process; returns the exit code (0 when it returns normally)."""
+    try:
+        runner.main(list(argv))
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def small_params():
+    return fx.functional(MLP((2,), hidden=(3,), num_classes=2))[1]
+
+
+# --- every config composes and builds ------------------------------------------------------------
+
+def group_cases():
+    cases = []
+    for group in ("model", "data", "optim/transform", "schedule", "amp", "accumulate", "parallel", "trainer", "logger"):
+        cases += [(group, option) for option in options(group)]
+    return cases
+
+
+@pytest.mark.parametrize("group, option", group_cases(), ids=lambda x: x.replace("/", "."))
+def test_every_group_option_composes_and_builds(group, option, tmp_path):
+    if group == "optim/transform":
+        overrides = [f"optim/transform@optim.chain=[{option}]"]
+    else:
+        overrides = [f"{group}={option}"]
+    if (group, option) in (("model", "transformer"), ("data", "stdlib_text")):
+        overrides = ["model=transformer", "data=stdlib_text", "data.max_bytes=20000"]
+    cfg = cfg_of(*overrides)
+
+    data = build.instantiate(cfg.data, "data")
+    model = build.instantiate(cfg.model, "model")
+    logits = model(data.train[0][0])
+    assert logits.shape[-1] == cfg.data.get("num_classes", cfg.data.get("vocab_size"))
+    build.instantiate(cfg.logger, "logger", dir=tmp_path).close()
+    tx = build.stack(cfg)  # one process: parallel=dp adds its all-reduce only with several ranks (torchrun test)
+    params = build.cast_params(cfg, small_params())      # half-precision storage for amp=pure_*
+    updates, _ = tx.update(fx.tree.map(torch.ones_like, params), tx.init(params), params)
+    assert fx.tree.structure(updates) == fx.tree.structure(params)
+
+
+def test_hydra_settings():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True)
+    assert cfg.hydra.job.chdir is False
+    assert cfg.hydra.job_logging.formatters.console.format == "%(message)s"     # conf/hydra/job_logging/fxtrain.yaml
+    assert cfg.hydra.callbacks.summary._target_ == "fxtrain.report.SweepSummary"
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_composes_and_builds(experiment):
+    cfg = cfg_of(f"experiment={experiment}")
+    model = build.instantiate(cfg.model, "model")
+    tx = build.stack(cfg)
+    _, params, _ = fx.functional(model)
+    tx.init(params)
+    assert cfg.optimized_metric in ("test_accuracy", "test_loss")
+
+
+def test_hparams_search_needs_the_optuna_extra(capsys):
+    assert options("hparams_search") == ["digits_optuna"]
+    try:
+        import hydra_plugins.hydra_optuna_sweeper  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        cfg = cfg_of("hparams_search=digits_optuna")
+        assert cfg.optimized_metric == "test_accuracy"
+        return
+    assert run_main("hparams_search=digits_optuna") == (
+        "Error: hparams_search=digits_optuna runs the Optuna sweeper, which is not installed: "
+        "pip install 'fxtrain[optuna]' (optuna and hydra-optuna-sweeper)")
+
+
+# --- the chain -------------------------------------------------------------------------------------
+
+def test_chain_order_follows_the_selection():
+    cfg = cfg_of("optim/transform@optim.chain=[adamw,clip_by_global_norm]", "schedule=constant")
+    assert list(cfg.optim.chain) == ["adamw", "clip_by_global_norm"]
+    text = repr(build.stack(cfg))
+    assert text.startswith("chain(inject_hyperparams(adamw)(") and text.endswith("clip_by_global_norm(1.0))")
+    default = repr(build.stack(cfg_of()))
+    assert default.startswith("chain(clip_by_global_norm(1.0), inject_hyperparams(adamw)(")
+
+
+def test_override_of_a_chain_entry_reaches_the_transform():
+    cfg = cfg_of("optim.chain.adamw.b2=0.95", "optim.chain.adamw.learning_rate=0.02", "schedule=constant")
+    tx = build.stack(cfg)
+    assert "b2=0.95" in repr(tx) and "learning_rate=0.02*constant_schedule(value=1.0)" in repr(tx)
+    state = tx.init(small_params())
+    hyper = state[1].hyperparams
+    assert float(hyper["learning_rate"]) == pytest.approx(0.02) and float(hyper["b2"]) == pytest.approx(0.95)
+
+
+def test_learning_rate_is_the_peak_of_the_schedule():
+    cfg = cfg_of("optim.chain.adamw.learning_rate=0.5", "schedule=linear", "trainer.max_steps=10")
+    tx = build.stack(cfg)
+    params = small_params()
+    state = tx.init(params)
+    grads = fx.tree.map(torch.ones_like, params)
+    for _ in range(5):
+        _, state = tx.update(grads, state, params)
+    assert float(state[1].hyperparams["learning_rate"]) == pytest.approx(0.5 * (1 - 4 / 10))
+
+
+def test_a_key_the_target_does_not_take_names_key_and_transform():
+    cfg = cfg_of("+optim.chain.adamw.lerning_rate=0.1")
+    with pytest.raises(build.ConfigError, match=r"^optim\.chain\.adamw: lerning_rate is not an argument of "
+                       r"fxtrain\.adamw \(did you mean learning_rate\?\); it takes learning_rate, b1, b2"):
+        build.stack(cfg)
+    with pytest.raises(build.ConfigError, match=r"^model: depth is not an argument of fxtrain.models.MLP"):
+        build.instantiate(cfg_of("+model.depth=3").model, "model")
+
+
+def test_unknown_target_lists_what_exists():
+    cfg = cfg_of("optim.chain.adamw._target_=fxtrain.adamz")
+    with pytest.raises(build.ConfigError, match=r"optim\.chain\.adamw\._target_: fxtrain has no 'adamz' "
+                       r"\(did you mean adam\?\); available: .*adagrad, adam, adamw, add_decayed_weights, "):
+        build.stack(cfg)
+
+
+def test_wrapper_groups_default_to_nothing_and_nest_in_the_recommended_order():
+    cfg = cfg_of()
+    assert cfg.amp.policy is None and cfg.accumulate.every == 1 and cfg.parallel.strategy == "none"
+    assert repr(build.stack(cfg)).startswith("chain(clip_by_global_norm(1.0), ")
+    text = repr(build.stack(cfg_of("amp=bf16", "accumulate=k4")))
+    assert text.startswith("accumulate(every=4, amp_cast(policy='p=f32,c=bf16,o=f32', loss_scale=NoLossScale(), "
+                           "chain(clip_by_global_norm(1.0), inject_hyperparams(adamw)(")
+    # With accumulation the schedule is read at the batch count: its steps mean batches, like max_steps.
+    assert "decay_steps=1000, end_value=0.0)@(4*count)" in text
+    with pytest.raises(build.ConfigError, match=r"trainer.max_steps=10 is not a multiple of accumulate.every=4"):
+        build.stack(cfg_of("accumulate=k4", "trainer.max_steps=10"))
+    with pytest.raises(build.ConfigError, match=r"^amp: .*f17"):
+        build.stack(cfg_of("amp.policy='p=f32,c=f17'"))
+
+
+# --- bad input at start ------------------------------------------------------------------------------
+
+def test_unknown_override_key_fails_at_start(capsys):
+    assert run_main("trainer.max_stepz=3", *FAST) == 1
+    err = capsys.readouterr().err
+    assert "Could not override 'trainer.max_stepz'" in err and "Key 'max_stepz' is not in struct" in err
+    assert not pathlib.Path("outputs").exists() or not list(pathlib.Path("outputs").rglob("metrics.jsonl"))
+    with pytest.raises(ConfigCompositionException, match="max_stepz"):
+        cfg_of("trainer.max_stepz=3")
+
+
+@pytest.mark.parametrize("arg, listed", [
+    ("optim/transform@optim.chain=[clip_by_global_norm,adamz]",
+     "no transform 'adamz' in conf/optim/transform (did you mean adam?); available: adagrad, adam, adamw, "
+     "add_decayed_weights, clip, clip_by_global_norm, lion, rmsprop, sgd, trace"),
+    ("model=mlpp", "no option 'mlpp' in conf/model (did you mean mlp?); available: mlp, resnet, transformer"),
+])
+def test_unknown_group_option_lists_the_available_ones(arg, listed):
+    assert run_main(arg) == f"Error: {arg}: {listed}"
+
+
+def test_unknown_optimized_metric_lists_the_metrics(tmp_path):
+    cfg = cfg_of("experiment=smoke", "optimized_metric=acc", "trainer.max_steps=3", *FAST)
+    with pytest.raises(build.ConfigError, match=r"optimized_metric=acc is not a metric of this run; it has: loss, "
+                       r"grad_norm, .*learning_rate.*accuracy, test_loss, test_accuracy"):
+        runner.train(cfg, tmp_path)
+
+
+def test_several_ranks_need_parallel_dp(monkeypatch):
+    monkeypatch.setattr(runner._runtime, "rank_and_world", lambda: (0, 2))
+    with pytest.raises(build.ConfigError, match="parallel.strategy='none', but 2 processes run this script"):
+        runner.train(cfg_of("experiment=smoke"))
+
+
+# --- a run ----------------------------------------------------------------------------------------
+
+def read_jsonl(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def test_smoke_run_writes_config_metrics_checkpoint_summary(tmp_path):
+    cfg = cfg_of("experiment=smoke", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=3",
+                 "trainer.checkpoint_every=4", *FAST)
+    value = runner.train(cfg, tmp_path)
+
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in lines] == [2, 3, 4, 6]
+    for r in lines:
+        if r["step"] % 2 == 0:
+            assert {"loss", "learning_rate", "grad_norm", "accuracy", "time_s"} <= set(r)
+            assert "b1" not in r                        # constant injected hyperparameters stay in config.yaml
+    assert {"test_loss", "test_accuracy"} <= set(lines[1]) and "loss" not in lines[1]
+    assert {"loss", "test_accuracy"} <= set(lines[-1])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["step"] == 6
+    assert value == summary["value"] == summary["metrics"]["test_accuracy"] == lines[-1]["test_accuracy"]
+    config = (tmp_path / "config.yaml").read_text()
+    assert "decay_steps: 6" in config and "${" not in config           # resolved
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 6 and set(ckpt["params"]) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
+
+
+class NanAfter(torch.nn.Module):
+    """An MLP whose output turns NaN after `after` training forward passes (a counter buffer)."""
+
+    def __init__(self, input_shape, hidden, num_classes, activation, after=4):
+        super().__init__()
+        self.net = MLP(input_shape, hidden, num_classes, activation)
+        self.after = after
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        out = self.net(x)
+        # Added, not selected with where: where's gradient would be NaN already (0 * NaN) for the other branch.
+        return out + torch.where(self.calls > self.after, float("nan"), 0.0)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(monkeypatch, tmp_path):
+    monkeypatch.setattr(fxtrain.models, "NanAfter", NanAfter, raising=False)
+    cfg = cfg_of("experiment=smoke", "model._target_=fxtrain.models.NanAfter", "trainer.log_every=1",
+                 "trainer.checkpoint_every=2", *FAST)
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 5: training stopped\. metrics\.jsonl ends at "
+                       r"the last logged finite step and the last good checkpoint is step 4 \(.*checkpoint\.pt\)"):
+        runner.train(cfg, tmp_path)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 4 and int(ckpt["buffers"]["calls"]) == 4
+    assert all(bool(torch.isfinite(p).all()) for p in ckpt["params"].values())
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_hydra_app_run(capsys):
+    assert run_main("experiment=smoke", "trainer.max_steps=3", "hydra.run.dir=run") == 0
+    out = capsys.readouterr().out
+    assert "stack  chain(clip_by_global_norm(1.0), inject_hyperparams(adamw)(learning_rate=0.01*cosine_decay_schedule(" in out
+    assert "done   3 steps in" in out and "test_accuracy" in out
+    run = pathlib.Path("run")
+    assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoint.pt", "train.log"} <= {p.name for p in run.iterdir()}
+    assert "stack  chain(" in (run / "train.log").read_text()
+
+
+# --- multirun -----------------------------------------------------------------------------------
+
+def test_multirun_two_jobs_write_directories_and_summary(capsys):
+    code = run_main("-m", "experiment=smoke", "seed=1,2", "trainer.max_steps=4")
+    assert code == 0
+    [sweep] = pathlib.Path("multirun").glob("*/*")                  # the default, timestamped directory
+    for job in ("0", "1"):
+        assert (sweep / job / "metrics.jsonl").exists() and (sweep / job / "config.yaml").exists()
+    rows = list(csv.DictReader((sweep / "summary.csv").read_text().splitlines()))
+    assert [(r["job"], r["status"], r["seed"]) for r in rows] == [("0", "completed", "1"), ("1", "completed", "2")]
+    assert all(0 <= float(r["test_accuracy"]) <= 1 for r in rows)
+    out = capsys.readouterr().out
+    assert f"sweep {sweep} (summary.csv):" in out
+    assert "job  status     seed  test_accuracy  test_loss  loss" in out
+    assert "every job: experiment=smoke trainer.max_steps=4" in out
+    assert "best: job " in out
+
+
+def test_multirun_failing_job_is_reported_and_the_others_finish(capsys):
+    code = run_main("-m", "experiment=smoke", "schedule=constant", "optim.chain.adamw.learning_rate=inf,0.01",
+                    "trainer.max_steps=4", "trainer.log_every=1", "hydra.sweep.dir=sweep")
+    assert code == 1
+    rows = list(csv.DictReader(pathlib.Path("sweep/summary.csv").read_text().splitlines()))
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "failed"), ("1", "completed")]
+    assert rows[0]["error"].startswith("FloatingPointError: loss is nan at step 2")
+    captured = capsys.readouterr()
+    assert ("[fxtrain] job 0 failed (experiment=smoke schedule=constant optim.chain.adamw.learning_rate=inf "
+            "trainer.max_steps=4 trainer.log_every=1): FloatingPointError: loss is nan at step 2") in captured.err
+    assert "not completed: job 0" in captured.out
+
+
+# --- torchrun -------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_data_parallel(tmp_path):
+    args = ["experiment=smoke", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=6"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "fxtrain.train", "parallel=dp", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [p.parent for p in (tmp_path / "outputs").rglob("summary.json")]
+    assert len(runs) == 1 and len(list((tmp_path / "outputs").glob("*/*"))) == 1     # one directory, all ranks
+    run = runs[0]
+    assert proc.stdout.count("stack  chain(all_reduce_mean(2), clip_by_global_norm(1.0)") == 1    # rank 0 prints
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [2, 4, 6]               # rank 0 writes
+    assert (run / "train.log").read_text().count("stack  ") == 1
+    # Same numbers as one process on the whole batch (the mean of two half-batch gradients).
+    single = runner.train(cfg_of(*args, *FAST), tmp_path / "single")
+    dp = json.loads((run / "summary.json").read_text())["metrics"]
+    ref = json.loads((tmp_path / "single" / "summary.json").read_text())["metrics"]
+    assert abs(dp["test_accuracy"] - single) <= 1 / 128          # at most one of the 128 test examples differs
+    for k in ("loss", "test_loss"):
+        assert dp[k] == pytest.approx(ref[k], rel=1e-4)
