@@ -147,7 +147,7 @@ def align(tree: Tree, *others: Tree, what: str = "state") -> tuple[list, ...]:
                 "(was the state initialised from different params?)"
             )
         rest.append(other_flat)
-    if None in flat:
+    if any(x is None for x in flat):  # not `None in flat`: that calls Tensor.__eq__ per leaf
         keep = [i for i, x in enumerate(flat) if x is not None]
         flat = [flat[i] for i in keep]
         rest = [[r[i] for i in keep] for r in rest]

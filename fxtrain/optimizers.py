@@ -1,0 +1,276 @@
+"""Optimizers: chains of transforms with Optax's names, arguments, defaults and math. Nothing else here.
+
+Each returns ``chain(...)`` exactly as Optax's alias does, so states line up with Optax's and the repr
+shows the call, e.g. ``adamw(0.001, weight_decay=0.1)``. Learning rates are non-negative numbers,
+0-dim tensors or schedules of the update count.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fxtrain._base import GradientTransformation, chain, check_nonnegative, identity, transform
+from fxtrain.transforms._adam import scale_by_adam
+from fxtrain.transforms._lion import scale_by_lion
+from fxtrain.transforms._masking import Mask
+from fxtrain.transforms._moments import Scalar
+from fxtrain.transforms._momentum import trace
+from fxtrain.transforms._rms import scale_by_rms, scale_by_rss, scale_by_stddev
+from fxtrain.transforms._scaling import scale_by_learning_rate
+from fxtrain.transforms._weight_decay import add_decayed_weights
+
+LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of the count
+
+
+@transform(elementwise=None)
+def sgd(learning_rate: LearningRate, momentum: Scalar | None = None, nesterov: bool = False,
+        accumulator_dtype: torch.dtype | str | None = None) -> GradientTransformation:
+    r"""Stochastic gradient descent, with optional (Nesterov) momentum (Optax's ``sgd``).
+
+    .. math:: t_k = g_k + \beta t_{k-1}, \qquad \theta_{k+1} = \theta_k - \eta\, t_k
+        \;\;(\text{Nesterov: } \theta_k - \eta\,(g_k + \beta t_k))
+
+    Args:
+      learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
+      momentum: :math:`\beta`; ``None`` for plain SGD (no state).
+      nesterov: use Nesterov momentum.
+      accumulator_dtype: dtype of the momentum buffer; ``None``: the param dtype.
+
+    Returns:
+      ``chain(trace(momentum, nesterov, accumulator_dtype) or identity(), scale_by_learning_rate(learning_rate))``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.sgd(0.1, momentum=0.9)
+        >>> tx
+        sgd(0.1, momentum=0.9)
+        >>> params = {"w": torch.ones(2)}
+        >>> u, state = tx.update({"w": torch.ones(2)}, tx.init(params), params)
+        >>> fx.apply_updates(params, u)["w"].tolist()
+        [0.9..., 0.9...]
+
+    References:
+      Sutskever et al., `On the importance of initialization and momentum in deep learning
+      <http://proceedings.mlr.press/v28/sutskever13.pdf>`_, 2013.
+    """
+    check_nonnegative("sgd", learning_rate=learning_rate, momentum=momentum)
+    return chain(
+        trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity(),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+@transform(elementwise=None)
+def adam(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
+         eps_root: Scalar = 0.0, mu_dtype: torch.dtype | str | None = None, *, nesterov: bool = False
+         ) -> GradientTransformation:
+    r"""Adam (Optax's ``adam``; NAdam with ``nesterov=True``).
+
+    .. math:: \theta_{t+1} = \theta_t - \eta\, \frac{\hat m_t}{\sqrt{\hat v_t + \epsilon_{root}} + \epsilon}
+
+    with :math:`\hat m_t, \hat v_t` the bias-corrected moments of :func:`fxtrain.scale_by_adam`.
+
+    Args:
+      learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
+      b1: decay of the first moment.
+      b2: decay of the second moment.
+      eps: added to the denominator outside the square root.
+      eps_root: added inside the square root.
+      mu_dtype: dtype of the first moment; ``None``: the param dtype.
+      nesterov: use Nesterov momentum (NAdam).
+
+    Returns:
+      ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+      scale_by_learning_rate(learning_rate))``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.adam(0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> u, state = tx.update({"w": torch.tensor([3.0, -3.0])}, tx.init(params), params)
+        >>> u["w"].tolist()
+        [-0.1..., 0.1...]
+
+    References:
+      Kingma and Ba, `Adam: A Method for Stochastic Optimization <https://arxiv.org/abs/1412.6980>`_, 2014.
+    """
+    check_nonnegative("adam", learning_rate=learning_rate)
+    return chain(
+        scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+@transform(elementwise=None)
+def adamw(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
+          eps_root: Scalar = 0.0, mu_dtype: torch.dtype | str | None = None,
+          weight_decay: Scalar | Callable = 1e-4, mask: Mask | None = None, *, nesterov: bool = False
+          ) -> GradientTransformation:
+    r"""Adam with decoupled weight decay (Optax's ``adamw``).
+
+    .. math:: \theta_{t+1} = \theta_t - \eta \left(\frac{\hat m_t}{\sqrt{\hat v_t + \epsilon_{root}} + \epsilon}
+        + \lambda \theta_t\right)
+
+    The decay is multiplied by the learning rate, as in torch.optim.AdamW (not by the schedule
+    multiplier only, as in Loshchilov and Hutter).
+
+    Args:
+      learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
+      b1: decay of the first moment.
+      b2: decay of the second moment.
+      eps: added to the denominator outside the square root.
+      eps_root: added inside the square root.
+      mu_dtype: dtype of the first moment; ``None``: the param dtype.
+      weight_decay: :math:`\lambda`, a number, a 0-dim tensor or a schedule.
+      mask: where to decay: a tree of bools (the params' structure or a prefix) or a function of the
+        params returning one; ``None``: everywhere. Adam itself applies to all params.
+      nesterov: use Nesterov momentum (NAdamW).
+
+    Returns:
+      ``chain(scale_by_adam(...), add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate))``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.adamw(1e-3, weight_decay=0.1, mask=lambda p: {"w": True, "b": False})
+        >>> tx
+        adamw(0.001, weight_decay=0.1, mask=<lambda>)
+        >>> params = {"w": torch.ones(2), "b": torch.ones(1)}
+        >>> u, state = tx.update(params, tx.init(params), params)
+        >>> u["w"].tolist(), u["b"].tolist()
+        ([-0.0011..., -0.0011...], [-0.001...])
+
+    References:
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization <https://arxiv.org/abs/1711.05101>`_, 2019.
+    """
+    check_nonnegative("adamw", learning_rate=learning_rate)
+    return chain(
+        scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+@transform(elementwise=None)
+def lion(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.99,
+         mu_dtype: torch.dtype | str | None = None, weight_decay: Scalar | Callable = 1e-3,
+         mask: Mask | None = None) -> GradientTransformation:
+    r"""Lion: the sign of an interpolated momentum, with decoupled weight decay (Optax's ``lion``).
+
+    .. math:: \theta_{t+1} = \theta_t - \eta \left(\operatorname{sign}((1 - \beta_1) g_t + \beta_1 m_{t-1})
+        + \lambda \theta_t\right), \qquad m_t = \beta_2 m_{t-1} + (1 - \beta_2) g_t
+
+    Args:
+      learning_rate: :math:`\eta` (typically 3-10x smaller than AdamW's), a number, a 0-dim tensor or
+        a schedule.
+      b1: weight of the momentum in the interpolation.
+      b2: decay of the momentum.
+      mu_dtype: dtype of the momentum; ``None``: the param dtype.
+      weight_decay: :math:`\lambda`, a number, a 0-dim tensor or a schedule.
+      mask: where to decay (see :func:`adamw`).
+
+    Returns:
+      ``chain(scale_by_lion(b1, b2, mu_dtype), add_decayed_weights(weight_decay, mask),
+      scale_by_learning_rate(learning_rate))``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.lion(0.1, weight_decay=0.0)
+        >>> params = {"w": torch.ones(2)}
+        >>> u, _ = tx.update({"w": torch.tensor([0.3, -5.0])}, tx.init(params), params)
+        >>> u["w"].tolist()
+        [-0.1..., 0.1...]
+
+    References:
+      Chen et al., `Symbolic Discovery of Optimization Algorithms <https://arxiv.org/abs/2302.06675>`_, 2023.
+    """
+    check_nonnegative("lion", learning_rate=learning_rate)
+    return chain(
+        scale_by_lion(b1, b2, mu_dtype),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+@transform(elementwise=None)
+def rmsprop(learning_rate: LearningRate, decay: Scalar = 0.9, eps: Scalar = 1e-8,
+            initial_scale: Scalar = 0.0, eps_in_sqrt: bool = True, centered: bool = False,
+            momentum: Scalar | None = None, nesterov: bool = False, bias_correction: bool = False
+            ) -> GradientTransformation:
+    r"""RMSProp, optionally centered and with momentum (Optax's ``rmsprop``).
+
+    .. math:: \theta_{t+1} = \theta_t - \eta\, \frac{g_t}{\sqrt{\hat\nu_t + \epsilon}}
+
+    (centered: :math:`\hat\nu_t - \hat\mu_t^2` under the root; ``eps_in_sqrt=False``: :math:`\epsilon`
+    outside it, as torch.optim.RMSprop), followed by :func:`fxtrain.trace` when ``momentum`` is set.
+
+    Args:
+      learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
+      decay: decay of the moving averages.
+      eps: added to the denominator (see ``eps_in_sqrt``).
+      initial_scale: initial value of the second moment.
+      eps_in_sqrt: add ``eps`` inside the square root (Optax's default) or outside.
+      centered: divide by the estimated standard deviation instead of the root mean square.
+      momentum: momentum applied after the learning rate; ``None``: none.
+      nesterov: use Nesterov momentum.
+      bias_correction: bias-correct the moving averages.
+
+    Returns:
+      ``chain(scale_by_rms(...) or scale_by_stddev(...), scale_by_learning_rate(learning_rate),
+      trace(momentum, nesterov) or identity())``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.rmsprop(0.1, decay=0.75, eps=0.0)
+        >>> params = {"w": torch.ones(1)}
+        >>> u, _ = tx.update({"w": torch.tensor([2.0])}, tx.init(params), params)
+        >>> u["w"].tolist()
+        [-0.2...]
+
+    References:
+      Hinton, `Lecture 6.5 - rmsprop <https://www.cs.toronto.edu/~tijmen/csc321/slides/lecture_slides_lec6.pdf>`_, 2012.
+      Graves, `Generating Sequences With Recurrent Neural Networks <https://arxiv.org/abs/1308.0850>`_, 2013.
+    """
+    check_nonnegative("rmsprop", learning_rate=learning_rate, momentum=momentum)
+    rescale = scale_by_stddev if centered else scale_by_rms
+    return chain(
+        rescale(decay=decay, eps=eps, initial_scale=initial_scale, eps_in_sqrt=eps_in_sqrt,
+                bias_correction=bias_correction),
+        scale_by_learning_rate(learning_rate),
+        trace(decay=momentum, nesterov=nesterov) if momentum is not None else identity(),
+    )
+
+
+@transform(elementwise=None)
+def adagrad(learning_rate: LearningRate, initial_accumulator_value: Scalar = 0.1, eps: Scalar = 1e-7
+            ) -> GradientTransformation:
+    r"""Adagrad: steps divided by the root of the sum of all squared gradients (Optax's ``adagrad``).
+
+    .. math:: s_t = s_{t-1} + g_t^2, \qquad \theta_{t+1} = \theta_t - \eta\, \frac{g_t}{\sqrt{s_t + \epsilon}}
+
+    Args:
+      learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
+      initial_accumulator_value: initial value of :math:`s`.
+      eps: added inside the square root (torch.optim.Adagrad adds it outside).
+
+    Returns:
+      ``chain(scale_by_rss(initial_accumulator_value, eps), scale_by_learning_rate(learning_rate))``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.adagrad(1.0, initial_accumulator_value=0.0, eps=0.0)
+        >>> params = {"w": torch.ones(1)}
+        >>> u, _ = tx.update({"w": torch.tensor([4.0])}, tx.init(params), params)
+        >>> u["w"].tolist()
+        [-1.0]
+
+    References:
+      Duchi et al., `Adaptive Subgradient Methods for Online Learning and Stochastic Optimization
+      <https://jmlr.org/papers/v12/duchi11a.html>`_, 2011.
+    """
+    check_nonnegative("adagrad", learning_rate=learning_rate)
+    return chain(
+        scale_by_rss(initial_accumulator_value=initial_accumulator_value, eps=eps),
+        scale_by_learning_rate(learning_rate),
+    )

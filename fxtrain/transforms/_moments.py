@@ -1,0 +1,147 @@
+"""Private helpers of the moment-based transforms: moving averages over flat leaf lists, counters, dtypes.
+
+Every helper takes hyperparameters as Python numbers or 0-dim tensors (``inject_hyperparams`` passes
+tensors). Python numbers go to the ``Scalar`` overloads of ``torch._foreach_*`` (``lerp_``, ``alpha=``,
+``value=``), which would silently call ``.item()`` on a tensor; tensors go to the ``Tensor`` overloads or
+ride along as lists of 0-dim tensors that broadcast, so no host sync happens either way.
+
+When a state leaf and its gradient have different dtypes (``mu_dtype``, ``accumulator_dtype``), Optax
+computes the new moment in the promoted dtype, uses that value for this step's update and stores it cast
+to the state's dtype. :func:`ema_` and :func:`ema_sq_` do the same: they return the promoted values
+(the state buffers themselves when dtypes agree, the common case, which then costs nothing extra).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from fxtrain import tree
+
+Scalar = Any  # a Python number or a 0-dim tensor
+
+
+def is_number(x: Any) -> bool:
+    """Whether ``x`` is a Python int or float (not a bool, not a tensor)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def is_zero(x: Scalar) -> bool:
+    """Whether ``x`` is the Python number 0 (a tensor never is: its value is not looked at)."""
+    return is_number(x) and x == 0
+
+
+def as_dtype(dtype: torch.dtype | str | None, name: str) -> torch.dtype | None:
+    """Canonical form of a ``mu_dtype``-style argument: ``None``, a ``torch.dtype`` or its name."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise TypeError(f"{name} must be None, a torch.dtype or its name (e.g. 'bfloat16'), got {dtype!r}")
+
+
+def counter(params: Any) -> torch.Tensor:
+    """A 0-dim int32 step counter on the device of the first leaf of ``params``."""
+    leaves = tree.leaves(params)
+    device = leaves[0].device if leaves and isinstance(leaves[0], torch.Tensor) else None
+    return torch.zeros((), dtype=torch.int32, device=device)
+
+
+def full_like(params: Any, value: Scalar, dtype: torch.dtype | None = None) -> Any:
+    """Leaves of ``params`` filled with ``value`` (Optax's ``tree.full_like``)."""
+    if is_number(value):
+        return tree.map(lambda x: torch.full_like(x, value, dtype=dtype), params)
+    return tree.map(lambda x: torch.zeros_like(x, dtype=dtype).add_(value), params)
+
+
+def bias_correction(decay: Scalar, count: torch.Tensor) -> torch.Tensor:
+    """``1 - decay ** count`` as a 0-dim float tensor (computed on device, never rounded to bfloat16)."""
+    return 1 - decay ** count
+
+
+def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``dst <- src`` in place, casting to ``dst``'s dtypes.
+
+    DTensor has no sharding rule for ``_foreach_copy_`` (torch 2.13), so DTensor leaves (a transform
+    used without ``sharded_apply``) are copied one by one; plain tensors take the single foreach call.
+    """
+    if not any(_is_dtensor(x) for x in dst):
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, x in zip(dst, src):
+            d.copy_(x)
+    return dst
+
+
+def _is_dtensor(x: torch.Tensor) -> bool:
+    return type(x).__name__ == "DTensor" and hasattr(x, "device_mesh")
+
+
+def _mixed(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
+    return any(x.dtype != y.dtype for x, y in zip(xs, ys))
+
+
+def weak(c: Scalar, xs: list[torch.Tensor]) -> Scalar | list[float]:
+    """``c`` as JAX uses it against each tensor of ``xs``: a Python number takes the tensor's dtype.
+
+    JAX rounds a Python scalar to the dtype of the array it meets (weak typing): ``0.9 * bf16_array``
+    multiplies by ``bfloat16(0.9) = 0.8984375``. Optax's mixed-dtype moments depend on it, so the paths
+    that mix dtypes round the same way; tensors are used as they are.
+    """
+    if not is_number(c):
+        return c
+    return [_rounded(c, x.dtype) for x in xs]
+
+
+@functools.lru_cache(maxsize=256)
+def _rounded(c: float, dtype: torch.dtype) -> float:
+    return torch.tensor(c, dtype=dtype).item()  # a host-side constant: no device is involved
+
+
+def ema(mu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> list[torch.Tensor]:
+    """New tensors ``(1 - decay) * g + decay * mu`` in the promoted dtype (Optax's ``update_moment``)."""
+    return torch._foreach_add(torch._foreach_mul(g, weak(1 - decay, g)), torch._foreach_mul(mu, weak(decay, mu)))
+
+
+def ema_(mu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> list[torch.Tensor]:
+    """``mu = decay * mu + (1 - decay) * g`` in place; returns the new moment at the promoted precision."""
+    if not mu:
+        return mu
+    if _mixed(mu, g):
+        new = ema(mu, g, decay)
+        copy_(mu, new)
+        return new
+    if is_number(decay):
+        torch._foreach_lerp_(mu, g, 1 - decay)
+    else:
+        torch._foreach_lerp_(mu, g, [1 - decay] * len(mu))
+    return mu
+
+
+def ema_sq_(nu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> list[torch.Tensor]:
+    """``nu = decay * nu + (1 - decay) * g**2`` in place; returns the new moment at the promoted precision."""
+    if not nu:
+        return nu
+    if _mixed(nu, g):
+        new = ema(nu, torch._foreach_mul(g, g), decay)
+        copy_(nu, new)
+        return new
+    torch._foreach_mul_(nu, decay)
+    if is_number(decay):
+        torch._foreach_addcmul_(nu, g, g, 1 - decay)
+    else:  # as torch.optim does for a tensor beta2: addcmul_'s value= takes only a Python number
+        torch._foreach_addcmul_(nu, g, torch._foreach_mul(g, 1 - decay))
+    return nu
+
+
+def axpy_(y: list[torch.Tensor], x: list[torch.Tensor], a: Scalar) -> list[torch.Tensor]:
+    """``y += a * x`` in place."""
+    if not y:
+        return y
+    if is_number(a):
+        torch._foreach_add_(y, x, alpha=a)
+    else:
+        torch._foreach_addcmul_(y, x, [a] * len(y))
+    return y
