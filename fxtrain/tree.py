@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "flatten", "unflatten", "leaves", "paths", "structure", "map", "align", "first_mismatch",
@@ -162,8 +163,19 @@ def zeros_like(tree: Tree, dtype: torch.dtype | None = None) -> Tree:
 
 
 def clone(tree: Tree) -> Tree:
-    """A copy of every tensor leaf (non-tensor leaves are shared)."""
-    return map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+    """A copy of every tensor leaf (non-tensor leaves are shared).
+
+    DTensor leaves are copied piece by piece with the same mesh, placements, shape and stride:
+    ``DTensor.clone`` would redistribute a ``Partial`` leaf (a collective per leaf).
+    """
+    return map(_clone, tree)
+
+
+def _clone(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return DTensor.from_local(x._local_tensor.clone(), x.device_mesh, x.placements, run_check=False,
+                                  shape=x.shape, stride=x.stride())
+    return x.clone() if isinstance(x, torch.Tensor) else x
 
 
 def cast(tree: Tree, dtype: torch.dtype | None) -> Tree:
