@@ -4,12 +4,34 @@
     python -m fxtrain.train experiment=stdlib_lm trainer.max_steps=100
     python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3
     torchrun --nproc_per_node=2 -m fxtrain.train parallel=dp
+    python -m fxtrain.train hydra.run.dir=outputs/run1 resume=auto   # start, or continue after a kill
 
 :func:`train` reads top to bottom in execution order: config, build (data, model, transform stack,
-step), loop (step, log, eval, checkpoint), summary. Everything else is a library call. Each run
-directory gets ``config.yaml`` (resolved), ``metrics.jsonl``, ``checkpoint.pt``, ``summary.json`` and
-``train.log``; a sweep directory also gets ``summary.csv`` (see :mod:`fxtrain.report`). Under torchrun
-every rank runs the same code on the same config, and only rank 0 writes or prints.
+step), resume, loop (step, log, eval, checkpoint), summary. Everything else is a library call. Each run
+directory gets ``config.yaml`` (resolved), ``metrics.jsonl``, ``checkpoints/step_<N>/`` (:func:`fxtrain.save`
+of a :class:`fxtrain.TrainState`: params, buffers, every transform state, the RNG states and the step,
+which is also the data position), ``summary.json`` and ``train.log``; a sweep directory also gets
+``summary.csv`` (see :mod:`fxtrain.report`). Under torchrun every rank runs the same code on the same
+config, and only rank 0 writes or prints (checkpoints are written by all ranks together, through
+``torch.distributed.checkpoint``).
+
+**Resuming** (the ``resume`` key; checkpoints every ``trainer.checkpoint_every`` steps, the last
+``trainer.keep_last`` kept):
+
+* ``resume=auto`` continues the run *in its own directory*: the newest complete checkpoint under
+  ``<run dir>/checkpoints`` is loaded and training goes on from the step after it. The run directory is
+  Hydra's (``hydra.run.dir``, or the job's directory of a sweep), whose default is a new timestamp on
+  every launch: give it explicitly (``hydra.run.dir=outputs/run1``) so that a relaunch finds the killed
+  run. With no checkpoint there the run starts at step 0, so a preemptible job can always pass
+  ``resume=auto``. A run whose ``summary.json`` says it completed ``trainer.max_steps`` steps is left
+  alone: nothing is trained or written, and its recorded value is returned.
+* ``resume=PATH``: a checkpoint directory (``.../checkpoints/step_<N>``) or a run directory (its newest
+  checkpoint); training continues in this run's own directory.
+
+In both cases ``metrics.jsonl`` is cut back to the checkpoint's step before training goes on (the lines
+a killed run logged after its last checkpoint are logged again by the resumed one), so it holds every
+logged step exactly once. The resumed run computes what the uninterrupted one would have: same batches
+(``data.train[step]``), same RNG, same optimizer state, bit for bit; only ``time_s`` restarts from 0.
 """
 
 from __future__ import annotations
@@ -20,6 +42,7 @@ import logging
 import math
 import os
 import pathlib
+import shutil
 import sys
 import time
 from typing import Any
@@ -34,7 +57,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fxtrain as fx
-from fxtrain import _runtime, build, report, tree
+from fxtrain import _runtime, build, checkpoint, distributed, report, tree
 from fxtrain.models import count_params
 
 log = logging.getLogger("fxtrain")
@@ -50,7 +73,7 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
 
     Raises:
       FloatingPointError: a non-finite loss or metric; training stops there, and ``metrics.jsonl`` and
-        ``checkpoint.pt`` keep the last finite step.
+        ``checkpoints/`` keep the last finite step.
       fxtrain.build.ConfigError: a config that cannot be built, naming the key.
     """
     # --- config ---------------------------------------------------------------------------------
@@ -61,6 +84,12 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
                                 "script (torchrun): use parallel=dp")
     say = log.info if rank == 0 else (lambda *args: None)
     out = pathlib.Path(out_dir) if out_dir is not None and rank == 0 else None
+    ckpt_dir = pathlib.Path(out_dir) / "checkpoints" if out_dir is not None else None  # every rank writes its shards
+    source = _resume_source(cfg, ckpt_dir)
+    if source == "completed":  # resume=auto on a finished run: leave it as it is
+        value = json.loads((pathlib.Path(out_dir) / "summary.json").read_text())["value"]
+        say(f"resume=auto: {out_dir} completed {cfg.trainer.max_steps} steps already; nothing to do")
+        return float(value)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(_resolved_yaml(cfg))
@@ -89,28 +118,47 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
 
     step = fx.train_step(loss_fn, tx, has_aux=True, donate=True)
     constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
+
+    # --- resume ---------------------------------------------------------------------------------
+    start, resumed = 0, "from step 0"
+    if source is not None:
+        state = fx.load(source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers))
+        start, params, opt_state, buffers = state.step, state.params, state.opt_state, state.buffers
+        fx.set_rng_state(state.rng)
+        if start > trainer.max_steps:
+            raise build.ConfigError(f"resume: the checkpoint {source} is at step {start}, beyond "
+                                    f"trainer.max_steps={trainer.max_steps}")
+        if out is not None:
+            _truncate_jsonl(out / "metrics.jsonl", start)
+        resumed = f"from {source} (step {start})"
+    elif cfg.get("resume") == "auto":
+        resumed = f"from step 0 (resume=auto: no checkpoint in {ckpt_dir})"
     logger = build.instantiate(cfg.logger, "logger", dir=out) if out is not None else None
     where = str(out) if out is not None else "(not saved)"
     say(f"run    {where}" + (f"  [{world} ranks, parallel=dp]" if world > 1 else ""))
     say(f"data   {data}")
     say(f"model  {type(model).__name__}: {count_params(params):,} params on {device}")
     say(f"stack  {tx!r}")
+    say(f"start  {resumed}")
 
     # --- loop -----------------------------------------------------------------------------------
     max_steps = trainer.max_steps
     train_metrics: dict[str, float] = {}   # the last logged ones
     eval_metrics: dict[str, float] = {}
-    checkpoint: tuple[int, pathlib.Path] | None = None  # (step, path) of the last one written
-    bar = tqdm(total=max_steps, desc="train", disable=rank != 0 or not trainer.progress, dynamic_ncols=True)
+    last_checkpoint: tuple[int, pathlib.Path] | None = (start, source) if source is not None else None  # (step, path)
+    bar = tqdm(total=max_steps, initial=start, desc="train", disable=rank != 0 or not trainer.progress,
+               dynamic_ncols=True)
     with logging_redirect_tqdm(), bar, (logger or contextlib.nullcontext()):
-        for i in range(1, max_steps + 1):
+        if start == max_steps:  # killed after its last checkpoint, before its summary: evaluate again
+            eval_metrics = evaluate(apply, params, buffers, data.test, trainer.eval_batch_size)
+        for i in range(start + 1, max_steps + 1):
             batch = _runtime.local_batch(data.train[i - 1], rank, world)
             params, opt_state, metrics = step(params, opt_state, (buffers, *batch))
             aux = metrics.pop("aux")
             buffers = aux.pop("buffers")
             metrics = {k: v for k, v in {**metrics, **aux}.items() if k not in constants}
             bar.update()
-            if i == 1:
+            if i == start + 1:
                 _check_metric_name(cfg.optimized_metric, [*metrics, "test_loss", "test_accuracy"])
 
             record: dict[str, float] = {}
@@ -121,19 +169,22 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
                 eval_metrics = evaluate(apply, params, buffers, data.test, trainer.eval_batch_size)
                 record.update(eval_metrics)
             if record:
-                _stop_if_not_finite(record, i, checkpoint)
+                _stop_if_not_finite(record, i, last_checkpoint)
                 record["time_s"] = round(time.perf_counter() - t0, 3)
                 if logger is not None:
                     logger.log(i, record)
                 bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "learning_rate", "test_accuracy")
                                  if k in record})
 
-            if out is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0) or i == max_steps):
-                checkpoint = (i, save_checkpoint(out / "checkpoint.pt", i, params, buffers, opt_state, checkpoint))
+            if ckpt_dir is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0) or i == max_steps):
+                state = fx.TrainState(i, params, opt_state, fx.rng_state(), buffers)
+                last_checkpoint = (i, save_checkpoint(ckpt_dir, state, trainer.keep_last, last_checkpoint, rank))
 
     # --- summary --------------------------------------------------------------------------------
     elapsed = time.perf_counter() - t0
     final = {**train_metrics, **eval_metrics}
+    if cfg.optimized_metric not in final and out is not None:  # resumed at max_steps: the logged train metrics
+        final = {**_last_record(out / "metrics.jsonl", max_steps), **final}
     value = final[cfg.optimized_metric]
     if out is not None:
         summary = {"status": "completed", "step": max_steps, "time_s": round(elapsed, 2),
@@ -163,19 +214,65 @@ def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], ba
     return {"test_loss": float(loss / y.numel()), "test_accuracy": float(correct / y.numel())}
 
 
-def save_checkpoint(path: pathlib.Path, step: int, params: Any, buffers: Any, opt_state: Any,
-                    previous: tuple[int, pathlib.Path] | None) -> pathlib.Path:
-    """Writes ``{step, params, buffers, opt_state}`` to ``path`` atomically, refusing non-finite params.
-
-    Interim format (``torch.save``) until ``fx.save``/``fx.load`` land; the write goes to a temporary file
-    renamed over ``path``, so a crash never leaves a half-written checkpoint.
-    """
-    if not bool(tree.all_finite(tree.leaves(params))):
-        _raise_not_finite(f"params are not finite after step {step}", previous)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"step": step, "params": params, "buffers": buffers, "opt_state": opt_state}, tmp)
-    os.replace(tmp, path)
+def save_checkpoint(directory: pathlib.Path, state: fx.TrainState, keep_last: int,
+                    previous: tuple[int, pathlib.Path] | None, rank: int) -> pathlib.Path:
+    """Writes ``state`` to ``directory/step_<N>`` (:func:`fxtrain.save`: atomic), refusing non-finite params,
+    then deletes all but the newest ``keep_last`` checkpoints (``0`` keeps all). Every rank calls it."""
+    if not bool(tree.all_finite(distributed.local_leaves(state.params))):
+        _raise_not_finite(f"params are not finite after step {state.step}", previous)
+    path = fx.save(directory / f"step_{state.step:07d}", state)
+    if rank == 0 and keep_last:
+        steps = sorted(p for p in directory.glob("step_*") if p.is_dir())
+        for old in steps[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _resume_source(cfg: DictConfig, ckpt_dir: pathlib.Path | None) -> pathlib.Path | str | None:
+    """The checkpoint ``cfg.resume`` asks for, ``None`` to start at step 0, or ``"completed"`` (see the module doc)."""
+    resume = cfg.get("resume")
+    if resume in (None, ""):
+        return None
+    if resume == "auto":
+        if ckpt_dir is None:
+            return None
+        found = checkpoint.latest(ckpt_dir)
+        summary = ckpt_dir.parent / "summary.json"
+        if summary.exists():
+            done = json.loads(summary.read_text())
+            if done.get("status") == "completed" and done.get("step") == cfg.trainer.max_steps and "value" in done:
+                return "completed"
+        return found
+    path = pathlib.Path(str(resume))
+    if (path / checkpoint.MANIFEST).exists():
+        return path
+    found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path)
+    if found is None:
+        raise build.ConfigError(f"resume={resume}: no checkpoint there (expected a checkpoint directory such as "
+                                "<run>/checkpoints/step_0000100, or a run directory that has checkpoints/)")
+    return found
+
+
+def _truncate_jsonl(path: pathlib.Path, step: int) -> None:
+    """Keeps the lines of ``path`` up to ``step`` (and drops a half-written last line), atomically."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # the line a killed run was writing
+        if record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+def _last_record(path: pathlib.Path, step: int) -> dict[str, float]:
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {k: v for r in records if r.get("step") == step for k, v in r.items() if k not in ("step", "time_s")}
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:

@@ -222,6 +222,13 @@ def test_several_ranks_need_parallel_dp(monkeypatch):
 
 # --- a run ----------------------------------------------------------------------------------------
 
+def run_checkpoint(path, cfg):
+    """The runner's checkpoint at ``path`` as an fx.TrainState (like: the model and stack ``cfg`` builds)."""
+    _, params, buffers = fx.functional(build.instantiate(cfg.model, "model"))
+    like = fx.TrainState(0, params, build.stack(cfg).init(params), fx.rng_state(), buffers)
+    return fx.load(path, like=like)
+
+
 def read_jsonl(path):
     return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
 
@@ -244,8 +251,9 @@ def test_smoke_run_writes_config_metrics_checkpoint_summary(tmp_path):
     assert value == summary["value"] == summary["metrics"]["test_accuracy"] == lines[-1]["test_accuracy"]
     config = (tmp_path / "config.yaml").read_text()
     assert "decay_steps: 6" in config and "${" not in config           # resolved
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    assert ckpt["step"] == 6 and set(ckpt["params"]) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000004", "step_0000006"]
+    ckpt = run_checkpoint(tmp_path / "checkpoints" / "step_0000006", cfg)
+    assert ckpt.step == 6 and set(ckpt.params) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
 
 
 class NanAfter(torch.nn.Module):
@@ -270,12 +278,12 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(monkeypatch, tmp_path
     cfg = cfg_of("experiment=smoke", "model._target_=fxtrain.models.NanAfter", "trainer.log_every=1",
                  "trainer.checkpoint_every=2", *FAST)
     with pytest.raises(FloatingPointError, match=r"loss is nan at step 5: training stopped\. metrics\.jsonl ends at "
-                       r"the last logged finite step and the last good checkpoint is step 4 \(.*checkpoint\.pt\)"):
+                       r"the last logged finite step and the last good checkpoint is step 4 \(.*checkpoints/step_0000004\)"):
         runner.train(cfg, tmp_path)
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    assert ckpt["step"] == 4 and int(ckpt["buffers"]["calls"]) == 4
-    assert all(bool(torch.isfinite(p).all()) for p in ckpt["params"].values())
+    ckpt = run_checkpoint(fx.checkpoint.latest(tmp_path / "checkpoints"), cfg)
+    assert ckpt.step == 4 and int(ckpt.buffers["calls"]) == 4
+    assert all(bool(torch.isfinite(p).all()) for p in ckpt.params.values())
     assert not (tmp_path / "summary.json").exists()
 
 
@@ -285,7 +293,7 @@ def test_hydra_app_run(capsys):
     assert "stack  chain(clip_by_global_norm(1.0), inject_hyperparams(adamw)(learning_rate=0.01*cosine_decay_schedule(" in out
     assert "done   3 steps in" in out and "test_accuracy" in out
     run = pathlib.Path("run")
-    assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoint.pt", "train.log"} <= {p.name for p in run.iterdir()}
+    assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "train.log"} <= {p.name for p in run.iterdir()}
     assert "stack  chain(" in (run / "train.log").read_text()
 
 
