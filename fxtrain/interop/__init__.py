@@ -1,0 +1,26 @@
+"""JAX interop (``fx.interop``): trees, optimizer states, Flax naming and JAX functions across frameworks.
+
+JAX is an optional extra (``pip install 'fxtrain[jax]'``): importing this package never imports JAX;
+each function imports it when called and raises ``ImportError`` naming the extra when it is missing.
+Flax is not a dependency at all: the linen adapters are pure tree conversions that produce (and read)
+the variables a ``flax.linen`` module would have.
+
+This file is the map of the package.
+"""
+
+# --- arrays: zero-copy trees through DLPack (fxtrain/interop/_arrays.py)
+from fxtrain.interop._arrays import from_jax, to_jax
+
+# --- optimizer states <-> Optax (fxtrain/interop/_optax_state.py)
+from fxtrain.interop._optax_state import state_from_optax, state_to_optax
+
+# --- Flax linen naming and layout (fxtrain/interop/_linen.py)
+from fxtrain.interop._linen import from_linen, linen_names, to_linen
+
+# --- JAX functions inside a torch loss, with autograd (fxtrain/interop/_function.py)
+from fxtrain.interop._function import jax_function
+
+__all__ = [
+    "to_jax", "from_jax", "state_to_optax", "state_from_optax", "to_linen", "from_linen", "linen_names",
+    "jax_function",
+]

@@ -1,0 +1,156 @@
+"""fxtrain/interop/_linen.py: Flax linen names and layouts; a linen-style forward gives torch's outputs.
+
+Flax is not a dependency: the linen forward passes below are written in jax.numpy, reading the converted
+variables exactly as flax.linen's Dense/Conv/LayerNorm/Embed do. If flax is importable, the same
+variables are also run through flax.linen itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fxtrain.interop import from_jax, from_linen, linen_names, to_linen
+from fxtrain.models import MLP, ResNet, TransformerLM
+from fxtrain.testing import assert_trees_close
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+pytestmark = pytest.mark.jax
+
+
+def dense(v, x):
+    return x @ v["kernel"] + v["bias"]
+
+
+def linen_mlp(variables, x, n_layers):
+    p = variables["params"]
+    x = x.reshape(x.shape[0], -1)
+    for i in range(n_layers - 1):
+        x = jax.nn.relu(dense(p[f"Dense_{i}"], x))
+    return dense(p[f"Dense_{n_layers - 1}"], x)
+
+
+def test_mlp_same_outputs_from_converted_params():
+    torch.manual_seed(0)
+    net = MLP(input_shape=(1, 8, 8), hidden=(32, 16), num_classes=10)
+    params = dict(net.named_parameters())
+    variables = to_linen(params, net)
+    assert sorted(variables["params"]) == ["Dense_0", "Dense_1", "Dense_2"]
+    assert variables["params"]["Dense_0"]["kernel"].shape == (64, 32)  # (in, out); torch weight is (32, 64)
+    x = torch.randn(5, 1, 8, 8)
+    with torch.no_grad():
+        expected = net(x)
+    got = from_jax(linen_mlp(variables, jnp.asarray(x.numpy()), 3))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.conv = nn.Conv2d(6, 4, kernel_size=3, padding=1)
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):  # ids: (B, H, W) token ids -> (B, 3)
+        x = self.embed(ids).permute(0, 3, 1, 2)  # NCHW
+        x = self.conv(x).permute(0, 2, 3, 1)  # NHWC
+        return self.head(torch.relu(self.norm(x)).mean(dim=(1, 2)))
+
+
+def linen_convnet(variables, ids):
+    p = variables["params"]
+    x = p["Embed_0"]["embedding"][ids]  # NHWC, as flax.linen.Embed
+    x = jax.lax.conv_general_dilated(x, p["Conv_0"]["kernel"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["Conv_0"]["bias"]
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    x = (x - mean) / jnp.sqrt(var + 1e-5) * p["LayerNorm_0"]["scale"] + p["LayerNorm_0"]["bias"]
+    return dense(p["Dense_0"], jax.nn.relu(x).mean(axis=(1, 2)))
+
+
+def test_conv_layernorm_embed_layouts_give_the_same_outputs():
+    torch.manual_seed(0)
+    net = ConvNet()
+    variables = to_linen(dict(net.named_parameters()), net)
+    assert variables["params"]["Conv_0"]["kernel"].shape == (3, 3, 6, 4)  # HWIO; torch is OIHW (4, 6, 3, 3)
+    assert set(variables["params"]["LayerNorm_0"]) == {"scale", "bias"}
+    assert set(variables["params"]["Embed_0"]) == {"embedding"}
+    ids = torch.randint(0, 11, (2, 5, 5))
+    with torch.no_grad():
+        expected = net(ids)
+    got = from_jax(linen_convnet(variables, jnp.asarray(ids.numpy().astype("int32"))))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_with_flax_linen_itself_when_installed():
+    linen = pytest.importorskip("flax.linen")
+
+    class FlaxMLP(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            x = x.reshape(x.shape[0], -1)
+            x = linen.relu(linen.Dense(32)(x))
+            return linen.Dense(10)(x)
+
+    net = MLP(input_shape=(1, 8, 8), hidden=(32,), num_classes=10)
+    x = torch.randn(3, 1, 8, 8)
+    fresh = FlaxMLP().init(jax.random.key(0), jnp.zeros((1, 1, 8, 8)))
+    variables = to_linen(dict(net.named_parameters()), net)
+    assert jax.tree.structure(fresh) == jax.tree.structure(variables)
+    got = from_jax(FlaxMLP().apply(variables, jnp.asarray(x.numpy())))
+    with torch.no_grad():
+        torch.testing.assert_close(got, net(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("naming", ["compact", "attribute"])
+@pytest.mark.parametrize("make", [lambda: ResNet(width=4), lambda: TransformerLM(64, 8, 16, 2, 2), ConvNet],
+                         ids=["resnet", "transformer", "convnet"])
+def test_round_trip_is_exact(make, naming):
+    net = make()
+    params = {k: p.detach() for k, p in net.named_parameters()}
+    back = from_linen(to_linen(params, net, naming=naming), net, naming=naming)
+    assert list(back) == list(params)
+    assert_trees_close(back, params, rtol=0, atol=0)
+    assert all(t.is_contiguous() for t in back.values())
+
+
+def test_names_nested_scopes_tied_weights_and_batch_stats():
+    lm = TransformerLM(64, 8, 16, 1, 2)
+    names = {k: "/".join(v.path) for k, v in linen_names(lm).items()}
+    assert names["blocks.0.attn.qkv.weight"] == "params/_TransformerBlock_0/_Attention_0/Dense_0/kernel"
+    assert names["blocks.0.mlp.2.bias"] == "params/_TransformerBlock_0/Dense_1/bias"
+    assert "head.weight" not in names  # tied to tok.weight: once, under its first name
+    attr = {k: "/".join(v.path) for k, v in linen_names(lm, naming="attribute").items()}
+    assert attr["blocks.0.ln1.weight"] == "params/blocks_0/ln1/scale"
+    net = ResNet(width=4)
+    from fxtrain import functional
+
+    _, params, buffers = functional(net)
+    v = to_linen(params, net, buffers=buffers, as_jax=False)
+    assert torch.equal(v["batch_stats"]["BatchNorm_0"]["var"], buffers["stem.1.running_var"])
+    assert set(v["params"]["BatchNorm_0"]) == {"scale", "bias"}
+    zero_copy = to_linen(params, net)["params"]["BatchNorm_0"]["scale"]  # same layout: shared buffer
+    assert zero_copy.unsafe_buffer_pointer() == params["stem.1.weight"].data_ptr()
+
+
+def test_errors_name_the_path():
+    net = nn.Sequential(nn.Linear(3, 4), nn.ConvTranspose2d(4, 2, 3))
+    with pytest.raises(ValueError, match=r"no Flax linen layout for ConvTranspose2d at '1'"):
+        to_linen(dict(net.named_parameters()), net)
+    mlp = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    v = to_linen(dict(mlp.named_parameters()), mlp, as_jax=False)
+    with pytest.raises(ValueError, match=r"'extra.weight' is not a parameter of Sequential"):
+        to_linen({"extra.weight": torch.zeros(1)}, mlp)
+    del v["params"]["Dense_1"]["bias"]
+    with pytest.raises(ValueError, match=r"'2.bias' expects 'params/Dense_1/bias'.*no 'params/Dense_1/bias'"):
+        from_linen(v, mlp)
+    v = to_linen(dict(mlp.named_parameters()), mlp, as_jax=False)
+    v["params"]["Dense_0"]["kernel"] = torch.zeros(4, 3)  # torch layout given where linen's is expected
+    with pytest.raises(ValueError, match=r"'params/Dense_0/kernel' gives '0.weight' the shape \(3, 4\), expected \(4, 3\)"):
+        from_linen(v, mlp)
+    v = to_linen(dict(mlp.named_parameters()), mlp, as_jax=False)
+    v["params"]["Dense_7"] = {"kernel": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"'params/Dense_7/kernel' is not a parameter of Sequential"):
+        from_linen(v, mlp)
