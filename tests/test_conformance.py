@@ -41,6 +41,8 @@ CASES = {
     ),
     "inject_hyperparams": lambda: fx.inject_hyperparams(fx.adamw)(learning_rate=_sched, weight_decay=1e-2),
     "apply_if_finite": lambda: fx.apply_if_finite(fx.sgd(0.1, momentum=0.9), max_consecutive_errors=2),
+    "accumulate": lambda: fx.accumulate(fx.chain(fx.clip_by_global_norm(1.0), fx.adam(1e-2)), every=2),
+    "amp_cast": lambda: fx.amp_cast(fx.sgd(0.1), policy="p=f32,c=f16,o=f32", loss_scale="dynamic"),
     "sgd": lambda: fx.sgd(0.1, momentum=0.9, nesterov=True),
     "adam": lambda: fx.adam(1e-2),
     "adamw": lambda: fx.adamw(1e-2, weight_decay=1e-2),
