@@ -340,11 +340,16 @@ def stateless(f: Callable[[Updates, Params], Updates]) -> GradientTransformation
 def apply_updates(params: Params, updates: Updates) -> Params:
     """``params + updates`` leafwise, keeping each param's dtype; ``None`` updates leave the param as is.
 
+    Pure: copies the params, then runs :func:`apply_updates_` on the copy (one code path; the in-place add
+    keeps each param's dtype and, for DTensors, its placements).
+
     >>> import torch, fxtrain as fx
     >>> fx.apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})["w"].tolist()
     [0.5, 0.5]
     """
-    return tree.map(lambda p, u: p if u is None else (p + u).to(p.dtype), params, _match(updates, params))
+    _match(updates, params)
+    copied = tree.map(lambda p, u: p if u is None else tree.clone(p), params, updates)
+    return apply_updates_(copied, updates)
 
 
 def apply_updates_(params: Params, updates: Updates) -> Params:

@@ -1,0 +1,87 @@
+"""Shared helpers for the benchmarks in this folder: interleaved timing, medians, markdown, environment.
+
+Timings on a shared machine drift with whatever else runs. Every benchmark here therefore times all
+its variants in one process, one call of each per round, rotating the order every round, and reports
+medians and quartiles over rounds: a slow spell hits every variant alike and the ratios stay honest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], *, rounds: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds per call of each function: ``rounds`` rounds, each calling every function once.
+
+    The order rotates each round so no variant always runs right after the same neighbour.
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    gc.collect()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    """Minimum, median and quartiles in milliseconds."""
+    q1, med, q3 = statistics.quantiles(seconds, n=4) if len(seconds) > 1 else (seconds[0],) * 3
+    return {"min": min(seconds) * 1e3, "median": med * 1e3, "q1": q1 * 1e3, "q3": q3 * 1e3}
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table; floats printed with 2 decimals."""
+    def cell(x: Any) -> str:
+        return f"{x:.2f}" if isinstance(x, float) else str(x)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def environment() -> str:
+    """One markdown line per fact that a reader needs to compare runs."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return "\n".join([
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- torch {torch.__version__}, {torch.get_num_threads()} threads, python {platform.python_version()}",
+        f"- cpu: {cpu} ({os.cpu_count()} cores visible), load average at the end: {load}",
+    ])
+
+
+def write_result(name: str, text: str) -> Path:
+    """Writes ``results/<name>.md`` next to this file and returns its path."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    path.write_text(text if text.endswith("\n") else text + "\n")
+    return path

@@ -1,0 +1,255 @@
+"""The training step as a function: ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+:func:`train_step` builds it from a loss function and a gradient transformation. One step runs, in order:
+
+1. the forward pass of ``tx.wrap_loss(loss_fn, opt_state)`` and the backward pass (gradients of every
+   tensor leaf of ``params``; ``None`` leaves get ``None``),
+2. the transformation, ``updates, opt_state = tx.update(grads, opt_state, params)``,
+3. ``params = apply_updates(params, updates)``,
+4. ``metrics``: ``loss``, ``aux`` (with ``has_aux=True``) and what the stack reports from its new state
+   (``grad_norm``, ``learning_rate``, ``loss_scale``...; see :func:`fxtrain._base.report`).
+
+Nothing is mutated before step 2, so a ``loss_fn`` (or backward) that raises leaves ``params`` and
+``opt_state`` exactly as they were.
+
+**Donation.** With ``donate=True`` (the default) steps 2 and 3 run in place (:func:`fxtrain.update_` and
+:func:`fxtrain.apply_updates_`): the gradient buffers become the updates, the optimizer state and the
+params are overwritten, and the step allocates nothing parameter-sized beyond what forward and backward
+allocate. Like ``jax.jit(step, donate_argnums=(0, 1))``, the step then *owns* the ``params`` and
+``opt_state`` it is given: the caller must not use them afterwards except through the returned trees,
+which alias them (same tensors, same storage). With ``donate=False`` the step is pure and its inputs are
+left unchanged. Both run the same transform code; ``donate`` only picks the in-place or the pure entry
+point. An error raised *inside* a donated update (not in ``loss_fn``) may leave ``opt_state`` partially
+written, as with any donated buffer.
+
+**The loss contract for ``wrap_loss``.** Inside the step the forward pass is a *canonical* loss function
+
+    fn(params, batch) -> (objective, (loss, aux))
+
+* ``objective``: the 0-dim tensor that is differentiated (the loss as the stack wants it backpropagated,
+  e.g. multiplied by the loss scale);
+* ``loss``: the value reported as ``metrics["loss"]``: the user's loss, never scaled;
+* ``aux``: the user's auxiliary output (``None`` without ``has_aux``).
+
+The step builds ``fn`` from the user's ``loss_fn`` (there ``objective`` and ``loss`` are the same tensor)
+and hands it to ``tx.wrap_loss(fn, opt_state)``. A ``wrap_loss`` receives a canonical function and returns
+one: it may change ``params`` and ``batch`` before calling the inner function (amp_cast casts them to the
+compute dtype) and ``objective`` after (amp_cast multiplies it by the scale); it passes ``(loss, aux)``
+through (it may cast ``loss`` to the output dtype). Wrappers nest (``chain`` composes them), so each one
+only ever sees this shape. A wrapper that returns anything else is named in the error.
+
+Example: a hand-written transform that scales the objective by 8 and divides the gradients back:
+
+    >>> import torch, fxtrain as fx
+    >>> def scaled(factor):
+    ...     def wrap_loss(fn, state):
+    ...         def wrapped(params, batch):
+    ...             objective, (loss, aux) = fn(params, batch)
+    ...             return objective * factor, (loss, aux)
+    ...         return wrapped
+    ...     return fx.GradientTransformation(lambda p: fx.EmptyState(),
+    ...                                      fx.scale(1.0 / factor).update, wrap_loss)
+    >>> tx = fx.chain(scaled(8.0), fx.scale(-0.25))
+    >>> step = fx.train_step(lambda p, b: ((p["w"] - b) ** 2).sum(), tx)
+    >>> params = {"w": torch.zeros(2)}
+    >>> params, state, metrics = step(params, tx.init(params), torch.ones(2))
+    >>> params["w"].tolist(), metrics["loss"].item()   # loss is reported unscaled: 2.0, not 16.0
+    ([0.5, 0.5], 2.0)
+
+**Gradients.** Each step differentiates with ``torch.autograd.grad`` over detached views of the param
+leaves (``p.detach().requires_grad_()``: same storage, no copy). This one path serves plain tensors,
+``nn.Parameter`` and DTensor leaves (``torch.func.grad_and_value`` raises on DTensor, DESIGN section 1), and
+on plain ones it measured 5-10% faster than ``grad_and_value`` for forward+backward (which always builds
+its backward with ``create_graph=True``; ``experiments/bench/step.py`` keeps both floors in its table so
+the choice can be re-checked). ``loss_fn`` sees those views; params it does not use get zero gradients,
+as in ``jax.grad``.
+
+**Data parallel.** With replicated DTensor params and a batch sharded on dim 0, autograd returns
+``Partial`` gradients (each rank's unreduced sum). The step reduces them right after the backward pass,
+once and packed (:func:`fxtrain.distributed.reduce_partials`: one all-reduce per mesh and placement, not
+one per leaf), so every transform sees the gradient of the whole batch. A transform whose kernel sets
+``takes_partial_grads`` gets them unreduced: :func:`fxtrain.accumulate` sums them locally and reduces
+once per emitted update (the functional ``no_sync``). Updates that are ``None`` (``accumulate`` between
+emissions) leave their params untouched: a donated step then writes nothing into the params.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+import torch
+
+from fxtrain import distributed, tree
+from fxtrain._base import GradientTransformation, apply_updates, apply_updates_, kernel, report, update_, wrap_loss
+
+__all__ = ["train_step"]
+
+Params = State = Batch = Any
+Metrics = dict[str, Any]
+Step = Callable[[Params, State, Batch], tuple[Params, State, Metrics]]
+
+
+def train_step(loss_fn: Callable, tx: GradientTransformation, *, has_aux: bool = False,
+               donate: bool = True) -> Step:
+    """Builds ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)`` returning a 0-dim floating-point tensor, or ``(loss, aux)``
+        with ``has_aux=True``.
+      tx: the gradient transformation; ``opt_state`` is ``tx.init(params)``. Its ``wrap_loss`` (if any)
+        wraps the forward pass with the current state (see the module docstring for the contract).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (detached) comes back as ``metrics["aux"]``.
+      donate: the step owns ``params`` and ``opt_state`` and updates them in place; the caller must not
+        reuse them (the returned trees alias them). ``False`` makes the step pure.
+
+    Returns:
+      ``step``. Its ``metrics`` hold ``loss`` (0-dim, detached, unscaled), ``aux`` with ``has_aux``, and
+      what the stack reports from its new state (0-dim tensors, copied, so later donated steps do not
+      change them). Nothing in a step synchronizes with the host.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> def loss_fn(params, batch):
+        ...     x, y = batch
+        ...     return ((x @ params["w"] + params["b"] - y) ** 2).mean()
+        >>> tx = fx.scale(-0.1)
+        >>> step = fx.train_step(loss_fn, tx)
+        >>> params = {"w": torch.zeros(3), "b": torch.zeros(())}
+        >>> opt_state = tx.init(params)
+        >>> batch = (torch.eye(3), torch.tensor([1.0, 2.0, 3.0]))
+        >>> for _ in range(100):
+        ...     params, opt_state, metrics = step(params, opt_state, batch)
+        >>> round(metrics["loss"].item(), 4), [round(w, 2) for w in (params["w"] + params["b"]).tolist()]
+        (0.0, [1.0, 2.0, 3.0])
+    """
+    canonical = _canonical(loss_fn, has_aux)
+    sync = _identity if getattr(kernel(tx), "takes_partial_grads", False) else distributed.reduce_partials
+
+    def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
+        fn = wrap_loss(tx, canonical, opt_state)
+        grads, loss, aux = _grad(fn, params, batch, tx)
+        # Nothing was written before this point: a failure above leaves the inputs as they were.
+        with torch.no_grad():
+            if donate:
+                updates, opt_state = update_(tx, sync(_owned(grads)), opt_state, params)
+                params = apply_updates_(params, updates)
+            else:
+                updates, opt_state = tx.update(sync(grads), opt_state, params)
+                params = apply_updates(params, updates)
+        metrics = {"loss": loss}
+        if has_aux:
+            metrics["aux"] = aux
+        for name, value in report(opt_state).items():
+            # Copies: a donated next step overwrites the state tensors these may be views of.
+            metrics.setdefault(name, value.detach().clone() if isinstance(value, torch.Tensor) else value)
+        return params, opt_state, metrics
+
+    return step
+
+
+def _identity(grads: Any) -> Any:
+    return grads
+
+
+def _canonical(loss_fn: Callable, has_aux: bool) -> Callable:
+    """The user's ``loss_fn`` in canonical form ``(params, batch) -> (objective, (loss, aux))``, checked."""
+    name = _name(loss_fn)
+
+    def fn(params, batch):
+        out = loss_fn(params, batch)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(f"train_step: loss_fn {name} must return (loss, aux) when has_aux=True, "
+                                f"got {_describe(out)}")
+            loss, aux = out
+        elif isinstance(out, tuple):
+            raise TypeError(f"train_step: loss_fn {name} returned a tuple of {len(out)}; pass has_aux=True "
+                            "to train_step if it returns (loss, aux), or return the loss alone")
+        else:
+            loss, aux = out, None
+        _check_scalar(loss, f"the loss returned by loss_fn {name}")
+        return loss, (loss, aux)
+
+    return fn
+
+
+def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation):
+    """Gradients of ``fn``'s objective w.r.t. every tensor leaf of ``params``, and its (loss, aux), detached."""
+    # none_is_leaf=False: None leaves (frozen/absent) are not differentiated and come back as None.
+    leaves, spec = optree.tree_flatten(params, none_is_leaf=False, namespace="fxtrain")
+    try:
+        xs = [p.detach().requires_grad_() for p in leaves]
+    except (AttributeError, RuntimeError):
+        raise TypeError(f"train_step: params must hold floating-point tensors or None; {_bad_leaf(params)}") from None
+    with torch.enable_grad():
+        out = fn(optree.tree_unflatten(spec, xs), batch)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple) and len(out[1]) == 2):
+            raise TypeError(f"train_step: the wrap_loss of {tx!r} must return a loss function giving "
+                            f"(objective, (loss, aux)), got {_describe(out)} (see fxtrain/step.py)")
+        objective, (loss, aux) = out
+        _check_scalar(objective, f"the objective returned by the wrap_loss of {tx!r}")
+    if not xs:
+        grads = []
+    elif not objective.requires_grad:
+        raise ValueError("train_step: the loss does not depend on params (no gradient flows to any leaf)")
+    else:
+        grads = torch.autograd.grad(objective, xs, materialize_grads=True)
+    return optree.tree_unflatten(spec, grads), loss.detach(), _detach(aux)
+
+
+def _owned(grads: Any) -> Any:
+    """``grads`` as buffers a donated update may overwrite, copying only the few that are not.
+
+    ``torch.autograd.grad`` can return one tensor for two leaves (``(a + b).sum()``), views of one buffer,
+    or a stride-0 expand (``w.sum()``); writing into those in place would corrupt the other leaves or fail.
+    This is what ``AccumulateGrad`` checks before it steals a gradient buffer for ``.grad``.
+    """
+    flat, spec = tree.flatten(grads)
+    local = iter(distributed.local_leaves(flat))
+    seen = set()
+    for i, g in enumerate(flat):
+        if g is None:
+            continue
+        x = next(local)
+        ptr = x.untyped_storage().data_ptr()
+        if ptr in seen or not x.is_contiguous():
+            flat[i] = g.clone()
+        seen.add(ptr)
+    return tree.unflatten(spec, flat)
+
+
+def _check_scalar(x: Any, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"train_step: {what} must be a 0-dim tensor, got {_describe(x)}")
+    if x.ndim != 0:
+        raise ValueError(f"train_step: {what} must be a scalar (0-dim), got shape {tuple(x.shape)}; "
+                         "reduce it (e.g. .mean())")
+    if not x.is_floating_point():
+        raise TypeError(f"train_step: {what} must be floating-point, got {x.dtype}")
+
+
+def _detach(aux: Any) -> Any:
+    if aux is None:
+        return None
+    return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux, namespace="fxtrain")
+
+
+def _bad_leaf(params: Params) -> str:
+    flat, _ = tree.flatten(params)
+    for path, x in zip(tree.paths(params), flat):
+        if x is not None and not (isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())):
+            return f"'{path}' is {_describe(x)}"
+    return "a leaf cannot require gradients"
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    if isinstance(x, tuple):
+        return f"a tuple of {len(x)}"
+    return type(x).__name__
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)

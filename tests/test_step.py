@@ -1,0 +1,372 @@
+"""Tests for fxtrain/step.py: train_step's numbers, donation, DTensor params, metrics and errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxtrain as fx
+from fxtrain.testing import assert_trees_close
+
+
+STACKS = {
+    "scale": lambda: fx.scale(-0.1),
+    "clip+scale": lambda: fx.chain(fx.clip_by_global_norm(0.5), fx.scale(-0.1)),
+    "sgd": lambda: fx.sgd(0.1),
+    "sgd-momentum": lambda: fx.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: fx.adam(1e-2),
+    "adamw": lambda: fx.adamw(1e-2, weight_decay=0.1),
+    "clip+adamw": lambda: fx.chain(fx.clip_by_global_norm(0.5), fx.adamw(1e-2)),
+}
+
+
+def _mlp_params(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: (torch.randn(s, generator=g) / s[-1] ** 0.5).to(dtype)  # noqa: E731
+    return {"l1": {"w": r(8, 5), "b": r(8)}, "l2": [r(3, 8), r(3)]}
+
+
+def _mlp_loss(params, batch):
+    x, y = batch
+    h = torch.tanh(F.linear(x, params["l1"]["w"], params["l1"]["b"]))
+    return F.cross_entropy(F.linear(h, *params["l2"]), y)
+
+
+def _batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
+
+
+def _run(stack, donate, steps=5, params=None, loss=_mlp_loss):
+    tx = stack()
+    params = _mlp_params() if params is None else params
+    state = tx.init(params)
+    step = fx.train_step(loss, tx, donate=donate)
+    history = []
+    for batch in _batches(steps):
+        params, state, metrics = step(params, state, batch)
+        history.append(metrics)
+    return params, state, history
+
+
+# --- numbers ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(STACKS))
+def test_donated_equals_pure_over_steps(name):
+    p_donated, s_donated, m_donated = _run(STACKS[name], donate=True)
+    p_pure, s_pure, m_pure = _run(STACKS[name], donate=False)
+    assert_trees_close(p_donated, p_pure, rtol=0, atol=0)
+    assert_trees_close(s_donated, s_pure, rtol=0, atol=0)
+    assert_trees_close(m_donated, m_pure, rtol=0, atol=0)
+
+
+def test_matches_hand_written_autograd_reference():
+    """clip_by_global_norm + SGD against torch.autograd and a manual update, in float64."""
+    lr, max_norm = 0.3, 0.5
+    params = _mlp_params(dtype=torch.float64)
+    ref = [p.clone().requires_grad_() for p in fx.tree.leaves(params)]
+    step = fx.train_step(_mlp_loss, fx.chain(fx.clip_by_global_norm(max_norm), fx.scale(-lr)))
+    state = fx.chain(fx.clip_by_global_norm(max_norm), fx.scale(-lr)).init(params)
+    for x, y in _batches(6):
+        params, state, metrics = step(params, state, (x.double(), y))
+        ref_tree = fx.tree.unflatten(fx.tree.structure(params), ref)
+        loss = _mlp_loss(ref_tree, (x.double(), y))
+        grads = torch.autograd.grad(loss, ref)
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+        coef = 1.0 if norm < max_norm else max_norm / norm
+        with torch.no_grad():
+            for p, g in zip(ref, grads):
+                p -= lr * coef * g
+        assert_trees_close(metrics, {"loss": loss, "grad_norm": norm}, rtol=1e-12)
+    assert_trees_close(fx.tree.leaves(params), ref, rtol=1e-12, atol=1e-14)
+
+
+def test_matches_torch_optim_adamw_with_clipping():
+    lr, wd = 1e-2, 0.05
+    tx = fx.chain(fx.clip_by_global_norm(0.5), fx.adamw(lr, weight_decay=wd))
+    params = _mlp_params()
+    ref = [torch.nn.Parameter(p.clone()) for p in fx.tree.leaves(params)]
+    opt = torch.optim.AdamW(ref, lr=lr, weight_decay=wd, foreach=True)
+    step, state = fx.train_step(_mlp_loss, tx), tx.init(params)
+    for batch in _batches(10):
+        params, state, _ = step(params, state, batch)
+        opt.zero_grad()
+        _mlp_loss(fx.tree.unflatten(fx.tree.structure(params), ref), batch).backward()
+        torch.nn.utils.clip_grad_norm_(ref, 0.5, foreach=True)
+        opt.step()
+    assert_trees_close(fx.tree.leaves(params), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_unused_param_gets_zero_gradient():
+    params = {"used": torch.ones(2), "unused": torch.ones(3)}
+    step = fx.train_step(lambda p, b: (p["used"] * b).sum(), fx.scale(-1.0))
+    params, _, _ = step(params, fx.scale(-1.0).init(params), torch.full((2,), 2.0))
+    assert params["used"].tolist() == [-1.0, -1.0] and params["unused"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_wrap_loss_scales_objective_but_reports_loss():
+    """An amp_cast-like wrapper: casts params, scales the objective; gradients come back in f32."""
+    seen = {}
+
+    def wrap_loss(fn, state):
+        def wrapped(params, batch):
+            objective, (loss, aux) = fn(fx.tree.cast(params, torch.float64), batch)
+            seen["dtype"] = objective.dtype
+            return objective * 1024.0, (loss.float(), aux)
+        return wrapped
+
+    unscale = fx.GradientTransformation(lambda p: fx.EmptyState(), fx.scale(1 / 1024.0).update, wrap_loss)
+    tx = fx.chain(unscale, fx.scale(-0.1))
+    params = {"w": torch.tensor([1.0, 2.0])}
+    step = fx.train_step(lambda p, b: (p["w"] ** 2).sum(), tx)
+    params, _, metrics = step(params, tx.init(params), None)
+    assert seen["dtype"] == torch.float64
+    assert metrics["loss"].dtype == torch.float32 and metrics["loss"].item() == 5.0
+    assert params["w"].dtype == torch.float32 and params["w"].tolist() == pytest.approx([0.8, 1.6])
+
+
+# --- donation ---------------------------------------------------------------------------------------
+
+def _ptrs(t):
+    return [x.data_ptr() for x in fx.tree.leaves(t) if x.numel() > 1]
+
+
+@pytest.mark.parametrize("name", ["clip+scale", "adamw", "sgd-momentum"])
+def test_donated_step_reuses_param_and_state_buffers(name):
+    tx = STACKS[name]()
+    params = _mlp_params()
+    state = tx.init(params)
+    ptrs = (_ptrs(params), _ptrs(state))
+    step = fx.train_step(_mlp_loss, tx)
+    for batch in _batches(3):
+        new_params, state, _ = step(params, state, batch)
+        assert fx.tree.leaves(new_params)[0] is fx.tree.leaves(params)[0]  # returned trees alias the inputs
+        params = new_params
+        assert (_ptrs(params), _ptrs(state)) == ptrs
+
+
+@pytest.mark.parametrize("name", ["clip+scale", "adamw"])
+def test_pure_step_leaves_inputs_unchanged(name):
+    tx = STACKS[name]()
+    params = _mlp_params()
+    state = tx.init(params)
+    params, state, _ = fx.train_step(_mlp_loss, tx)(params, state, _batches(1)[0])  # a non-trivial state
+    before = fx.tree.clone((params, state))
+    new_params, new_state, _ = fx.train_step(_mlp_loss, tx, donate=False)(params, state, _batches(1)[0])
+    assert_trees_close((params, state), before, rtol=0, atol=0)
+    assert not set(_ptrs(new_params)) & set(_ptrs(params))
+
+
+def test_metrics_do_not_alias_donated_state():
+    """Metrics from step k keep their values after step k+1 overwrites the state in place."""
+    count = torch.zeros(())
+
+    class Counting(tuple):
+        def report(self):
+            return {"count": count}
+
+    def update(u, s, p=None):
+        count.add_(1)  # an in-place state write, like a donated step counter
+        return u, s
+
+    tx = fx.GradientTransformation(lambda p: Counting(), update)
+    step = fx.train_step(lambda p, b: p.sum(), tx)
+    params, state, m1 = step(torch.ones(2), tx.init(None), None)
+    _, _, m2 = step(params, state, None)
+    assert (m1["count"].item(), m2["count"].item()) == (1.0, 2.0)
+
+
+@pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_failed_step_loses_nothing(donate, where):
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom in backward")
+
+    def loss_fn(params, batch):
+        loss = _mlp_loss(params, batch)
+        if where == "forward":
+            raise RuntimeError("boom in forward")
+        return FailingBackward.apply(loss)
+
+    tx = STACKS["clip+scale"]()
+    params = _mlp_params()
+    state = tx.init(params)
+    params, state, _ = fx.train_step(_mlp_loss, tx)(params, state, _batches(1)[0])
+    before = fx.tree.clone((params, state))
+    with pytest.raises(RuntimeError, match=f"boom in {where}"):
+        fx.train_step(loss_fn, tx, donate=donate)(params, state, _batches(1)[0])
+    assert_trees_close((params, state), before, rtol=0, atol=0)
+    params, state, _ = fx.train_step(_mlp_loss, tx)(params, state, _batches(1)[0])  # and training goes on
+
+
+# --- trees, aux, metrics --------------------------------------------------------------------------
+
+def test_has_aux_returns_detached_aux():
+    def loss_fn(params, batch):
+        loss = _mlp_loss(params, batch)
+        return loss, {"logits_norm": params["l1"]["w"].norm(), "tag": "x"}
+
+    tx = fx.scale(-0.1)
+    params = _mlp_params()
+    _, _, metrics = fx.train_step(loss_fn, tx, has_aux=True)(params, tx.init(params), _batches(1)[0])
+    assert set(metrics) == {"loss", "aux"}
+    assert metrics["aux"]["tag"] == "x" and not metrics["aux"]["logits_norm"].requires_grad
+    assert metrics["aux"]["logits_norm"].item() == pytest.approx(_mlp_params()["l1"]["w"].norm().item())
+
+
+def test_none_leaves_pass_through():
+    params = {"w": torch.ones(2), "frozen": None, "stack": [None, torch.ones(1)]}
+    seen = []
+
+    def loss_fn(p, batch):
+        seen.append((p["frozen"], p["stack"][0]))
+        return p["w"].sum() + 2 * p["stack"][1].sum()
+
+    tx = fx.chain(fx.clip_by_global_norm(100.0), fx.scale(-1.0))
+    for donate in (True, False):
+        out, _, _ = fx.train_step(loss_fn, tx, donate=donate)(fx.tree.clone(params), tx.init(params), None)
+        assert out["frozen"] is None and out["stack"][0] is None
+        assert out["w"].tolist() == [0.0, 0.0] and out["stack"][1].tolist() == [-1.0]
+    assert seen == [(None, None)] * 2
+
+
+def test_metrics_keys_and_shapes():
+    params = _mlp_params()
+    tx = fx.chain(fx.clip_by_global_norm(1.0), fx.scale(-0.1))
+    _, _, metrics = fx.train_step(_mlp_loss, tx)(params, tx.init(params), _batches(1)[0])
+    assert set(metrics) == {"loss", "grad_norm"}
+    assert all(m.ndim == 0 and not m.requires_grad for m in metrics.values())
+
+
+def test_learning_rate_is_reported_when_injected():
+    tx = fx.chain(fx.clip_by_global_norm(1.0), fx.inject_hyperparams(fx.adamw)(learning_rate=3e-3))
+    params = _mlp_params()
+    _, _, metrics = fx.train_step(_mlp_loss, tx)(params, tx.init(params), _batches(1)[0])
+    assert {"loss", "grad_norm", "learning_rate"} <= set(metrics)
+    assert metrics["learning_rate"].item() == pytest.approx(3e-3)
+
+
+def test_parameters_requiring_grad_build_no_graph():
+    """nn.Parameter leaves (requires_grad=True) train without autograd history, under no_grad too."""
+    params = fx.tree.map(torch.nn.Parameter, _mlp_params())
+    tx = fx.scale(-0.1)
+    for donate in (True, False):
+        with torch.no_grad():
+            out, _, metrics = fx.train_step(_mlp_loss, tx, donate=donate)(params, tx.init(params), _batches(1)[0])
+        assert all(p.grad_fn is None for p in fx.tree.leaves(out)) and metrics["loss"].grad_fn is None
+        assert all(p.grad is None for p in fx.tree.leaves(params))
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+def _step_with(loss_fn, has_aux=False, params=None):
+    params = {"w": torch.ones(3)} if params is None else params
+    return fx.train_step(loss_fn, fx.scale(-1.0), has_aux=has_aux)(params, fx.EmptyState(), None)
+
+
+def vector_loss(p, b):
+    return p["w"] * 2
+
+
+@pytest.mark.parametrize(
+    "loss_fn, has_aux, error, match",
+    [
+        (vector_loss, False, ValueError, r"loss_fn vector_loss must be a scalar \(0-dim\), got shape \(3,\)"),
+        (lambda p, b: (p["w"].sum(), 1), False, TypeError, "returned a tuple of 2; pass has_aux=True"),
+        (lambda p, b: p["w"].sum(), True, TypeError, r"must return \(loss, aux\) when has_aux=True, got a torch"),
+        (lambda p, b: 1.0, False, TypeError, "must be a 0-dim tensor, got float"),
+        (lambda p, b: p["w"].sum().long(), False, TypeError, "must be floating-point, got torch.int64"),
+        (lambda p, b: torch.tensor(1.0), False, ValueError, "does not depend on params"),
+    ],
+    ids=["non-scalar", "tuple-without-aux", "aux-without-tuple", "python-float", "integer", "constant"],
+)
+def test_bad_loss_fn_is_named(loss_fn, has_aux, error, match):
+    with pytest.raises(error, match=match):
+        _step_with(loss_fn, has_aux)
+
+
+def test_bad_wrap_loss_is_named():
+    tx = fx.GradientTransformation(lambda p: fx.EmptyState(), fx.scale(1.0).update,
+                                   lambda fn, s: lambda p, b: fn(p, b)[0])
+    match = r"the wrap_loss of scale\(1.0\) must return a loss function giving \(objective, \(loss, aux\)\)"
+    with pytest.raises(TypeError, match=match):
+        fx.train_step(lambda p, b: p.sum(), tx)(torch.ones(2), tx.init(None), None)
+
+
+def test_non_float_param_leaf_is_named():
+    with pytest.raises(TypeError, match="'step' is a torch.int64 tensor"):
+        _step_with(lambda p, b: p["w"].sum(), params={"w": torch.ones(2), "step": torch.zeros((), dtype=torch.int64)})
+
+
+# --- DTensor parameters -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """A 1-rank gloo mesh in this process (FileStore: no ports, no subprocess)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owned = not dist.is_initialized()
+    if owned:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (dist.get_world_size(),))
+    if owned:
+        dist.destroy_process_group()
+
+
+# Plain adam/adamw on DTensor leaves is sharded_apply's job (DESIGN 3.3); here: clip and elementwise SGD.
+# donate=False covers the pure fx.apply_updates, which must keep each param's placements.
+@pytest.mark.parametrize("name, donate", [("clip+scale", True), ("sgd-momentum", True), ("sgd-momentum", False)])
+def test_dtensor_params_train_like_plain_ones(mesh, name, donate):
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    plain = _mlp_params()
+    placements = {"l1": {"w": Shard(0), "b": Replicate()}, "l2": [Shard(1), Replicate()]}
+    dparams = fx.tree.map(lambda p, pl: distribute_tensor(p.clone(), mesh, [pl]), plain, placements)
+
+    def dloss(params, batch):
+        x, y = batch
+        x = distribute_tensor(x, mesh, [Replicate()])
+        h = torch.tanh(F.linear(x, params["l1"]["w"], params["l1"]["b"]))
+        return F.cross_entropy(F.linear(h, *params["l2"]).full_tensor(), y)
+
+    p_plain, _, m_plain = _run(STACKS[name], donate=True, steps=3, params=plain)
+    ptrs = [p.to_local().data_ptr() for p in fx.tree.leaves(dparams)]
+    p_dt, s_dt, m_dt = _run(STACKS[name], donate=donate, steps=3, params=dparams, loss=dloss)
+    assert ([p.to_local().data_ptr() for p in fx.tree.leaves(p_dt)] == ptrs) == donate
+    assert all(isinstance(p, DTensor) for p in fx.tree.leaves(p_dt))
+    assert_trees_close(p_dt, p_plain, rtol=1e-6, atol=1e-7)
+    assert_trees_close(m_dt, m_plain, rtol=1e-6)
+    assert fx.tree.map(lambda p: p.placements, p_dt) == fx.tree.map(lambda pl: (pl,), placements)
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        lambda p, b: (p["a"] + p["b"]).sum(),  # autograd hands back one gradient tensor for both leaves
+        lambda p, b: p["a"].sum() + 3 * p["b"].sum(),  # stride-0 expanded gradients
+        lambda p, b: torch.cat([p["a"], p["b"]]).square().sum(),  # two views of one gradient buffer
+    ],
+    ids=["shared", "expanded", "views"],
+)
+def test_donated_step_copies_gradients_autograd_shares(loss_fn):
+    tx = fx.chain(fx.clip_by_global_norm(1.0), fx.sgd(0.5, momentum=0.9))
+    outs = []
+    for donate in (True, False):
+        params = {"a": torch.ones(3), "b": torch.full((3,), 2.0)}
+        state = tx.init(params)
+        step = fx.train_step(loss_fn, tx, donate=donate)
+        for _ in range(3):
+            params, state, _ = step(params, state, None)
+        outs.append((params, state))
+    assert_trees_close(outs[0], outs[1], rtol=0, atol=0)
