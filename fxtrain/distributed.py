@@ -421,3 +421,52 @@ def global_count(count: torch.Tensor, t: Any, *, groups: Sequence[Group] = ()) -
 
 
 __all__ += ["global_count"]
+
+
+# --- flat-buffer collectives for sharded optimizer state (added for fxtrain/transforms/_sharding.py) ---
+#
+# ``sharded_apply(tx, shard_over="dp")`` (ZeRO-1/2) packs the gradients of many leaves into one buffer
+# laid out rank-major, every rank's segment padded to the same length by the caller: gloo's uneven
+# all_gather is broken, and one even collective per (mesh, dtype) beats one per leaf.
+
+def reduce_scatter_flat(send: torch.Tensor, mesh: Any, dim: int, *, reduce_op: str | None = "sum") -> torch.Tensor:
+    """This rank's segment of ``send`` (1-D, ``n`` equal segments, rank-major) summed over mesh dim ``dim``.
+
+    ``reduce_op`` is the ``Partial`` op the segments carry (``"sum"`` or ``"avg"``); ``None`` means the
+    buffer is already identical on every rank (``Replicate``): the segment is sliced with no communication.
+
+    >>> import torch
+    >>> from torch.distributed.device_mesh import DeviceMesh
+    >>> reduce_scatter_flat(torch.arange(4.0), None, 0, reduce_op=None).tolist()   # one rank: the buffer
+    [0.0, 1.0, 2.0, 3.0]
+    """
+    if mesh is None or mesh.size(dim) == 1:
+        return send
+    n, r = mesh.size(dim), mesh.get_local_rank(dim)
+    seg = send.numel() // n
+    if reduce_op is None:
+        return send[r * seg:(r + 1) * seg]
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter_flat: cannot reduce-scatter a Partial({reduce_op!r}) gradient")
+    out = torch.empty(seg, dtype=send.dtype, device=send.device)
+    dist.reduce_scatter_tensor(out, send, group=mesh.get_group(dim))
+    if reduce_op == "avg":
+        out.div_(n)
+    return out
+
+
+def all_gather_flat(piece: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
+    """The 1-D ``piece`` of every rank along mesh dim ``dim``, concatenated in rank order (equal sizes).
+
+    >>> import torch
+    >>> all_gather_flat(torch.ones(2), None, 0).tolist()   # one rank: the piece itself
+    [1.0, 1.0]
+    """
+    if mesh is None or mesh.size(dim) == 1:
+        return piece
+    out = torch.empty(piece.numel() * mesh.size(dim), dtype=piece.dtype, device=piece.device)
+    dist.all_gather_into_tensor(out, piece.contiguous(), group=mesh.get_group(dim))
+    return out
+
+
+__all__ += ["reduce_scatter_flat", "all_gather_flat"]

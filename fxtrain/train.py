@@ -155,7 +155,8 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
             batch = _runtime.local_batch(data.train[i - 1], rank, world)
             params, opt_state, metrics = step(params, opt_state, (buffers, *batch))
             aux = metrics.pop("aux")
-            buffers = aux.pop("buffers")
+            # amp_cast computes in its compute dtype; running statistics stay in their own dtype.
+            buffers = fx.tree.map(lambda new, old: new.to(old.dtype), aux.pop("buffers"), buffers)
             metrics = {k: v for k, v in {**metrics, **aux}.items() if k not in constants}
             bar.update()
             if i == start + 1:

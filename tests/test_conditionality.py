@@ -146,3 +146,16 @@ def test_repr_flags_and_wrap_loss():
 def test_bad_max_consecutive_errors(bad, error):
     with pytest.raises(error, match="apply_if_finite: max_consecutive_errors"):
         fx.apply_if_finite(fx.scale(1.0), max_consecutive_errors=bad)
+
+
+def test_inner_metrics_are_reported_through_apply_if_finite():
+    import torch
+
+    from fxtrain import _base
+
+    tx = fx.apply_if_finite(fx.chain(fx.clip_by_global_norm(1.0), fx.sgd(0.1)), max_consecutive_errors=2)
+    g = {"w": torch.full((4,), 3.0)}
+    _, state = tx.update(g, tx.init(g), g)
+    metrics = _base.report(state)
+    assert set(metrics) >= {"total_notfinite", "grad_norm"}
+    assert float(metrics["grad_norm"]) == 6.0

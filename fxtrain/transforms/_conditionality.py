@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, kernel, transform
+from fxtrain._base import GradientTransformation, kernel, report, transform
 from fxtrain.transforms._hyperparams import param_device, safe_increment_
 
 
@@ -28,8 +28,11 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: Any
 
     def report(self) -> dict[str, torch.Tensor]:
-        """``total_notfinite``: how many updates were not finite so far (skipped or given up on)."""
-        return {"total_notfinite": self.total_notfinite}
+        """``total_notfinite`` (updates not finite so far), then what the inner state reports."""
+        out = {"total_notfinite": self.total_notfinite}
+        for k, v in report(self.inner_state).items():  # this node hides the inner ones from the step's walk
+            out.setdefault(k, v)
+        return out
 
 
 @transform(elementwise=False)

@@ -1,0 +1,626 @@
+"""Mixed precision: jmp-style policies, loss scales, and ``amp_cast`` (a transform that owns the forward pass).
+
+Three pieces, each usable alone:
+
+* :class:`Policy`: the dtypes of params (storage), compute (the forward pass) and output (the loss),
+  parsed from jmp's grammar (``"p=f32,c=bf16,o=f32"``, ``"half"``...).
+* Loss scales: :class:`NoLossScale`, :class:`StaticLossScale` and :class:`DynamicLossScale` (the
+  ``torch.amp.GradScaler`` rule, plus Megatron's hysteresis and floors/ceilings). Each is a small frozen
+  config that makes a state (0-dim tensors) and updates it in place.
+* :func:`amp_cast`: wraps a gradient transformation. Through ``wrap_loss`` the step's forward pass runs on
+  params and batch cast to the compute dtype and differentiates ``loss.to(output) * scale``; its ``update``
+  unscales the gradients, decides on every rank at once whether any element anywhere is not finite, and
+  then either runs the inner transform or skips it (zero updates, inner state bit-identical), and adjusts
+  the scale. Master params are never cast: gradients reach them in their own dtype through the cast.
+
+The seeds' modes as presets (:func:`amp_preset`; the Hydra group ``amp/`` has the same names)::
+
+    preset       policy               loss scale                               seeds' name
+    -----------  -------------------  ---------------------------------------  --------------------------------------
+    off          p=f32,c=f32,o=f32    none                                     fp32 / apex O0
+    bf16         p=f32,c=bf16,o=f32   none                                     torch-amp bf16 (O1-like; no GradScaler)
+    fp16         p=f32,c=f16,o=f32    DynamicLossScale()  (GradScaler)         torch-amp fp16 + GradScaler (O1-like);
+                                                                               apex O2's fp32 master weights
+    naive_fp16   p=f32,c=f16,o=f32    DynamicLossScale(2**32, hysteresis=2,    Megatron / ColossalAI naive amp
+                                        min_scale=1, growth_interval=1000)
+    pure_bf16    p=bf16,c=bf16,o=bf16 none                                     apex O3-like pure half (bf16)
+    pure_fp16    p=f16,c=f16,o=f16    none                                     apex O3 pure half (static scale 1.0)
+
+How the names map. O1 (torch.autocast) casts per op from allow/deny lists; ``amp_cast`` casts the whole
+param tree and the floating inputs once, as apex O2 does with its fp16 model copy, and keeps float32
+masters: numerically O1 and O2 differ only in which ops stay float32 (softmax, norms, losses). Compute
+the loss in float32 inside ``loss_fn`` (``logits.float()``) to keep that part of O1, or run
+``torch.autocast`` inside ``loss_fn`` on top. O3 stores the params in half precision: no master copy,
+updates rounded to half.
+
+Example:
+    >>> import torch, fxtrain as fx
+    >>> tx = fx.amp_cast(fx.sgd(0.125), "p=f32,c=bf16")
+    >>> tx
+    amp_cast(policy='p=f32,c=bf16,o=bf16', sgd(0.125))
+    >>> def loss_fn(params, x):
+    ...     assert params["w"].dtype == x.dtype == torch.bfloat16   # the forward pass runs in bf16
+    ...     return (x @ params["w"]).square().mean()
+    >>> params = {"w": torch.ones(3)}
+    >>> params, state, metrics = fx.train_step(loss_fn, tx)(params, tx.init(params), torch.ones(2, 3))
+    >>> params["w"].dtype, params["w"].tolist(), metrics["loss"].dtype   # master params: float32, updated
+    (torch.float32, [0.25, 0.25, 0.25], torch.bfloat16)
+
+References:
+    jmp (policies): https://github.com/google-deepmind/jmp
+    Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_, 2018
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Sequence
+
+import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from fxtrain import distributed, tree
+from fxtrain._base import GradientTransformation, kernel, report, transform, wrap_loss
+from fxtrain.transforms._hyperparams import param_device
+
+__all__ = [
+    "Policy", "NoLossScale", "StaticLossScale", "DynamicLossScale", "StaticLossScaleState",
+    "DynamicLossScaleState", "AmpCastState", "amp_cast", "amp_preset", "PRESETS",
+]
+
+# --- policies -------------------------------------------------------------------------------------
+
+# jmp's names, plus f64. jmp's "half" is float16 on GPU and bfloat16 on TPU; PyTorch has no TPU default,
+# so here it is float16 (the GPU meaning).
+_DTYPE_NAMES = {
+    "f32": torch.float32, "float32": torch.float32, "full": torch.float32, "single": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "f16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "f64": torch.float64, "float64": torch.float64,
+}
+_SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}
+_KEYS = {"p": "param_dtype", "params": "param_dtype", "c": "compute_dtype", "compute": "compute_dtype",
+         "o": "output_dtype", "output": "output_dtype"}
+_SPELLINGS = "f32/float32/full, bf16/bfloat16, f16/float16/half, f64/float64"
+
+
+def _dtype(value: Any, what: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value not in _SHORT:
+            raise ValueError(f"{what}: {value} is not a floating-point dtype a policy can use "
+                             f"({', '.join(str(d) for d in _SHORT)})")
+        return value
+    if isinstance(value, str) and value.strip() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.strip()]
+    raise ValueError(f"{what}: unknown dtype {value!r}; use one of {_SPELLINGS}")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Policy:
+    """Which dtype params are stored in, the forward pass computes in, and the loss comes out in (jmp's ``Policy``).
+
+    Build it from dtypes (or their names), or parse jmp's grammar with :meth:`parse`: comma-separated
+    ``key=value`` with keys ``p``/``params``, ``c``/``compute``, ``o``/``output`` and values
+    ``f32``/``float32``/``full``, ``bf16``/``bfloat16``, ``f16``/``float16``/``half``, ``f64``/``float64``;
+    a bare dtype name sets all three. Unset entries default as in jmp: params float32, compute = params,
+    output = compute. Casting touches floating-point tensors only (integer labels, masks pass through).
+
+    Its ``repr`` is the short grammar form in quotes, so a stack prints as
+    ``amp_cast(policy='p=f32,c=bf16,o=f32', ...)`` and ``Policy.parse(eval(repr(p))) == p``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> fx.Policy.parse("c=bf16"), fx.Policy.parse("half"), fx.Policy(torch.float32, "f16", "f32")
+        ('p=f32,c=bf16,o=bf16', 'p=f16,c=f16,o=f16', 'p=f32,c=f16,o=f32')
+        >>> p = fx.Policy.parse("params=float32,compute=bfloat16,output=float32")
+        >>> p.cast_to_compute({"w": torch.ones(2), "label": torch.tensor([3])})["w"].dtype
+        torch.bfloat16
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        p = _dtype(self.param_dtype, "Policy param_dtype")
+        c = p if self.compute_dtype is None else _dtype(self.compute_dtype, "Policy compute_dtype")
+        o = c if self.output_dtype is None else _dtype(self.output_dtype, "Policy output_dtype")
+        for name, value in (("param_dtype", p), ("compute_dtype", c), ("output_dtype", o)):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def parse(cls, policy: str | Policy) -> Policy:
+        """A policy from jmp's grammar (``"p=f32,c=bf16,o=f32"``, ``"half"``); a :class:`Policy` passes through.
+
+        Raises:
+          ValueError: naming the part that is not understood (an unknown key or dtype, a repeated key).
+        """
+        if isinstance(policy, Policy):
+            return policy
+        if not isinstance(policy, str):
+            raise ValueError(f"amp policy must be a string like 'p=f32,c=bf16,o=f32' or a fx.Policy, got {policy!r}")
+        if "=" not in policy:
+            dtype = _dtype(policy, f"amp policy {policy!r}")
+            return cls(dtype, dtype, dtype)
+        given: dict[str, torch.dtype] = {}
+        for part in policy.split(","):
+            key, sep, value = (s.strip() for s in part.partition("="))
+            if not sep:
+                raise ValueError(f"amp policy {policy!r}: part {part.strip()!r} is not key=value")
+            if key not in _KEYS:
+                raise ValueError(f"amp policy {policy!r}: unknown key {key!r} in {part.strip()!r}; "
+                                 "keys are p/params, c/compute, o/output")
+            field = _KEYS[key]
+            if field in given:
+                raise ValueError(f"amp policy {policy!r}: {field.removesuffix('_dtype')} dtype given twice")
+            given[field] = _dtype(value, f"amp policy {policy!r}: in {part.strip()!r}")
+        return cls(**given)
+
+    def cast_to_param(self, t: Any) -> Any:
+        """``t`` with its floating-point tensors cast to ``param_dtype``."""
+        return tree.cast(t, self.param_dtype)
+
+    def cast_to_compute(self, t: Any) -> Any:
+        """``t`` with its floating-point tensors cast to ``compute_dtype``."""
+        return tree.cast(t, self.compute_dtype)
+
+    def cast_to_output(self, t: Any) -> Any:
+        """``t`` with its floating-point tensors cast to ``output_dtype``."""
+        return tree.cast(t, self.output_dtype)
+
+    def __str__(self) -> str:
+        return f"p={_SHORT[self.param_dtype]},c={_SHORT[self.compute_dtype]},o={_SHORT[self.output_dtype]}"
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
+
+# --- loss scales ------------------------------------------------------------------------------------
+
+class StaticLossScaleState(NamedTuple):
+    """State of :class:`NoLossScale` and :class:`StaticLossScale`: the scale (0-dim float32), never changed."""
+
+    scale: torch.Tensor
+
+
+class DynamicLossScaleState(NamedTuple):
+    """State of :class:`DynamicLossScale` (0-dim tensors on the params' device).
+
+    Attributes:
+      scale: the loss scale, float32 (``torch.amp.GradScaler._scale``).
+      growth_tracker: finite updates since the last overflow or growth, int32 (GradScaler's ``_growth_tracker``).
+      hysteresis_tracker: overflows still tolerated before the next backoff, int32; re-armed to
+        ``hysteresis`` at each growth (Megatron's ``_hysteresis_tracker``).
+    """
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    hysteresis_tracker: torch.Tensor
+
+
+def _scalar(value: float, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.full((), value, dtype=dtype, device=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoLossScale:
+    """No loss scaling and no overflow check: the loss is differentiated as is, every update is applied.
+
+    What bf16 and float32 need (their range is float32's). Non-finite gradients reach the inner transform
+    unchanged, as without ``GradScaler``; wrap the stack in :func:`fxtrain.apply_if_finite` to skip them.
+
+    >>> import fxtrain as fx
+    >>> fx.NoLossScale().init(None).scale.item()
+    1.0
+    """
+
+    scaled = False  # class attribute: amp_cast unscales and checks only when True
+
+    def init(self, device: torch.device | None) -> StaticLossScaleState:
+        """The state: a scale of 1.0."""
+        return StaticLossScaleState(_scalar(1.0, device))
+
+    def adjust_(self, state: StaticLossScaleState, overflow: torch.Tensor) -> StaticLossScaleState:
+        """The state, unchanged."""
+        del overflow
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+    """A fixed loss scale: the loss is multiplied by ``scale``, gradients divided; overflowing updates are skipped.
+
+    Skipping follows Megatron's ``ConstantGradScaler`` (its optimizer skips a step with a non-finite
+    gradient whatever the scaler); the scale itself never changes.
+
+    >>> import fxtrain as fx
+    >>> fx.StaticLossScale(128.0).init(None).scale.item()
+    128.0
+    """
+
+    scale: float
+    scaled = True
+
+    def __post_init__(self):
+        if isinstance(self.scale, bool) or not isinstance(self.scale, numbers.Real):
+            raise ValueError(f"StaticLossScale: scale must be a positive number, got {self.scale!r}")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"StaticLossScale: scale={self.scale!r} must be finite and > 0")
+        object.__setattr__(self, "scale", float(self.scale))
+
+    def init(self, device: torch.device | None) -> StaticLossScaleState:
+        """The state: ``scale`` as a 0-dim float32 tensor."""
+        return StaticLossScaleState(_scalar(self.scale, device))
+
+    def adjust_(self, state: StaticLossScaleState, overflow: torch.Tensor) -> StaticLossScaleState:
+        """The state, unchanged."""
+        del overflow
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    r"""A loss scale that backs off on overflow and grows after a run of finite updates.
+
+    Each update, with ``overflow`` decided on every rank at once:
+
+    * overflow: ``growth_tracker = 0``; ``hysteresis_tracker -= 1`` (not below 0); if it reached 0,
+      ``scale = max(scale * backoff_factor, min_scale)``. The update is skipped either way.
+    * finite: ``growth_tracker += 1``; when it reaches ``growth_interval``: ``growth_tracker = 0``,
+      ``hysteresis_tracker = hysteresis`` and ``scale = min(scale * growth_factor, max_scale)``, kept
+      unchanged instead if the product is not finite in float32 (GradScaler's rule).
+
+    With the defaults (``hysteresis=1``, no bounds) this is ``torch.amp.GradScaler`` step for step: the
+    same scale, the same skipped steps (``torch._amp_update_scale_``'s arithmetic: products in float64,
+    rounded to float32). With ``init_scale=2.**32, hysteresis=2, min_scale=1.0`` (and Megatron's
+    ``growth_interval=1000``) it is Megatron-LM's ``DynamicGradScaler`` / ColossalAI's naive amp.
+
+    **Hysteresis, and the choice made here.** ``hysteresis=h`` backs off on the *h-th overflow since
+    the last growth*; finite steps in between do not re-arm it, only a growth does. That is what
+    Megatron-LM's and ColossalAI's ``DynamicGradScaler`` code does (Megatron's docstring says "in a row",
+    its code counts since the last growth). The other reading, "h *consecutive* overflows" (the
+    apex-lineage ``DynamicLossScaler(delayed_shift=h, consecutive_hysteresis=True)`` kept in Megatron's
+    ``fp16_deprecated`` and DeepSpeed, where every finite step re-arms the count), tolerates sporadic
+    overflows forever; counting since the last growth guarantees that a scale which overflows often
+    enough does come down. For ``h=1`` both readings are GradScaler's.
+
+    Args:
+      init_scale: the first scale (> 0; within the bounds).
+      growth_factor: multiplies the scale after ``growth_interval`` finite updates (> 1).
+      backoff_factor: multiplies the scale on a counted overflow (in (0, 1)).
+      growth_interval: finite updates in a row before a growth (int >= 1).
+      hysteresis: overflows since the last growth that it takes to back off (int >= 1; 1 = GradScaler).
+      min_scale: floor of the scale on backoff, or ``None`` (GradScaler has none).
+      max_scale: ceiling of the scale on growth, or ``None``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> ls = fx.DynamicLossScale(init_scale=8.0, growth_interval=2, hysteresis=2)
+        >>> ls
+        DynamicLossScale(init_scale=8.0, growth_interval=2, hysteresis=2)
+        >>> s = ls.init(None)
+        >>> scales = []
+        >>> for overflow in [1, 1, 0, 0, 1, 0, 1]:
+        ...     s = ls.adjust_(s, torch.tensor(bool(overflow)))
+        ...     scales.append(s.scale.item())
+        >>> scales   # keeps on the 1st overflow, halves on the 2nd; growth re-arms; 2 more to back off
+        [8.0, 4.0, 4.0, 8.0, 8.0, 8.0, 4.0]
+    """
+
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    scaled = True
+
+    def __post_init__(self):
+        def number(name, value, ok, rule):
+            real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if not (real and math.isfinite(value) and ok(value)):
+                raise ValueError(f"DynamicLossScale: {name}={value!r} must be {rule}")
+            object.__setattr__(self, name, float(value))
+
+        def integer(name, value):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"DynamicLossScale: {name}={value!r} must be an integer >= 1")
+            object.__setattr__(self, name, int(value))
+
+        number("init_scale", self.init_scale, lambda v: v > 0, "a finite number > 0")
+        number("growth_factor", self.growth_factor, lambda v: v > 1, "> 1")
+        number("backoff_factor", self.backoff_factor, lambda v: 0 < v < 1, "in (0, 1)")
+        integer("growth_interval", self.growth_interval)
+        integer("hysteresis", self.hysteresis)
+        if self.min_scale is not None:
+            number("min_scale", self.min_scale, lambda v: v > 0, "None or a finite number > 0")
+        if self.max_scale is not None:
+            number("max_scale", self.max_scale, lambda v: v > 0, "None or a finite number > 0")
+        lo = self.min_scale if self.min_scale is not None else 0.0
+        hi = self.max_scale if self.max_scale is not None else math.inf
+        if not lo <= self.init_scale <= hi:
+            raise ValueError(f"DynamicLossScale: init_scale={self.init_scale!r} must lie within "
+                             f"min_scale={self.min_scale!r} and max_scale={self.max_scale!r}")
+
+    def __repr__(self) -> str:
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != f.default]
+        return f"DynamicLossScale({', '.join(changed)})"
+
+    def init(self, device: torch.device | None) -> DynamicLossScaleState:
+        """The state at the start: ``init_scale``, no finite updates yet, ``hysteresis`` overflows to go."""
+        return DynamicLossScaleState(
+            scale=_scalar(self.init_scale, device),
+            growth_tracker=_scalar(0, device, torch.int32),
+            hysteresis_tracker=_scalar(self.hysteresis, device, torch.int32),
+        )
+
+    def adjust_(self, state: DynamicLossScaleState, overflow: torch.Tensor) -> DynamicLossScaleState:
+        """Updates ``state`` in place after an update whose gradients overflowed or not (0-dim bool); no host sync."""
+        scale, growth, left = state
+        count = growth + 1
+        grow = ~overflow & (count >= self.growth_interval)
+        left_next = torch.where(overflow, (left - 1).clamp_min(0), torch.where(grow, self.hysteresis, left))
+        backoff = overflow & (left_next == 0)
+        # torch._amp_update_scale_ computes the products in double and stores them as float.
+        wide = scale.double()
+        down = (wide * self.backoff_factor).float()
+        if self.min_scale is not None:
+            down = down.clamp_min(self.min_scale)
+        up = (wide * self.growth_factor).float()
+        up = torch.where(up.isfinite(), up, scale)  # GradScaler: grow only to a finite scale
+        if self.max_scale is not None:
+            up = up.clamp_max(self.max_scale)
+        scale.copy_(torch.where(backoff, down, torch.where(grow, up, scale)))
+        growth.copy_(torch.where(overflow | grow, 0, count))
+        left.copy_(left_next)
+        return state
+
+
+LossScale = NoLossScale | StaticLossScale | DynamicLossScale
+
+
+def _as_loss_scale(value: Any, policy: Policy) -> LossScale:
+    """``amp_cast``'s ``loss_scale`` argument as a loss scale object (``None``: the policy's default)."""
+    if value is None:
+        half = torch.float16 in (policy.compute_dtype, policy.output_dtype, policy.param_dtype)
+        return DynamicLossScale() if half else NoLossScale()
+    if isinstance(value, (NoLossScale, StaticLossScale, DynamicLossScale)):
+        return value
+    if isinstance(value, str):
+        if value == "none":
+            return NoLossScale()
+        if value == "dynamic":
+            return DynamicLossScale()
+        raise ValueError(f"amp_cast: loss_scale={value!r} is not understood; use 'none', 'dynamic', a positive "
+                         "number (static), a mapping of DynamicLossScale arguments, or a loss scale object")
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            return StaticLossScale(value)
+        except ValueError as e:
+            raise ValueError(f"amp_cast: loss_scale={value!r}: a static loss scale must be finite and > 0") from e
+    if isinstance(value, Mapping):
+        kwargs = dict(value)
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(DynamicLossScale)})
+        if unknown:
+            raise ValueError(f"amp_cast: loss_scale has unknown keys {unknown}; DynamicLossScale takes "
+                             f"{', '.join(f.name for f in dataclasses.fields(DynamicLossScale))}")
+        return DynamicLossScale(**kwargs)
+    raise ValueError(f"amp_cast: loss_scale={value!r} ({type(value).__name__}) is not understood; use 'none', "
+                     "'dynamic', a positive number, a mapping of DynamicLossScale arguments, or a loss scale object")
+
+
+_FP16_REFUSAL = (
+    "dynamic loss scaling with float16 master params{where}: their gradients would be unscaled in float16, "
+    "which flushes to zero the small values the scale exists to keep, and float16 weights drop updates "
+    "smaller than ~1e-3 of their magnitude; torch.amp.GradScaler refuses the same ('Attempting to unscale "
+    "FP16 gradients'). Keep the params in float32 (policy 'p=f32,c=f16,o=f32'), use loss_scale='none' or a "
+    "static scale (apex O3), or pass allow_fp16=True to amp_cast to do it anyway"
+)
+
+
+# --- amp_cast -----------------------------------------------------------------------------------------
+
+class AmpCastState(NamedTuple):
+    """State of :func:`amp_cast`.
+
+    Attributes:
+      loss_scale: the loss scale's state (:class:`DynamicLossScaleState` or :class:`StaticLossScaleState`).
+      skipped: whether the last update was skipped for a non-finite gradient (0-dim int32, 0 or 1).
+      inner_state: the state of the wrapped transform.
+    """
+
+    loss_scale: DynamicLossScaleState | StaticLossScaleState
+    skipped: torch.Tensor
+    inner_state: Any
+
+    def report(self) -> dict[str, torch.Tensor]:
+        """``loss_scale`` and ``skipped``, then what the inner transform's state reports (``grad_norm``...)."""
+        out = {"loss_scale": self.loss_scale.scale, "skipped": self.skipped}
+        for k, v in report(self.inner_state).items():  # this node hides the inner ones from the step's walk
+            out.setdefault(k, v)
+        return out
+
+
+def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScale | None = None, *,
+             groups: Sequence[Any] = (), allow_fp16: bool = False) -> GradientTransformation:
+    """The transform behind :func:`amp_cast`, called with normalized arguments (so the repr shows them)."""
+    scaler = _as_loss_scale(loss_scale, policy)
+    dynamic = isinstance(scaler, DynamicLossScale)
+    if dynamic and not allow_fp16 and policy.param_dtype == torch.float16:
+        raise ValueError("amp_cast: " + _FP16_REFUSAL.format(where=f" (policy '{policy}')"))
+    inner_kernel = kernel(inner)
+
+    def init_fn(params):
+        if dynamic and not allow_fp16:
+            for path, x in zip(tree.paths(params), tree.flatten(params)[0]):
+                if isinstance(x, torch.Tensor) and x.dtype == torch.float16:
+                    raise ValueError("amp_cast: " + _FP16_REFUSAL.format(where=f" ('{path}' is float16)"))
+        device = param_device(params)
+        return AmpCastState(scaler.init(device), _scalar(0, device, torch.int32), inner.init(params))
+
+    def update_fn(updates, state, params=None):
+        if not scaler.scaled:
+            updates, inner_state = inner_kernel(updates, state.inner_state, params)
+            return updates, AmpCastState(state.loss_scale, state.skipped, inner_state)
+        found = _unscale_(distributed.local_leaves(updates), state.loss_scale.scale)
+        # Every rank that holds a piece of the tree (and every rank of `groups`) must take the same branch.
+        overflow = distributed.global_count(found, updates, groups=groups).to(found.device) > 0
+        # The inner kernel always runs (no host sync to branch on); its results are then selected on device.
+        before = tree.clone(state.inner_state)  # the kernel works in place: keep what to restore
+        updates, inner_state = inner_kernel(updates, state.inner_state, params)
+        new, old = tree.align(inner_state, before, what="inner state")
+        for n, o in zip(distributed.local_leaves(new), distributed.local_leaves(old)):
+            torch.where(overflow, o, n, out=o)  # into the copy: never aliases the updates
+        for u in distributed.local_leaves(updates):  # local pieces: Partial gradients stay Partial
+            u.masked_fill_(overflow, 0)
+        loss_scale = scaler.adjust_(state.loss_scale, overflow)
+        return updates, AmpCastState(loss_scale, state.skipped.copy_(overflow), before)
+
+    def wrap(loss_fn, state):
+        fn = wrap_loss(inner, loss_fn, state.inner_state)
+        scale = state.loss_scale.scale if scaler.scaled else None
+
+        def amp_loss(params, batch):
+            objective, (loss, aux) = fn(policy.cast_to_compute(params), policy.cast_to_compute(batch))
+            objective = policy.cast_to_output(objective)
+            if scale is not None:  # GradScaler.scale: a 0-dim float32 product, so a float16 loss does not overflow here
+                objective = objective * scale
+            return objective, (policy.cast_to_output(loss), aux)
+
+        return amp_loss
+
+    return GradientTransformation(init_fn, update_fn, wrap)
+
+
+_factory.__name__ = _factory.__qualname__ = "amp_cast"  # the name the decorator prints
+_amp_cast = transform(elementwise=False)(_factory)
+
+
+def amp_cast(inner: GradientTransformation, policy: str | Policy = "params=float32,compute=bfloat16,output=float32",
+             loss_scale: Any = None, *, groups: Sequence[Any] = (), allow_fp16: bool = False) -> GradientTransformation:
+    r"""Mixed precision around a gradient transformation: cast the forward pass, scale the loss, skip overflows.
+
+    Forward (through ``wrap_loss``, run by :func:`fxtrain.train_step`): params and the floating-point
+    leaves of the batch are cast to ``policy.compute_dtype``; the loss comes out cast to
+    ``policy.output_dtype`` and is differentiated as ``loss * scale`` (``metrics["loss"]`` stays unscaled).
+    Gradients flow back through the casts to the master params in their own dtype.
+
+    Update, with :math:`s` the current scale:
+
+    1. :math:`g \leftarrow g / s` with ``torch._amp_foreach_non_finite_check_and_unscale_`` on the local
+       pieces (grouped by device and dtype), which also flags non-finite values;
+    2. ``overflow``: the flag summed over every rank and mesh that holds a piece of the tree
+       (:func:`fxtrain.distributed.global_count`), so every rank takes the same decision;
+    3. the inner transform runs; on overflow its updates are replaced by zeros and its state by a copy
+       taken before it ran (bit-identical), selected with ``torch.where`` on device (no host sync);
+    4. the loss scale adjusts (:class:`DynamicLossScale`).
+
+    With ``loss_scale='none'`` (bf16, f32) steps 1-4 are skipped: the inner transform sees the
+    gradients as they are. Cost of not syncing with the host: the inner state is copied once per update
+    and the updates and state are selected elementwise, skipped or not.
+
+    Use it inside :func:`fxtrain.accumulate` (``accumulate(amp_cast(...), every=k)``): all micro-batches
+    of a window then share one scale, and the summed gradients are unscaled and checked once, so an
+    overflow in any micro-batch skips that window's update and backs the scale off once.
+
+    Args:
+      inner: the transform to run on unscaled, finite gradients (e.g. ``chain(clip_by_global_norm(1.0),
+        adamw(...))``: clipping sees unscaled gradients).
+      policy: a :class:`Policy` or its string (jmp grammar). The default computes in bf16 with float32
+        params and loss.
+      loss_scale: ``None`` (the default: ``'dynamic'`` when the policy has a float16 dtype, else
+        ``'none'``), ``'none'``, ``'dynamic'`` (``DynamicLossScale()``), a positive number (static
+        scale), a mapping of :class:`DynamicLossScale` arguments (what a Hydra config gives), or a
+        :class:`NoLossScale` / :class:`StaticLossScale` / :class:`DynamicLossScale`.
+      groups: process groups (or 1-D meshes) over which the overflow decision must also agree, beyond
+        the meshes of DTensor gradients: the data-parallel group when plain-tensor gradients are
+        all-reduced *inside* ``inner``, pipeline stages. See :func:`fxtrain.distributed.global_sum_sq`.
+      allow_fp16: accept dynamic scaling with float16 master params (refused by default, as
+        ``torch.amp.GradScaler`` does).
+
+    Returns:
+      A transform with an :class:`AmpCastState`; :func:`fxtrain.train_step` reports ``loss_scale`` and
+      ``skipped`` (0/1) from it, along with what the inner state reports.
+
+    Raises:
+      ValueError: a malformed policy or loss scale (naming the bad part); dynamic scaling with float16
+        params without ``allow_fp16``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.amp_cast(fx.sgd(1.0), "p=f32,c=f16,o=f32", loss_scale=fx.DynamicLossScale(init_scale=4.0))
+        >>> tx
+        amp_cast(policy='p=f32,c=f16,o=f32', loss_scale=DynamicLossScale(init_scale=4.0), sgd(1.0))
+        >>> step = fx.train_step(lambda p, x: (p["w"] * x).sum(), tx)
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = tx.init(params)
+        >>> for x in [1.0, float("inf"), 1.0]:
+        ...     params, state, m = step(params, state, torch.full((2,), x))
+        ...     print(params["w"].tolist(), m["loss_scale"].item(), m["skipped"].item())
+        [-1.0, -1.0] 4.0 0
+        [-1.0, -1.0] 2.0 1
+        [-2.0, -2.0] 2.0 0
+    """
+    policy = Policy.parse(policy)
+    kwargs: dict[str, Any] = {"policy": policy}
+    if loss_scale is not None:
+        kwargs["loss_scale"] = _as_loss_scale(loss_scale, policy)
+    if groups:
+        kwargs["groups"] = tuple(groups)
+    if allow_fp16:
+        kwargs["allow_fp16"] = True
+    return _amp_cast(inner, **kwargs)
+
+
+amp_cast.is_transform_factory = True  # public factory: the conformance test needs a case for it
+
+
+def _unscale_(xs: list[torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+    """Divides ``xs`` by ``scale`` in place; returns a 0-dim float32 flag, > 0 if any element is not finite."""
+    inv = scale.double().reciprocal().float()  # GradScaler.unscale_'s inverse
+    found = torch.zeros((), dtype=torch.float32, device=scale.device)
+    if not xs:
+        return found
+    # The kernel wants one device per call (and one dtype for its fast path): GradScaler groups the same way.
+    for (device, _), ((group,), _) in _group_tensors_by_device_and_dtype([xs]).items():
+        if device == found.device:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+        else:
+            here = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, here, inv.to(device))
+            found += here.to(found.device)
+    return found
+
+
+# --- presets ------------------------------------------------------------------------------------------
+
+PRESETS: dict[str, tuple[str, Any]] = {
+    "off": ("p=f32,c=f32,o=f32", "none"),
+    "bf16": ("p=f32,c=bf16,o=f32", "none"),
+    "fp16": ("p=f32,c=f16,o=f32", DynamicLossScale()),
+    "naive_fp16": ("p=f32,c=f16,o=f32",
+                   DynamicLossScale(init_scale=2.0 ** 32, growth_interval=1000, hysteresis=2, min_scale=1.0)),
+    "pure_bf16": ("p=bf16,c=bf16,o=bf16", "none"),
+    "pure_fp16": ("p=f16,c=f16,o=f16", "none"),
+}
+
+
+def amp_preset(name: str) -> dict[str, Any]:
+    """``amp_cast`` keyword arguments for one of the seeds' modes (the table in this module's docstring).
+
+    >>> import fxtrain as fx
+    >>> kwargs = fx.amp_preset("naive_fp16")
+    >>> kwargs["policy"], kwargs["loss_scale"]
+    ('p=f32,c=f16,o=f32', DynamicLossScale(init_scale=4294967296.0, growth_interval=1000, hysteresis=2, min_scale=1.0))
+    >>> tx = fx.amp_cast(fx.sgd(0.1), **kwargs)
+    """
+    if name not in PRESETS:
+        raise ValueError(f"amp_preset: unknown preset {name!r}; presets are {', '.join(PRESETS)}")
+    policy, loss_scale = PRESETS[name]
+    return {"policy": policy, "loss_scale": loss_scale}

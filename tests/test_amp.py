@@ -1,0 +1,593 @@
+"""Tests for fxtrain/amp.py: Policy, loss scales, amp_cast, presets (single process; 2 gloo ranks at the end).
+
+References: torch.amp.GradScaler + torch.optim.SGD (loss-scale sequence, skip decisions, parameter
+trajectory), torch._amp_update_scale_ (the scale arithmetic), and a plain-Python transcription of
+Megatron-LM's DynamicGradScaler.update (hysteresis, floors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+
+import fxtrain as fx
+from fxtrain.testing import assert_trees_close
+
+F16 = "p=f32,c=f16,o=f32"
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+
+def _init(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1, w2 = torch.randn(4, 8, generator=g) * 0.5, torch.randn(8, 2, generator=g) * 0.5
+    return {"w1": w1, "b1": torch.zeros(8), "w2": w2}
+
+
+def _batches(n, seed=1, inf_at=()):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x, y = torch.randn(16, 4, generator=g), torch.randn(16, 2, generator=g)
+        if i in inf_at:
+            x[3, 1] = float("inf")
+        out.append((x, y))
+    return out
+
+
+def _loss(params, batch):
+    x, y = batch
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return ((h @ params["w2"] - y) ** 2).mean()
+
+
+def _run(tx, batches, params=None, donate=True, loss_fn=_loss):
+    params = fx.tree.clone(params if params is not None else _init())
+    state = tx.init(params)
+    step = fx.train_step(loss_fn, tx, donate=donate)
+    history = []
+    for b in batches:
+        params, state, m = step(params, state, b)
+        history.append((fx.tree.clone(params), m))
+    return params, state, history
+
+
+def _equal(a, b) -> bool:
+    la, lb = fx.tree.leaves(a), fx.tree.leaves(b)
+    return fx.tree.structure(a) == fx.tree.structure(b) and all(
+        x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def _megatron(pattern, init, growth, backoff, interval, hysteresis, lo=None, hi=None):
+    """Megatron-LM's DynamicGradScaler.update in plain Python (with ColossalAI's max_scale)."""
+    scale, tracker, left, out = init, 0, hysteresis, []
+    for overflow in pattern:
+        if overflow:
+            tracker, left = 0, left - 1
+            if left <= 0:
+                scale = max(scale * backoff, lo or 0.0)
+        else:
+            tracker += 1
+            if tracker == interval:
+                tracker, left = 0, hysteresis
+                scale = min(scale * growth, hi or math.inf)
+        out.append(scale)
+    return out
+
+
+# --- Policy -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [
+    ("f32", ("f32", "f32", "f32")),
+    ("half", ("f16", "f16", "f16")),
+    ("bf16", ("bf16", "bf16", "bf16")),
+    ("c=bf16", ("f32", "bf16", "bf16")),                       # jmp: compute follows params, output compute
+    ("p=f16,c=bf16", ("f16", "bf16", "bf16")),
+    ("params=float32,compute=bfloat16,output=float32", ("f32", "bf16", "f32")),
+    ("p=full, c=float16, o=single", ("f32", "f16", "f32")),
+    ("o=f64", ("f32", "f32", "f64")),
+])
+def test_policy_grammar(text, expected):
+    p = fx.Policy.parse(text)
+    assert str(p) == "p={},c={},o={}".format(*expected)
+    assert fx.Policy.parse(eval(repr(p))) == p and repr(p) == repr(str(p))  # quoted short form round-trips
+
+
+def test_policy_from_dtypes_and_casts():
+    p = fx.Policy(torch.float32, torch.bfloat16)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+    assert fx.Policy("f32", "f16", "f32") == fx.Policy.parse("p=f32,c=f16,o=f32")
+    t = {"x": torch.ones(2), "label": torch.tensor([1, 2]), "mask": torch.tensor([True]), "none": None, "k": 3}
+    c = p.cast_to_compute(t)
+    assert c["x"].dtype == torch.bfloat16 and c["label"].dtype == torch.int64 and c["mask"].dtype == torch.bool
+    assert c["none"] is None and c["k"] == 3
+    assert p.cast_to_param(c)["x"].dtype == torch.float32 and p.cast_to_output(t)["x"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("text,named", [
+    ("params=float33", "float33"),
+    ("p=f32,q=f16", "'q'"),
+    ("p=f32,c", "'c'"),
+    ("p=f32,p=f16", "param dtype given twice"),
+    ("float33", "float33"),
+    ("", "''"),
+    ("c=int8", "int8"),
+])
+def test_malformed_policy_names_the_bad_part(text, named):
+    with pytest.raises(ValueError, match="amp policy") as e:
+        fx.Policy.parse(text)
+    assert named in str(e.value)
+    with pytest.raises(ValueError):
+        fx.amp_cast(fx.sgd(0.1), text)  # the same error through amp_cast
+
+
+def test_policy_rejects_non_float_dtypes_and_types():
+    with pytest.raises(ValueError, match="torch.int32"):
+        fx.Policy(torch.int32)
+    with pytest.raises(ValueError, match="fx.Policy"):
+        fx.Policy.parse(16)
+
+
+# --- loss scales: arithmetic -------------------------------------------------------------------------
+
+def test_dynamic_scale_matches_torch_amp_update_scale_bitwise():
+    # Factors that are not powers of two exercise the float64-then-float32 rounding of the kernel.
+    rng = random.Random(0)
+    ls = fx.DynamicLossScale(init_scale=3.0e4, growth_factor=1.7, backoff_factor=0.37, growth_interval=3)
+    state = ls.init(None)
+    ref_scale, ref_tracker = torch.full((1,), 3.0e4), torch.zeros((1,), dtype=torch.int32)
+    for _ in range(400):
+        overflow = rng.random() < 0.3
+        state = ls.adjust_(state, torch.tensor(overflow))
+        torch._amp_update_scale_(ref_scale, ref_tracker, torch.full((1,), float(overflow)), 1.7, 0.37, 3)
+        assert torch.equal(state.scale.reshape(1), ref_scale) and int(state.growth_tracker) == int(ref_tracker)
+
+
+def test_growth_stops_at_float32_max_like_gradscaler():
+    ls = fx.DynamicLossScale(init_scale=2.0 ** 127, growth_interval=1)
+    state = ls.init(None)
+    for _ in range(3):
+        state = ls.adjust_(state, torch.tensor(False))
+    assert float(state.scale) == 2.0 ** 127 and int(state.growth_tracker) == 0
+
+
+@pytest.mark.parametrize("hysteresis,lo,hi", [(1, None, None), (2, 1.0, None), (3, 4.0, 2.0 ** 12),
+                                               (2, None, 2.0 ** 9)])
+def test_hysteresis_and_bounds_match_megatron(hysteresis, lo, hi):
+    rng = random.Random(hysteresis)
+    # Mixed, then mostly finite (reaches any ceiling), then mostly overflowing (reaches any floor).
+    pattern = [rng.random() < rate for rate in [0.35] * 100 + [0.03] * 100 + [0.9] * 100]
+    ls = fx.DynamicLossScale(init_scale=256.0, growth_interval=4, hysteresis=hysteresis, min_scale=lo, max_scale=hi)
+    state, got = ls.init(None), []
+    for overflow in pattern:
+        state = ls.adjust_(state, torch.tensor(overflow))
+        got.append(float(state.scale))
+    assert got == _megatron(pattern, 256.0, 2.0, 0.5, 4, hysteresis, lo, hi)
+    if lo is not None:
+        assert min(got) >= lo and lo in got  # the floor was reached and held
+    if hi is not None:
+        assert max(got) <= hi and hi in got
+
+
+def test_hysteresis_two_keeps_then_halves():
+    ls = fx.DynamicLossScale(init_scale=1024.0, growth_interval=3, hysteresis=2)
+    tx = fx.amp_cast(fx.sgd(0.1), "f32", loss_scale=ls)
+    ok, bad = {"w": torch.ones(2)}, {"w": torch.tensor([1.0, float("inf")])}
+    state, scales, skipped = tx.init(ok), [], []
+    for g in [ok, bad, ok, bad, bad, ok, ok, ok, bad, bad]:
+        _, state = tx.update(g, state, ok)
+        scales.append(float(state.loss_scale.scale))
+        skipped.append(int(state.skipped))
+    # 1st overflow since the start: kept; 2nd (finite steps between do not re-arm): halved; next: halved again;
+    # three finite steps grow and re-arm, so it takes two more overflows to back off.
+    assert scales == [1024, 1024, 1024, 512, 256, 256, 256, 512, 512, 256]
+    assert skipped == [0, 1, 0, 1, 1, 0, 0, 0, 1, 1]  # every overflow is skipped, backed off or not
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"init_scale": 0.0}, "init_scale"), ({"init_scale": float("inf")}, "init_scale"),
+    ({"growth_factor": 1.0}, "growth_factor"), ({"backoff_factor": 1.0}, "backoff_factor"),
+    ({"backoff_factor": 0.0}, "backoff_factor"), ({"growth_interval": 0}, "growth_interval"),
+    ({"growth_interval": 2.5}, "growth_interval"), ({"hysteresis": 0}, "hysteresis"),
+    ({"min_scale": -1.0}, "min_scale"), ({"max_scale": 0.0}, "max_scale"),
+    ({"init_scale": 8.0, "min_scale": 16.0}, "init_scale"), ({"init_scale": 8.0, "max_scale": 4.0}, "init_scale"),
+    ({"hysteresis": True}, "hysteresis"),
+])
+def test_dynamic_loss_scale_bad_arguments(kwargs, named):
+    with pytest.raises(ValueError, match=f"DynamicLossScale: {named}="):
+        fx.DynamicLossScale(**kwargs)
+
+
+@pytest.mark.parametrize("value,named", [
+    ("dynamc", "'dynamc'"), (-1.0, "-1.0"), (0, "loss_scale=0"), (float("nan"), "nan"), (float("inf"), "inf"),
+    (True, "True"), ([2.0], "list"), ({"init_scale": 2.0, "hysterisis": 2}, "hysterisis"),
+    ({"hysteresis": 0}, "hysteresis"),
+])
+def test_bad_loss_scale_values_name_the_value(value, named):
+    with pytest.raises(ValueError) as e:
+        fx.amp_cast(fx.sgd(0.1), F16, loss_scale=value)
+    assert named in str(e.value)
+
+
+def test_loss_scale_forms_and_defaults():
+    def scaler(**kw):
+        tx = fx.amp_cast(fx.identity(), **kw)
+        return tx.init({"w": torch.zeros(1)}).loss_scale
+
+    assert isinstance(scaler(policy="p=f32,c=bf16,o=f32"), fx.StaticLossScaleState)  # bf16: no scaling
+    s = scaler(policy=F16)                                                             # f16: dynamic
+    assert isinstance(s, fx.DynamicLossScaleState) and float(s.scale) == 2.0 ** 16
+    assert float(scaler(policy=F16, loss_scale=128).scale) == 128.0
+    assert float(scaler(policy=F16, loss_scale="none").scale) == 1.0
+    assert float(scaler(policy="f32", loss_scale="dynamic").scale) == 2.0 ** 16
+    s = scaler(policy=F16, loss_scale={"init_scale": 2.0 ** 32, "hysteresis": 2, "min_scale": 1})
+    assert float(s.scale) == 2.0 ** 32 and int(s.hysteresis_tracker) == 2
+
+
+# --- amp_cast against torch.amp.GradScaler ------------------------------------------------------------
+
+def _gradscaler_reference(batches, lr, init_scale, growth_interval):
+    params = {k: v.clone().requires_grad_() for k, v in _init().items()}
+    opt = torch.optim.SGD(list(params.values()), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    traj, scales = [], []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        half = {k: v.half() for k, v in params.items()}
+        loss = _loss(half, (x.half(), y.half())).float()  # the policy p=f32,c=f16,o=f32 by hand
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        traj.append({k: v.detach().clone() for k, v in params.items()})
+        scales.append(scaler.get_scale())
+    return traj, scales
+
+
+@pytest.mark.parametrize("donate", [True, False], ids=["donated", "pure"])
+def test_matches_gradscaler_step_for_step(donate):
+    # 2**20 overflows float16 at once (natural backoff), growth every 3 finite steps, infs injected twice.
+    batches = _batches(24, inf_at=(9, 10, 17))
+    traj, scales = _gradscaler_reference(batches, 0.05, 2.0 ** 20, 3)
+    tx = fx.amp_cast(fx.sgd(0.05), F16, loss_scale=fx.DynamicLossScale(init_scale=2.0 ** 20, growth_interval=3))
+    _, _, history = _run(tx, batches, donate=donate)
+    got_scales = [float(m["loss_scale"]) for _, m in history]
+    assert got_scales == scales
+    prev = [2.0 ** 20] + scales[:-1]
+    assert [int(m["skipped"]) for _, m in history] == [int(s < p) for s, p in zip(scales, prev)]
+    assert sum(int(m["skipped"]) for _, m in history) >= 7 and max(scales) > min(scales[4:])  # backoffs and growth
+    for i, ((params, _), ref) in enumerate(zip(history, traj)):
+        assert_trees_close(params, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_gradscaler_refuses_fp16_params_and_so_do_we():
+    with pytest.raises(ValueError, match="GradScaler refuses"):
+        fx.amp_cast(fx.sgd(0.1), "half")  # the f16 default is dynamic scaling
+    tx = fx.amp_cast(fx.sgd(0.1), F16)
+    with pytest.raises(ValueError, match="'w2' is float16"):
+        tx.init({"w1": torch.zeros(2), "w2": torch.zeros(2, dtype=torch.float16)})
+    # What torch does with float16 grads (the reason we refuse):
+    p = torch.zeros(2, dtype=torch.float16, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale((p.float() * 2).sum()).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.step(opt)
+    # Opting in, or not scaling dynamically, is allowed. (A float16 loss times 2**16 overflows: GradScaler's
+    # first step with a float16 output is skipped too, and the next one at 2**15 goes through.)
+    for tx, expected in [(fx.amp_cast(fx.sgd(0.1), "half", allow_fp16=True), 0.9),
+                         (fx.amp_cast(fx.sgd(0.1), "half", loss_scale="none"), 0.8),
+                         (fx.amp_cast(fx.sgd(0.1), "half", loss_scale=8.0), 0.8)]:
+        params = {"w": torch.ones(2, dtype=torch.float16)}
+        params, _, _ = _run(tx, [torch.ones(2, dtype=torch.float16)] * 2, params=params,
+                            loss_fn=lambda p, x: (p["w"] * x).sum())
+        assert params["w"].dtype == torch.float16
+        torch.testing.assert_close(params["w"].float(), torch.full((2,), expected), atol=1e-3, rtol=0)
+
+
+# --- skipping -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("donate", [True, False], ids=["donated", "pure"])
+def test_skipped_step_leaves_params_and_inner_state_bit_identical(donate):
+    inner = fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(1e-2, weight_decay=1e-2))
+    tx = fx.amp_cast(inner, F16, loss_scale=fx.DynamicLossScale(init_scale=1024.0, growth_interval=100))
+    params = _init()
+    state = tx.init(params)
+    step = fx.train_step(_loss, tx, donate=donate)
+    for b in _batches(3):
+        params, state, _ = step(params, state, b)
+    p_before, s_before = fx.tree.clone(params), fx.tree.clone(state.inner_state)
+    params, state, m = step(params, state, _batches(1, seed=5, inf_at=(0,))[0])
+    assert int(m["skipped"]) == 1 and float(m["loss_scale"]) == 512.0
+    assert _equal(params, p_before) and _equal(state.inner_state, s_before)
+    params, state, m = step(params, state, _batches(1, seed=6)[0])  # training goes on from there
+    assert int(m["skipped"]) == 0 and not _equal(params, p_before)
+    assert int(state.inner_state[1][0].count) == 4  # adam's count: 3 + 1, the skipped step not counted
+
+
+def test_update_is_pure_and_zero_on_overflow():
+    tx = fx.amp_cast(fx.sgd(0.5, momentum=0.9), F16, loss_scale=4.0)
+    g = {"a": torch.tensor([4.0, float("nan")]), "b": None, "c": torch.ones(3)}
+    state = tx.init({"a": torch.zeros(2), "b": None, "c": torch.zeros(3)})
+    g0, s0 = fx.tree.clone(g), fx.tree.clone(state)
+    u, s = tx.update(g, state)
+    assert_trees_close(g, g0, equal_nan=True)
+    assert _equal(state, s0)
+    assert u["b"] is None and u["a"].tolist() == [0.0, 0.0] and u["c"].tolist() == [0.0] * 3
+    assert int(s.skipped) == 1 and float(s.loss_scale.scale) == 4.0  # static: skipped, scale unchanged
+    u, s = tx.update({"a": torch.full((2,), 4.0), "b": None, "c": torch.ones(3)}, s)
+    assert u["a"].tolist() == [-0.5, -0.5] and int(s.skipped) == 0  # 4 / 4 * -0.5
+    d_u, d_s = fx.update_(tx, fx.tree.clone(g), fx.tree.clone(state))  # the donated kernel: same numbers
+    assert d_u["a"].tolist() == [0.0, 0.0] and int(d_s.skipped) == 1
+
+
+def test_no_loss_scale_passes_gradients_through_unchanged():
+    g = {"w": torch.tensor([1.0, float("inf")])}
+    u, s = fx.amp_cast(fx.identity(), "p=f32,c=bf16,o=f32").update(g, fx.amp_cast(fx.identity()).init(g))
+    assert u["w"].tolist() == [1.0, float("inf")] and int(s.skipped) == 0 and float(s.loss_scale.scale) == 1.0
+
+
+# --- policies in the step ---------------------------------------------------------------------------------
+
+def test_bf16_policy_forward_in_bf16_master_params_float32():
+    seen = {}
+
+    def loss_fn(params, batch):
+        x, y = batch
+        seen.update(w=params["w1"].dtype, x=x.dtype, y=y.dtype)
+        return _loss(params, batch)
+
+    tx = fx.amp_cast(fx.sgd(0.1), "p=f32,c=bf16,o=f32")
+    params0 = _init()
+    params, state, history = _run(tx, _batches(3), params=params0, loss_fn=loss_fn)
+    assert seen == {"w": torch.bfloat16, "x": torch.bfloat16, "y": torch.bfloat16}
+    assert all(v.dtype == torch.float32 for v in fx.tree.leaves(params))
+    assert not _equal(params, params0)  # the float32 masters received the updates
+    m = history[0][1]
+    assert m["loss"].dtype == torch.float32 and float(m["loss_scale"]) == 1.0 and int(m["skipped"]) == 0
+    # Close to the float32 run, not equal to it (bf16 keeps ~3 significant digits).
+    ref, _, _ = _run(fx.sgd(0.1), _batches(3))
+    assert_trees_close(params, ref, rtol=0.05, atol=0.02)
+
+
+def test_loss_is_reported_unscaled_and_gradients_unscaled_exactly():
+    # A power-of-two static scale in float32 scales and unscales exactly: the run equals the plain one.
+    params, _, history = _run(fx.amp_cast(fx.sgd(0.1), "f32", loss_scale=2.0 ** 10), _batches(4))
+    ref, _, ref_history = _run(fx.sgd(0.1), _batches(4))
+    assert _equal(params, ref)
+    assert [float(m["loss"]) for _, m in history] == [float(m["loss"]) for _, m in ref_history]
+
+
+def test_clipping_inside_sees_unscaled_gradients():
+    inner = fx.chain(fx.clip_by_global_norm(0.5), fx.sgd(0.1))
+    params, _, history = _run(fx.amp_cast(inner, "f32", loss_scale=fx.DynamicLossScale(2.0 ** 12)), _batches(4))
+    ref, _, ref_history = _run(inner, _batches(4))
+    assert _equal(params, ref)  # clipped at 0.5 on the unscaled norm, as without amp
+    norms = [float(m["grad_norm"]) for _, m in history]  # reported through AmpCastState.report
+    assert norms == [float(m["grad_norm"]) for _, m in ref_history] and max(norms) < 10
+
+
+def test_inner_wrap_loss_sees_compute_dtype():
+    seen = []
+
+    def spy(loss_fn, state):
+        def wrapped(params, batch):
+            seen.append(params["w1"].dtype)
+            return loss_fn(params, batch)
+        return wrapped
+
+    inner = fx.GradientTransformation(fx.identity().init, fx.identity().update, spy)
+    tx = fx.amp_cast(fx.chain(inner, fx.sgd(0.1)), "p=f32,c=bf16,o=f32")
+    _run(tx, _batches(1))
+    assert seen == [torch.bfloat16]
+
+
+# --- protocol, presets --------------------------------------------------------------------------------
+
+def test_repr_state_and_flags():
+    tx = fx.amp_cast(fx.chain(fx.clip_by_global_norm(1.0), fx.sgd(0.1)))
+    assert repr(tx) == "amp_cast(policy='p=f32,c=bf16,o=f32', chain(clip_by_global_norm(1.0), sgd(0.1)))"
+    assert repr(fx.amp_cast(fx.sgd(0.1), "params=float32,compute=float16,output=float32", loss_scale="dynamic")) == \
+        "amp_cast(policy='p=f32,c=f16,o=f32', loss_scale=DynamicLossScale(), sgd(0.1))"
+    assert not fx.is_elementwise(tx)
+    state = tx.init(_init())
+    assert isinstance(state, fx.AmpCastState) and state.skipped.dtype == torch.int32
+    from fxtrain._base import report
+    assert set(report(state)) == {"loss_scale", "skipped", "grad_norm"}
+
+
+def test_state_structure_stable_and_conformance_like():
+    tx = fx.amp_cast(fx.adam(1e-2), F16, loss_scale=fx.DynamicLossScale(8.0, growth_interval=1))
+    params = _init()
+    state = tx.init(params)
+    spec = fx.tree.structure(state)
+    for g in [_init(1), fx.tree.map(lambda x: x * float("inf"), _init(2)), _init(3)]:
+        u, new = tx.update(g, state, params)
+        du, dnew = fx.update_(tx, fx.tree.clone(g), fx.tree.clone(state), params)
+        assert _equal(u, du) and _equal(new, dnew)
+        assert fx.tree.structure(new) == spec
+        state = new
+
+
+@pytest.mark.parametrize("name", ["off", "bf16", "fp16", "naive_fp16", "pure_bf16", "pure_fp16"])
+def test_presets_build_and_train(name):
+    kw = fx.amp_preset(name)
+    tx = fx.amp_cast(fx.sgd(0.1), **kw)
+    assert repr(tx).startswith("amp_cast(policy=")
+    dtype = fx.Policy.parse(kw["policy"]).param_dtype
+    params = fx.tree.cast(_init(), dtype)
+    out, _, history = _run(tx, _batches(3), params=params)
+    assert all(v.dtype == dtype for v in fx.tree.leaves(out))
+    assert math.isfinite(float(history[-1][1]["loss"]))
+
+
+def test_naive_preset_is_megatron():
+    ls = fx.amp_preset("naive_fp16")["loss_scale"]
+    assert (ls.init_scale, ls.hysteresis, ls.min_scale, ls.growth_interval) == (2.0 ** 32, 2, 1.0, 1000)
+    with pytest.raises(ValueError, match="unknown preset 'o2'"):
+        fx.amp_preset("o2")
+
+
+@pytest.mark.skipif(not hasattr(fx, "accumulate"), reason="fx.accumulate not built yet")
+def test_overflow_inside_an_accumulation_window_skips_it_and_backs_off_once():
+    every, lr = 2, 0.1
+    scale = fx.DynamicLossScale(init_scale=2.0 ** 8, growth_interval=100)
+    tx = fx.accumulate(fx.amp_cast(fx.sgd(lr), "f32", loss_scale=scale), every=every)
+    micro = _batches(6, inf_at=(2,))  # windows [0, 1], [2*, 3], [4, 5]
+    params, _, history = _run(tx, micro)
+    emitted = [m for i, (_, m) in enumerate(history) if i % every == every - 1]
+    assert [int(m["skipped"]) for m in emitted] == [0, 1, 0]
+    assert [float(m["loss_scale"]) for m in emitted] == [256.0, 128.0, 128.0]
+    assert _equal(history[3][0], history[1][0])  # the window with the overflow changed nothing
+    # Reference: one batch of 2b per window (the mean loss), the second window skipped.
+    joined = [tuple(torch.cat(z) for z in zip(micro[i], micro[i + 1])) for i in (0, 4)]
+    ref, _, _ = _run(fx.sgd(lr), joined)
+    assert_trees_close(params, ref, rtol=1e-5, atol=1e-6)
+
+
+# --- two gloo ranks: every rank takes the same decision ---------------------------------------------------
+# One world of 2 CPU ranks runs every case below (spawning is the cost); each reports per case.
+
+WORLD, TIMEOUT_S = 2, 180
+
+
+def _case_dtensor_data_parallel(rank):
+    """Replicate params, Shard(0) batch: Partial gradients; an inf only in rank 1's rows: both skip."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    batches = _batches(8, inf_at=(4,))  # row 3 of batch 4 is on rank 0; move the inf to rank 1's half
+    batches[4][0][3, 1], batches[4][0][12, 1] = 0.0, float("inf")
+    ls = fx.DynamicLossScale(init_scale=2.0 ** 20, growth_interval=2)
+    tx = fx.amp_cast(fx.chain(fx.clip_by_global_norm(1.0), fx.sgd(0.1)), F16, loss_scale=ls)
+    ref, _, ref_hist = _run(tx, batches)  # single process, full batch
+    params = {k: distribute_tensor(v, mesh, [Replicate()]) for k, v in _init().items()}
+    state, step = tx.init(params), fx.train_step(_loss, tx)
+    for i, (x, y) in enumerate(batches):
+        b = (distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Shard(0)]))
+        params, state, m = step(params, state, b)
+        assert int(m["skipped"]) == int(ref_hist[i][1]["skipped"]), (i, rank)
+        assert float(m["loss_scale"]) == float(ref_hist[i][1]["loss_scale"]), (i, rank)
+    assert int(ref_hist[4][1]["skipped"]) == 1 and int(ref_hist[5][1]["skipped"]) == 0
+    assert_trees_close(params, ref, rtol=1e-3, atol=1e-4)  # float16 sums over half batches vs the whole
+    assert all(p.placements == (Replicate(),) for p in params.values())
+
+
+def _case_sharded_leaf_one_rank_overflows(rank):
+    """Shard(0) gradients and Adam state: an inf in rank 1's piece only; the update is skipped everywhere."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    tx = fx.amp_cast(fx.adam(1e-2), F16, loss_scale=fx.DynamicLossScale(64.0))
+    params = {"w": distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]),
+              "b": distribute_tensor(torch.zeros(3), mesh, [Replicate()])}
+    state = tx.init(params)
+    g = {"w": distribute_tensor(torch.full((4, 3), 64.0), mesh, [Shard(0)]),
+         "b": distribute_tensor(torch.full((3,), 64.0), mesh, [Replicate()])}
+    u, state = tx.update(g, state, params)
+    assert int(state.skipped) == 0 and torch.allclose(u["b"].to_local(), torch.full((3,), -1e-2))
+    before = fx.tree.clone(state.inner_state)
+    bad = torch.full((4, 3), 64.0)
+    bad[3, 2] = float("inf")  # row 3 lives on rank 1
+    g = {"w": distribute_tensor(bad, mesh, [Shard(0)]),
+         "b": distribute_tensor(torch.full((3,), 64.0), mesh, [Replicate()])}
+    u, state = tx.update(g, state, params)
+    assert int(state.skipped) == 1 and float(state.loss_scale.scale) == 32.0, rank
+    assert u["w"].to_local().abs().sum() == 0 and u["b"].to_local().abs().sum() == 0
+    assert u["w"].placements == (Shard(0),) and u["b"].placements == (Replicate(),)
+    assert _equal(fx.tree.map(lambda x: x.to_local() if hasattr(x, "to_local") else x, state.inner_state),
+                  fx.tree.map(lambda x: x.to_local() if hasattr(x, "to_local") else x, before))
+
+
+def _case_plain_tensors_need_groups(rank):
+    """Plain gradients all-reduced inside the inner chain: ``groups`` makes the ranks agree."""
+    import torch.distributed as dist
+
+    from fxtrain import _runtime
+
+    inner = fx.chain(_runtime.all_reduce_mean(WORLD), fx.sgd(0.1))
+    g = {"w": torch.full((3,), float("inf") if rank == 1 else 2.0)}
+    tx = fx.amp_cast(inner, F16, loss_scale=2.0, groups=[dist.group.WORLD])
+    u, s = tx.update(g, tx.init(g))
+    assert int(s.skipped) == 1 and u["w"].tolist() == [0.0] * 3, rank
+    alone = fx.amp_cast(inner, F16, loss_scale=2.0)  # without groups each rank decides alone
+    _, s = alone.update(g, alone.init(g))
+    assert int(s.skipped) == rank
+
+
+_CASES = [_case_dtensor_data_parallel, _case_sharded_leaf_one_rank_overflows, _case_plain_tensors_need_groups]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    results = {}
+    for fn in _CASES:
+        torch.manual_seed(0)
+        try:
+            fn(rank)
+            results[fn.__name__] = "ok"
+        except Exception:  # noqa: BLE001 - reported per case by the pytest side
+            results[fn.__name__] = traceback.format_exc()
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def world_results(tmp_path_factory):
+    # Subprocesses running this file (not torch.multiprocessing.spawn): pytest imports test modules with
+    # --import-mode=importlib, under names a spawned child could not import to unpickle the worker.
+    out = tmp_path_factory.mktemp("amp_world")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    logs = [open(out / f"log{r}.txt", "w+") for r in range(WORLD)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out)], env=env,
+                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(WORLD)]
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+    results = []
+    for r in range(WORLD):
+        path = out / f"rank{r}.json"
+        if path.exists():
+            results.append(json.loads(path.read_text()))
+        else:
+            logs[r].seek(0)
+            results.append({"__crash__": f"rank {r} wrote no results:\n{logs[r].read()[-4000:]}"})
+        logs[r].close()
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [fn.__name__ for fn in _CASES])
+def test_two_ranks(world_results, case):
+    for rank, res in enumerate(world_results):
+        if "__crash__" in res:
+            pytest.fail(res["__crash__"])
+        if res[case] != "ok":
+            pytest.fail(f"rank {rank}:\n{res[case]}")
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
