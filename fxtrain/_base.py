@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
 
@@ -361,9 +362,14 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
     [2.0, 2.0]
     """
     us, ps = tree.align(_match(updates, params), params, what="params")
-    if us:
-        with torch.no_grad():
-            torch._foreach_add_(ps, us)
+    # One foreach call per kind: DTensor refuses lists that mix it with plain tensors. The DTensor call
+    # goes through DTensor dispatch, which redistributes an update whose placement differs from its param.
+    is_d = [isinstance(p, DTensor) for p in ps]
+    with torch.no_grad():
+        for want in (False, True):
+            pick = [i for i, d in enumerate(is_d) if d is want]
+            if pick:
+                torch._foreach_add_([ps[i] for i in pick], [us[i] for i in pick])
     return params
 
 

@@ -49,6 +49,7 @@ CASES = {
     "lion": lambda: fx.lion(1e-3),
     "rmsprop": lambda: fx.rmsprop(1e-2, centered=True, momentum=0.9),
     "adagrad": lambda: fx.adagrad(1e-2),
+    "sharded_apply": lambda: fx.sharded_apply(fx.adamw(1e-2, weight_decay=1e-2)),  # plain leaves: the inner
 }
 
 

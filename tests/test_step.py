@@ -370,3 +370,15 @@ def test_donated_step_copies_gradients_autograd_shares(loss_fn):
             params, state, _ = step(params, state, None)
         outs.append((params, state))
     assert_trees_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_apply_updates_on_a_tree_mixing_plain_tensors_and_dtensors(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    params = {"d": distribute_tensor(torch.ones(4), mesh, [Shard(0)]), "p": torch.ones(2)}
+    updates = {"d": distribute_tensor(torch.full((4,), 0.5), mesh, [Shard(0)]), "p": torch.full((2,), 0.5)}
+    pure = fx.apply_updates(params, updates)
+    assert pure["d"].placements == (Shard(0),) and pure["d"].full_tensor().tolist() == [1.5] * 4
+    assert params["p"].tolist() == [1.0, 1.0]  # pure left the input alone
+    fx.apply_updates_(params, updates)
+    assert params["p"].tolist() == [1.5, 1.5] and params["d"].full_tensor().tolist() == [1.5] * 4

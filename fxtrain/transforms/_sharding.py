@@ -1,0 +1,441 @@
+"""``sharded_apply``: elementwise math on the local shards of DTensor leaves (JAX's shard_map, torch's local_map).
+
+An elementwise optimizer (Adam, Lion, momentum, weight decay) gives the same numbers on every piece of
+a tensor as on the whole. Run through DTensor dispatch it pays Python overhead per op and per leaf; run
+on the local pieces (``_local_tensor``) it is plain ``torch._foreach_*`` math, and its state is born
+sharded like the params. Three forms:
+
+* ``sharded_apply(tx)``: ``tx.init`` and ``tx.update`` see the local pieces; state leaves shaped like
+  params come back as DTensors with the param's mesh, placements, shape and stride (checkpointable as
+  such). ``Partial`` gradients are reduced to the param's placement first
+  (:func:`fxtrain.distributed.reduce_partials`, packed). Plain leaves pass through ``tx`` unchanged.
+* ``sharded_apply(tx, shard_over="dp")``: ZeRO-1/2 for leaves that are ``Replicate`` over the mesh dim
+  named ``dp``: gradients are reduce-scattered to a ``Shard(0)`` over ``dp`` (a ``Partial`` gradient is
+  summed and split in one collective per mesh and dtype, whatever the number of leaves), ``tx`` runs on
+  this rank's rows with state of 1/n size (state DTensors ``Shard(0)`` over ``dp``), and the updates are
+  all-gathered back to the param's ``Replicate`` placement. Row splits follow DTensor's own ``Shard(0)``
+  convention (``ceil(rows / n)`` per rank, the last ones shorter or empty), and each rank's segment of
+  the packed buffer is padded to one length (gloo's uneven all_gather is broken).
+* ``sharded_apply(fn, in_placements=..., out_placements=...)``: a plain function of DTensor trees runs on
+  the local pieces and its outputs are rewrapped.
+
+A transform that reduces across elements (``clip_by_global_norm``, anything norm-based, ``stateless`` of
+unknown nature) would silently compute a per-shard answer: it is refused when ``sharded_apply`` is built
+(:func:`fxtrain.is_elementwise`). Put global clipping outside:
+``chain(clip_by_global_norm(1.0), sharded_apply(adamw(...)))``.
+
+Example:
+    >>> import torch, fxtrain as fx
+    >>> tx = fx.sharded_apply(fx.adamw(0.001))
+    >>> tx
+    sharded_apply(adamw(0.001))
+    >>> params = {"w": torch.ones(2)}                      # plain leaves: exactly adamw
+    >>> u, _ = tx.update({"w": torch.ones(2)}, tx.init(params), params)
+    >>> u["w"].tolist()
+    [-0.001..., -0.001...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fxtrain import distributed, tree
+from fxtrain._base import GradientTransformation, is_elementwise, kernel, transform
+
+__all__ = ["sharded_apply"]
+
+
+# --- public entry point ------------------------------------------------------------------------------
+
+def sharded_apply(tx: GradientTransformation | Callable, *, shard_over: str | None = None,
+                  in_placements: Any = None, out_placements: Any = None, mesh: Any = None):
+    """Runs an elementwise transform (or a function) on the local pieces of DTensor leaves.
+
+    For a transform ``tx``, with ``x_local`` the piece of a DTensor leaf this rank holds::
+
+        init(params)                    = rewrap(tx.init(local(params)))
+        update(updates, state, params)  = rewrap(tx.update(local(reduce(updates)), local(state), local(params)))
+
+    where ``rewrap`` gives DTensors the mesh, placements, shape and stride of the leaves they come from
+    (``DTensor.from_local(..., run_check=False)``: no communication). No DTensor dispatch runs inside the
+    update. With ``shard_over`` the leaves ``Replicate`` over that mesh dim are updated on 1/n of their
+    rows (module docstring).
+
+    Args:
+      tx: an elementwise transform (``fx.is_elementwise(tx)``), or a function of DTensor trees (then see
+        ``in_placements`` and ``out_placements``).
+      shard_over: name of a mesh dim (``"dp"``) over which to shard the optimizer state of leaves that
+        are ``Replicate`` there (ZeRO-1/2). Leaves on meshes without that dim, leaves sharded there, 0-dim
+        leaves and leaves already sharded along dim 0 on another mesh dim get the plain local math.
+      in_placements: function form only: per positional argument, ``None`` (any placements) or the
+        placements every DTensor leaf of that argument must have; one placements tuple applies to all.
+        A ``Partial`` leaf is reduced first unless ``Partial`` is what is asked for.
+      out_placements: function form only: the placements given to every tensor output (a tuple of
+        placements), one entry per output when ``fn`` returns a tuple, or ``None``: outputs stay local.
+      mesh: function form only: the mesh of the outputs (default: the mesh of the DTensor inputs).
+
+    Returns:
+      A transform whose state is ``tx``'s with param-shaped leaves as DTensors, or (function form) the
+      wrapped function.
+
+    Raises:
+      ValueError: ``tx`` is not elementwise (naming it), a gradient's placements differ from its param's
+        (naming the leaf), or a function argument has other placements than declared.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> fx.sharded_apply(fx.lion(1e-4), shard_over="dp")
+        sharded_apply(shard_over='dp', lion(0.0001))
+        >>> fx.sharded_apply(fx.clip_by_global_norm(1.0))
+        Traceback (most recent call last):
+        ...
+        ValueError: sharded_apply: clip_by_global_norm(1.0) is not elementwise ...
+        >>> double = fx.sharded_apply(lambda x: 2 * x, out_placements=None)
+        >>> double(torch.ones(2)).tolist()                    # plain tensors: just the function
+        [2.0, 2.0]
+    """
+    if isinstance(tx, GradientTransformation):
+        if in_placements is not None or out_placements is not None or mesh is not None:
+            raise TypeError("sharded_apply: in_placements, out_placements and mesh are for functions; a "
+                            f"transform ({tx!r}) keeps the placements of its params")
+        return _sharded_transform(tx, shard_over=shard_over)
+    if not callable(tx):
+        raise TypeError(f"sharded_apply: expected a GradientTransformation or a function, got {type(tx).__name__}")
+    if shard_over is not None:
+        raise TypeError("sharded_apply: shard_over is for transforms (optimizer state), not functions")
+    return _local_map(tx, in_placements, out_placements, mesh)
+
+
+sharded_apply.is_transform_factory = True  # the conformance test runs it like every public transform
+
+
+def _refuse(tx: GradientTransformation) -> None:
+    if not is_elementwise(tx):
+        raise ValueError(
+            f"sharded_apply: {tx!r} is not elementwise (it reduces across elements or leaves, e.g. a "
+            "global norm, or is a stateless function of unknown nature): on local shards it would compute "
+            "a per-shard answer. Apply it outside: chain(clip_by_global_norm(...), sharded_apply(adamw(...)))")
+
+
+# --- the transform -------------------------------------------------------------------------------------
+
+def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> GradientTransformation:
+    _refuse(tx)
+    inner = kernel(tx)
+
+    def init_fn(params):
+        flat_p, pspec = tree.flatten(params)
+        roles = _roles(flat_p, shard_over)
+        local = tree.unflatten(pspec, [_local_param(x, role) for x, role in zip(flat_p, roles)])
+        return _wrap_state(tx.init(local), flat_p, pspec, roles)
+
+    def update_fn(updates, state, params=None):
+        flat_u, uspec = tree.flatten(updates)
+        flat_p, pspec = tree.flatten(params) if params is not None else ([None] * len(flat_u), None)
+        if len(flat_p) != len(flat_u):
+            raise ValueError(f"updates do not match params: the trees differ at '{tree.first_mismatch(updates, params)}'")
+        roles = _roles([p if p is not None else u for p, u in zip(flat_p, flat_u)], shard_over)
+        flat_u = _sync_grads(flat_u, roles)
+        zero = _Zero.build(flat_u, roles) if any(r is not None for r in roles) else None
+        paths = None
+        local_u = []
+        for i, (u, p) in enumerate(zip(flat_u, flat_p)):
+            if isinstance(u, DTensor):
+                if roles[i] is None and isinstance(p, DTensor) and u.placements != p.placements:
+                    paths = paths or tree.paths(updates)
+                    raise ValueError(f"the gradient at '{paths[i]}' has placements {u.placements} but its "
+                                     f"param has {p.placements} (redistribute it first)")
+                local_u.append(u._local_tensor)
+            else:
+                local_u.append(u)
+        if zero is not None:
+            zero.scatter(local_u)
+        local_p = [_local_param(p, role) for p, role in zip(flat_p, roles)]
+        flat_s, sspec = tree.flatten(state)
+        local_s = [x._local_tensor if isinstance(x, DTensor) else x for x in flat_s]
+
+        new_u, new_s = inner(tree.unflatten(uspec, local_u), tree.unflatten(sspec, local_s),
+                             None if params is None else tree.unflatten(pspec, local_p))
+
+        out_u, out_uspec = tree.flatten(new_u)
+        if zero is not None:
+            out_u = zero.gather(out_u, flat_u)
+        out_u = [_rewrap(n, old, lo) for n, old, lo in zip(out_u, flat_u, local_u)]
+        out_s, out_sspec = tree.flatten(new_s)
+        if out_sspec != sspec:
+            raise ValueError(f"the state structure of {tx!r} changed inside sharded_apply")
+        out_s = [_rewrap(n, old, lo) for n, old, lo in zip(out_s, flat_s, local_s)]
+        return tree.unflatten(out_uspec, out_u), tree.unflatten(sspec, out_s)
+
+    # Partial gradients come in unreduced (train_step skips its reduce_partials): ZeRO leaves are
+    # reduce-scattered, the rest reduced here, packed.
+    update_fn.takes_partial_grads = True
+    update_fn.elementwise = shard_over is None  # ZeRO leaves need collectives: not nestable in a local map
+    return GradientTransformation(init_fn, update_fn)
+
+
+_factory.__name__ = _factory.__qualname__ = "sharded_apply"
+_sharded_transform = transform(elementwise=None)(_factory)
+
+
+# --- leaves: roles, local pieces, rewrapping -------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Role:
+    """A ZeRO leaf: ``Replicate`` over mesh dim ``dim`` of size ``n``; this rank holds rows [start, stop)."""
+
+    dim: int
+    n: int
+    start: int
+    stop: int
+
+
+def _roles(flat: list, shard_over: str | None) -> list:
+    return [_role(x, shard_over) for x in flat] if shard_over is not None else [None] * len(flat)
+
+
+def _role(x: Any, shard_over: str) -> _Role | None:
+    if not isinstance(x, DTensor):
+        return None
+    mesh = x.device_mesh
+    names = mesh.mesh_dim_names or ()
+    if shard_over not in names or x.ndim == 0 or mesh.get_coordinate() is None:
+        return None
+    d = names.index(shard_over)
+    if not x.placements[d].is_replicate() and not x.placements[d].is_partial():
+        return None  # already sharded over that dim (FSDP): the local math is enough
+    if any(isinstance(p, Shard) and p.dim == 0 for p in x.placements):
+        return None  # rows already split on another mesh dim: a Shard(0) over dp would mean another layout
+    rows, n, r = x._local_tensor.shape[0], mesh.size(d), mesh.get_local_rank(d)
+    c = -(-rows // n)  # DTensor's Shard(0) split: ceil(rows / n) per rank, the last ones shorter or empty
+    start = min(r * c, rows)
+    return _Role(d, n, start, min(start + c, rows))
+
+
+def _local_param(x: Any, role: _Role | None) -> Any:
+    if not isinstance(x, DTensor):
+        return x
+    local = x._local_tensor
+    return local if role is None else local[role.start:role.stop]
+
+
+def _state_placements(x: DTensor, role: _Role | None) -> tuple:
+    if role is None:
+        return tuple(x.placements)
+    return tuple(Shard(0) if d == role.dim else p for d, p in enumerate(x.placements))
+
+
+def _wrap_state(state: Any, flat_p: list, pspec: Any, roles: list) -> Any:
+    """``state`` with every leaf of a params-shaped subtree (``mu``, ``nu``...) made a DTensor like its param."""
+    def wrap(node):
+        flat, spec = tree.flatten(node)
+        out = []
+        for s, p, role in zip(flat, flat_p, roles):
+            if isinstance(p, DTensor) and isinstance(s, torch.Tensor) and not isinstance(s, DTensor) \
+                    and s.shape == _local_param(p, role).shape:
+                placements = [q if not q.is_partial() else Replicate() for q in _state_placements(p, role)]
+                s = DTensor.from_local(s, p.device_mesh, placements, run_check=False, shape=p.shape,
+                                       stride=_contiguous_stride(p.shape))
+            out.append(s)
+        return tree.unflatten(spec, out)
+
+    # Optax's tree_map_params idea: a subtree with the params' structure holds per-param state.
+    return optree.tree_map(wrap, state, is_leaf=lambda n: tree.structure(n) == pspec, none_is_leaf=True,
+                           namespace="fxtrain")
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _rewrap(new: Any, old: Any, old_local: Any) -> Any:
+    """``new`` (a local result) as a DTensor like ``old``; ``old`` itself when the kernel wrote in place."""
+    if not isinstance(old, DTensor) or not isinstance(new, torch.Tensor) or isinstance(new, DTensor):
+        return new
+    if new is old_local:
+        return old  # in place: the DTensor already holds the result, no from_local
+    return DTensor.from_local(new, old.device_mesh, old.placements, run_check=False, shape=old.shape,
+                              stride=old.stride())
+
+
+def _sync_grads(flat_u: list, roles: list) -> list:
+    """``Partial`` gradients of non-ZeRO leaves reduced (packed), and ZeRO leaves' Partial dims other than dp."""
+    todo = [i for i, (u, role) in enumerate(zip(flat_u, roles)) if isinstance(u, DTensor)
+            and any(p.is_partial() and (role is None or d != role.dim) for d, p in enumerate(u.placements))]
+    if not todo:
+        return flat_u
+    reduced = distributed.reduce_partials([flat_u[i] for i in todo])
+    out = list(flat_u)
+    for i, x in zip(todo, reduced):
+        out[i] = x
+    return out
+
+
+# --- ZeRO: one reduce-scatter and one all-gather per (mesh, dp dim, dtype, reduce op) -------------------
+
+@dataclasses.dataclass
+class _Group:
+    mesh: Any
+    dim: int
+    reduce_op: str | None  # the Partial op over dp, None for Replicate gradients
+    positions: list  # leaf indices
+    rows: list  # per leaf: [(start, stop) for every rank along dp]
+    row_numel: list  # per leaf: elements per row of the local piece
+    shapes: list  # per leaf: the local piece's shape
+    seg: int = 0  # padded segment length (elements per rank)
+
+
+class _Zero:
+    """The packing of ZeRO leaves: rank-major segments of rows, each padded to one length."""
+
+    def __init__(self, groups: list[_Group], n_leaves: int):
+        self.groups = groups
+        self.n_leaves = n_leaves
+        self.mine: dict[int, tuple[int, int]] = {}
+
+    @staticmethod
+    def build(flat_u: list, roles: list) -> _Zero | None:
+        groups: dict[tuple, _Group] = {}
+        for i, (u, role) in enumerate(zip(flat_u, roles)):
+            if role is None or u is None:
+                continue
+            p = u.placements[role.dim]
+            op = p.reduce_op if p.is_partial() else None
+            key = (id(u.device_mesh), role.dim, u.dtype, op)
+            g = groups.get(key)
+            if g is None:
+                g = groups[key] = _Group(u.device_mesh, role.dim, op, [], [], [], [])
+            shape = tuple(u._local_tensor.shape)
+            c = -(-shape[0] // role.n)
+            g.positions.append(i)
+            g.rows.append([(min(k * c, shape[0]), min(min(k * c, shape[0]) + c, shape[0])) for k in range(role.n)])
+            g.row_numel.append(math.prod(shape[1:]))
+            g.shapes.append(shape)
+        for g in groups.values():
+            n = len(g.rows[0])
+            g.seg = max(sum((r[k][1] - r[k][0]) * m for r, m in zip(g.rows, g.row_numel)) for k in range(n))
+        return _Zero(list(groups.values()), len(flat_u)) if groups else None
+
+    def scatter(self, local_u: list) -> None:
+        """Replaces each ZeRO leaf's local gradient by this rank's rows of the reduced gradient."""
+        for g in self.groups:
+            n, r = len(g.rows[0]), g.mesh.get_local_rank(g.dim)
+            flats = [local_u[i].reshape(-1) for i in g.positions]
+            views = []
+            for k in range(n):
+                used = 0
+                for f, rows, m in zip(flats, g.rows, g.row_numel):
+                    views.append(f[rows[k][0] * m:rows[k][1] * m])
+                    used += (rows[k][1] - rows[k][0]) * m
+                if used < g.seg:
+                    views.append(flats[0].new_zeros(g.seg - used))
+            send = torch.cat(views)
+            mine = distributed.reduce_scatter_flat(send, g.mesh, g.dim, reduce_op=g.reduce_op)
+            sizes = [(rows[r][1] - rows[r][0]) * m for rows, m in zip(g.rows, g.row_numel)]
+            pieces = torch.split(mine[:sum(sizes)], sizes)
+            for i, piece, rows, shape in zip(g.positions, pieces, g.rows, g.shapes):
+                local_u[i] = piece.view((rows[r][1] - rows[r][0],) + shape[1:])
+
+    def gather(self, out_u: list, flat_u: list) -> list:
+        """Each ZeRO leaf's update rows of every rank, all-gathered: DTensors ``Replicate`` over dp."""
+        out_u = list(out_u)
+        for g in self.groups:
+            n, r = len(g.rows[0]), g.mesh.get_local_rank(g.dim)
+            present = [out_u[i] for i in g.positions]
+            used = sum(x.numel() for x in present)
+            mine = present + ([present[0].new_zeros(g.seg - used)] if used < g.seg else [])
+            full = distributed.all_gather_flat(torch.cat([x.reshape(-1) for x in mine]), g.mesh, g.dim)
+            # Leaf-major order: leaf i is the concatenation of its rows from every rank's segment.
+            offsets = [0] * n
+            views = []
+            for rows, m in zip(g.rows, g.row_numel):
+                for k in range(n):
+                    size = (rows[k][1] - rows[k][0]) * m
+                    views.append(full[k * g.seg + offsets[k]:k * g.seg + offsets[k] + size])
+                    offsets[k] += size
+            flat = torch.cat(views)
+            for i, piece, shape in zip(g.positions, torch.split(flat, [math.prod(s) for s in g.shapes]), g.shapes):
+                u = flat_u[i]
+                placements = tuple(Replicate() if d == g.dim else p for d, p in enumerate(u.placements))
+                out_u[i] = DTensor.from_local(piece.view(shape), g.mesh, placements, run_check=False,
+                                              shape=u.shape, stride=u.stride())
+        return out_u
+
+
+# --- the function form ---------------------------------------------------------------------------------
+
+def _local_map(fn: Callable, in_placements: Any, out_placements: Any, mesh: Any) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args):
+        specs = _per_arg(in_placements, len(args))
+        found = [mesh]
+        local_args = []
+        for a, (arg, want) in enumerate(zip(args, specs)):
+            flat, spec = tree.flatten(arg)
+            partial_ok = want is not None and any(p.is_partial() for p in want)
+            if not partial_ok and any(isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
+                                      for x in flat):
+                flat = tree.flatten(distributed.reduce_partials(tree.unflatten(spec, flat)))[0]
+            out = []
+            for path, x in zip(tree.paths(arg), flat):
+                if isinstance(x, DTensor):
+                    if want is not None and tuple(x.placements) != tuple(want):
+                        raise ValueError(f"sharded_apply({_fname(fn)}): argument {a} at '{path}' has placements "
+                                         f"{tuple(x.placements)}, in_placements asks for {tuple(want)}")
+                    if found[0] is None:
+                        found[0] = x.device_mesh
+                    elif x.device_mesh != found[0]:
+                        raise ValueError(f"sharded_apply({_fname(fn)}): argument {a} at '{path}' is on {x.device_mesh}, "
+                                         f"another input on {found[0]}: one function runs on one mesh")
+                    x = x._local_tensor
+                out.append(x)
+            local_args.append(tree.unflatten(spec, out))
+        result = fn(*local_args)
+        if out_placements is None or found[0] is None:
+            return result
+        return _wrap_outputs(result, out_placements, found[0])
+
+    return wrapped
+
+
+def _is_placements(x: Any) -> bool:
+    return isinstance(x, (tuple, list)) and len(x) > 0 and all(hasattr(p, "is_shard") for p in x)
+
+
+def _per_arg(in_placements: Any, n: int) -> list:
+    if in_placements is None:
+        return [None] * n
+    if _is_placements(in_placements):
+        return [tuple(in_placements)] * n
+    if len(in_placements) != n:
+        raise ValueError(f"sharded_apply: in_placements has {len(in_placements)} entries for {n} arguments")
+    return [None if p is None else tuple(p) for p in in_placements]
+
+
+def _wrap_outputs(result: Any, out_placements: Any, mesh: Any) -> Any:
+    def wrap(x, placements):
+        if not isinstance(x, torch.Tensor) or placements is None:
+            return x
+        return DTensor.from_local(x, mesh, placements, run_check=False)
+
+    if _is_placements(out_placements):
+        return tree.map(lambda x: wrap(x, tuple(out_placements)), result)
+    if not isinstance(result, tuple) or len(result) != len(out_placements):
+        raise ValueError(f"sharded_apply: out_placements has {len(out_placements)} entries, the function "
+                         f"returned {len(result) if isinstance(result, tuple) else 1} outputs")
+    return tuple(tree.map(lambda x, p=p: wrap(x, p), r) for r, p in zip(result, out_placements))
+
+
+def _fname(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)

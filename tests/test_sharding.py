@@ -1,0 +1,454 @@
+"""Tests for fxtrain/transforms/_sharding.py: sharded_apply on DTensor shards across gloo worlds of 2 and 4
+CPU ranks, against the same transform on full tensors in one process.
+
+As in tests/test_distributed.py, each world size is spawned once per session and runs every case; each
+case is reported as its own test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxtrain as fx
+
+CASES: dict = {}  # name -> (function(world), world sizes)
+WORLDS = (2, 4)
+TIMEOUT_S = 180
+STEPS = 10
+OPTIMIZERS = {
+    "adamw": lambda: fx.adamw(1e-2, weight_decay=1e-2),
+    "lion": lambda: fx.lion(1e-3, weight_decay=1e-2),
+    "sgd_momentum": lambda: fx.sgd(1e-2, momentum=0.9, nesterov=True),
+}
+
+
+def case(*worlds: int):
+    def register(fn):
+        CASES[fn.__name__.removeprefix("case_")] = (fn, worlds or WORLDS)
+        return fn
+    return register
+
+
+# --- helpers run inside the ranks ---------------------------------------------------------------------
+
+_MESHES: dict = {}
+
+
+def meshes(world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not _MESHES:
+        _MESHES["1d"] = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        _MESHES["2d"] = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    return _MESHES
+
+
+def randn(seed: int, *shape: int) -> torch.Tensor:
+    """The same tensor on every rank, in multiples of 2**-10: sums of Partial pieces are exact in float32
+    in any order, so a reduce-scatter matches the full gradient bit for bit."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return ((x * 1024).round() / 1024).float()
+
+
+def dt(x, mesh, *placements):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(x.clone(), mesh, list(placements))  # local pieces may be views of x: donation writes there
+
+
+def full(x):
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def partial_grad(x: torch.Tensor, mesh, dim_placements):
+    """A DTensor gradient equal to ``x`` whose ``Partial`` pieces differ on every rank (as autograd makes them)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    rank = dist.get_rank()
+    # rank r holds x / n + (r - mean) * noise: the pieces sum to x, none equals x / n.
+    noise = (randn(999, *x.shape) * 4).round() / 4
+    n = dist.get_world_size()
+    piece = x / n + (rank - (n - 1) / 2) * noise
+    return DTensor.from_local(piece, mesh, [Partial()])
+
+
+def run_both(tx_sharded, tx_ref, params_d, params_ref, grads_fn, steps=STEPS, donate=True):
+    """``steps`` updates of the sharded transform on DTensors and of the reference on full tensors."""
+    state_d, state_r = tx_sharded.init(params_d), tx_ref.init(params_ref)
+    for k in range(steps):
+        gd, gr = grads_fn(k)
+        if donate:
+            u, state_d = fx.update_(tx_sharded, gd, state_d, params_d)
+            params_d = apply(params_d, u)
+        else:
+            u, state_d = tx_sharded.update(gd, state_d, params_d)
+            params_d = apply(params_d, u)
+        ur, state_r = tx_ref.update(gr, state_r, params_ref)
+        params_ref = fx.apply_updates(params_ref, ur)
+    return params_d, state_d, params_ref, state_r
+
+
+def apply(params, updates):
+    """``params + updates`` leaf by leaf (fx.apply_updates' one _foreach_add_ refuses trees mixing DTensors
+    and plain tensors)."""
+    return fx.tree.map(lambda p, u: p if u is None else p + u, params, updates)
+
+
+def assert_close(a, b, rtol=1e-6):
+    from fxtrain.testing import assert_trees_close
+
+    assert_trees_close(a, b, rtol=rtol, atol=1e-7)
+
+
+def check_state_like_params(state, params, zero_dim=None):
+    """Every state leaf that is a DTensor has its param's mesh and placements (Shard(0) over dp for ZeRO)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mu = state[0].mu if hasattr(state[0], "mu") else state[0].trace
+    for path, m, p in zip(fx.tree.paths(params), fx.tree.flatten(mu)[0], fx.tree.flatten(params)[0]):
+        if isinstance(p, DTensor):
+            assert isinstance(m, DTensor), path
+            want = list(p.placements)
+            if zero_dim is not None and p.ndim > 0 and want[zero_dim].is_replicate():
+                want[zero_dim] = Shard(0)
+            assert list(m.placements) == want and m.device_mesh is p.device_mesh and m.shape == p.shape, \
+                (path, m.placements, want)
+        else:
+            assert not isinstance(m, DTensor), path
+
+
+def state_bytes(state) -> int:
+    return sum(x.numel() * x.element_size() for x in fx.distributed.local_leaves(state))
+
+
+def comm_counts(fn) -> dict:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        fn()
+    return {str(k): v for k, v in comm.get_comm_counts().items()}
+
+
+def mixed(world):
+    """Shard (even, uneven, empty pieces), 2-D, Replicate, plain and None leaves."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    ms = meshes(world)
+    xs = {"even": randn(1, 4 * world, 3), "uneven": randn(2, world + 1, 5), "tiny": randn(3, 1, 4),
+          "tp": randn(4, 6, 4), "rep": randn(5, 7), "plain": randn(6, 3)}
+    places = {"even": (ms["1d"], Shard(0)), "uneven": (ms["1d"], Shard(0)), "tiny": (ms["1d"], Shard(0)),
+              "tp": (ms["2d"], Replicate(), Shard(1)), "rep": (ms["1d"], Replicate())}
+    params = {k: dt(x, places[k][0], *places[k][1:]) if k in places else x.clone() for k, x in xs.items()}
+    params["frozen"] = None
+    ref = {**{k: x.clone() for k, x in xs.items()}, "frozen": None}
+
+    def grads(k):
+        gs = {n: randn(100 * k + i, *x.shape) for i, (n, x) in enumerate(xs.items())}
+        gd = {n: dt(g, places[n][0], *places[n][1:]) if n in places else g.clone() for n, g in gs.items()}
+        gd["rep"] = partial_grad(gs["rep"], ms["1d"], None)  # data-parallel gradient: reduced first
+        return {**gd, "frozen": None}, {**gs, "frozen": None}
+
+    return params, ref, grads
+
+
+# --- cases ------------------------------------------------------------------------------------------
+
+@case()
+def case_optimizers_on_local_shards_match_full_tensors(world):
+    for name, build in OPTIMIZERS.items():
+        for donate in (True, False):
+            params, ref, grads = mixed(world)
+            tx = fx.sharded_apply(build())
+            pd, sd, pr, sr = run_both(tx, build(), params, ref, grads, donate=donate)
+            assert_close(pd, pr)
+            assert_close(sd, sr)
+            check_state_like_params(sd, pd)
+            for k in ("even", "uneven", "tp"):  # updates and params keep their specs
+                assert pd[k].placements == params[k].placements and pd[k].stride() == params[k].stride()
+
+
+@case()
+def case_update_runs_without_dtensor_dispatch_or_communication(world):
+    from torch.distributed.tensor import Shard
+
+    m = meshes(world)["1d"]
+    params = [dt(randn(i, 2 * world, 3), m, Shard(0)) for i in range(8)]
+    grads = [dt(randn(50 + i, 2 * world, 3), m, Shard(0)) for i in range(8)]
+    tx = fx.sharded_apply(fx.adamw(1e-3))
+    state = tx.init(params)
+    assert comm_counts(lambda: tx.update(grads, state, params)) == {}
+    # The donated kernel writes in place: the very same DTensor objects come back.
+    u, s = fx.update_(tx, grads, state, params)
+    assert all(a is b for a, b in zip(u, grads)) and s[0].mu[0] is state[0].mu[0]
+
+
+@case()
+def case_shard_over_dp_matches_unsharded_with_1_over_n_state(world):
+    from torch.distributed.tensor import Replicate
+
+    m = meshes(world)["1d"]
+    xs = {"even": randn(10, 4 * world, 3), "uneven": randn(11, world + 1, 5), "tiny": randn(12, 1, 3),
+          "bias": randn(13, 2 * world - 1), "scalar": randn(14)}
+    for name, build in OPTIMIZERS.items():
+        for partial in (True, False):
+            params = {k: dt(x, m, Replicate()) for k, x in xs.items()}
+            ref = {k: x.clone() for k, x in xs.items()}
+
+            def grads(k):
+                gs = {n: randn(200 * k + i, *x.shape) for i, (n, x) in enumerate(xs.items())}
+                if partial:
+                    gd = {n: partial_grad(g, m, None) for n, g in gs.items()}
+                else:
+                    gd = {n: dt(g, m, Replicate()) for n, g in gs.items()}
+                return gd, gs
+
+            tx = fx.sharded_apply(build(), shard_over="dp")
+            pd, sd, pr, sr = run_both(tx, build(), params, ref, grads)
+            assert_close(pd, pr)
+            assert_close(sd, sr)  # full_tensor of Shard(0) state = the reference state: DTensor's row split
+            check_state_like_params(sd, pd, zero_dim=0)
+            for k in xs:
+                assert pd[k].placements == (Replicate(),)
+    # Per-rank optimizer-state bytes, measured from the state trees: 1/n when the rows divide.
+    params = {k: dt(randn(20 + i, 4 * world, 8), m, Replicate()) for i, k in enumerate("abc")}
+    for build in OPTIMIZERS.values():
+        plain = state_bytes(fx.sharded_apply(build()).init(params))
+        sharded = state_bytes(fx.sharded_apply(build(), shard_over="dp").init(params))
+        state = fx.sharded_apply(build(), shard_over="dp").init(params)
+        counts = sum(x.numel() * x.element_size() for x in fx.tree.leaves(state) if not hasattr(x, "placements"))
+        assert sharded - counts == (plain - counts) / world, (plain, sharded, counts)  # the count is not sharded
+
+
+@case(4)
+def case_shard_over_dp_on_2d_mesh_with_tp(world):
+    from torch.distributed.tensor import Replicate, Shard
+
+    m = meshes(world)["2d"]
+    xs = {"w": randn(30, 5, 6), "b": randn(31, 3), "col": randn(32, 4, 8)}
+    places = {"w": (Replicate(), Shard(1)), "b": (Replicate(), Replicate()), "col": (Replicate(), Shard(0))}
+    params = {k: dt(x, m, *places[k]) for k, x in xs.items()}
+    ref = {k: x.clone() for k, x in xs.items()}
+
+    def grads(k):
+        gs = {n: randn(300 * k + i, *x.shape) for i, (n, x) in enumerate(xs.items())}
+        return {n: dt(g, m, *places[n]) for n, g in gs.items()}, gs
+
+    tx = fx.sharded_apply(fx.adamw(1e-2), shard_over="dp")
+    pd, sd, pr, sr = run_both(tx, fx.adamw(1e-2), params, ref, grads)
+    assert_close(pd, pr)
+    assert_close(sd, sr)
+    assert sd[0].mu["w"].placements == (Shard(0), Shard(1))
+    assert sd[0].mu["col"].placements == (Replicate(), Shard(0))  # rows split over tp already: local math
+
+
+@case()
+def case_shard_over_collectives_do_not_grow_with_leaves(world):
+    from torch.distributed.tensor import Replicate
+
+    m = meshes(world)["1d"]
+    tx = fx.sharded_apply(fx.adamw(1e-3), shard_over="dp")
+    counts = []
+    for n_leaves in (1, 16):
+        params = [dt(randn(i, 3, 5), m, Replicate()) for i in range(n_leaves)]
+        grads = [partial_grad(randn(40 + i, 3, 5), m, None) for i in range(n_leaves)]
+        state = tx.init(params)
+        counts.append(comm_counts(lambda: tx.update(grads, state, params)))
+    assert counts[0] == counts[1] and sum(counts[0].values()) == 2, counts  # reduce-scatter + all-gather
+
+
+@case()
+def case_train_step_data_parallel_with_shard_over(world):
+    """Replicate params, batch Shard(0): Partial gradients reach sharded_apply unreduced (one reduce-scatter)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    m = meshes(world)["1d"]
+    w0, b0 = randn(60, 3, 2), randn(61, 2)
+    x, y = randn(62, 4 * world, 3), randn(63, 4 * world, 2)
+
+    def loss_fn(p, batch):
+        xb, yb = batch
+        return ((xb @ p["w"] + p["b"] - yb) ** 2).sum() / (4 * world)
+
+    tx = fx.sharded_apply(fx.adamw(1e-2), shard_over="dp")
+    params = {"w": dt(w0, m, Replicate()), "b": dt(b0, m, Replicate())}
+    step = fx.train_step(loss_fn, tx)
+    state = tx.init(params)
+    batch = (dt(x, m, Shard(0)), dt(y, m, Shard(0)))
+    ref_tx = fx.adamw(1e-2)
+    ref = {"w": w0.clone(), "b": b0.clone()}
+    ref_step = fx.train_step(loss_fn, ref_tx)
+    ref_state = ref_tx.init(ref)
+    for _ in range(5):
+        params, state, _ = step(params, state, batch)
+        ref, ref_state, _ = ref_step(ref, ref_state, (x, y))
+    assert_close(params, ref, rtol=1e-5)
+    assert params["w"].placements == (Replicate(),)
+
+
+@case()
+def case_refuses_global_reductions(world):
+    from torch.distributed.tensor import Shard
+
+    for tx in (fx.clip_by_global_norm(1.0), fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(1e-3))):
+        with pytest.raises(ValueError, match="clip_by_global_norm"):
+            fx.sharded_apply(tx)
+    m = meshes(world)["1d"]
+    # A gradient laid out unlike its param is named, not silently mis-updated.
+    from torch.distributed.tensor import Replicate
+
+    p = {"w": dt(randn(1, 2 * world, 2), m, Shard(0))}
+    g = {"w": dt(randn(2, 2 * world, 2), m, Replicate())}
+    tx = fx.sharded_apply(fx.sgd(0.1))
+    with pytest.raises(ValueError, match="'w'"):
+        tx.update(g, tx.init(p), p)
+
+
+@case()
+def case_function_form(world):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    m = meshes(world)["1d"]
+    a, b = randn(70, 2 * world, 3), randn(71, 2 * world, 3)
+    fma = fx.sharded_apply(lambda x, y: x * y + 1, in_placements=(Shard(0),), out_placements=(Shard(0),))
+    out = fma(dt(a, m, Shard(0)), dt(b, m, Shard(0)))
+    assert out.placements == (Shard(0),)
+    torch.testing.assert_close(full(out), a * b + 1)
+    xa, xb = dt(a, m, Shard(0)), dt(b, m, Shard(0))
+    assert comm_counts(lambda: fma(xa, xb)) == {}
+    with pytest.raises(ValueError, match="in_placements asks for"):
+        fma(dt(a, m, Replicate()), dt(b, m, Shard(0)))
+    # Partial inputs are reduced before a non-linear function sees them.
+    relu = fx.sharded_apply(torch.relu, in_placements=[(Replicate(),)], out_placements=(Replicate(),))
+    torch.testing.assert_close(full(relu(partial_grad(a, m, None))), torch.relu(a), rtol=1e-6, atol=1e-6)
+    # Trees in, trees out.
+    step = fx.sharded_apply(lambda t: {k: v * 2 for k, v in t.items()}, out_placements=(Shard(0),))
+    res = step({"a": dt(a, m, Shard(0)), "b": dt(b, m, Shard(0))})
+    torch.testing.assert_close(full(res["b"]), b * 2)
+
+
+# --- single process ----------------------------------------------------------------------------------
+
+def test_repr_and_refusal_names_the_transform():
+    assert repr(fx.sharded_apply(fx.adamw(0.001))) == "sharded_apply(adamw(0.001))"
+    assert repr(fx.sharded_apply(fx.adamw(0.001), shard_over="dp")) == "sharded_apply(shard_over='dp', adamw(0.001))"
+    for tx, name in ((fx.clip_by_global_norm(1.0), "clip_by_global_norm(1.0)"),
+                     (fx.stateless(lambda u, p: u), "stateless(<lambda>)"),
+                     (fx.chain(fx.clip_by_global_norm(2.0), fx.sgd(0.1)), "clip_by_global_norm(2.0)")):
+        with pytest.raises(ValueError, match=r"sharded_apply: .*" + name.replace("(", r"\(").replace(")", r"\)")):
+            fx.sharded_apply(tx)
+    assert fx.is_elementwise(fx.sharded_apply(fx.lion(1e-4)))
+    assert not fx.is_elementwise(fx.sharded_apply(fx.lion(1e-4), shard_over="dp"))
+    with pytest.raises(TypeError, match="for functions"):
+        fx.sharded_apply(fx.sgd(0.1), out_placements=())
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("shard_over", [None, "dp"])
+def test_plain_leaves_pass_through_the_inner_transform(name, shard_over):
+    from fxtrain.testing import nested_params
+
+    params, ref = nested_params(0), nested_params(0)
+    tx, inner = fx.sharded_apply(OPTIMIZERS[name](), shard_over=shard_over), OPTIMIZERS[name]()
+    s, sr = tx.init(params), inner.init(ref)
+    for k in range(3):
+        u, s = tx.update(nested_params(k + 1), s, params)
+        ur, sr = inner.update(nested_params(k + 1), sr, ref)
+        params, ref = fx.apply_updates(params, u), fx.apply_updates(ref, ur)
+    from fxtrain.testing import assert_trees_close
+
+    assert_trees_close(params, ref, rtol=0, atol=0)
+    assert_trees_close(s, sr, rtol=0, atol=0)
+
+
+# --- the rank entry point and the pytest side ------------------------------------------------------------
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    results = {}
+    for name, (fn, worlds) in CASES.items():
+        if world not in worlds:
+            continue
+        torch.manual_seed(0)
+        try:
+            fn(world)
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported by the pytest side, per case
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_RESULTS: dict = {}
+
+
+def _spawn(world: int, out_dir) -> list[dict]:
+    if world in _RESULTS:
+        return _RESULTS[world]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    port = _free_port()
+    logs = [open(os.path.join(out_dir, f"log{r}.txt"), "w+") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(out_dir)],
+                              env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+    results = []
+    for r in range(world):
+        path = os.path.join(out_dir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results.append(json.load(f))
+        else:
+            logs[r].seek(0)
+            results.append({"__crash__": f"rank {r} wrote no results (exit {procs[r].returncode}):\n{logs[r].read()[-4000:]}"})
+    for f in logs:
+        f.close()
+    _RESULTS[world] = results
+    return results
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    return lambda world: _spawn(world, tmp_path_factory.mktemp(f"world{world}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,name", [(w, n) for n, (_, ws) in CASES.items() for w in ws])
+def test_case(spawned, world, name):
+    results = spawned(world)
+    for rank, res in enumerate(results):
+        if "__crash__" in res:
+            pytest.fail(res["__crash__"])
+        assert name in res, f"rank {rank} did not run {name}"
+        if res[name] != "ok":
+            pytest.fail(f"rank {rank} of {world}:\n{res[name]}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
