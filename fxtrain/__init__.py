@@ -21,14 +21,70 @@ from fxtrain._base import (
 )
 
 # --- transforms and optimizers (fxtrain/transforms/, fxtrain/optimizers.py)
-from fxtrain.transforms._scaling import scale
+from fxtrain.optimizers import adagrad, adam, adamw, lion, rmsprop, sgd
+from fxtrain.transforms._adam import ScaleByAdamState, scale_by_adam
+from fxtrain.transforms._lion import ScaleByLionState, scale_by_lion
+from fxtrain.transforms._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fxtrain.transforms._momentum import TraceState, trace
+from fxtrain.transforms._rms import (
+    ScaleByRmsState,
+    ScaleByRmsWithCountState,
+    ScaleByRssState,
+    ScaleByRStdDevState,
+    ScaleByRStdDevWithCountState,
+    scale_by_rms,
+    scale_by_rss,
+    scale_by_stddev,
+)
+from fxtrain.transforms._scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule
+from fxtrain.transforms._weight_decay import WeightDecaySchedule, add_decayed_weights
 
 # --- schedules and hyperparameter injection (fxtrain/schedules.py, fxtrain/transforms/_hyperparams.py)
+from fxtrain.schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    exponential_decay,
+    join_schedules,
+    linear_schedule,
+    piecewise_constant_schedule,
+    warmup_cosine_decay_schedule,
+)
+from fxtrain.transforms._conditionality import ApplyIfFiniteState, apply_if_finite
+from fxtrain.transforms._hyperparams import InjectHyperparamsState, inject_hyperparams
 
 # --- clipping and distributed norms (fxtrain/transforms/_clipping.py, fxtrain/distributed.py)
+from fxtrain.distributed import global_norm
+from fxtrain.transforms._clipping import ClipByGlobalNormState, clip, clip_by_global_norm
 
 # --- train step (fxtrain/step.py)
+from fxtrain.step import train_step
 
 # --- functional models (fxtrain/functional.py)
+from fxtrain.functional import functional
+
+# --- mixed precision (fxtrain/amp.py)
+from fxtrain.amp import (
+    AmpCastState,
+    DynamicLossScale,
+    DynamicLossScaleState,
+    NoLossScale,
+    Policy,
+    StaticLossScale,
+    StaticLossScaleState,
+    amp_cast,
+    amp_preset,
+)
+
+# --- accumulation (fxtrain/transforms/_accumulation.py)
+from fxtrain.transforms._accumulation import AccumulateState, accumulate, microbatch
+
+# --- checkpointing (fxtrain/checkpoint.py)
+from fxtrain.checkpoint import CheckpointError, TrainState, load, rng_state, save, set_rng_state
+
+# --- JAX interop (fxtrain/interop/): JAX stays optional, imported only when an interop function runs
+from fxtrain import interop
+
+# --- sharded optimizer math (fxtrain/transforms/_sharding.py)
+from fxtrain.transforms._sharding import sharded_apply
 
 __version__ = "0.1.0"

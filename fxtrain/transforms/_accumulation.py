@@ -1,0 +1,363 @@
+"""Gradient accumulation: ``accumulate`` (Optax's ``MultiSteps``, the functional ``no_sync``) and ``microbatch``.
+
+``accumulate(tx, every=k)`` sums the gradients of k calls and runs ``tx`` once on their mean: k micro-
+batches of size b give the update of one batch of k*b, with the activation memory of b. ``microbatch``
+does the same inside one call, for a caller who holds the whole batch.
+
+Three choices, and why (measured on torch 2.13, CPU):
+
+* **The emit decision is taken on the host, from the state.** ``mini_step`` and ``emitted`` are 0-dim
+  int32 tensors that live on the CPU whatever the params' device (as ``torch.optim`` keeps its ``step``
+  counters on the CPU unless ``capturable``). Reading them is a read of host memory, never a device
+  sync, and they stay the single source of truth: they are checkpointed with the state, and a resumed
+  run decides exactly as the original. Knowing the decision on the host is what lets a non-emitting
+  call skip the inner transform entirely. The alternatives: Optax runs the inner transform on every call
+  and selects with ``where`` (a full optimizer step per micro-batch, discarded k-1 times in k);
+  ``torch.cond`` failed on fxtrain stacks (its branches must be captured whole by dynamo, which rejects
+  the optree specs the transforms build, ``None`` leaves and in-place kernels), and its eager
+  implementation reads the predicate on the host anyway (``if pred:`` in ``cond_op_dense``). Under
+  ``torch.compile`` the counter reads are graph breaks (measured: the update compiles to 3 graphs with
+  2 breaks, same results as eager): the accumulation and the inner update compile separately.
+* **Non-emitting calls return ``None`` updates.** ``None`` is fxtrain's "no update" leaf:
+  :func:`fxtrain.apply_updates` and :func:`fxtrain.apply_updates_` leave those params untouched, so a
+  donated :func:`fxtrain.train_step` writes nothing into the params between emissions. Optax returns a
+  tree of zeros; applying it would cost a pass over every parameter per micro-batch.
+* **Buffers change hands instead of being copied.** The kernel owns the gradients it is given (see
+  :mod:`fxtrain._base`), so the first call of a window keeps the gradient tensors as the accumulator (no
+  copy, no zeroing); the next calls add into it (one pass each); the emitting call adds its gradients,
+  hands the sum to the inner transform as its updates, and keeps the spent gradient buffers as the next
+  window's accumulator. Between windows ``acc`` holds no meaningful values (it is replaced before it is
+  read). With an ``accumulator_dtype`` the first call casts instead (a new buffer in that dtype).
+
+**Data parallel.** With replicated DTensor params and a batch sharded on dim 0, autograd returns
+``Partial(sum)`` gradients. Summing is linear, so ``accumulate`` adds their local pieces and the
+accumulator stays ``Partial`` (its placements say so: ``acc.full_tensor()`` is the true sum); the
+emitting call reduces them once (:func:`fxtrain.distributed.reduce_partials`: one packed all-reduce per
+mesh and placement) before the inner transform runs. Non-emitting calls communicate nothing: the
+functional form of DDP's ``no_sync``. :func:`fxtrain.train_step` reduces ``Partial`` gradients itself
+right after the backward pass unless the outermost transform takes them as they come
+(``update_fn.takes_partial_grads``, set here), so put ``accumulate`` outermost to defer communication.
+The accumulator keeps the gradients' ``Partial`` placements between windows too (spent buffers are
+reused), which a checkpoint of the state must be able to store.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+from fxtrain import distributed, tree
+from fxtrain._base import GradientTransformation, kernel, report, transform
+from fxtrain.transforms._hyperparams import safe_increment_
+from fxtrain.transforms._moments import as_dtype
+
+_NS = "fxtrain"
+
+
+class AccumulateState(NamedTuple):
+    """State of :func:`accumulate` (Optax's ``MultiStepsState``, with ``gradient_step`` named ``emitted``).
+
+    Attributes:
+      mini_step: calls accumulated in the current window (0-dim int32, on the CPU); 0 after an emission.
+      emitted: updates emitted so far (0-dim int32, on the CPU); ``every`` is a schedule of it.
+      acc: the running sum of this window's gradients, in the gradient dtype or ``accumulator_dtype``;
+        ``Partial`` DTensors stay ``Partial``. Meaningless while ``mini_step`` is 0.
+      inner_state: the state of the wrapped transform, changed only by emitting calls.
+    """
+
+    mini_step: torch.Tensor
+    emitted: torch.Tensor
+    acc: Any
+    inner_state: Any
+
+    def report(self) -> dict[str, torch.Tensor]:
+        """``emitted``, then what the inner state reports (``grad_norm``, ``loss_scale``...)."""
+        out = {"emitted": self.emitted}
+        for k, v in report(self.inner_state).items():  # this node hides the inner ones from the step's walk
+            out.setdefault(k, v)
+        return out
+
+
+@transform(elementwise=False)
+def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool = True,
+               accumulator_dtype: torch.dtype | str | None = None) -> GradientTransformation:
+    r"""Accumulates gradients over ``every`` calls and runs ``tx`` once on them (Optax's ``MultiSteps``).
+
+    With :math:`g_1 \dots g_k` the gradients of one window of :math:`k` = ``every(emitted)`` calls::
+
+        calls 1 .. k-1:  updates = None (no update; params unchanged), acc += g_i
+        call k:          updates, inner_state = tx.update(G, inner_state, params)
+                         G = (g_1 + ... + g_k) / k   (mean=True)   or   g_1 + ... + g_k   (mean=False)
+
+    ``tx`` runs once per emitted update, never on the other calls, and its state changes only then; its
+    ``wrap_loss`` sees that state, so ``amp_cast`` inside keeps one loss scale for a whole window (an
+    overflow in any micro-batch makes the sum non-finite: the window is skipped and the scale backs off
+    once). A non-emitting call costs one pass over the gradients (none on the window's first call) and
+    no communication. How and why: see the module docstring.
+
+    Args:
+      tx: the transform to run on the accumulated gradients, e.g. ``chain(clip_by_global_norm(1.0),
+        adamw(1e-3))``: clipping acts on the accumulated gradient, as on one big batch.
+      every: calls per update, an int >= 1, or a schedule: a callable of the number of updates emitted so
+        far (a Python int) returning the window length (varying the effective batch size, as Optax).
+      mean: divide the sum by the number of calls accumulated (the mean of the gradients of equal-size
+        micro-batches is the gradient of their union). ``False`` passes the sum.
+      accumulator_dtype: dtype of the accumulator (a ``torch.dtype`` or its name); ``None``: the gradient
+        dtype. The updates handed to ``tx`` have the gradient dtype.
+
+    Returns:
+      A transform with an :class:`AccumulateState`; ``emitted`` shows in :func:`fxtrain.train_step`'s
+      metrics.
+
+    Raises:
+      ValueError: ``every`` is not an int >= 1 or a callable (or the schedule returns a value < 1).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.accumulate(fx.sgd(1.0), every=2)
+        >>> tx
+        accumulate(every=2, sgd(1.0))
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = tx.init(params)
+        >>> u, state = tx.update({"w": torch.tensor([1.0, 2.0])}, state, params)
+        >>> u["w"] is None, int(state.mini_step)   # held: no update this call
+        (True, 1)
+        >>> u, state = tx.update({"w": torch.tensor([3.0, 4.0])}, state, params)
+        >>> u["w"].tolist(), int(state.emitted)    # -learning_rate * mean of the two gradients
+        ([-2.0, -3.0], 1)
+
+    References:
+      Optax, `MultiSteps <https://optax.readthedocs.io/en/latest/api/optimizer_wrappers.html>`_;
+      PyTorch DDP's `no_sync <https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html>`_.
+    """
+    window = _window_length(every)
+    dtype = as_dtype(accumulator_dtype, "accumulate: accumulator_dtype")
+    inner_kernel = kernel(tx)
+
+    def init_fn(params):
+        held = every != 1  # every=1 never holds a gradient: no accumulator memory
+        return AccumulateState(
+            mini_step=torch.zeros((), dtype=torch.int32, device="cpu"),
+            emitted=torch.zeros((), dtype=torch.int32, device="cpu"),
+            acc=tree.zeros_like(params, dtype=dtype) if held else tree.map(lambda _: None, params),
+            inner_state=tx.init(params),
+        )
+
+    def update_fn(updates, state, params=None):
+        # Host reads of CPU counters (no device sync): the decision that lets held calls skip the inner tx.
+        m, k = int(state.mini_step), window(int(state.emitted))
+        if m + 1 < k:  # hold
+            if m == 0:
+                acc = _refill(state.acc, updates, dtype)  # the gradient buffers become the accumulator
+            else:
+                acc = state.acc
+                xs, ys = tree.align(updates, acc)
+                torch._foreach_add_(distributed.local_leaves(ys), distributed.local_leaves(xs))
+            state.mini_step.add_(1)
+            return _none_like(updates), AccumulateState(state.mini_step, state.emitted, acc, state.inner_state)
+
+        acc = state.acc
+        if m > 0:  # a window of m + 1 calls; with m == 0 (every=1) the gradients pass straight through
+            updates, acc = _window_sum(acc, updates, m + 1 if mean else 1, same_dtype=dtype is None)
+        # Data parallel: Partial sums become Replicate here, once per emitted update (one packed all-reduce).
+        updates = distributed.reduce_partials(updates)
+        updates, inner_state = inner_kernel(updates, state.inner_state, params)
+        state.mini_step.zero_()
+        safe_increment_(state.emitted)
+        return updates, AccumulateState(state.mini_step, state.emitted, acc, inner_state)
+
+    # train_step leaves Partial gradients unreduced for this kernel (see fxtrain/step.py).
+    update_fn.takes_partial_grads = True
+
+    wrap_loss = None
+    if tx.wrap_loss is not None:
+        def wrap_loss(loss_fn, state):
+            return tx.wrap_loss(loss_fn, state.inner_state)
+
+    return GradientTransformation(init_fn, update_fn, wrap_loss)
+
+
+def _window_length(every: Any) -> Callable[[int], int]:
+    """``every`` as a function of the emitted count, checked; errors name ``every`` and the value."""
+    if isinstance(every, numbers.Integral) and not isinstance(every, bool):
+        if every < 1:
+            raise ValueError(f"accumulate: every={every!r} must be >= 1")
+        k = int(every)
+        return lambda emitted: k
+    if not callable(every) or isinstance(every, type):
+        raise ValueError(f"accumulate: every must be an int >= 1 or a schedule (a callable of the number "
+                         f"of emitted updates), got {every!r}")
+
+    def window(emitted: int) -> int:
+        value = every(emitted)
+        try:
+            k = round(float(value))  # schedules return float tensors: 2.0 (or 1.9999999) means 2
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"accumulate: every({emitted}) returned {value!r}, not a number") from None
+        if k < 1:
+            raise ValueError(f"accumulate: every({emitted}) = {value!r}; the window length must be >= 1")
+        return k
+
+    window(0)  # fail at construction, not at the first update
+    return window
+
+
+def _refill(acc: Any, grads: Any, dtype: torch.dtype | None) -> Any:
+    """``acc`` with each leaf replaced by the gradient at its position (cast to ``dtype`` if given)."""
+    if dtype is None and not _has_none(grads):  # the usual case: the gradient tree itself, no per-leaf work
+        return grads
+    return optree.tree_map(lambda a, g: a if g is None else (g if dtype is None else g.to(dtype)),
+                           acc, grads, none_is_leaf=True, namespace=_NS)
+
+
+def _has_none(t: Any) -> bool:
+    """Whether ``t`` has ``None`` leaves (counted by optree, without a Python loop over leaves)."""
+    return tree.structure(t).num_leaves != optree.tree_structure(t, none_is_leaf=False, namespace=_NS).num_leaves
+
+
+def _window_sum(acc: Any, grads: Any, divisor: int, same_dtype: bool) -> tuple[Any, Any]:
+    """``(acc + grads) / divisor`` as updates in the gradient dtype, and the tree to keep as accumulator."""
+    xs, ys = tree.align(grads, acc)
+    g_local, acc_local = distributed.local_leaves(xs), distributed.local_leaves(ys)
+    torch._foreach_add_(acc_local, g_local)  # in the accumulator dtype; Partial + Partial stays Partial
+    if divisor != 1:
+        torch._foreach_mul_(acc_local, 1.0 / divisor)
+    if same_dtype:  # the sum is the update; the spent gradient buffers are the next accumulator
+        if not _has_none(grads):
+            return acc, grads
+        return tree.map(lambda g, a: a, grads, acc), _refill(acc, grads, None)
+    torch._foreach_copy_(g_local, acc_local)  # rounded once into the gradient dtype
+    return grads, acc
+
+
+def _none_like(t: Any) -> Any:
+    spec = tree.structure(t)
+    return tree.unflatten(spec, [None] * spec.num_leaves)
+
+
+# --- microbatch -------------------------------------------------------------------------------------
+
+def microbatch(loss_fn: Callable, n: int) -> Callable:
+    r"""Splits each batch into ``n`` micro-batches inside one call: the gradient of the whole batch, the
+    activation memory of one micro-batch (Optax's ``microbatching.microbatch``, for a loss function).
+
+    The returned ``loss_fn(params, batch)`` splits every tensor leaf of ``batch`` into ``n`` pieces along
+    dim 0 (``torch.tensor_split``; other leaves go to every piece), runs forward *and backward* on each
+    piece in turn, and returns :math:`\sum_i w_i \ell_i` with :math:`w_i = b_i / B` (micro-batch size over
+    batch size), attached to ``params`` so that its gradient is :math:`\sum_i w_i \nabla \ell_i`: for a
+    loss that is a mean over examples, the loss and gradient of the whole batch. Only one micro-batch's
+    activations are alive at a time; the gradient sum costs one param-sized buffer.
+
+    With ``(loss, aux)`` outputs, floating-point tensors in ``aux`` are combined like the loss (weighted
+    mean), integer tensors are summed (counts), other leaves come from the last micro-batch.
+
+    Use it as the ``loss_fn`` of :func:`fxtrain.train_step`. With ``amp_cast`` and float16, prefer
+    ``accumulate`` over ``n`` step calls: each micro-batch's backward here runs before the loss scale is
+    applied (the scale multiplies the summed gradient afterwards), so tiny float16 gradients of a
+    micro-batch can underflow; bfloat16 and float32 are unaffected. Called without gradients (evaluation),
+    it just computes the weighted mean of the micro-batch losses.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``, a mean over the batch's examples.
+      n: the number of micro-batches, an int >= 1 (at most the batch size).
+
+    Returns:
+      A loss function of the same form.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> def loss_fn(params, batch):
+        ...     x, y = batch
+        ...     return ((x @ params["w"] - y) ** 2).mean()
+        >>> x, y = torch.randn(8, 3), torch.randn(8)
+        >>> w = torch.randn(3, requires_grad=True)
+        >>> (g_full,) = torch.autograd.grad(loss_fn({"w": w}, (x, y)), [w])
+        >>> (g_four,) = torch.autograd.grad(fx.microbatch(loss_fn, 4)({"w": w}, (x, y)), [w])
+        >>> torch.allclose(g_full, g_four, atol=1e-6)
+        True
+    """
+    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"microbatch: n={n!r} must be an int >= 1")
+    n = int(n)
+
+    def fn(params, batch):
+        chunks, weights = _split(batch, n)
+        xs = [x for x in tree.leaves(params) if isinstance(x, torch.Tensor) and x.requires_grad]
+        differentiate = bool(xs) and torch.is_grad_enabled()
+        total, grads, auxes, has_aux = None, None, [], False
+        for chunk, w in zip(chunks, weights):
+            out = loss_fn(params, chunk)
+            has_aux = isinstance(out, tuple)
+            loss, aux = out if has_aux and len(out) == 2 else (out, None)
+            if not isinstance(loss, torch.Tensor):
+                return out  # train_step names the bad output
+            if differentiate:
+                if not loss.requires_grad:
+                    raise ValueError("microbatch: the loss does not depend on params (no gradient flows)")
+                gs = torch.autograd.grad(loss, xs, materialize_grads=True)
+                if grads is None:
+                    grads = list(torch._foreach_mul(gs, w))  # fresh buffers: autograd's may be shared
+                else:
+                    torch._foreach_add_(distributed.local_leaves(grads), distributed.local_leaves(list(gs)),
+                                        alpha=w)
+            loss = loss.detach() * w
+            total = loss if total is None else total + loss
+            auxes.append(aux)
+        if differentiate:
+            total = _WithGradients.apply(total, grads, *xs)
+        return (total, _combine(auxes, weights)) if has_aux else total
+
+    fn.__qualname__ = f"microbatch({getattr(loss_fn, '__qualname__', repr(loss_fn))}, {n})"
+    return fn
+
+
+class _WithGradients(torch.autograd.Function):
+    """``loss`` (a value) attached to ``xs`` with precomputed gradients: backward returns ``gout * grads``."""
+
+    @staticmethod
+    def forward(ctx, loss, grads, *xs):
+        del xs
+        ctx.grads = grads
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, gout):
+        grads, ctx.grads = ctx.grads, None
+        # gout is 1 under train_step, the loss scale under amp_cast: scale the buffers we own, in place.
+        torch._foreach_mul_(distributed.local_leaves(grads), distributed.local_leaves([gout])[0])
+        return (None, None, *grads)
+
+
+def _split(batch: Any, n: int) -> tuple[list, list[float]]:
+    """``n`` micro-batches of ``batch`` along dim 0, and their sizes as fractions of the batch."""
+    flat, spec = tree.flatten(batch)
+    sizes = {p: x.shape[0] for p, x in zip(tree.paths(batch), flat) if isinstance(x, torch.Tensor) and x.ndim}
+    if not sizes:
+        raise ValueError("microbatch: the batch holds no tensor with a batch dimension to split")
+    size = next(iter(sizes.values()))
+    if any(s != size for s in sizes.values()):
+        raise ValueError(f"microbatch: batch leaves differ in size along dim 0: {sizes}")
+    if size < n:
+        raise ValueError(f"microbatch: a batch of {size} cannot be split into n={n} micro-batches")
+    pieces = [torch.tensor_split(x, n) if isinstance(x, torch.Tensor) and x.ndim else [x] * n for x in flat]
+    chunks = [tree.unflatten(spec, [p[i] for p in pieces]) for i in range(n)]
+    first = next(i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.ndim)
+    return chunks, [pieces[first][i].shape[0] / size for i in range(n)]
+
+
+def _combine(auxes: list, weights: list[float]) -> Any:
+    """The micro-batches' aux outputs as one: floats averaged by weight, integers summed, others the last."""
+    def combine(*xs):
+        last = xs[-1]
+        if not isinstance(last, torch.Tensor):
+            return last
+        if last.is_floating_point() or last.is_complex():
+            return sum(w * x.detach() for w, x in zip(weights, xs))
+        if last.dtype != torch.bool:
+            return sum(x.detach() for x in xs)
+        return last.detach()
+
+    return optree.tree_map(combine, *auxes, none_is_leaf=False, namespace=_NS)

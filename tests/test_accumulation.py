@@ -1,0 +1,502 @@
+"""Tests for fxtrain/transforms/_accumulation.py: accumulate (Optax's MultiSteps) and microbatch.
+
+The references: one big batch through the same transform (k micro-batches of b must give the update of
+one batch of k*b), Optax's MultiSteps itself, and in a 2-rank gloo world a single-process big-batch run
+computed in the same test. One spawn runs every data-parallel check.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxtrain as fx
+from fxtrain.testing import assert_trees_close
+
+
+def mlp_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return (0.5 * torch.randn(shape, generator=g)).to(dtype)
+
+    return {"l1": {"w": r(4, 8), "b": r(8)}, "l2": {"w": r(8, 3), "b": r(3)}, "frozen": None}
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    h = torch.tanh(x @ params["l1"]["w"] + params["l1"]["b"])
+    return ((h @ params["l2"]["w"] + params["l2"]["b"] - y) ** 2).mean()
+
+
+def batches(n: int, size: int, seed: int = 1) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 4, generator=g), torch.randn(size, 3, generator=g)) for _ in range(n)]
+
+
+def big(micro: list, k: int) -> list:
+    """Consecutive groups of ``k`` micro-batches concatenated into one batch each."""
+    return [tuple(torch.cat(parts) for parts in zip(*micro[i:i + k])) for i in range(0, len(micro), k)]
+
+
+def run(tx, data, *, donate=True, params=None, loss=loss_fn):
+    params = mlp_params() if params is None else params
+    state = tx.init(params)
+    step = fx.train_step(loss, tx, donate=donate)
+    for batch in data:
+        params, state, metrics = step(params, state, batch)
+    return params, state, metrics
+
+
+def counting(inner):
+    """``inner`` with a list that records every call of its kernel."""
+    calls = []
+    k = fx._base.kernel(inner)
+
+    def update(updates, state, params=None):
+        calls.append(1)
+        return k(updates, state, params)
+
+    return fx.GradientTransformation(inner.init, update, inner.wrap_loss), calls
+
+
+OPTIMIZERS = {
+    "sgd": lambda: fx.sgd(0.1, momentum=0.9),
+    "adam": lambda: fx.adam(1e-2),
+    "clip+adamw": lambda: fx.chain(fx.clip_by_global_norm(0.05), fx.adamw(1e-2, weight_decay=1e-2)),
+}
+
+
+# --- the seeds' check and Optax's semantics ---------------------------------------------------------------
+
+@pytest.mark.parametrize("donate", [True, False], ids=["donated", "pure"])
+def test_params_change_only_on_every_kth_call(donate):
+    k = 4
+    tx = fx.accumulate(fx.sgd(0.1), every=k)
+    params = mlp_params()
+    state = tx.init(params)
+    step = fx.train_step(loss_fn, tx, donate=donate)
+    for i, batch in enumerate(batches(3 * k, 5)):
+        before = fx.tree.clone(params)
+        versions = [p._version for p in fx.tree.leaves(params)]
+        params, state, metrics = step(params, state, batch)
+        if (i + 1) % k:
+            assert_trees_close(params, before, rtol=0, atol=0)
+            # Nothing written into the params at all: no zero update was applied.
+            assert [p._version for p in fx.tree.leaves(params)] == versions
+        else:
+            assert all(not torch.equal(a, b) for a, b in zip(fx.tree.leaves(params), fx.tree.leaves(before)))
+        assert int(metrics["emitted"]) == (i + 1) // k
+        assert params["frozen"] is None
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_k_micro_batches_equal_one_big_batch(name, k):
+    micro = batches(3 * k, 5)
+    p_acc, s_acc, m_acc = run(fx.accumulate(OPTIMIZERS[name](), every=k), micro)
+    p_big, s_big, m_big = run(OPTIMIZERS[name](), big(micro, k))
+    assert_trees_close(p_acc, p_big, rtol=1e-6, atol=1e-7)
+    assert_trees_close(s_acc.inner_state, s_big, rtol=1e-6, atol=1e-7)
+    if "grad_norm" in m_big:  # clipping acted on the accumulated gradient, as on the big batch
+        assert math.isclose(float(m_acc["grad_norm"]), float(m_big["grad_norm"]), rel_tol=1e-6)
+        assert float(m_big["grad_norm"]) > 0.05  # the clip was active
+
+
+def test_inner_transform_runs_once_per_emitted_update():
+    inner, calls = counting(fx.sgd(0.1, momentum=0.9))
+    tx = fx.accumulate(inner, every=3)
+    params = mlp_params()
+    state = tx.init(params)
+    for i, batch in enumerate(batches(9, 5)):
+        trace_before = fx.tree.clone(state.inner_state)
+        params, state, _ = fx.train_step(loss_fn, tx)(params, state, batch)
+        assert len(calls) == (i + 1) // 3
+        if (i + 1) % 3:  # the inner state is bit-identical on held calls
+            assert_trees_close(state.inner_state, trace_before, rtol=0, atol=0)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_held_calls_cost_one_accumulation_pass():
+    tx = fx.accumulate(fx.adam(1e-2), every=4)
+    params = mlp_params()
+    state = tx.init(params)
+    seen = []
+    for i in range(4):
+        grads = fx.tree.map(torch.ones_like, params)
+        with _Ops() as mode:
+            updates, state = fx.update_(tx, grads, state, params)  # the donated kernel, as train_step runs it
+        seen.append([op for op in mode.ops if op != "_local_scalar_dense"])  # the CPU counter reads
+    assert seen[0] == ["add_"]  # the window's first call: the gradient buffers become the accumulator
+    assert seen[1] == seen[2] == ["_foreach_add_", "add_"]  # one pass over the gradients, the counter
+    assert "_foreach_add_" in seen[3] and len(seen[3]) > 10  # emitted: the sum, then adam
+
+
+@pytest.mark.parametrize("mean", [True, False])
+def test_mean_or_sum(mean):
+    tx = fx.accumulate(fx.scale(-1.0), every=3, mean=mean)
+    params = {"w": torch.zeros(2)}
+    state = tx.init(params)
+    for g in ([1.0, 2.0], [3.0, 4.0]):
+        u, state = tx.update({"w": torch.tensor(g)}, state, params)
+        assert u["w"] is None
+    u, state = tx.update({"w": torch.tensor([5.0, 9.0])}, state, params)
+    expected = [-3.0, -5.0] if mean else [-9.0, -15.0]
+    assert u["w"].tolist() == expected
+
+
+def test_every_as_schedule_of_the_emitted_count():
+    tx = fx.accumulate(fx.scale(1.0), every=lambda emitted: emitted + 1)  # windows of 1, 2, 3 calls
+    params = {"w": torch.zeros(1)}
+    state = tx.init(params)
+    pattern = []
+    for i in range(6):
+        u, state = tx.update({"w": torch.tensor([float(i)])}, state, params)
+        pattern.append(None if u["w"] is None else u["w"].item())
+    assert pattern == [0.0, None, 1.5, None, None, 4.0]  # the mean of each window
+    tx = fx.accumulate(fx.scale(1.0), every=fx.piecewise_constant_schedule(1, {1: 2.0}))  # 1, then 2
+    state = tx.init(params)
+    held = []
+    for _ in range(6):
+        u, state = tx.update({"w": torch.ones(1)}, state, params)
+        held.append(u["w"] is None)
+    assert held == [False, True, False, True, False, True]
+
+
+@pytest.mark.parametrize(
+    "every", [0, -2, 2.5, "4", True, None, torch.tensor(2)], ids=["0", "neg", "float", "str", "bool", "None", "tensor"]
+)
+def test_bad_every_is_a_value_error_naming_it(every):
+    with pytest.raises(ValueError, match=r"accumulate: every"):
+        fx.accumulate(fx.sgd(0.1), every=every)
+
+
+def test_schedule_below_one_is_a_value_error():
+    with pytest.raises(ValueError, match=r"accumulate: every\(0\)"):
+        fx.accumulate(fx.sgd(0.1), every=lambda n: 0)
+    with pytest.raises(ValueError, match=r"accumulate: every\(0\) returned"):
+        fx.accumulate(fx.sgd(0.1), every=lambda n: "two")
+
+
+def test_repr_and_state():
+    tx = fx.accumulate(fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(1e-3)), every=4)
+    assert repr(tx) == "accumulate(every=4, chain(clip_by_global_norm(1.0), adamw(0.001)))"
+    assert repr(fx.accumulate(fx.sgd(0.1), 2, mean=False)) == "accumulate(every=2, mean=False, sgd(0.1))"
+    state = tx.init(mlp_params())
+    assert isinstance(state, fx.AccumulateState)
+    assert state.mini_step.device.type == "cpu" and state.emitted.dtype == torch.int32
+    assert state.acc["frozen"] is None and state.acc["l1"]["w"].shape == (4, 8)
+    assert all(x is None for x in fx.tree.flatten(fx.accumulate(fx.sgd(0.1), 1).init(mlp_params()).acc)[0])
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["with-None", "no-None"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_pure_donated_equal_structure_stable(dtype, frozen):
+    """The conformance checks, on accumulate (held and emitting calls)."""
+    tx = fx.accumulate(fx.sgd(0.1, momentum=0.9), every=2)
+    params = mlp_params(dtype=dtype)
+    if not frozen:
+        del params["frozen"]
+    state = tx.init(params)
+    spec = fx.tree.structure(state)
+    for i in range(4):
+        grads = fx.tree.map(lambda p: torch.randn_like(p), params)
+        g0, s0 = fx.tree.clone(grads), fx.tree.clone(state)
+        u, new_state = tx.update(grads, state, params)
+        assert_trees_close(grads, g0, rtol=0, atol=0)
+        assert_trees_close(state, s0, rtol=0, atol=0)
+        du, ds = fx.update_(tx, fx.tree.clone(grads), fx.tree.clone(state), params)
+        assert_trees_close(du, u, rtol=0, atol=0)
+        assert_trees_close(ds, new_state, rtol=0, atol=0)
+        assert fx.tree.structure(new_state) == spec
+        assert u.get("frozen") is None
+        assert all(x.dtype == dtype for x in fx.tree.leaves(u))
+        state, params = new_state, fx.apply_updates(params, u)
+
+
+def test_accumulator_dtype():
+    micro = [fx.tree.map(lambda p: torch.randn_like(p, dtype=torch.float32), mlp_params()) for _ in range(8)]
+    exact = fx.tree.map(lambda *gs: torch.stack([g.double() for g in gs]).mean(0), *micro)
+    errors = {}
+    for acc_dtype in (None, torch.float32, "float32"):
+        tx = fx.accumulate(fx.identity(), every=8, accumulator_dtype=acc_dtype)
+        params = mlp_params(dtype=torch.bfloat16)
+        state = tx.init(params)
+        if acc_dtype is not None:
+            assert state.acc["l1"]["w"].dtype == torch.float32
+        for g in micro:
+            u, state = fx.update_(tx, fx.tree.cast(g, torch.bfloat16), state, params)
+        assert u["l1"]["w"].dtype == torch.bfloat16
+        errors[acc_dtype] = max(float((a.double() - e).abs().max()) for a, e in
+                                zip(fx.tree.leaves(u), fx.tree.leaves(exact)))
+    # float32 sums round once, into bfloat16, at the end: within half an ulp of bf16 (2**-8 relative)
+    assert errors[torch.float32] == errors["float32"] <= errors[None]
+    assert errors[torch.float32] < 2 ** -8 * 3
+    with pytest.raises(TypeError, match="accumulate: accumulator_dtype"):
+        fx.accumulate(fx.identity(), every=2, accumulator_dtype="float99")
+
+
+class _Count(NamedTuple):
+    n: torch.Tensor
+
+
+def test_wrap_loss_sees_the_inner_state():
+    seen = []
+
+    def wrap(fn, state):
+        seen.append(int(state.n))
+        return fn
+
+    # A NamedTuple state: fx._base.report caches per treespec, and a bare-leaf state's spec ("*") is shared
+    # with any other single-leaf state (test_step's Counting): the cache would hide that one's report().
+    inner = fx.GradientTransformation(lambda p: _Count(torch.zeros((), dtype=torch.int32)),
+                                      lambda u, s, p=None: (u, _Count(s.n + 1)), wrap)
+    tx = fx.accumulate(inner, every=2)
+    run(tx, batches(6, 3))
+    assert seen == [0, 0, 1, 1, 2, 2]  # the inner state moves once per window
+    assert fx.accumulate(fx.sgd(0.1), every=2).wrap_loss is None
+
+
+@pytest.mark.skipif(not hasattr(fx, "amp_cast"), reason="fx.amp_cast not built yet")
+def test_amp_cast_inside_one_scale_per_window_and_overflow_skips_the_window():
+    scale = fx.DynamicLossScale(init_scale=2.0 ** 10, growth_interval=1000)
+    tx = fx.accumulate(fx.amp_cast(fx.sgd(0.1), "p=f32,c=f16,o=f32", loss_scale=scale), every=3)
+    params = mlp_params()
+    state = tx.init(params)
+    step = fx.train_step(loss_fn, tx)
+    data = batches(9, 4)
+    data[4] = (torch.full((4, 4), 1e5), data[4][1])  # overflows float16 in the second window's forward pass
+    log = []
+    for batch in data:
+        before = fx.tree.clone(params)
+        params, state, m = step(params, state, batch)
+        log.append((float(m["loss_scale"]), int(m["skipped"]), not all(
+            torch.equal(a, b) for a, b in zip(fx.tree.leaves(params), fx.tree.leaves(before)))))
+    assert [x[0] for x in log] == [1024.0] * 5 + [512.0] * 4  # backed off once, at the window's end
+    assert [x[1] for x in log] == [0, 0, 0, 0, 0, 1, 1, 1, 0]
+    assert [x[2] for x in log] == [False, False, True, False, False, False, False, False, True]
+
+
+# --- Optax ------------------------------------------------------------------------------------------
+
+@pytest.mark.optax
+@pytest.mark.parametrize("every,mean", [(3, True), ("schedule", False)])
+def test_matches_optax_multisteps(every, mean):
+    import jax
+    import optax
+
+    from fxtrain.testing import from_jnp, to_jnp
+
+    k_fx = (lambda n: n + 2) if every == "schedule" else every
+    k_ox = (lambda n: n + 2) if every == "schedule" else every
+    params = {k: v for k, v in mlp_params().items() if v is not None}
+    ref = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=k_ox, use_grad_mean=mean)
+    tx = fx.accumulate(fx.adam(1e-2), every=k_fx, mean=mean)
+    o_state, state = ref.init(to_jnp(params)), tx.init(params)
+    update = jax.jit(ref.update)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        grads = fx.tree.map(lambda p: torch.randn(p.shape, generator=g), params)
+        o_updates, o_state = update(to_jnp(grads), o_state, to_jnp(params))
+        updates, state = tx.update(grads, state, params)
+        o_updates = from_jnp(o_updates)
+        if all(u is None for u in fx.tree.flatten(updates)[0]):
+            assert all(float(u.abs().max()) == 0 for u in fx.tree.leaves(o_updates))
+        else:
+            assert_trees_close(updates, o_updates, rtol=1e-5, atol=1e-7)
+            params = fx.apply_updates(params, updates)
+        assert int(state.mini_step) == int(o_state.mini_step)
+        assert int(state.emitted) == int(o_state.gradient_step)
+    adam, o_adam = state.inner_state[0], from_jnp(o_state.inner_opt_state[0])
+    assert int(adam.count) == int(o_adam.count)
+    assert_trees_close((adam.mu, adam.nu), (o_adam.mu, o_adam.nu), rtol=1e-5, atol=1e-7)
+
+
+# --- microbatch ----------------------------------------------------------------------------------------
+
+def test_microbatch_gives_the_gradient_of_the_whole_batch():
+    (batch,) = batches(1, 10)
+    for n in (1, 3, 4, 10):  # 10 examples in 4 pieces: sizes 3, 3, 2, 2 weighted by size
+        p_full, _, m_full = run(fx.sgd(0.5), [batch] * 2)
+        p_micro, _, m_micro = run(fx.sgd(0.5), [batch] * 2, loss=fx.microbatch(loss_fn, n))
+        assert_trees_close(p_micro, p_full, rtol=1e-6, atol=1e-7)
+        assert math.isclose(float(m_micro["loss"]), float(m_full["loss"]), rel_tol=1e-6)
+
+
+def test_microbatch_aux_evaluation_and_errors():
+    def with_aux(params, batch):
+        loss = loss_fn(params, batch)
+        return loss, {"loss": loss, "n": torch.tensor(batch[0].shape[0]), "name": "mlp"}
+
+    (batch,) = batches(1, 8)
+    params = mlp_params()
+    loss, aux = fx.microbatch(with_aux, 4)(params, batch)  # no gradients asked: a plain weighted mean
+    assert not loss.requires_grad
+    assert math.isclose(float(loss), float(loss_fn(params, batch)), rel_tol=1e-6)
+    assert math.isclose(float(aux["loss"]), float(loss), rel_tol=1e-6)
+    assert int(aux["n"]) == 8 and aux["name"] == "mlp"
+    step = fx.train_step(fx.microbatch(with_aux, 2), fx.sgd(0.1), has_aux=True)
+    _, _, m = step(params, fx.sgd(0.1).init(params), batch)
+    assert int(m["aux"]["n"]) == 8 and math.isclose(float(m["aux"]["loss"]), float(m["loss"]), rel_tol=1e-6)
+    with pytest.raises(ValueError, match="microbatch: n=0"):
+        fx.microbatch(loss_fn, 0)
+    with pytest.raises(ValueError, match="cannot be split into n=9"):
+        fx.microbatch(loss_fn, 9)(params, batch)
+    with pytest.raises(ValueError, match="differ in size along dim 0"):
+        fx.microbatch(loss_fn, 2)(params, (batch[0], batch[1][:4]))
+
+
+@pytest.mark.skipif(not hasattr(fx, "amp_cast"), reason="fx.amp_cast not built yet")
+def test_microbatch_under_amp_cast():
+    (batch,) = batches(1, 8)
+    tx = lambda: fx.amp_cast(fx.sgd(0.5), "p=f32,c=bf16,o=f32")  # noqa: E731
+    p_full, _, _ = run(tx(), [batch])
+    p_micro, _, _ = run(tx(), [batch], loss=fx.microbatch(loss_fn, 4))
+    assert all(p.dtype == torch.float32 for p in fx.tree.leaves(p_micro))
+    assert_trees_close(p_micro, p_full, rtol=2e-2, atol=2e-3)  # bf16 forward passes on different pieces
+
+
+def test_microbatch_under_accumulate():
+    micro = batches(4, 6)
+    p_acc, _, _ = run(fx.accumulate(fx.adam(1e-2), every=2), micro, loss=fx.microbatch(loss_fn, 3))
+    p_big, _, _ = run(fx.adam(1e-2), big(micro, 2))
+    assert_trees_close(p_acc, p_big, rtol=1e-6, atol=1e-7)
+
+
+# --- data parallel: 2 gloo ranks, one spawn -----------------------------------------------------------------
+
+WORLD, K, B = 2, 3, 4  # ranks, micro-batches per window, examples per rank per micro-batch
+
+
+def _dp_checks(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+
+    def comms(fn):
+        with CommDebugMode() as mode:
+            out = fn()
+        counts = {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+        return counts, out
+
+    def all_reduces(counts):  # c10d's in-place all-reduce and the functional one (DTensor's)
+        return counts.get("allreduce_", 0) + counts.get("all_reduce", 0)
+
+    def dp_loss(params, batch):  # batch: this rank's plain rows; sharded on dim 0 here (no communication)
+        x, y = (DTensor.from_local(t, mesh, [Shard(0)]) for t in batch)
+        h = torch.tanh(x @ params["l1"]["w"] + params["l1"]["b"])
+        return ((h @ params["l2"]["w"] + params["l2"]["b"] - y) ** 2).mean().full_tensor()
+
+    def local(batch):
+        return tuple(t[rank * B:(rank + 1) * B] for t in batch)
+
+    def replicated(params):
+        return fx.tree.map(lambda p: DTensor.from_local(p.clone(), mesh, [Replicate()]), params)
+
+    inner = lambda: fx.chain(fx.clip_by_global_norm(0.05), fx.sgd(0.1, momentum=0.9))  # noqa: E731
+    micro = batches(3 * K, WORLD * B, seed=5)  # global micro-batches, the same on every rank
+
+    # 1. accumulate: Partial sums kept locally, no gradient collective on held calls, one packed reduce.
+    tx = fx.accumulate(inner(), every=K)
+    params = replicated(mlp_params())
+    state = tx.init(params)
+    step = fx.train_step(dp_loss, tx)
+    forward_only, _ = comms(lambda: dp_loss(params, local(micro[0])))
+    for i, batch in enumerate(micro):
+        counts, (params, state, metrics) = comms(lambda: step(params, state, local(batch)))
+        if (i + 1) % K:
+            assert counts == forward_only, (i, counts, forward_only)  # the loss value's reduction only
+            acc = state.acc["l1"]["w"]
+            assert acc.placements[0].is_partial(), acc.placements  # the accumulator says what it holds
+        else:  # one packed all-reduce of the gradients (not one per leaf), one of clip's scalars
+            assert all_reduces(counts) == all_reduces(forward_only) + 2, counts
+    p_ref, _, _ = run(inner(), big(micro, K))
+    assert_trees_close(params, p_ref, rtol=1e-5, atol=1e-6)
+    assert all(p.placements == (Replicate(),) for p in fx.tree.leaves(params))
+
+    # The kernel alone, on Partial gradients (rank r holds (r + 1) * base): no communication on held calls,
+    # one packed all-reduce when emitting; an accumulator_dtype keeps the Partial placements too.
+    for acc_dtype in (None, torch.float64):
+        tx_id = fx.accumulate(fx.identity(), every=K, accumulator_dtype=acc_dtype)
+        state = tx_id.init(params)
+        bases = [fx.tree.map(lambda p: torch.randn(p.shape, generator=torch.Generator().manual_seed(i)), params)
+                 for i in range(K)]
+        for i, base in enumerate(bases):
+            grads = fx.tree.map(lambda b: DTensor.from_local((rank + 1) * b, mesh, [Partial()]), base)
+            counts, (updates, state) = comms(lambda: fx.update_(tx_id, grads, state, params))
+            assert all_reduces(counts) == (0 if i < K - 1 else 1) and len(counts) <= 1, (acc_dtype, i, counts)
+            if i < K - 1:
+                assert state.acc["l2"]["w"].placements[0].is_partial()
+        expected = fx.tree.map(lambda *bs: sum(bs) * (1 + 2) / K, *bases)
+        assert_trees_close(updates, expected, rtol=1e-6, atol=1e-6)
+        assert updates["l1"]["w"].placements == (Replicate(),) and updates["l1"]["w"].dtype == torch.float32
+
+    # 2. Without accumulate the step reduces Partial gradients at once, packed: one all-reduce, not one per leaf.
+    step = fx.train_step(dp_loss, inner())
+    params = replicated(mlp_params())
+    state = inner().init(params)
+    for batch in big(micro, K):
+        counts, (params, state, _) = comms(lambda: step(params, state, local_rows(batch, rank)))
+        assert all_reduces(counts) == all_reduces(forward_only) + 2, counts
+    assert_trees_close(params, p_ref, rtol=1e-5, atol=1e-6)
+
+    # 3. microbatch on this rank's rows: Partial gradients summed locally, then the same update.
+    step = fx.train_step(fx.microbatch(dp_loss, 2), fx.accumulate(inner(), every=K))
+    params = replicated(mlp_params())
+    state = fx.accumulate(inner(), every=K).init(params)
+    for batch in micro:
+        params, state, _ = step(params, state, local(batch))
+    assert_trees_close(params, p_ref, rtol=1e-5, atol=1e-6)
+
+
+def local_rows(batch, rank):
+    """Rank ``rank``'s rows of a window batch laid out as K global micro-batches of WORLD*B rows each."""
+    return tuple(torch.cat([t[j * WORLD * B + rank * B: j * WORLD * B + (rank + 1) * B] for j in range(K)])
+                 for t in batch)
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        _dp_checks(rank)
+        result = "ok"
+    except Exception:  # noqa: BLE001 - reported by the test
+        result = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(result)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_data_parallel_two_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
+    for rank in range(WORLD):
+        result = (tmp_path / f"rank{rank}.txt").read_text()
+        assert result == "ok", f"rank {rank}:\n{result}"
