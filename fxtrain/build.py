@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
-from fxtrain import _runtime
+from fxtrain import distributed
 
 __all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "cast_params", "constant_hyperparams",
            "check_overrides", "ScaledSchedule"]
@@ -209,7 +209,7 @@ def stack(cfg: DictConfig, world_size: int = 1) -> fx.GradientTransformation:
     txs = [_transform(node, f"optim.chain.{name}", shape, every) for name, node in chain_cfg.items()]
     dp = cfg.parallel.strategy == "dp" and world_size > 1
     if dp:
-        txs.insert(0, _runtime.all_reduce_mean(world_size))
+        txs.insert(0, distributed.all_reduce_mean(world_size))
     tx = fx.chain(*txs)
     if cfg.amp.policy is not None:
         kwargs = {"policy": cfg.amp.policy}
@@ -219,7 +219,7 @@ def stack(cfg: DictConfig, world_size: int = 1) -> fx.GradientTransformation:
         if dp:
             # Gradients are still per-rank when amp_cast checks them (the all-reduce is inside): the
             # overflow decision must be taken over all ranks.
-            kwargs["groups"] = (_runtime.world_mesh(_runtime.device(cfg.trainer.device).type),)
+            kwargs["groups"] = (distributed.world_mesh(distributed.device(cfg.trainer.device).type),)
         tx = _call(_wrapper("amp_cast", "amp.policy"), "amp", tx, **kwargs)
     if every > 1:
         tx = _call(_wrapper("accumulate", "accumulate.every"), "accumulate", tx, every=every,

@@ -29,7 +29,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from fxtrain import _runtime
+from fxtrain import distributed
 
 __all__ = ["collect", "format_table", "write_csv", "plot", "best", "SweepSummary", "finish_sweep", "main"]
 
@@ -245,12 +245,12 @@ class SweepSummary(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         global _open_sweep
-        if _runtime.rank_and_world()[0] == 0:  # under torchrun, rank 0 alone writes and prints
+        if distributed.rank_and_world()[0] == 0:  # under torchrun, rank 0 alone writes and prints
             _open_sweep = pathlib.Path(config.hydra.sweep.dir)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         hydra_cfg = job_return.hydra_cfg.hydra if job_return.hydra_cfg is not None else None
-        if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN or _runtime.rank_and_world()[0] != 0:
+        if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN or distributed.rank_and_world()[0] != 0:
             return
         sweep_dir = _sweep_dir_of(hydra_cfg)
         write_csv(collect(sweep_dir), sweep_dir / "summary.csv")

@@ -57,7 +57,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fxtrain as fx
-from fxtrain import _runtime, build, checkpoint, distributed, report, tree
+from fxtrain import build, checkpoint, distributed, report, tree
 from fxtrain.models import count_params
 
 log = logging.getLogger("fxtrain")
@@ -78,7 +78,7 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
     """
     # --- config ---------------------------------------------------------------------------------
     t0 = time.perf_counter()
-    rank, world = _runtime.rank_and_world()
+    rank, world = distributed.rank_and_world()
     if world > 1 and cfg.parallel.strategy != "dp":
         raise build.ConfigError(f"parallel.strategy={cfg.parallel.strategy!r}, but {world} processes run this "
                                 "script (torchrun): use parallel=dp")
@@ -94,7 +94,7 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(_resolved_yaml(cfg))
     trainer = cfg.trainer
-    device = _runtime.device(trainer.device)
+    device = distributed.device(trainer.device)
     if device.type == "cpu" and trainer.cpu_threads:
         torch.set_num_threads(trainer.cpu_threads)
     torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order)
@@ -152,7 +152,7 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
         if start == max_steps:  # killed after its last checkpoint, before its summary: evaluate again
             eval_metrics = evaluate(apply, params, buffers, data.test, trainer.eval_batch_size)
         for i in range(start + 1, max_steps + 1):
-            batch = _runtime.local_batch(data.train[i - 1], rank, world)
+            batch = distributed.local_batch(data.train[i - 1], rank, world)
             params, opt_state, metrics = step(params, opt_state, (buffers, *batch))
             aux = metrics.pop("aux")
             # amp_cast computes in its compute dtype; running statistics stay in their own dtype.
@@ -164,7 +164,7 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
 
             record: dict[str, float] = {}
             if i % trainer.log_every == 0 or i == max_steps:
-                train_metrics = _runtime.mean_across_ranks(_floats(metrics), world)
+                train_metrics = distributed.mean_across_ranks(_floats(metrics), world)
                 record.update(train_metrics)
             if i % trainer.eval_every == 0 or i == max_steps:
                 eval_metrics = evaluate(apply, params, buffers, data.test, trainer.eval_batch_size)
@@ -320,7 +320,7 @@ def _task(cfg: DictConfig) -> float:
     try:
         return train(cfg, out)
     except Exception as e:
-        if _runtime.rank_and_world()[0] == 0:  # a failed job still says why in its directory (and summary.csv)
+        if distributed.rank_and_world()[0] == 0:  # a failed job still says why in its directory (and summary.csv)
             failed = {"status": "failed", "error": f"{type(e).__name__}: {e}", "optimized_metric": cfg.optimized_metric}
             (out / "summary.json").write_text(json.dumps(failed, indent=2) + "\n")
         raise
@@ -333,10 +333,10 @@ def main(argv: list[str] | None = None) -> None:
         build.check_overrides(argv, CONF_DIR)
     except build.ConfigError as e:
         raise SystemExit(f"Error: {e}") from None
-    rank, world = _runtime.init_from_env()
+    rank, world = distributed.init_from_env()
     if world > 1:
         # One run directory for all ranks (no per-rank timestamps); only rank 0 writes Hydra's files and logs.
-        os.environ["FXTRAIN_RUN_STAMP"] = _runtime.shared_stamp()
+        os.environ["FXTRAIN_RUN_STAMP"] = distributed.shared_stamp()
         if rank > 0:
             argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     saved_argv = sys.argv
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         sys.argv = saved_argv
         report.finish_sweep()  # the summary table of a sweep that stopped on a failed job
-        _runtime.shutdown()
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -514,9 +514,9 @@ def _case_plain_tensors_need_groups(rank):
     """Plain gradients all-reduced inside the inner chain: ``groups`` makes the ranks agree."""
     import torch.distributed as dist
 
-    from fxtrain import _runtime
+    from fxtrain import distributed
 
-    inner = fx.chain(_runtime.all_reduce_mean(WORLD), fx.sgd(0.1))
+    inner = fx.chain(distributed.all_reduce_mean(WORLD), fx.sgd(0.1))
     g = {"w": torch.full((3,), float("inf") if rank == 1 else 2.0)}
     tx = fx.amp_cast(inner, F16, loss_scale=2.0, groups=[dist.group.WORLD])
     u, s = tx.update(g, tx.init(g))

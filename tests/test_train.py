@@ -215,7 +215,7 @@ def test_unknown_optimized_metric_lists_the_metrics(tmp_path):
 
 
 def test_several_ranks_need_parallel_dp(monkeypatch):
-    monkeypatch.setattr(runner._runtime, "rank_and_world", lambda: (0, 2))
+    monkeypatch.setattr(runner.distributed, "rank_and_world", lambda: (0, 2))
     with pytest.raises(build.ConfigError, match="parallel.strategy='none', but 2 processes run this script"):
         runner.train(cfg_of("experiment=smoke"))
 
