@@ -393,14 +393,17 @@ def report(state: State) -> dict[str, torch.Tensor]:
     ``loss_scale``...). The first node in flatten order wins when two report the same name. The paths
     to reporting nodes are found once per state structure.
     """
-    spec = tree.structure(state)
-    accessors = _REPORTERS.get(spec)
+    leaves, spec = tree.flatten(state)
+    # Leaf types are part of the key: a state object that optree does not know is a leaf, so two states
+    # can share a treespec ("*") while only one of them reports.
+    key = (spec, tuple(map(type, leaves)))
+    accessors = _REPORTERS.get(key)
     if accessors is None:
         nodes = optree.tree_flatten_with_accessor(
             state, is_leaf=lambda x: hasattr(x, "report"), none_is_leaf=True, namespace="fxtrain"
         )
         accessors = [a for a, leaf in zip(nodes[0], nodes[1]) if hasattr(leaf, "report")]
-        _REPORTERS[spec] = accessors
+        _REPORTERS[key] = accessors
     out: dict[str, torch.Tensor] = {}
     for acc in accessors:
         for k, v in acc(state).report().items():

@@ -116,3 +116,14 @@ def test_report_collects_from_nested_states():
     state = (fx.EmptyState(), {"x": Reporting(torch.tensor(2.0)), "y": Reporting(torch.tensor(3.0))})
     assert _base.report(state) == {"thing": torch.tensor(2.0)}
     assert _base.report((fx.EmptyState(),)) == {}
+
+
+def test_report_cache_tells_apart_states_with_the_same_treespec():
+    class Counting:  # not a pytree node: a leaf for optree
+        def report(self):
+            return {"calls": torch.tensor(1)}
+
+    assert _base.report(torch.zeros(())) == {}
+    assert _base.report(Counting()) == {"calls": torch.tensor(1)}
+    assert _base.report((torch.zeros(()), fx.EmptyState())) == {}
+    assert _base.report((Counting(), fx.EmptyState())) == {"calls": torch.tensor(1)}

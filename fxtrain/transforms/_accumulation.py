@@ -142,7 +142,7 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
         return AccumulateState(
             mini_step=torch.zeros((), dtype=torch.int32, device="cpu"),
             emitted=torch.zeros((), dtype=torch.int32, device="cpu"),
-            acc=tree.zeros_like(params, dtype=dtype) if held else tree.map(lambda _: None, params),
+            acc=tree.zeros_like(params, dtype=dtype) if held else _none_like(params),
             inner_state=tx.init(params),
         )
 
