@@ -223,7 +223,7 @@ def stack(cfg: DictConfig, world_size: int = 1) -> fx.GradientTransformation:
         tx = _call(_wrapper("amp_cast", "amp.policy"), "amp", tx, **kwargs)
     if every > 1:
         tx = _call(_wrapper("accumulate", "accumulate.every"), "accumulate", tx, every=every,
-                   mean=cfg.accumulate.mean)
+                   mean=cfg.accumulate.mean, accumulator_dtype=cfg.accumulate.get("accumulator_dtype"))
     return tx
 
 
