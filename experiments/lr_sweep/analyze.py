@@ -1,0 +1,118 @@
+"""Turns an lr_sweep directory into a results table (markdown) and a heatmap PNG.
+
+    python experiments/lr_sweep/analyze.py experiments/lr_sweep/runs/<stamp>          # writes results.md, heatmap.png here
+    python experiments/lr_sweep/analyze.py SWEEP_DIR --out /tmp/mine --metric test_loss
+
+Reads the sweep with ``fxtrain.report.collect`` (one row per job: its overrides and final metrics), groups
+the jobs by everything they changed except ``seed``, and reports the mean and spread over seeds. The
+heatmap has one row per learning rate and one column per (warmup, clip) pair. Works on any sweep of the
+same three keys (a different grid, more seeds), and on a sweep still running (completed jobs only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import pathlib
+import statistics
+import sys
+
+from fxtrain.report import collect
+
+HERE = pathlib.Path(__file__).resolve().parent
+LR, WARMUP, CLIP = "optim.chain.adamw.learning_rate", "schedule.warmup_steps", "optim.chain.clip_by_global_norm.max_norm"
+
+
+def _num(text):
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return text
+
+
+def aggregate(rows: list[dict], metric: str) -> dict[tuple, list[float]]:
+    """``{(lr, warmup, clip): [metric of each completed seed]}``, keys as numbers, sorted."""
+    cells: dict[tuple, list[float]] = {}
+    for row in rows:
+        if row.get("status") != "completed" or not isinstance(row.get(metric), (int, float)):
+            continue
+        key = tuple(_num(row.get(k)) for k in (LR, WARMUP, CLIP))
+        cells.setdefault(key, []).append(row[metric])
+    return dict(sorted(cells.items(), key=lambda kv: tuple(map(str, kv[0])) if None in kv[0] else kv[0]))
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def table(cells: dict[tuple, list[float]], metric: str, second: dict[tuple, list[float]], second_name: str) -> str:
+    higher = "loss" not in metric
+    best = (max if higher else min)(cells, key=lambda k: statistics.fmean(cells[k]))
+    lines = [f"| learning_rate | warmup_steps | clip max_norm | seeds | {metric} (mean ± sd) | {second_name} (mean ± sd) |",
+             "|---|---|---|---|---|---|"]
+    for key, values in cells.items():
+        m, s = _mean_sd(values)
+        m2, s2 = _mean_sd(second.get(key, [math.nan]))
+        mark = " **best**" if key == best else ""
+        lines.append(f"| {key[0]:g} | {key[1]:g} | {key[2]:g} | {len(values)} | {m:.4f} ± {s:.4f}{mark} | "
+                     f"{m2:.4f} ± {s2:.4f} |")
+    return "\n".join(lines)
+
+
+def heatmap(cells: dict[tuple, list[float]], metric: str, path: pathlib.Path, title: str) -> pathlib.Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lrs = sorted({k[0] for k in cells})
+    cols = sorted({(k[1], k[2]) for k in cells})
+    grid = [[statistics.fmean(cells[(lr, *c)]) if (lr, *c) in cells else math.nan for c in cols] for lr in lrs]
+    fig, ax = plt.subplots(figsize=(1.6 * len(cols) + 2.2, 0.8 * len(lrs) + 1.6))
+    cmap = "viridis" if "loss" not in metric else "viridis_r"
+    im = ax.imshow(grid, cmap=cmap, aspect="auto")
+    ax.set_xticks(range(len(cols)), [f"warmup {w:g}\nclip {c:g}" for w, c in cols], fontsize=8)
+    ax.set_yticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
+    ax.set_ylabel("adamw learning_rate (peak)")
+    lo, hi = im.get_clim()
+    for i, lr in enumerate(lrs):
+        for j, c in enumerate(cols):
+            if (lr, *c) in cells:
+                v = grid[i][j]
+                ax.text(j, i, f"{v:.4f}", ha="center", va="center", fontsize=8,
+                        color="white" if (v - lo) < 0.5 * (hi - lo) else "black")
+    fig.colorbar(im, ax=ax, label=f"{metric} (mean over seeds)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=pathlib.Path)
+    parser.add_argument("--metric", default="test_accuracy", help="the heatmap's metric (default test_accuracy)")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE, help="where results.md and heatmap.png go")
+    args = parser.parse_args(argv)
+    rows = collect(args.sweep_dir)
+    cells = aggregate(rows, args.metric)
+    if not cells:
+        sys.exit(f"{args.sweep_dir}: no completed job has {args.metric} (yet)")
+    other = "test_loss" if args.metric != "test_loss" else "test_accuracy"
+    seconds = sum(r.get("time_s", 0.0) for r in rows)
+    done = sum(r.get("status") == "completed" for r in rows)
+    text = table(cells, args.metric, aggregate(rows, other), other)
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = heatmap(cells, args.metric, args.out / "heatmap.png",
+                  f"{args.sweep_dir.name}: {done} jobs, digits MLP, 300 batches")
+    report = (f"<!-- written by experiments/lr_sweep/analyze.py on {datetime.date.today()} from {args.sweep_dir} -->\n"
+              f"{done} of {len(rows)} jobs completed, {seconds:.0f} s of training in all.\n\n{text}\n")
+    (args.out / "results.md").write_text(report)
+    print(report)
+    print(f"heatmap: {png}")
+
+
+if __name__ == "__main__":
+    main()

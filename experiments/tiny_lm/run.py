@@ -1,0 +1,109 @@
+"""A tiny byte-level transformer LM (experiment=tiny_lm), on 1 process and on 2 data-parallel ranks, compared.
+
+    .venv/bin/python experiments/tiny_lm/run.py                       # ~2-3 min on 2 CPU cores
+    .venv/bin/python experiments/tiny_lm/run.py trainer.max_steps=80  # overrides go to both runs
+    .venv/bin/python experiments/tiny_lm/run.py --only-report         # re-plot runs/1rank and runs/2ranks
+
+Runs the two commands of the README one after the other, into ``runs/1rank`` and ``runs/2ranks``
+(git-ignored; an existing run directory is replaced), then writes ``results.md`` (validation loss of both
+at every evaluation, and their difference) and ``val_loss.png`` next to this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+RUNS = {  # run directory: command (after the python interpreter)
+    "1rank": ["-m", "fxtrain.train", "experiment=tiny_lm"],
+    "2ranks": ["-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "fxtrain.train", "experiment=tiny_lm",
+               "parallel=dp"],
+}
+
+
+def run(name: str, overrides: list[str], runs: pathlib.Path) -> None:
+    out = runs / name
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, *RUNS[name], f"hydra.run.dir={out}", *overrides]
+    print("$ " + " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def _records(runs: pathlib.Path, name: str) -> list[dict]:
+    path = runs / name / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _summary(runs: pathlib.Path, name: str) -> dict:
+    return json.loads((runs / name / "summary.json").read_text())
+
+
+def table(curves: dict[str, list[dict]]) -> str:
+    one = {r["step"]: r for r in curves["1rank"] if "test_loss" in r}
+    two = {r["step"]: r for r in curves["2ranks"] if "test_loss" in r}
+    lines = ["| batch | optimizer updates | val loss, 1 rank | val loss, 2 ranks (dp) | difference |",
+             "|---|---|---|---|---|"]
+    for step in sorted(set(one) & set(two)):
+        a, b = one[step]["test_loss"], two[step]["test_loss"]
+        lines.append(f"| {step} | {step // 4} | {a:.4f} | {b:.4f} | {b - a:+.4f} |")
+    return "\n".join(lines)
+
+
+def plot(curves: dict[str, list[dict]], path: pathlib.Path) -> pathlib.Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    styles = {"1rank": dict(color="C0", label="1 process"), "2ranks": dict(color="C3", label="2 ranks, parallel=dp")}
+    for name, records in curves.items():
+        train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+        val = [(r["step"], r["test_loss"]) for r in records if "test_loss" in r]
+        ax.plot(*zip(*train), color=styles[name]["color"], alpha=0.3, lw=0.8)
+        ax.plot(*zip(*val), marker="o" if name == "1rank" else "x", ls="-" if name == "1rank" else "--",
+                **{**styles[name], "label": styles[name]["label"] + " (validation)"})
+    ax.plot([], [], color="gray", alpha=0.4, label="training loss (micro-batch)")
+    ax.set(xlabel="batch (4 per optimizer update)", ylabel="cross-entropy (nats/byte)",
+           title="tiny_lm: 2-layer d=64 byte LM, bf16 amp_cast, accumulate(4), AdamW")
+    ax.title.set_fontsize(9)
+    ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
+    parser.add_argument("--only-report", action="store_true", help="table and plot of the runs already there")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE, help="where results.md and val_loss.png go")
+    parser.add_argument("--runs", type=pathlib.Path, default=HERE / "runs", help="where the two run directories go")
+    args = parser.parse_args(argv)
+    if not args.only_report:
+        for name in RUNS:
+            run(name, args.overrides, args.runs.resolve())
+    curves = {name: _records(args.runs, name) for name in RUNS}
+    times = {name: _summary(args.runs, name)["time_s"] for name in RUNS}
+    text = table(curves)
+    png = plot(curves, args.out / "val_loss.png")
+    import torch
+
+    (args.out / "results.md").write_text(
+        f"<!-- written by experiments/tiny_lm/run.py on {datetime.date.today()}, torch {torch.__version__} -->\n"
+        f"{text}\n\nWall time: 1 rank {times['1rank']:.0f} s, 2 ranks {times['2ranks']:.0f} s.\n")
+    print(f"\n{text}\nwall time (s): {times}\nplot: {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Every study in experiments/ runs end to end in a smoke mode (a few steps, tiny), so none of them can rot.
+
+Each test drives the study the way its README does (the same configs, the same scripts), with overrides
+that make it take seconds: the lr_sweep multirun and its table/heatmap, the ResNet variants' sweep with
+the accumulation check and plot, the tiny LM on 1 process and on 2 torchrun ranks.
+"""
+
+import importlib.util
+import json
+import logging
+import pathlib
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+import fxtrain as fx
+from fxtrain import build, report, train as runner
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONF = runner.CONF_DIR
+FAST = ["trainer.progress=false", "trainer.device=cpu", "trainer.cpu_threads=1"]
+
+
+def study(path):
+    """A study script (experiments/ is not a package) loaded as a module."""
+    spec = importlib.util.spec_from_file_location(path.replace("/", "_").removesuffix(".py"), ROOT / "experiments" / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cfg_of(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def run_main(*argv):
+    try:
+        runner.main(list(argv))
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def _isolate(monkeypatch, tmp_path):
+    # As in test_train.py: runs write under tmp_path; Hydra's global state, logging and threads are restored.
+    monkeypatch.chdir(tmp_path)
+    root, threads = logging.getLogger(), torch.get_num_threads()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in root.handlers:
+        if h not in handlers:
+            h.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    torch.set_num_threads(threads)
+    GlobalHydra.instance().clear()
+
+
+# --- experiments/lr_sweep ----------------------------------------------------------------------------
+
+def test_lr_sweep_multirun_table_and_heatmap(tmp_path):
+    # The README's sweep with the grid cut to 2 x 1 x 2 points (command-line values replace the config's
+    # lists) and 6 batches per job, then analyze.py on its directory.
+    sweep_dir = tmp_path / "sweep"
+    assert run_main("-m", "experiment=lr_sweep", f"hydra.sweep.dir={sweep_dir}", *FAST, "seed=0",
+                    "optim.chain.adamw.learning_rate=1e-3,1e-2", "schedule.warmup_steps=2",
+                    "optim.chain.clip_by_global_norm.max_norm=0.1,1.0", "trainer.max_steps=6",
+                    "trainer.eval_every=3", "trainer.log_every=3") == 0
+    rows = report.collect(sweep_dir)
+    assert [r["status"] for r in rows] == ["completed"] * 4
+    assert (sweep_dir / "summary.csv").exists()
+
+    analyze = study("lr_sweep/analyze.py")
+    out = tmp_path / "out"
+    analyze.main([str(sweep_dir), "--out", str(out)])
+    text = (out / "results.md").read_text()
+    assert "4 of 4 jobs completed" in text and text.count("**best**") == 1
+    assert (out / "heatmap.png").stat().st_size > 5_000
+
+
+def test_lr_sweep_config_is_the_grid_of_the_readme():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=lr_sweep"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    grid = [len(str(v).split(",")) for v in params.values()]
+    assert list(params) == ["optim.chain.adamw.learning_rate", "schedule.warmup_steps",
+                            "optim.chain.clip_by_global_norm.max_norm", "seed"] and grid == [3, 2, 2, 3]
+    assert cfg.hydra.sweep.dir.startswith("experiments/lr_sweep/runs/")
+
+
+def test_optuna_search_names_the_extra_it_needs():
+    try:
+        import hydra_plugins.hydra_optuna_sweeper  # noqa: F401
+        pytest.skip("the optuna extra is installed")
+    except ImportError:
+        pass
+    assert run_main("hparams_search=digits_optuna", "trainer.max_steps=300") == (
+        "Error: hparams_search=digits_optuna runs the Optuna sweeper, which is not installed: "
+        "pip install 'fxtrain[optuna]' (optuna and hydra-optuna-sweeper)")
+
+
+# --- experiments/resnet_clip_accumulate ----------------------------------------------------------------
+
+VARIANTS = ["resnet_baseline", "resnet_clip", "resnet_accumulate", "resnet_bf16"]
+
+
+def test_resnet_variants_differ_from_the_baseline_in_one_thing_each():
+    stacks = {v: repr(build.stack(cfg_of(f"experiment={v}"))) for v in VARIANTS}
+    base = stacks["resnet_baseline"]
+    assert base.startswith("chain(add_decayed_weights(weight_decay=0.0005), inject_hyperparams(sgd)(")
+    assert "cosine_decay_schedule" in base and "momentum=0.9" in base
+    assert stacks["resnet_clip"] == base.replace("chain(", "chain(clip_by_global_norm(0.1), ", 1)
+    assert stacks["resnet_accumulate"].startswith("accumulate(every=4, chain(add_decayed_weights")
+    assert stacks["resnet_bf16"].startswith("amp_cast(policy='p=f32,c=bf16,o=f32'")
+
+
+def test_resnet_study_sweep_check_and_plot(tmp_path):
+    run = study("resnet_clip_accumulate/run.py")
+    check = run.accumulation_check(iterations=8)
+    marks = [line.split("]")[1].split()[0] for line in check.splitlines() if line.startswith("iteration")]
+    assert marks == ["held", "held", "held", "UPDATED"] * 2
+
+    sweep_dir = run.sweep([*FAST, "trainer.max_steps=8", "trainer.eval_every=4", "trainer.log_every=4"],
+                          tmp_path / "sweep", seeds="0")
+    jobs = run._jobs(sweep_dir)
+    assert list(jobs) == list(run.VARIANTS)
+    assert all(row["status"] == "completed" for runs in jobs.values() for row, _ in runs), run.table(jobs)
+    assert "| accumulate(every=4) | 2 | 1 of 1 |" in run.table(jobs)  # 8 batches, 2 optimizer updates
+    assert run.plot(jobs, tmp_path / "curves.png").stat().st_size > 5_000
+
+
+# --- experiments/tiny_lm --------------------------------------------------------------------------------
+
+def test_tiny_lm_config():
+    cfg = cfg_of("experiment=tiny_lm")
+    text = repr(build.stack(cfg))
+    assert text.startswith("accumulate(every=4, amp_cast(policy='p=f32,c=bf16,o=f32'")
+    assert "inject_hyperparams(adamw)(learning_rate=0.003*warmup_cosine_decay_schedule(" in text
+    assert cfg.optimized_metric == "test_loss" and cfg.model._target_ == "fxtrain.models.TransformerLM"
+
+
+@pytest.mark.slow
+def test_tiny_lm_one_rank_and_two_ranks(tmp_path):
+    # Both README commands (1 process; torchrun with 2 ranks), 8 batches on a small corpus, then the report.
+    run = study("tiny_lm/run.py")
+    run.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path), "trainer.max_steps=8",
+              "trainer.eval_every=4", "trainer.log_every=4", "schedule.warmup_steps=4", "data.max_bytes=30000",
+              "trainer.device=cpu"])
+    one, two = (json.loads((tmp_path / "runs" / n / "summary.json").read_text()) for n in ("1rank", "2ranks"))
+    assert one["status"] == two["status"] == "completed"
+    assert two["value"] == pytest.approx(one["value"], abs=2e-2)  # bf16 rounding differs with the local batch
+    assert "| 8 | 2 |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "val_loss.png").stat().st_size > 5_000
