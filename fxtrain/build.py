@@ -192,6 +192,11 @@ def stack(cfg: DictConfig, world_size: int = 1) -> fx.GradientTransformation:
       reports ``learning_rate``.
     * ``parallel=dp`` with several ranks: a gradient all-reduce (mean) first in the chain, so it runs
       once per optimizer update (inside ``accumulate``) on unscaled gradients (inside ``amp_cast``).
+    * ``parallel.shard_optimizer=true`` (with ``parallel=dp``, several ranks): ZeRO-1/2 instead of that
+      all-reduce: each run of consecutive elementwise entries (the optimizers) becomes one
+      ``fx.sharded_apply(..., shard_over="dp")``, global ones (``clip_by_global_norm``) stay as they are,
+      and the chain runs on DTensor views of the plain params and gradients
+      (:func:`fxtrain.distributed.on_dp_mesh`): every rank keeps 1/n of the optimizer state.
     * ``amp.policy``: :func:`fxtrain.amp_cast` around the chain (the DESIGN's recommended order).
     * ``accumulate.every > 1``: :func:`fxtrain.accumulate` outermost.
     """
@@ -207,10 +212,23 @@ def stack(cfg: DictConfig, world_size: int = 1) -> fx.GradientTransformation:
                           "(both count batches)")
     shape = instantiate(cfg.schedule, "schedule") if cfg.get("schedule") is not None else None
     txs = [_transform(node, f"optim.chain.{name}", shape, every) for name, node in chain_cfg.items()]
+    shard = cfg.parallel.get("shard_optimizer", False)
+    if shard not in (True, False):
+        raise ConfigError(f"parallel.shard_optimizer: expected true or false, got {shard!r}")
+    if shard and cfg.parallel.strategy != "dp":
+        raise ConfigError(f"parallel.shard_optimizer=true needs parallel=dp (it shards the optimizer state over the "
+                          f"data-parallel ranks), but parallel.strategy={cfg.parallel.strategy!r}")
     dp = cfg.parallel.strategy == "dp" and world_size > 1
-    if dp:
-        txs.insert(0, distributed.all_reduce_mean(world_size))
-    tx = fx.chain(*txs)
+    mesh = distributed.world_mesh(distributed.device(cfg.trainer.device).type, name="dp") if dp else None
+    if dp and shard:
+        # A global first entry (clip_by_global_norm) needs the averaged gradient: all-reduce it up front.
+        reduce_first = not fx.is_elementwise(txs[0])
+        tx = distributed.on_dp_mesh(fx.chain(*_shard_elementwise(txs, list(chain_cfg))), mesh,
+                                    reduce_first=reduce_first)
+    else:
+        if dp:
+            txs.insert(0, distributed.all_reduce_mean(world_size))
+        tx = fx.chain(*txs)
     if cfg.amp.policy is not None:
         kwargs = {"policy": cfg.amp.policy}
         if cfg.amp.loss_scale is not None:
@@ -219,12 +237,33 @@ def stack(cfg: DictConfig, world_size: int = 1) -> fx.GradientTransformation:
         if dp:
             # Gradients are still per-rank when amp_cast checks them (the all-reduce is inside): the
             # overflow decision must be taken over all ranks.
-            kwargs["groups"] = (distributed.world_mesh(distributed.device(cfg.trainer.device).type),)
+            kwargs["groups"] = (mesh,)
         tx = _call(_wrapper("amp_cast", "amp.policy"), "amp", tx, **kwargs)
     if every > 1:
         tx = _call(_wrapper("accumulate", "accumulate.every"), "accumulate", tx, every=every,
                    mean=cfg.accumulate.mean, accumulator_dtype=cfg.accumulate.get("accumulator_dtype"))
     return tx
+
+
+def _shard_elementwise(txs: list, names: list[str]) -> list:
+    """``txs`` with each run of consecutive elementwise transforms in one ``sharded_apply(..., shard_over="dp")``.
+
+    One wrapper per run: each costs a reduce-scatter (or slice) and an all-gather of the updates.
+    """
+    if not any(fx.is_elementwise(tx) for tx in txs):
+        raise ConfigError(f"parallel.shard_optimizer=true: no entry of optim.chain ({', '.join(names)}) is "
+                          "elementwise, so there is no optimizer state to shard")
+    out, run = [], []
+    for tx in [*txs, None]:
+        if tx is not None and fx.is_elementwise(tx):
+            run.append(tx)
+            continue
+        if run:
+            out.append(fx.sharded_apply(run[0] if len(run) == 1 else fx.chain(*run), shard_over="dp"))
+            run = []
+        if tx is not None:
+            out.append(tx)
+    return out
 
 
 def cast_params(cfg: DictConfig, params: Any) -> Any:

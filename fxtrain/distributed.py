@@ -45,10 +45,10 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from fxtrain import tree
-from fxtrain._base import EmptyState, GradientTransformation, transform
+from fxtrain._base import EmptyState, GradientTransformation, kernel, transform
 
 __all__ = ["global_norm", "global_sum_sq", "GlobalSumSq", "local_leaves", "reduce_partials"]
 
@@ -510,11 +510,14 @@ def shared_stamp() -> str:
     return stamp[0]
 
 
-def world_mesh(device_type: str):
-    """A 1-D ``DeviceMesh`` over all ranks (its repr names the ranks, unlike a process group's)."""
+def world_mesh(device_type: str, name: str | None = None):
+    """A 1-D ``DeviceMesh`` over all ranks (its repr names the ranks, unlike a process group's).
+
+    ``name`` names its one dim (``"dp"``: what ``sharded_apply(..., shard_over="dp")`` looks for).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=(name,) if name else None)
 
 
 def device(name: str) -> torch.device:
@@ -549,17 +552,21 @@ def all_reduce_mean(world_size: int) -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
-        leaves = tree.leaves(updates)
-        if leaves:
-            # One flat buffer, one collective: per-leaf all_reduces cost a round trip each.
-            flat = torch.cat([g.reshape(-1) for g in leaves])
-            dist.all_reduce(flat)
-            flat.div_(world_size)
-            chunks = flat.split([g.numel() for g in leaves])
-            torch._foreach_copy_(leaves, [c.view_as(g) for c, g in zip(chunks, leaves)])
+        _all_reduce_mean_(tree.leaves(updates), world_size)
         return updates, state
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _all_reduce_mean_(leaves: list[torch.Tensor], world_size: int) -> None:
+    """Replaces every plain tensor in ``leaves`` by its mean over all ranks, in place."""
+    if leaves:
+        # One flat buffer, one collective: per-leaf all_reduces cost a round trip each.
+        flat = torch.cat([g.reshape(-1) for g in leaves])
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        chunks = flat.split([g.numel() for g in leaves])
+        torch._foreach_copy_(leaves, [c.view_as(g) for c, g in zip(chunks, leaves)])
 
 
 def mean_across_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
@@ -575,3 +582,59 @@ def shutdown() -> None:
     """Leaves the process group, if this process joined one."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# --- parallel=dp with parallel.shard_optimizer=true: ZeRO over plain data parallelism (fxtrain.build) ---
+# The loop keeps plain params and batches (the models, evaluation and checkpoints of params stay as they
+# are); only the optimizer sees DTensors, so ``sharded_apply(..., shard_over="dp")`` can shard its state.
+
+__all__ += ["on_dp_mesh"]
+
+
+@transform(elementwise=False)
+def on_dp_mesh(tx: GradientTransformation, mesh: Any, *, reduce_first: bool = False) -> GradientTransformation:
+    """Runs ``tx`` on DTensor views of data-parallel params and gradients: ZeRO-1/2 for ``parallel=dp``.
+
+    Under plain data parallelism every rank holds all params as plain tensors and the gradient of its
+    share of the batch. ``tx`` sees them on the 1-D ``mesh`` (one dim, named ``"dp"``), with no copy::
+
+        params  -> DTensor(Replicate())                      the same on every rank
+        updates -> DTensor(Partial("avg"))                   their mean is the whole batch's gradient
+        updates -> mean over ranks, DTensor(Replicate())     with reduce_first (one packed all_reduce)
+
+    and its updates come back as plain tensors (``Replicate``, ``Partial`` ones reduced first). Inside,
+    ``sharded_apply(optimizer, shard_over="dp")`` reduce-scatters the gradients (or slices them, when
+    already reduced), keeps state for 1/n of the rows (``Shard(0)`` DTensors: checkpointed sharded) and
+    all-gathers the updates. ``reduce_first`` is for chains that begin with a global transform such as
+    ``clip_by_global_norm``: its norm of ``Partial`` gradients would all-reduce them anyway, and a reduce-
+    scatter after that would move them a second time; one all_reduce, then slices, is cheaper.
+
+    Args:
+      tx: the transform (a chain with ``sharded_apply(..., shard_over=<the mesh's dim name>)`` entries).
+      mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks (:func:`world_mesh` with ``name="dp"``).
+      reduce_first: average the gradients over ranks before ``tx`` (see above).
+
+    Returns:
+      A transform on plain tensors whose state is ``tx``'s (with DTensor leaves).
+    """
+    inner = kernel(tx)
+    n = mesh.size()
+    grads = (Replicate(),) if reduce_first else (Partial("avg"),)
+
+    def view(t, placements):
+        flat, spec = tree.flatten(t)
+        return tree.unflatten(spec, [None if x is None else DTensor.from_local(x, mesh, placements, run_check=False)
+                                     for x in flat])
+
+    def init_fn(params):
+        return tx.init(view(params, (Replicate(),)))
+
+    def update_fn(updates, state, params=None):
+        if reduce_first:
+            _all_reduce_mean_(tree.leaves(updates), n)
+        params = None if params is None else view(params, (Replicate(),))
+        updates, state = inner(view(updates, grads), state, params)
+        flat, spec = tree.flatten(reduce_partials(updates))
+        return tree.unflatten(spec, [x._local_tensor if isinstance(x, DTensor) else x for x in flat]), state
+
+    return GradientTransformation(init_fn, update_fn)

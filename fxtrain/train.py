@@ -4,6 +4,7 @@
     python -m fxtrain.train experiment=stdlib_lm trainer.max_steps=100
     python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3
     torchrun --nproc_per_node=2 -m fxtrain.train parallel=dp
+    torchrun --nproc_per_node=2 -m fxtrain.train parallel=dp parallel.shard_optimizer=true   # ZeRO: 1/2 the state
     python -m fxtrain.train hydra.run.dir=outputs/run1 resume=auto   # start, or continue after a kill
 
 :func:`train` reads top to bottom in execution order: config, build (data, model, transform stack,
@@ -135,10 +136,14 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
         resumed = f"from step 0 (resume=auto: no checkpoint in {ckpt_dir})"
     logger = build.instantiate(cfg.logger, "logger", dir=out) if out is not None else None
     where = str(out) if out is not None else "(not saved)"
-    say(f"run    {where}" + (f"  [{world} ranks, parallel=dp]" if world > 1 else ""))
+    sharded = world > 1 and bool(cfg.parallel.get("shard_optimizer", False))
+    say(f"run    {where}" + (f"  [{world} ranks, parallel=dp" + (", shard_optimizer" if sharded else "") + "]"
+                             if world > 1 else ""))
     say(f"data   {data}")
     say(f"model  {type(model).__name__}: {count_params(params):,} params on {device}")
     say(f"stack  {tx!r}")
+    say(f"state  {state_bytes(opt_state):,} bytes of optimizer state per rank" +
+        (f" (sharded over {world} ranks)" if sharded else ""))
     say(f"start  {resumed}")
 
     # --- loop -----------------------------------------------------------------------------------
@@ -197,6 +202,11 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
     if not math.isfinite(value):
         raise FloatingPointError(f"optimized_metric {cfg.optimized_metric} is {value}")
     return float(value)
+
+
+def state_bytes(opt_state: Any) -> int:
+    """Bytes of ``opt_state`` this rank holds: local pieces of DTensor leaves (sharded state counts 1/n)."""
+    return sum(x.numel() * x.element_size() for x in distributed.local_leaves(opt_state))
 
 
 @torch.no_grad()

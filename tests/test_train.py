@@ -214,6 +214,15 @@ def test_unknown_optimized_metric_lists_the_metrics(tmp_path):
         runner.train(cfg, tmp_path)
 
 
+def test_shard_optimizer_needs_parallel_dp():
+    with pytest.raises(build.ConfigError, match=r"^parallel.shard_optimizer=true needs parallel=dp .*"
+                       r"parallel.strategy='none'"):
+        build.stack(cfg_of("parallel.shard_optimizer=true"))
+    with pytest.raises(build.ConfigError, match=r"^parallel.shard_optimizer: expected true or false, got 'yes'"):
+        build.stack(cfg_of("parallel=dp", "parallel.shard_optimizer=yes"))
+    build.stack(cfg_of("parallel=dp", "parallel.shard_optimizer=true"))  # one process: nothing to shard over
+
+
 def test_several_ranks_need_parallel_dp(monkeypatch):
     monkeypatch.setattr(runner.distributed, "rank_and_world", lambda: (0, 2))
     with pytest.raises(build.ConfigError, match="parallel.strategy='none', but 2 processes run this script"):
@@ -351,3 +360,44 @@ def test_torchrun_two_ranks_data_parallel(tmp_path):
     assert abs(dp["test_accuracy"] - single) <= 1 / 128          # at most one of the 128 test examples differs
     for k in ("loss", "test_loss"):
         assert dp[k] == pytest.approx(ref[k], rel=1e-4)
+
+
+def torchrun_train(cwd, *args):
+    """``torchrun --nproc_per_node=2 -m fxtrain.train *args`` in ``cwd``; returns (stdout, the run directory)."""
+    pathlib.Path(cwd).mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "fxtrain.train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = [p.parent for p in (pathlib.Path(cwd) / "outputs").rglob("summary.json")]
+    return proc.stdout, run
+
+
+def state_bytes_line(stdout):
+    (line,) = [line for line in stdout.splitlines() if line.startswith("state  ")]
+    return int(line.split()[1].replace(",", ""))
+
+
+@pytest.mark.slow
+def test_torchrun_sharded_optimizer_state_matches_plain_dp_with_half_the_state(tmp_path):
+    args = ["experiment=smoke", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=6", "parallel=dp"]
+    plain_out, plain = torchrun_train(tmp_path / "plain", *args)
+    zero_out, zero = torchrun_train(tmp_path / "zero", *args, "parallel.shard_optimizer=true")
+    assert "stack  on_dp_mesh(" in zero_out and "sharded_apply(shard_over='dp', inject_hyperparams(adamw)" in zero_out
+    # adamw's mu and nu are split in two; the step count and injected hyperparameters (a few bytes) are not.
+    full, half = state_bytes_line(plain_out), state_bytes_line(zero_out)
+    assert full / 2 <= half <= full / 2 + 64, (full, half)
+    # Same numbers: the gradients are averaged alike, and adamw is elementwise on any slice of the rows.
+    ref = read_jsonl(plain / "metrics.jsonl")
+    got = read_jsonl(zero / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [2, 4, 6]
+    for r, g in zip(ref, got):
+        for k in r.keys() - {"time_s"}:
+            assert g[k] == pytest.approx(r[k], rel=1e-5, abs=1e-7), (r["step"], k)
+    # The checkpoint holds the state as DTensor shards; one process loads it whole (torch.distributed.checkpoint
+    # reshards), into the stack it would build itself.
+    state = run_checkpoint(zero / "checkpoints" / "step_0000006", cfg_of(*args[:2]))
+    assert state.step == 6
+    mu = state.opt_state[1].inner_state[0].mu       # chain(clip_by_global_norm, inject_hyperparams(adamw))
+    assert {k: v.shape for k, v in mu.items()} == {k: v.shape for k, v in state.params.items()}
+    assert all(bool((v != 0).any()) for v in mu.values())     # both halves of every row range were saved
