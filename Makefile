@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PIP     := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: train test bench setup clean
+.PHONY: train test bench bench-suite setup clean
 
 # Reinstall when the project metadata or pins change; otherwise reuse the venv.
 $(STAMP): pyproject.toml constraints.txt
@@ -23,6 +23,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python experiments/bench/step.py $(ARGS)
+
+bench-suite: $(STAMP)
+	$(BIN)/python experiments/bench/suite.py --threads 2 $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -12,10 +12,11 @@ from typing import Callable
 import torch
 
 from fxtrain._base import GradientTransformation, chain, check_nonnegative, identity, transform
+from fxtrain.transforms import _fused
 from fxtrain.transforms._adam import scale_by_adam
 from fxtrain.transforms._lion import scale_by_lion
 from fxtrain.transforms._masking import Mask
-from fxtrain.transforms._moments import Scalar
+from fxtrain.transforms._moments import Scalar, is_zero
 from fxtrain.transforms._momentum import trace
 from fxtrain.transforms._rms import scale_by_rms, scale_by_rss, scale_by_stddev
 from fxtrain.transforms._scaling import scale_by_learning_rate
@@ -56,10 +57,15 @@ def sgd(learning_rate: LearningRate, momentum: Scalar | None = None, nesterov: b
       <http://proceedings.mlr.press/v28/sutskever13.pdf>`_, 2013.
     """
     check_nonnegative("sgd", learning_rate=learning_rate, momentum=momentum)
-    return chain(
+    tx = chain(
         trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity(),
         scale_by_learning_rate(learning_rate),
     )
+    if accumulator_dtype is not None or (momentum is not None and is_zero(momentum)):
+        return tx  # torch's kernel keeps no buffer at momentum 0, where Optax's trace holds the gradient
+    # The same math as one torch kernel, for steps that own their params (fxtrain/transforms/_fused.py).
+    return _fused.declare(tx, "sgd", learning_rate=learning_rate, momentum=0.0 if momentum is None else momentum,
+                          nesterov=nesterov and momentum is not None)
 
 
 @transform(elementwise=None)
@@ -97,10 +103,14 @@ def adam(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps:
       Kingma and Ba, `Adam: A Method for Stochastic Optimization <https://arxiv.org/abs/1412.6980>`_, 2014.
     """
     check_nonnegative("adam", learning_rate=learning_rate)
-    return chain(
+    tx = chain(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
         scale_by_learning_rate(learning_rate),
     )
+    if mu_dtype is not None or nesterov or not is_zero(eps_root):
+        return tx
+    # The same math as one torch kernel, for steps that own their params (fxtrain/transforms/_fused.py).
+    return _fused.declare(tx, "adam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
 
 
 @transform(elementwise=None)
@@ -145,11 +155,16 @@ def adamw(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
     check_nonnegative("adamw", learning_rate=learning_rate)
-    return chain(
+    tx = chain(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
+    if mu_dtype is not None or nesterov or mask is not None or not is_zero(eps_root):
+        return tx
+    # The same math as one torch kernel, for steps that own their params (fxtrain/transforms/_fused.py).
+    return _fused.declare(tx, "adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                          weight_decay=weight_decay)
 
 
 @transform(elementwise=None)

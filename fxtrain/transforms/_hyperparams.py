@@ -117,7 +117,14 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
 
         def current(state, params) -> dict:
             """Hyperparameters for the update at ``state.count``: stored values, then schedules evaluated."""
-            dtype = functools.cache(lambda: _float_dtype(params, hyperparam_dtype))
+            memo = []  # the params' float dtype, found only if needed (not functools.cache: torch.compile
+                       # cannot trace its construction, and this runs inside compiled steps)
+
+            def dtype():
+                if not memo:
+                    memo.append(_float_dtype(params, hyperparam_dtype))
+                return memo[0]
+
             device = state.count.device
             hps = {k: v if isinstance(v, torch.Tensor) else _as_hparam(v, dtype(), device)
                    for k, v in state.hyperparams.items()}

@@ -1,0 +1,150 @@
+"""Tests for fxtrain/transforms/_fused.py: the fused-kernel choice gives the foreach path's numbers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxtrain as fx
+from fxtrain.testing import assert_trees_close
+from fxtrain.transforms import _fused
+
+# Each optimizer next to the same chain built by hand: no fused mark, so the step takes the foreach kernels.
+PAIRS = {
+    "adamw": (lambda: fx.adamw(1e-2, weight_decay=0.1),
+              lambda: fx.chain(fx.scale_by_adam(), fx.add_decayed_weights(0.1), fx.scale_by_learning_rate(1e-2))),
+    "adam": (lambda: fx.adam(1e-2, b1=0.8, b2=0.99, eps=1e-6),
+             lambda: fx.chain(fx.scale_by_adam(0.8, 0.99, 1e-6), fx.scale_by_learning_rate(1e-2))),
+    "sgd": (lambda: fx.sgd(0.1), lambda: fx.chain(fx.identity(), fx.scale_by_learning_rate(0.1))),
+    "sgd-momentum": (lambda: fx.sgd(0.1, momentum=0.9),
+                     lambda: fx.chain(fx.trace(0.9), fx.scale_by_learning_rate(0.1))),
+    "sgd-nesterov": (lambda: fx.sgd(0.1, momentum=0.9, nesterov=True),
+                     lambda: fx.chain(fx.trace(0.9, nesterov=True), fx.scale_by_learning_rate(0.1))),
+}
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"l1": {"w": torch.randn(8, 5, generator=g) / 3, "b": torch.zeros(8)}, "l2": [torch.randn(3, 8, generator=g) / 3, torch.zeros(3)]}
+
+
+def _loss(params, batch):
+    x, y = batch
+    h = torch.tanh(F.linear(x, params["l1"]["w"], params["l1"]["b"]))
+    return F.cross_entropy(F.linear(h, *params["l2"]), y)
+
+
+def _run(tx, params, steps=10, donate=True):
+    state = tx.init(params)
+    step = fx.train_step(_loss, tx, donate=donate)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        batch = (torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g))
+        params, state, _ = step(params, state, batch)
+    return params, state
+
+
+def _run_updates(tx, params, fused, steps=10):
+    """``steps`` updates on fixed random gradients: the fused kernel, or update_ + apply_updates_."""
+    state = tx.init(params)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        grads = fx.tree.map(lambda p: torch.randn(p.shape, generator=g), params)
+        if fused:
+            assert _fused.step_(tx, grads, state, params)
+        else:
+            updates, state = fx.update_(tx, grads, state, params)
+            fx.apply_updates_(params, updates)
+    return params, state
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_fused_kernel_equals_foreach_kernels_over_steps(name):
+    fused, foreach = PAIRS[name][0](), PAIRS[name][1]()
+    assert _fused.spec(fused) is not None and _fused.spec(foreach) is None
+    p_fused, s_fused = _run_updates(fused, _params(), fused=True)
+    p_ref, s_ref = _run_updates(foreach, _params(), fused=False)
+    # Same state structure, same moments to float32 rounding (1 ulp of the momentum's largest past value,
+    # ~5e-7 here, survives when later gradients cancel it).
+    assert_trees_close(s_fused, s_ref, rtol=1e-6, atol=1e-6)
+    # The summed updates agree to 1e-6 relative, except for Adam's bias corrections: fxtrain (as Optax)
+    # computes 1 - b2**t in float32, torch's kernel in float64; at t=1, b2=0.999 float32's is off by
+    # 1.3e-5 relative (cancellation), which moves each update by half that: 10 steps of lr=1e-2 differ by
+    # at most 10 * 1e-2 * 1e-5 = 1e-6.
+    assert_trees_close(p_fused, p_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_train_step_takes_the_fused_kernel(name, monkeypatch):
+    calls = []
+    real = _fused.step_
+    monkeypatch.setattr(_fused, "step_", lambda *a: calls.append(real(*a)) or calls[-1])
+    p_fused, s_fused = _run(PAIRS[name][0](), _params())
+    assert calls == [True] * 10
+    # Through a model, rounding differences feed back into the gradients; one step apart they are ~1e-7.
+    p_ref, s_ref = _run(PAIRS[name][1](), _params())
+    assert_trees_close(p_fused, p_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_pure_fused_step_leaves_inputs_and_matches_donated():
+    params = _params()
+    before = fx.tree.clone(params)
+    p_pure, s_pure = _run(fx.adamw(1e-2), params, steps=3, donate=False)
+    assert_trees_close(params, before, rtol=0, atol=0)
+    p_don, s_don = _run(fx.adamw(1e-2), _params(), steps=3)
+    assert_trees_close((p_pure, s_pure), (p_don, s_don), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: fx.adamw(1e-2, mask={"l1": True, "l2": False}),
+    lambda: fx.adamw(fx.linear_schedule(1e-2, 0.0, 10)),
+    lambda: fx.adam(1e-2, mu_dtype=torch.bfloat16),
+    lambda: fx.adam(1e-2, nesterov=True),
+    lambda: fx.adam(1e-2, eps_root=1e-8),
+    lambda: fx.adam(torch.tensor(1e-2)),
+    lambda: fx.sgd(0.1, momentum=0.9, accumulator_dtype=torch.float64),
+    lambda: fx.sgd(0.1, momentum=0.0),  # Optax's trace holds the gradient; torch's kernel keeps no buffer
+    lambda: fx.inject_hyperparams(fx.adamw)(learning_rate=1e-2),
+    lambda: fx.inject_hyperparams(fx.sgd)(learning_rate=1e-2, momentum=0.9),
+    lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(1e-2)),
+])
+def test_arguments_the_kernels_do_not_cover_take_the_foreach_path(make):
+    assert _fused.spec(make()) is None
+
+
+def test_leaves_the_kernels_do_not_allow_fall_back_with_the_same_numbers():
+    # A transposed (non-contiguous) param: the check declines, the foreach kernels run, nothing was touched.
+    params = _params()
+    params["l1"]["w"] = params["l1"]["w"].t().contiguous().t()
+    tx = PAIRS["adamw"][0]()
+    state = tx.init(params)
+    assert not _fused.applies(tx, params, state, params)
+    assert not _fused.step_(tx, params, state, params) and int(state[0].count) == 0
+    p_fallback, _ = _run(tx, params)
+    p_ref, _ = _run(PAIRS["adamw"][1](), _params())
+    assert_trees_close(p_fallback, p_ref, rtol=0, atol=0)  # the foreach kernels, exactly
+
+
+def test_frozen_none_leaves_keep_their_state():
+    params = _params()
+    params["l2"][1] = None
+    p_fused, s_fused = _run(PAIRS["adamw"][0](), params, steps=1)
+    p_ref, s_ref = _run(PAIRS["adamw"][1](), {**_params(), "l2": [_params()["l2"][0], None]}, steps=1)
+    assert p_fused["l2"][1] is None
+    assert_trees_close((p_fused, s_fused), (p_ref, s_ref), rtol=1e-6, atol=1e-7)
+
+
+def test_matches_torch_optim_fused_adamw():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    params = {"w": model.weight.detach().clone(), "b": model.bias.detach().clone()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    tx = fx.adamw(1e-2, weight_decay=0.1)
+    state = tx.init(params)
+    step = fx.train_step(lambda p, b: F.mse_loss(F.linear(b[0], p["w"], p["b"]), b[1]), tx)
+    for i in range(5):
+        batch = (torch.randn(4, 5), torch.randn(4, 3))
+        opt.zero_grad()
+        F.mse_loss(model(batch[0]), batch[1]).backward()
+        opt.step()
+        params, state, _ = step(params, state, batch)
+    assert_trees_close(params, {"w": model.weight.detach(), "b": model.bias.detach()}, rtol=1e-6, atol=1e-7)
