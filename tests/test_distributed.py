@@ -9,18 +9,14 @@ on every rank.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
-import subprocess
 import sys
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests import _worlds
 
 CASES: dict = {}  # name -> (function(world), world sizes it runs at)
 WORLDS = (2, 4)
@@ -432,85 +428,18 @@ def test_plan_is_cached_per_leaf_signature():
     assert distributed._plan(leaves) is not distributed._plan([randn(1, 4), randn(2, 5000)])
 
 
-# --- the rank entry point and the pytest side ------------------------------------------------------------
-
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    results = {}
-    for name, (fn, worlds) in CASES.items():
-        if world not in worlds:
-            continue
-        torch.manual_seed(0)
-        try:
-            fn(world)
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported by the pytest side, per case
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_RESULTS: dict = {}
-
-
-def _spawn(world: int, out_dir) -> list[dict]:
-    """Runs every case in one world of ``world`` gloo ranks; returns each rank's {case: 'ok' | traceback}."""
-    if world in _RESULTS:
-        return _RESULTS[world]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    port = _free_port()
-    logs = [open(os.path.join(out_dir, f"log{r}.txt"), "w+") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(out_dir)],
-                              env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
-    results = []
-    for r in range(world):
-        path = os.path.join(out_dir, f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results.append(json.load(f))
-        else:
-            logs[r].seek(0)
-            results.append({"__crash__": f"rank {r} wrote no results (exit {procs[r].returncode}):\n{logs[r].read()[-4000:]}"})
-    for f in logs:
-        f.close()
-    _RESULTS[world] = results
-    return results
-
+# --- the pytest side: one spawned world per world size runs every case (tests/_worlds.py) ----------------
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    return lambda world: _spawn(world, tmp_path_factory.mktemp(f"world{world}"))
+    return lambda world: _worlds.results(__file__, world, tmp_path_factory.mktemp(f"world{world}"), TIMEOUT_S)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,name", [(w, n) for n, (_, ws) in CASES.items() for w in ws])
 def test_case(spawned, world, name):
-    results = spawned(world)
-    for rank, res in enumerate(results):
-        if "__crash__" in res:
-            pytest.fail(res["__crash__"])
-        assert name in res, f"rank {rank} did not run {name}"
-        if res[name] != "ok":
-            pytest.fail(f"rank {rank} of {world}:\n{res[name]}")
+    _worlds.check(spawned(world), world, name)
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    _worlds.worker(CASES, *sys.argv[1:])

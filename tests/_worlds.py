@@ -1,0 +1,99 @@
+"""Multi-process test worlds: run every case of a test file in one gloo world per world size.
+
+A test file defines ``CASES = {name: (fn(world), worlds)}`` and ends with
+``if __name__ == "__main__": worker(CASES, *sys.argv[1:])``; its pytest side calls :func:`results` (once
+per world size, cached) and :func:`check`. One spawn runs many cases: starting a world costs seconds on a
+2-core CI machine, a case milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def worker(cases: dict, rank: str, world: str, port: str, out_dir: str) -> None:
+    """The rank entry point: joins the world, runs the cases for this world size, writes {case: 'ok' | traceback}."""
+    rank, world = int(rank), int(world)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    out = {}
+    for name, (fn, worlds) in cases.items():
+        if world not in worlds:
+            continue
+        torch.manual_seed(0)
+        try:
+            fn(world)
+            out[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported by the pytest side, per case
+            out[name] = traceback.format_exc()
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_CACHE: dict = {}
+
+
+def results(script: str, world: int, out_dir, timeout_s: float) -> list[dict]:
+    """Runs ``script`` as ``world`` ranks (once per script and world size); each rank's {case: result}."""
+    key = (script, world)
+    if key in _CACHE:
+        return _CACHE[key]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    port = _free_port()
+    logs = [open(os.path.join(out_dir, f"log{r}.txt"), "w+") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(world), str(port), str(out_dir)],
+                              env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+    out = []
+    for r in range(world):
+        path = os.path.join(out_dir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out.append(json.load(f))
+        else:
+            logs[r].seek(0)
+            out.append({"__crash__": f"rank {r} wrote no results (exit {procs[r].returncode}):\n{logs[r].read()[-4000:]}"})
+    for f in logs:
+        f.close()
+    _CACHE[key] = out
+    return out
+
+
+def check(res: list[dict], world: int, name: str) -> None:
+    """Fails the calling test with the rank's traceback if case ``name`` failed (or a rank crashed)."""
+    for rank, r in enumerate(res):
+        if "__crash__" in r:
+            pytest.fail(r["__crash__"])
+        assert name in r, f"rank {rank} did not run {name}"
+        if r[name] != "ok":
+            pytest.fail(f"rank {rank} of {world}:\n{r[name]}")
