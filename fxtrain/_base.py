@@ -206,20 +206,6 @@ def check_nonnegative(transform_name: str, **values: Any) -> None:
 
 # --- combinators ----------------------------------------------------------------------------------
 
-def _compose_wrap_loss(pairs: list[tuple[GradientTransformation, State]]) -> Callable | None:
-    wrappers = [(tx.wrap_loss, s) for tx, s in pairs if tx.wrap_loss is not None]
-    if not wrappers:
-        return None
-
-    def wrap(loss_fn: LossFn) -> LossFn:
-        # The first transform's wrapper is outermost: it sees the params the step was called with.
-        for w, s in reversed(wrappers):
-            loss_fn = w(loss_fn, s)
-        return loss_fn
-
-    return wrap
-
-
 def wrap_loss(tx: GradientTransformation, loss_fn: LossFn, state: State) -> LossFn:
     """``tx.wrap_loss(loss_fn, state)``, or ``loss_fn`` itself when ``tx`` does not touch the forward pass."""
     return loss_fn if tx.wrap_loss is None else tx.wrap_loss(loss_fn, state)
@@ -284,7 +270,10 @@ def _chain_wrap_loss(txs: tuple, states_of: Callable) -> Callable | None:
         return None
 
     def wrap(loss_fn, state):
-        return _compose_wrap_loss(list(zip(txs, states_of(state))))(loss_fn)
+        # The first transform's wrapper is outermost: it sees the params the step was called with.
+        for t, s in reversed(list(zip(txs, states_of(state)))):
+            loss_fn = wrap_loss(t, loss_fn, s)
+        return loss_fn
 
     return wrap
 
@@ -348,7 +337,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     >>> fx.apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})["w"].tolist()
     [0.5, 0.5]
     """
-    _match(updates, params)
+    _check_matches(updates, params)
     copied = tree.map(lambda p, u: p if u is None else tree.clone(p), params, updates)
     return apply_updates_(copied, updates)
 
@@ -361,24 +350,25 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
     >>> fx.apply_updates_(p, {"w": torch.ones(2)})["w"].tolist()
     [2.0, 2.0]
     """
-    us, ps = tree.align(_match(updates, params), params, what="params")
-    # One foreach call per kind: DTensor refuses lists that mix it with plain tensors. The DTensor call
-    # goes through DTensor dispatch, which redistributes an update whose placement differs from its param.
-    is_d = [isinstance(p, DTensor) for p in ps]
+    us, ps = tree.align(updates, params, what="params")  # checks the structure, naming the first bad path
     with torch.no_grad():
-        for want in (False, True):
-            pick = [i for i, d in enumerate(is_d) if d is want]
-            if pick:
+        kinds = set(map(type, ps))
+        if DTensor in kinds and len(kinds) > 1:
+            # DTensor refuses foreach lists that mix it with plain tensors: one call per kind. The DTensor
+            # call goes through DTensor dispatch, which redistributes an update placed unlike its param.
+            for want in (False, True):
+                pick = [i for i, p in enumerate(ps) if isinstance(p, DTensor) is want]
                 torch._foreach_add_([ps[i] for i in pick], [us[i] for i in pick])
+        elif ps:
+            torch._foreach_add_(ps, us)
     return params
 
 
-def _match(updates: Updates, params: Params) -> Updates:
+def _check_matches(updates: Updates, params: Params) -> None:
     # Updates may be None where params hold a tensor (frozen); the other way round is a user error.
-    mismatch = tree.structure(updates) != tree.structure(params) and tree.first_mismatch(updates, params)
-    if mismatch:
+    mismatch = tree.first_mismatch(updates, params)
+    if mismatch is not None:
         raise ValueError(f"updates do not match params: the trees differ at '{mismatch}'")
-    return updates
 
 
 # --- metrics reported from state ------------------------------------------------------------------
@@ -390,22 +380,33 @@ def report(state: State) -> dict[str, torch.Tensor]:
     """Metrics a stack exposes from its state: every state node with a ``report()`` method contributes.
 
     Used by :func:`fxtrain.train_step` to fill ``metrics`` (``grad_norm``, ``learning_rate``,
-    ``loss_scale``...). The first node in flatten order wins when two report the same name. The paths
-    to reporting nodes are found once per state structure.
+    ``loss_scale``...). Reporting nodes are found at every depth, so a wrapper's state (``amp_cast``,
+    ``accumulate``) reports only its own values and its inner stack's show up as well; an outer node wins
+    when two report the same name. The paths to reporting nodes are found once per state structure.
     """
     leaves, spec = tree.flatten(state)
     # Leaf types are part of the key: a state object that optree does not know is a leaf, so two states
     # can share a treespec ("*") while only one of them reports.
     key = (spec, tuple(map(type, leaves)))
-    accessors = _REPORTERS.get(key)
-    if accessors is None:
-        nodes = optree.tree_flatten_with_accessor(
-            state, is_leaf=lambda x: hasattr(x, "report"), none_is_leaf=True, namespace="fxtrain"
-        )
-        accessors = [a for a, leaf in zip(nodes[0], nodes[1]) if hasattr(leaf, "report")]
-        _REPORTERS[key] = accessors
+    paths = _REPORTERS.get(key)
+    if paths is None:
+        paths = _REPORTERS[key] = _reporting_paths(state)
     out: dict[str, torch.Tensor] = {}
-    for acc in accessors:
-        for k, v in acc(state).report().items():
+    for path in paths:
+        node = state
+        for acc in path:
+            node = acc(node)
+        for k, v in node.report().items():
             out.setdefault(k, v)
+    return out
+
+
+def _reporting_paths(node: Any) -> list[tuple]:
+    """Accessor chains to every node under (and including) ``node`` that has ``report()``, outer first."""
+    out = [()] if hasattr(node, "report") else []
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(
+        node, is_leaf=lambda x: x is not node and hasattr(x, "report"), none_is_leaf=True, namespace="fxtrain")
+    for acc, leaf in zip(accessors, leaves):
+        if leaf is not node and hasattr(leaf, "report"):
+            out += [(acc, *rest) for rest in _reporting_paths(leaf)]
     return out

@@ -127,3 +127,24 @@ def test_report_cache_tells_apart_states_with_the_same_treespec():
     assert _base.report(Counting()) == {"calls": torch.tensor(1)}
     assert _base.report((torch.zeros(()), fx.EmptyState())) == {}
     assert _base.report((Counting(), fx.EmptyState())) == {"calls": torch.tensor(1)}
+
+
+def test_report_finds_reporting_nodes_inside_reporting_nodes_outer_first():
+    from typing import NamedTuple
+
+    class Inner(NamedTuple):
+        grad_norm: torch.Tensor
+
+        def report(self):
+            return {"grad_norm": self.grad_norm, "shared": torch.tensor(1.0)}
+
+    class Outer(NamedTuple):
+        scale: torch.Tensor
+        inner_state: tuple
+
+        def report(self):
+            return {"loss_scale": self.scale, "shared": torch.tensor(2.0)}
+
+    state = Outer(torch.tensor(8.0), (fx.EmptyState(), Inner(torch.tensor(3.0))))
+    assert _base.report(state) == {"loss_scale": torch.tensor(8.0), "shared": torch.tensor(2.0),
+                                   "grad_norm": torch.tensor(3.0)}
