@@ -24,6 +24,14 @@ from fxtrain.transforms._weight_decay import add_decayed_weights
 
 LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of the count
 
+# sgd, adam and adamw also declare the torch kernel that computes their whole chain in one call
+# (fxtrain/transforms/_fused.py), for the arguments that kernel covers; steps that own their params use it.
+
+
+def _fused_adam_covers(eps_root: Scalar, mu_dtype, nesterov: bool) -> bool:
+    """Whether torch's fused Adam(W) kernel computes ``scale_by_adam`` with these arguments."""
+    return is_zero(eps_root) and mu_dtype is None and not nesterov
+
 
 @transform(elementwise=None)
 def sgd(learning_rate: LearningRate, momentum: Scalar | None = None, nesterov: bool = False,
@@ -61,9 +69,8 @@ def sgd(learning_rate: LearningRate, momentum: Scalar | None = None, nesterov: b
         trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity(),
         scale_by_learning_rate(learning_rate),
     )
-    if accumulator_dtype is not None or (momentum is not None and is_zero(momentum)):
+    if accumulator_dtype is not None or is_zero(momentum):
         return tx  # torch's kernel keeps no buffer at momentum 0, where Optax's trace holds the gradient
-    # The same math as one torch kernel, for steps that own their params (fxtrain/transforms/_fused.py).
     return _fused.declare(tx, "sgd", learning_rate=learning_rate, momentum=0.0 if momentum is None else momentum,
                           nesterov=nesterov and momentum is not None)
 
@@ -107,9 +114,8 @@ def adam(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps:
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
         scale_by_learning_rate(learning_rate),
     )
-    if mu_dtype is not None or nesterov or not is_zero(eps_root):
+    if not _fused_adam_covers(eps_root, mu_dtype, nesterov):
         return tx
-    # The same math as one torch kernel, for steps that own their params (fxtrain/transforms/_fused.py).
     return _fused.declare(tx, "adam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
 
 
@@ -160,9 +166,8 @@ def adamw(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
-    if mu_dtype is not None or nesterov or mask is not None or not is_zero(eps_root):
+    if mask is not None or not _fused_adam_covers(eps_root, mu_dtype, nesterov):
         return tx
-    # The same math as one torch kernel, for steps that own their params (fxtrain/transforms/_fused.py).
     return _fused.declare(tx, "adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
                           weight_decay=weight_decay)
 

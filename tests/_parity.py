@@ -2,11 +2,15 @@
 
 Both start from :func:`fxtrain.testing.nested_params` and take gradients ``0.5 * params + noise_k``
 (noise fixed per step), so errors would compound through the params over the steps.
+
+Also the checks every transform test runs (purity, dtypes, ``None`` leaves) and a reference ``trace``
+for the tests of wrappers (``apply_if_finite``, ``inject_hyperparams``) that must not depend on
+fxtrain's own optimizers.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import optree
@@ -89,6 +93,10 @@ def assert_parity(tx: fx.GradientTransformation, otx: Any, *, steps: int = STEPS
         state_leaves_close(s_ours, s_theirs, rtol=rtol, atol=atol)
 
 
+# A mask with the full structure of nested_params (a bool per leaf).
+TREE_MASK = {"dense": {"w": True, "b": False}, "blocks": [True, (False, True)], "scalar": False}
+
+
 def ndim_mask(params: Any) -> Any:
     """Works on torch and jax trees alike: True for matrices and up (what weight decay usually hits)."""
     return optree.tree_map(lambda x: x.ndim >= 2, params)
@@ -143,3 +151,48 @@ def assert_pure(tx: fx.GradientTransformation) -> None:
     copies = tree.clone((g, state, params))
     tx.update(g, state, params)
     assert_trees_close((g, state, params), copies, rtol=0, atol=0)
+
+
+def assert_pure_and_donated_agree(tx: fx.GradientTransformation, grads_of: Callable[[int], Any], steps: int, *,
+                                  equal_nan: bool = False) -> None:
+    """Over ``steps`` updates on ``grads_of(step)``: ``tx.update`` leaves its inputs untouched, and the
+    donated kernel (on copies) gives bit-identical updates and state."""
+    params = nested_params()
+    state = tx.init(params)
+    for step in range(steps):
+        g = grads_of(step)
+        g0, s0 = tree.clone(g), tree.clone(state)
+        u, new = tx.update(g, state, params)
+        assert_trees_close(g, g0, rtol=0, atol=0, equal_nan=equal_nan)
+        assert_trees_close(state, s0, rtol=0, atol=0, equal_nan=equal_nan)
+        du, dnew = fx.update_(tx, tree.clone(g), tree.clone(state), params)
+        assert_trees_close(du, u, rtol=0, atol=0, equal_nan=equal_nan)
+        assert_trees_close(dnew, new, rtol=0, atol=0, equal_nan=equal_nan)
+        state = new
+
+
+# --- a reference transform, independent of fxtrain's optimizers -------------------------------------
+
+def growing_grads(step: int) -> dict:
+    """Gradients for wrapper tests: fresh random leaves per step, scaled by ``1 + 0.1 * step``."""
+    return tree.map(lambda x: x * (1.0 + 0.1 * step), nested_params(seed=step + 1))
+
+
+class TraceState(NamedTuple):
+    trace: Any
+
+
+@fx.transform
+def reference_trace(decay: float) -> fx.GradientTransformation:
+    """Optax's ``trace`` (no Nesterov), written here so wrapper tests do not depend on fxtrain's optimizers."""
+    def init_fn(params):
+        return TraceState(tree.zeros_like(params))
+
+    def update_fn(updates, state, params=None):
+        g, t = tree.align(updates, state.trace)
+        torch._foreach_mul_(t, decay)
+        torch._foreach_add_(t, g)
+        torch._foreach_copy_(g, t)
+        return updates, state
+
+    return fx.GradientTransformation(init_fn, update_fn)

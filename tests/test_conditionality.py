@@ -1,33 +1,12 @@
 """Tests for fxtrain/transforms/_conditionality.py: apply_if_finite against Optax, skipped steps, errors."""
 
-from typing import NamedTuple
-
 import pytest
 import torch
 
 import fxtrain as fx
 from fxtrain import _base
 from fxtrain.testing import assert_trees_close, from_jnp, nested_params, to_jnp
-
-
-class TraceState(NamedTuple):
-    trace: dict
-
-
-@fx.transform
-def _trace(decay):
-    """Optax's ``trace`` (no Nesterov), written here so these tests do not depend on fxtrain's optimizers."""
-    def init_fn(params):
-        return TraceState(fx.tree.zeros_like(params))
-
-    def update_fn(updates, state, params=None):
-        g, t = fx.tree.align(updates, state.trace)
-        torch._foreach_mul_(t, decay)
-        torch._foreach_add_(t, g)
-        torch._foreach_copy_(g, t)
-        return updates, state
-
-    return fx.GradientTransformation(init_fn, update_fn)
+from tests._parity import assert_pure_and_donated_agree, growing_grads, reference_trace
 
 
 # Steps whose gradients hold a NaN or an Inf: single ones, then a run of 4 (> max_consecutive_errors=2,
@@ -37,7 +16,7 @@ BAD = {2: float("nan"), 5: float("inf"), 6: float("nan"), 10: float("nan"), 11: 
 
 
 def _grads(step):
-    g = fx.tree.map(lambda x: x * (1.0 + 0.1 * step), nested_params(seed=step + 1))
+    g = growing_grads(step)
     if step in BAD:
         g["blocks"][0][1, 0, 1] = BAD[step]
     return g
@@ -46,7 +25,7 @@ def _grads(step):
 @pytest.mark.optax
 def test_matches_optax_and_skipped_steps_keep_inner_state_bit_identical():
     optax = pytest.importorskip("optax")
-    tx = fx.apply_if_finite(fx.chain(_trace(0.9), fx.scale(-0.1)), max_consecutive_errors=2)
+    tx = fx.apply_if_finite(fx.chain(reference_trace(0.9), fx.scale(-0.1)), max_consecutive_errors=2)
     otx = optax.apply_if_finite(optax.sgd(0.1, momentum=0.9), max_consecutive_errors=2)
     params = nested_params(seed=0)
     state, ostate = tx.init(params), otx.init(to_jnp(params))
@@ -90,7 +69,7 @@ def test_adam_matches_optax():
 
 
 def test_none_leaves_pass_and_report():
-    tx = fx.apply_if_finite(_trace(0.5), max_consecutive_errors=0)
+    tx = fx.apply_if_finite(reference_trace(0.5), max_consecutive_errors=0)
     params = nested_params()
     params["blocks"][1] = (None, params["blocks"][1][1])
     state = tx.init(params)
@@ -105,24 +84,13 @@ def test_none_leaves_pass_and_report():
 
 
 def test_update_is_pure_and_donated_kernel_agrees():
-    tx = fx.apply_if_finite(_trace(0.9), max_consecutive_errors=1)
-    params = nested_params()
-    state = tx.init(params)
-    for step in range(4):
-        g = _grads(step)
-        g0, s0 = fx.tree.clone(g), fx.tree.clone(state)
-        u, new = tx.update(g, state, params)
-        assert_trees_close(g, g0, rtol=0, atol=0, equal_nan=True)
-        assert_trees_close(state, s0, rtol=0, atol=0, equal_nan=True)
-        du, dnew = fx.update_(tx, fx.tree.clone(g), fx.tree.clone(state), params)
-        assert_trees_close(du, u, rtol=0, atol=0, equal_nan=True)
-        assert_trees_close(dnew, new, rtol=0, atol=0, equal_nan=True)
-        state = new
+    tx = fx.apply_if_finite(reference_trace(0.9), max_consecutive_errors=1)
+    assert_pure_and_donated_agree(tx, _grads, steps=4, equal_nan=True)
 
 
 def test_no_host_sync_on_meta_tensors():
     # Meta tensors carry no data: any .item() or Python branch on a value would raise.
-    tx = fx.apply_if_finite(_trace(0.9), max_consecutive_errors=1)
+    tx = fx.apply_if_finite(reference_trace(0.9), max_consecutive_errors=1)
     params = {"w": torch.zeros(3, device="meta")}
     u, state = tx.update({"w": torch.ones(3, device="meta")}, tx.init(params), params)
     assert u["w"].device.type == "meta" and state.notfinite_count.device.type == "meta"
@@ -149,10 +117,6 @@ def test_bad_max_consecutive_errors(bad, error):
 
 
 def test_inner_metrics_are_reported_through_apply_if_finite():
-    import torch
-
-    from fxtrain import _base
-
     tx = fx.apply_if_finite(fx.chain(fx.clip_by_global_norm(1.0), fx.sgd(0.1)), max_consecutive_errors=2)
     g = {"w": torch.full((4,), 3.0)}
     _, state = tx.update(g, tx.init(g), g)

@@ -1,42 +1,17 @@
 """Tests for fxtrain/transforms/_hyperparams.py: inject_hyperparams against Optax, state, metrics, errors."""
 
-from typing import NamedTuple
-
 import pytest
 import torch
 
 import fxtrain as fx
 from fxtrain import _base
 from fxtrain.testing import assert_trees_close, from_jnp, nested_params, to_jnp
-
-
-class TraceState(NamedTuple):
-    trace: dict
-
-
-@fx.transform
-def _trace(decay):
-    """Optax's ``trace`` (no Nesterov), written here so these tests do not depend on fxtrain's optimizers."""
-    def init_fn(params):
-        return TraceState(fx.tree.zeros_like(params))
-
-    def update_fn(updates, state, params=None):
-        g, t = fx.tree.align(updates, state.trace)
-        torch._foreach_mul_(t, decay)
-        torch._foreach_add_(t, g)
-        torch._foreach_copy_(g, t)
-        return updates, state
-
-    return fx.GradientTransformation(init_fn, update_fn)
+from tests._parity import assert_pure_and_donated_agree, growing_grads, reference_trace
 
 
 def _sgd(learning_rate, momentum=0.9):
     """Optax's ``sgd`` with momentum: ``chain(trace(momentum), scale(-learning_rate))``."""
-    return fx.chain(_trace(momentum), fx.scale(-learning_rate))
-
-
-def _grads(step):
-    return fx.tree.map(lambda x: x * (1.0 + 0.1 * step), nested_params(seed=step + 1))
+    return fx.chain(reference_trace(momentum), fx.scale(-learning_rate))
 
 
 def _run(tx, otx, steps, change=None, rtol=1e-5, atol=1e-7):
@@ -49,7 +24,7 @@ def _run(tx, otx, steps, change=None, rtol=1e-5, atol=1e-7):
     for step in range(steps):
         if change is not None:
             change(step, state, ostate)
-        g = _grads(step)
+        g = growing_grads(step)
         u, state = tx.update(g, state, params)
         ou, ostate = otx.update(to_jnp(g), ostate, oparams)
         params, oparams = fx.apply_updates(params, u), optax.apply_updates(oparams, ou)
@@ -121,7 +96,7 @@ def test_learning_rate_reported_and_state_stable():
     assert _base.report(state)["learning_rate"].item() == pytest.approx(0.1)
     spec = fx.tree.structure(state)
     for step in range(12):
-        _, state = tx.update(_grads(step), state, params)
+        _, state = tx.update(growing_grads(step), state, params)
         metrics = _base.report(state)
         assert set(metrics) == {"learning_rate", "momentum"}
         assert metrics["learning_rate"].item() == sched(step).item()  # the value used by this update
@@ -147,7 +122,7 @@ def test_none_leaves_pass():
     params["blocks"][1] = (None, params["blocks"][1][1])
     state = tx.init(params)
     for step in range(3):
-        g = _grads(step)
+        g = growing_grads(step)
         g["blocks"][1] = (None, g["blocks"][1][1])
         u, state = tx.update(g, state, params)
         assert u["blocks"][1][0] is None
@@ -156,18 +131,7 @@ def test_none_leaves_pass():
 
 def test_update_is_pure_and_donated_kernel_agrees():
     tx = fx.inject_hyperparams(_sgd)(learning_rate=fx.linear_schedule(0.1, 0.0, 5), momentum=0.9)
-    params = nested_params()
-    state = tx.init(params)
-    for step in range(3):
-        g = _grads(step)
-        g0, s0 = fx.tree.clone(g), fx.tree.clone(state)
-        u, new = tx.update(g, state, params)
-        assert_trees_close(g, g0, rtol=0, atol=0)
-        assert_trees_close(state, s0, rtol=0, atol=0)
-        du, dnew = fx.update_(tx, fx.tree.clone(g), fx.tree.clone(state), params)
-        assert_trees_close(du, u, rtol=0, atol=0)
-        assert_trees_close(dnew, new, rtol=0, atol=0)
-        state = new
+    assert_pure_and_donated_agree(tx, growing_grads, steps=3)
 
 
 def test_no_host_sync_on_meta_tensors():

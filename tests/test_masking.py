@@ -5,9 +5,8 @@ import torch
 
 import fxtrain as fx
 from fxtrain.testing import nested_params
-from tests._parity import assert_none_passthrough, assert_parity, assert_pure, grads, ndim_mask
+from tests._parity import TREE_MASK, assert_none_passthrough, assert_parity, assert_pure, grads, ndim_mask
 
-TREE_MASK = {"dense": {"w": True, "b": False}, "blocks": [True, (False, True)], "scalar": False}
 PREFIX_MASK = {"dense": True, "blocks": [False, True], "scalar": False}
 MASKS = {"tree": TREE_MASK, "prefix": PREFIX_MASK, "callable": ndim_mask}
 

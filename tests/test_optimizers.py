@@ -7,10 +7,9 @@ import torch
 
 import fxtrain as fx
 from fxtrain.testing import assert_trees_close
-from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, ndim_mask
+from tests._parity import TREE_MASK, assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, ndim_mask
 
 NAMES = ["sgd", "adam", "adamw", "lion", "rmsprop", "adagrad"]
-TREE_MASK = {"dense": {"w": True, "b": False}, "blocks": [True, (False, True)], "scalar": False}
 
 
 def _sched(count):
@@ -60,19 +59,10 @@ def test_chains_match_optax():
 
 
 @pytest.mark.optax
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + ["scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_adam",
+                                          "scale_by_rms", "scale_by_stddev", "scale_by_rss", "scale_by_lion",
+                                          "trace", "add_decayed_weights"])
 def test_signature_is_optax(name):
-    optax = pytest.importorskip("optax")
-    ours, theirs = inspect.signature(getattr(fx, name)), inspect.signature(getattr(optax, name))
-    assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
-        [(p.name, p.kind, p.default) for p in theirs.parameters.values()]
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("name", ["scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_adam",
-                                  "scale_by_rms", "scale_by_stddev", "scale_by_rss", "scale_by_lion", "trace",
-                                  "add_decayed_weights"])
-def test_transform_signature_is_optax(name):
     optax = pytest.importorskip("optax")
     ours, theirs = inspect.signature(getattr(fx, name)), inspect.signature(getattr(optax, name))
     assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \

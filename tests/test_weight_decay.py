@@ -5,9 +5,9 @@ import torch
 
 import fxtrain as fx
 from fxtrain.testing import nested_params
-from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, grads, ndim_mask
+from tests._parity import TREE_MASK, assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, grads
+from tests._parity import ndim_mask
 
-TREE_MASK = {"dense": {"w": True, "b": False}, "blocks": [True, (False, True)], "scalar": False}
 PREFIX_MASK = {"dense": True, "blocks": False, "scalar": True}
 
 

@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, kernel, report, transform
-from fxtrain.transforms._hyperparams import param_device, safe_increment_
+from fxtrain._base import GradientTransformation, kernel, transform
+from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -28,11 +28,8 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: Any
 
     def report(self) -> dict[str, torch.Tensor]:
-        """``total_notfinite`` (updates not finite so far), then what the inner state reports."""
-        out = {"total_notfinite": self.total_notfinite}
-        for k, v in report(self.inner_state).items():  # this node hides the inner ones from the step's walk
-            out.setdefault(k, v)
-        return out
+        """``total_notfinite``: updates not finite so far (the inner state's reports are found by the walk)."""
+        return {"total_notfinite": self.total_notfinite}
 
 
 @transform(elementwise=False)
@@ -68,11 +65,10 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     inner_kernel = kernel(inner)
 
     def init_fn(params):
-        device = param_device(params)
         return ApplyIfFiniteState(
-            notfinite_count=torch.zeros((), dtype=torch.int32, device=device),
-            last_finite=torch.ones((), dtype=torch.bool, device=device),
-            total_notfinite=torch.zeros((), dtype=torch.int32, device=device),
+            notfinite_count=counter(params),
+            last_finite=torch.ones((), dtype=torch.bool, device=param_device(params)),
+            total_notfinite=counter(params),
             inner_state=inner.init(params),
         )
 

@@ -13,8 +13,7 @@ import torch
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, _name, _Update, is_elementwise, kernel
 from fxtrain.schedules import bind
-
-_INT32_MAX = torch.iinfo(torch.int32).max
+from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
 
 class InjectHyperparamsState(NamedTuple):
@@ -31,19 +30,6 @@ class InjectHyperparamsState(NamedTuple):
     def report(self) -> dict[str, torch.Tensor]:
         """The hyperparameters, so ``learning_rate`` (and the rest) show in the step's metrics."""
         return {k: torch.as_tensor(v) for k, v in self.hyperparams.items()}
-
-
-def safe_increment_(count: torch.Tensor) -> torch.Tensor:
-    """``count += 1`` in place, saturating at the dtype's maximum (Optax's ``safe_increment``)."""
-    return count.add_(count < torch.iinfo(count.dtype).max)
-
-
-def param_device(params: Any) -> torch.device:
-    """Where a transform's counters and scalars live: the device of the first tensor in ``params``."""
-    for x in tree.leaves(params):
-        if isinstance(x, torch.Tensor):
-            return x.device
-    return torch.device("cpu")
 
 
 def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], static_args: str | Iterable[str] = (),
@@ -136,7 +122,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
 
         def init_fn(params):
             dtype, device = _float_dtype(params, hyperparam_dtype), param_device(params)
-            count = torch.zeros((), dtype=torch.int32, device=device)
+            count = counter(params)
             hps = {k: _as_hparam(v, dtype, device, keep_tensor_dtype=True) for k, v in numeric.items()}
             hps.update({k: _as_hparam(f(count), dtype, device) for k, f in schedules.items()})
             inner_state = inner_factory(**other, **hps).init(params)

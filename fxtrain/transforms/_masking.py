@@ -16,7 +16,7 @@ from fxtrain import tree
 from fxtrain._base import GradientTransformation, _with_flags, kernel, transform
 
 Mask = Any  # a tree of bools (prefix of the params) or a callable returning one
-_KW = {"none_is_leaf": True, "namespace": "fxtrain"}
+_KW = tree._kw()  # fxtrain's optree conventions: None is a leaf, fxtrain's node namespace
 
 
 class MaskedState(NamedTuple):
@@ -35,20 +35,16 @@ class PartitionState(NamedTuple):
     inner_states: Mapping[Hashable, Any]
 
 
-def _path(path: tuple) -> str:
-    return ".".join(str(p) for p in path) or "<root>"
-
-
 def _prefix_mismatch(prefix: Any, full: Any, path: tuple = ()) -> str | None:
     """The dotted path where ``prefix`` stops being a prefix of ``full``'s structure, or ``None``."""
     if optree.treespec_is_leaf(optree.tree_structure(prefix, **_KW)):
         return None
     if optree.treespec_is_leaf(optree.tree_structure(full, **_KW)) or type(prefix) is not type(full):
-        return _path(path)
+        return tree._path_str(path)
     p, f = optree.tree_flatten_one_level(prefix, **_KW), optree.tree_flatten_one_level(full, **_KW)
     if tuple(p.entries) != tuple(f.entries):
         missing = [e for e in list(p.entries) + list(f.entries) if e not in p.entries or e not in f.entries]
-        return _path(path + (missing[0],)) if missing else _path(path)
+        return tree._path_str(path + (missing[0],)) if missing else tree._path_str(path)
     for entry, cp, cf in zip(p.entries, p.children, f.children):
         bad = _prefix_mismatch(cp, cf, path + (entry,))
         if bad is not None:
@@ -82,25 +78,6 @@ def _check_no_wrap_loss(inner: GradientTransformation) -> None:
                          "all params, outside the mask")
 
 
-def _masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
-    """:func:`masked` without the decorator (``partition`` builds these on every update)."""
-    _check_no_wrap_loss(inner)
-
-    def resolve(t):
-        return mask(t) if callable(mask) else mask
-
-    def init_fn(params):
-        return MaskedState(inner_state=inner.init(mask_tree(params, resolve(params))))
-
-    def update_fn(updates, state, params=None):
-        m = resolve(updates if params is None else params)  # params: a frozen (None) gradient keeps its mask
-        masked_params = None if params is None else mask_tree(params, m)
-        new, inner_state = kernel(inner)(mask_tree(updates, m), state.inner_state, masked_params)
-        return _unmask(m, new, updates), MaskedState(inner_state)
-
-    return _with_flags(GradientTransformation(init_fn, update_fn), (inner,))
-
-
 @transform(elementwise=None)
 def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     """Applies ``inner`` to the params where ``mask`` is True; the other updates pass through (Optax's).
@@ -129,7 +106,21 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
         >>> u["w"].tolist(), u["b"].tolist()
         ([10.0, 10.0], [1.0])
     """
-    return _masked(inner, mask)
+    _check_no_wrap_loss(inner)
+
+    def resolve(t):
+        return mask(t) if callable(mask) else mask
+
+    def init_fn(params):
+        return MaskedState(inner_state=inner.init(mask_tree(params, resolve(params))))
+
+    def update_fn(updates, state, params=None):
+        m = resolve(updates if params is None else params)  # params: a frozen (None) gradient keeps its mask
+        masked_params = None if params is None else mask_tree(params, m)
+        new, inner_state = kernel(inner)(mask_tree(updates, m), state.inner_state, masked_params)
+        return _unmask(m, new, updates), MaskedState(inner_state)
+
+    return _with_flags(GradientTransformation(init_fn, update_fn), (inner,))
 
 
 @transform(elementwise=None)
@@ -173,7 +164,7 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
         if unknown:
             raise ValueError(f"partition: labels {sorted(map(str, unknown))} have no transform; the "
                              f"transforms are for {sorted(map(str, txs))}")
-        return PartitionState({k: _masked(t, group_mask(labels, k)).init(params) for k, t in txs.items()})
+        return PartitionState({k: masked(t, group_mask(labels, k)).init(params) for k, t in txs.items()})
 
     def update_fn(updates, state, params=None):
         if set(state.inner_states) != set(txs):
@@ -182,7 +173,7 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
         labels = resolve(updates if params is None else params)
         new_states = {}
         for k, t in txs.items():
-            updates, new_states[k] = kernel(_masked(t, group_mask(labels, k)))(
+            updates, new_states[k] = kernel(masked(t, group_mask(labels, k)))(
                 updates, state.inner_states[k], params)
         return updates, PartitionState(new_states)
 

@@ -17,6 +17,7 @@ import functools
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
 
@@ -42,11 +43,22 @@ def as_dtype(dtype: torch.dtype | str | None, name: str) -> torch.dtype | None:
     raise TypeError(f"{name} must be None, a torch.dtype or its name (e.g. 'bfloat16'), got {dtype!r}")
 
 
+def param_device(params: Any) -> torch.device:
+    """Where a transform's counters and scalars live: the device of the first tensor in ``params``."""
+    for x in tree.leaves(params):
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
 def counter(params: Any) -> torch.Tensor:
-    """A 0-dim int32 step counter on the device of the first leaf of ``params``."""
-    leaves = tree.leaves(params)
-    device = leaves[0].device if leaves and isinstance(leaves[0], torch.Tensor) else None
-    return torch.zeros((), dtype=torch.int32, device=device)
+    """A 0-dim int32 step counter, zero, on :func:`param_device`."""
+    return torch.zeros((), dtype=torch.int32, device=param_device(params))
+
+
+def safe_increment_(count: torch.Tensor) -> torch.Tensor:
+    """``count += 1`` in place, saturating at the dtype's maximum (Optax's ``safe_increment``)."""
+    return count.add_(count < torch.iinfo(count.dtype).max)
 
 
 def full_like(params: Any, value: Scalar, dtype: torch.dtype | None = None) -> Any:
@@ -67,7 +79,7 @@ def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[torch.Tensor
     DTensor has no sharding rule for ``_foreach_copy_`` (torch 2.13), so DTensor leaves (a transform
     used without ``sharded_apply``) are copied one by one; plain tensors take the single foreach call.
     """
-    if not any(_is_dtensor(x) for x in dst):
+    if not any(isinstance(x, DTensor) for x in dst):
         torch._foreach_copy_(dst, src)
     else:
         for d, x in zip(dst, src):
@@ -75,11 +87,8 @@ def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[torch.Tensor
     return dst
 
 
-def _is_dtensor(x: torch.Tensor) -> bool:
-    return type(x).__name__ == "DTensor" and hasattr(x, "device_mesh")
-
-
-def _mixed(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
+def mixed_dtypes(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
+    """Whether some leaf of ``xs`` and its partner in ``ys`` differ in dtype (``mu_dtype`` and the like)."""
     return any(x.dtype != y.dtype for x, y in zip(xs, ys))
 
 
@@ -109,7 +118,7 @@ def ema_(mu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> list[t
     """``mu = decay * mu + (1 - decay) * g`` in place; returns the new moment at the promoted precision."""
     if not mu:
         return mu
-    if _mixed(mu, g):
+    if mixed_dtypes(mu, g):
         new = ema(mu, g, decay)
         copy_(mu, new)
         return new
@@ -124,7 +133,7 @@ def ema_sq_(nu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> lis
     """``nu = decay * nu + (1 - decay) * g**2`` in place; returns the new moment at the promoted precision."""
     if not nu:
         return nu
-    if _mixed(nu, g):
+    if mixed_dtypes(nu, g):
         new = ema(nu, torch._foreach_mul(g, g), decay)
         copy_(nu, new)
         return new

@@ -8,7 +8,7 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Params, check_nonnegative, transform
-from fxtrain.transforms._moments import Scalar, as_dtype, axpy_, copy_, weak
+from fxtrain.transforms._moments import Scalar, as_dtype, axpy_, copy_, mixed_dtypes, weak
 
 
 class TraceState(NamedTuple):
@@ -60,7 +60,7 @@ def trace(decay: Scalar, nesterov: bool = False, accumulator_dtype: torch.dtype 
         g, t = tree.align(updates, state.trace)
         if not g:
             return updates, state
-        if any(x.dtype != y.dtype for x, y in zip(g, t)):
+        if mixed_dtypes(g, t):
             # As Optax: the new trace in the promoted dtype feeds this update, the state keeps a cast.
             new = torch._foreach_add(g, torch._foreach_mul(t, weak(decay, t)))
             copy_(t, new)

@@ -8,7 +8,7 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, check_nonnegative, transform
-from fxtrain.transforms._masking import Mask, _masked
+from fxtrain.transforms._masking import Mask, masked
 from fxtrain.transforms._moments import Scalar, axpy_, counter, is_zero
 
 
@@ -65,4 +65,4 @@ def add_decayed_weights(weight_decay: Scalar | Callable = 0.0, mask: Mask | None
         return updates, state
 
     tx = GradientTransformation(init_fn, update_fn)
-    return tx if mask is None else _masked(tx, mask)
+    return tx if mask is None else masked(tx, mask)
