@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import pathlib
 import sysconfig
 from typing import Iterator, Sequence
@@ -38,7 +39,17 @@ __all__ = ["Dataset", "ShuffledBatches", "WindowBatches", "digits", "stdlib_text
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class ShuffledBatches:
+class _Batches:
+    """Batches addressed by step: ``batches[k]`` is the k-th; iterating yields batches 0, 1, 2... without end."""
+
+    def __getitem__(self, step: int) -> Batch:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Batch]:
+        return map(self.__getitem__, itertools.count())
+
+
+class ShuffledBatches(_Batches):
     """Batches of ``(x, y)`` rows in a fresh seeded permutation each epoch (the last partial batch dropped).
 
     ``batches[k]`` is the k-th batch (random access, for resuming); iterating yields batches 0, 1, 2...
@@ -68,17 +79,11 @@ class ShuffledBatches:
         idx = self._perm[1][i * self.batch_size:(i + 1) * self.batch_size]
         return self.x[idx], self.y[idx]
 
-    def __iter__(self) -> Iterator[Batch]:
-        step = 0
-        while True:
-            yield self[step]
-            step += 1
-
     def to(self, device: torch.device | str) -> "ShuffledBatches":
         return ShuffledBatches(self.x.to(device), self.y.to(device), self.batch_size, self.seed)
 
 
-class WindowBatches:
+class WindowBatches(_Batches):
     """Language-model batches: ``batch_size`` windows of ``context + 1`` tokens at seeded random offsets.
 
     ``batches[k]`` gives ``(x, y)`` with ``y`` the next token of every position of ``x``.
@@ -99,12 +104,6 @@ class WindowBatches:
         starts = np.random.default_rng([self.seed, step]).integers(0, len(self.tokens) - self.context, self.batch_size)
         rows = self.tokens[torch.as_tensor(starts, device=self.tokens.device)[:, None] + self._window]
         return rows[:, :-1], rows[:, 1:]
-
-    def __iter__(self) -> Iterator[Batch]:
-        step = 0
-        while True:
-            yield self[step]
-            step += 1
 
     def to(self, device: torch.device | str) -> "WindowBatches":
         return WindowBatches(self.tokens.to(device), self.batch_size, self.context, self.seed)

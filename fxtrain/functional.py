@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fxtrain import tree
+
 Params = Buffers = dict[str, torch.Tensor]
 ApplyFn = Callable[..., tuple[Any, Buffers]]
 
@@ -70,7 +72,7 @@ def functional(module: nn.Module) -> tuple[ApplyFn, Params, Buffers]:
         if train:
             # The forward pass may update buffers in place (BatchNorm); give it copies so the caller's
             # tree stays as it was, and hand the copies back as the new state.
-            buffers = {k: v.clone() for k, v in buffers.items()}
+            buffers = tree.clone(buffers)
         was_training = module.training
         module.train(train)
         try:

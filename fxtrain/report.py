@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fxtrain import distributed
 
-__all__ = ["collect", "format_table", "write_csv", "plot", "best", "SweepSummary", "finish_sweep", "main"]
+__all__ = ["collect", "read_jsonl", "format_table", "write_csv", "plot", "best", "SweepSummary", "finish_sweep", "main"]
 
 _FINAL = ("test_accuracy", "test_loss", "loss", "accuracy")  # final metrics shown after the optimized one
 
@@ -79,6 +79,23 @@ def _read_json(path: pathlib.Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def read_jsonl(path: str | pathlib.Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` in order (``[]`` when there is none).
+
+    A line that does not parse (the one a killed run was writing) is skipped.
+    """
+    path = pathlib.Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
 
 
 def _overrides(d: pathlib.Path) -> dict[str, str]:
@@ -209,7 +226,7 @@ def plot(sweep_dir: str | pathlib.Path, path: str | pathlib.Path | None = None,
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for row in rows:
         job = sweep_dir / str(row["job"]) if (sweep_dir / str(row["job"])).is_dir() else sweep_dir
-        lines = _curves(job / "metrics.jsonl")
+        lines = read_jsonl(job / "metrics.jsonl")
         label = " ".join(f"{k}={row[k]}" for k in varied if k in row) or f"job {row['job']}"
         for ax, key in zip(axes, ("loss", metric)):
             pts = [(r["step"], r[key]) for r in lines if key in r]
@@ -226,12 +243,6 @@ def plot(sweep_dir: str | pathlib.Path, path: str | pathlib.Path | None = None,
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _curves(path: pathlib.Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # --- the Hydra callback --------------------------------------------------------------------------

@@ -119,6 +119,7 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
 
     step = fx.train_step(loss_fn, tx, has_aux=True, donate=True)
     constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
+    amp = cfg.amp.policy is not None  # only amp_cast changes the dtype of what the step hands back
 
     # --- resume ---------------------------------------------------------------------------------
     start, resumed = 0, "from step 0"
@@ -160,16 +161,17 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
             batch = distributed.local_batch(data.train[i - 1], rank, world)
             params, opt_state, metrics = step(params, opt_state, (buffers, *batch))
             aux = metrics.pop("aux")
+            new_buffers = aux.pop("buffers")
             # amp_cast computes in its compute dtype; running statistics stay in their own dtype.
-            buffers = fx.tree.map(lambda new, old: new.to(old.dtype), aux.pop("buffers"), buffers)
-            metrics = {k: v for k, v in {**metrics, **aux}.items() if k not in constants}
+            buffers = tree.map(lambda new, old: new.to(old.dtype), new_buffers, buffers) if amp else new_buffers
+            metrics.update(aux)  # 0-dim tensors; read on the host only on logging steps
             bar.update()
             if i == start + 1:
-                _check_metric_name(cfg.optimized_metric, [*metrics, "test_loss", "test_accuracy"])
+                _check_metric_name(cfg.optimized_metric, [*_logged(metrics, constants), "test_loss", "test_accuracy"])
 
             record: dict[str, float] = {}
             if i % trainer.log_every == 0 or i == max_steps:
-                train_metrics = distributed.mean_across_ranks(_floats(metrics), world)
+                train_metrics = distributed.mean_across_ranks(_floats(_logged(metrics, constants)), world)
                 record.update(train_metrics)
             if i % trainer.eval_every == 0 or i == max_steps:
                 eval_metrics = evaluate(apply, params, buffers, data.test, trainer.eval_batch_size)
@@ -268,22 +270,20 @@ def _truncate_jsonl(path: pathlib.Path, step: int) -> None:
     """Keeps the lines of ``path`` up to ``step`` (and drops a half-written last line), atomically."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # the line a killed run was writing
-        if record.get("step", 0) <= step:
-            kept.append(line + "\n")
+    kept = [r for r in report.read_jsonl(path) if r.get("step", 0) <= step]  # as JsonlLogger writes them
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(kept))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
 
 
 def _last_record(path: pathlib.Path, step: int) -> dict[str, float]:
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return {k: v for r in records if r.get("step") == step for k, v in r.items() if k not in ("step", "time_s")}
+    return {k: v for r in report.read_jsonl(path) if r.get("step") == step
+            for k, v in r.items() if k not in ("step", "time_s")}
+
+
+def _logged(metrics: dict[str, Any], constants: set[str]) -> dict[str, Any]:
+    """The metrics a log line holds: all but the constant injected hyperparameters."""
+    return {k: v for k, v in metrics.items() if k not in constants}
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:

@@ -7,19 +7,15 @@ the accumulation check and plot, the tiny LM on 1 process and on 2 torchrun rank
 
 import importlib.util
 import json
-import logging
 import pathlib
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
-import fxtrain as fx
-from fxtrain import build, report, train as runner
+from fxtrain import build, report
+from tests._runner import CONF, cfg_of, isolate, run_main  # noqa: F401 - isolate: autouse
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CONF = runner.CONF_DIR
 FAST = ["trainer.progress=false", "trainer.device=cpu", "trainer.cpu_threads=1"]
 
 
@@ -29,35 +25,6 @@ def study(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def cfg_of(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
-
-
-def run_main(*argv):
-    try:
-        runner.main(list(argv))
-    except SystemExit as e:
-        return e.code
-    return 0
-
-
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch, tmp_path):
-    # As in test_train.py: runs write under tmp_path; Hydra's global state, logging and threads are restored.
-    monkeypatch.chdir(tmp_path)
-    root, threads = logging.getLogger(), torch.get_num_threads()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for h in root.handlers:
-        if h not in handlers:
-            h.close()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    torch.set_num_threads(threads)
-    GlobalHydra.instance().clear()
 
 
 # --- experiments/lr_sweep ----------------------------------------------------------------------------

@@ -2,59 +2,25 @@
 
 import csv
 import json
-import logging
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 
 import fxtrain as fx
 import fxtrain.models
 from fxtrain import build, train as runner
 from fxtrain.models import MLP
+from fxtrain.report import read_jsonl
+from tests._runner import CONF, cfg_of, isolate, load_checkpoint, run_main, torchrun_train  # noqa: F401 - isolate: autouse
 
-CONF = runner.CONF_DIR
 FAST = ["trainer.progress=false", "trainer.device=cpu", "trainer.cpu_threads=null"]
 
 
 def options(group):
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def cfg_of(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
-
-
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch, tmp_path):
-    # Runs write under tmp_path; Hydra's global state, logging handlers and torch threads are restored.
-    monkeypatch.chdir(tmp_path)
-    root, threads = logging.getLogger(), torch.get_num_threads()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for h in root.handlers:
-        if h not in handlers:
-            h.close()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    torch.set_num_threads(threads)
-    GlobalHydra.instance().clear()
-
-
-def run_main(*argv):
-    """fxtrain.train.main in this process; returns the exit code (0 when it returns normally)."""
-    try:
-        runner.main(list(argv))
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 def small_params():
@@ -231,17 +197,6 @@ def test_several_ranks_need_parallel_dp(monkeypatch):
 
 # --- a run ----------------------------------------------------------------------------------------
 
-def run_checkpoint(path, cfg):
-    """The runner's checkpoint at ``path`` as an fx.TrainState (like: the model and stack ``cfg`` builds)."""
-    _, params, buffers = fx.functional(build.instantiate(cfg.model, "model"))
-    like = fx.TrainState(0, params, build.stack(cfg).init(params), fx.rng_state(), buffers)
-    return fx.load(path, like=like)
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
-
-
 def test_smoke_run_writes_config_metrics_checkpoint_summary(tmp_path):
     cfg = cfg_of("experiment=smoke", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=3",
                  "trainer.checkpoint_every=4", *FAST)
@@ -261,7 +216,7 @@ def test_smoke_run_writes_config_metrics_checkpoint_summary(tmp_path):
     config = (tmp_path / "config.yaml").read_text()
     assert "decay_steps: 6" in config and "${" not in config           # resolved
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000004", "step_0000006"]
-    ckpt = run_checkpoint(tmp_path / "checkpoints" / "step_0000006", cfg)
+    ckpt = load_checkpoint(tmp_path / "checkpoints" / "step_0000006", cfg)
     assert ckpt.step == 6 and set(ckpt.params) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
 
 
@@ -290,7 +245,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(monkeypatch, tmp_path
                        r"the last logged finite step and the last good checkpoint is step 4 \(.*checkpoints/step_0000004\)"):
         runner.train(cfg, tmp_path)
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
-    ckpt = run_checkpoint(fx.checkpoint.latest(tmp_path / "checkpoints"), cfg)
+    ckpt = load_checkpoint(fx.checkpoint.latest(tmp_path / "checkpoints"), cfg)
     assert ckpt.step == 4 and int(ckpt.buffers["calls"]) == 4
     assert all(bool(torch.isfinite(p).all()) for p in ckpt.params.values())
     assert not (tmp_path / "summary.json").exists()
@@ -342,15 +297,9 @@ def test_multirun_failing_job_is_reported_and_the_others_finish(capsys):
 @pytest.mark.slow
 def test_torchrun_two_ranks_data_parallel(tmp_path):
     args = ["experiment=smoke", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=6"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "fxtrain.train", "parallel=dp", *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = [p.parent for p in (tmp_path / "outputs").rglob("summary.json")]
-    assert len(runs) == 1 and len(list((tmp_path / "outputs").glob("*/*"))) == 1     # one directory, all ranks
-    run = runs[0]
-    assert proc.stdout.count("stack  chain(all_reduce_mean(2), clip_by_global_norm(1.0)") == 1    # rank 0 prints
+    stdout, run = torchrun_train(tmp_path, "parallel=dp", *args)    # one summary.json: one run directory
+    assert len(list((tmp_path / "outputs").glob("*/*"))) == 1                    # one directory, all ranks
+    assert stdout.count("stack  chain(all_reduce_mean(2), clip_by_global_norm(1.0)") == 1    # rank 0 prints
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [2, 4, 6]               # rank 0 writes
     assert (run / "train.log").read_text().count("stack  ") == 1
     # Same numbers as one process on the whole batch (the mean of two half-batch gradients).
@@ -360,17 +309,6 @@ def test_torchrun_two_ranks_data_parallel(tmp_path):
     assert abs(dp["test_accuracy"] - single) <= 1 / 128          # at most one of the 128 test examples differs
     for k in ("loss", "test_loss"):
         assert dp[k] == pytest.approx(ref[k], rel=1e-4)
-
-
-def torchrun_train(cwd, *args):
-    """``torchrun --nproc_per_node=2 -m fxtrain.train *args`` in ``cwd``; returns (stdout, the run directory)."""
-    pathlib.Path(cwd).mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "fxtrain.train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run,) = [p.parent for p in (pathlib.Path(cwd) / "outputs").rglob("summary.json")]
-    return proc.stdout, run
 
 
 def state_bytes_line(stdout):
@@ -396,7 +334,7 @@ def test_torchrun_sharded_optimizer_state_matches_plain_dp_with_half_the_state(t
             assert g[k] == pytest.approx(r[k], rel=1e-5, abs=1e-7), (r["step"], k)
     # The checkpoint holds the state as DTensor shards; one process loads it whole (torch.distributed.checkpoint
     # reshards), into the stack it would build itself.
-    state = run_checkpoint(zero / "checkpoints" / "step_0000006", cfg_of(*args[:2]))
+    state = load_checkpoint(zero / "checkpoints" / "step_0000006", cfg_of(*args[:2]))
     assert state.step == 6
     mu = state.opt_state[1].inner_state[0].mu       # chain(clip_by_global_norm, inject_hyperparams(adamw))
     assert {k: v.shape for k, v in mu.items()} == {k: v.shape for k, v in state.params.items()}

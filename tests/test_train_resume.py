@@ -3,7 +3,6 @@ with resume=auto ends where the uninterrupted run ends, metrics.jsonl included; 
 finished run changes nothing; keep_last."""
 
 import json
-import logging
 import os
 import pathlib
 import signal
@@ -12,11 +11,11 @@ import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 import fxtrain as fx
 from fxtrain import build, train as runner
+from fxtrain.report import read_jsonl
+from tests._runner import cfg_of, isolate, load_checkpoint  # noqa: F401 - isolate: autouse
 
 RUN = ["experiment=smoke", "trainer.max_steps=20", "trainer.log_every=1", "trainer.eval_every=5",
        "trainer.checkpoint_every=5", "trainer.progress=false", "trainer.device=cpu", "trainer.cpu_threads=1"]
@@ -36,36 +35,13 @@ train.main(sys.argv[1:])
 """
 
 
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
-    root, threads = logging.getLogger(), torch.get_num_threads()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for h in root.handlers:
-        if h not in handlers:
-            h.close()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    torch.set_num_threads(threads)
-    GlobalHydra.instance().clear()
-
-
-def cfg_of(*overrides):
-    with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
-
-
 def records(run_dir):
     """metrics.jsonl without the wall-clock column."""
-    lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in lines]
+    return [{k: v for k, v in r.items() if k != "time_s"} for r in read_jsonl(pathlib.Path(run_dir) / "metrics.jsonl")]
 
 
 def final_state(run_dir, cfg):
-    _, params, buffers = fx.functional(build.instantiate(cfg.model, "model"))
-    like = fx.TrainState(0, params, build.stack(cfg).init(params), fx.rng_state(), buffers)
-    return fx.load(fx.checkpoint.latest(pathlib.Path(run_dir) / "checkpoints"), like=like)
+    return load_checkpoint(fx.checkpoint.latest(pathlib.Path(run_dir) / "checkpoints"), cfg)
 
 
 def assert_same_final_state(a, b):

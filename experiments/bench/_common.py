@@ -1,8 +1,12 @@
-"""Shared helpers for the benchmarks in this folder: interleaved timing, medians, markdown, environment.
+"""Shared helpers for the benchmarks in this folder (and the studies next to it): interleaved timing,
+medians, markdown, environment, launching gloo ranks, the header of a study's ``results.md``.
 
 Timings on a shared machine drift with whatever else runs. Every benchmark here therefore times all
 its variants in one process, one call of each per round, rotating the order every round, and reports
 medians and quartiles over rounds: a slow spell hits every variant alike and the ratios stay honest.
+
+Scripts elsewhere in ``experiments/`` import it the way the benchmarks do:
+``sys.path.insert(0, str(<experiments>/bench)); import _common``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ import gc
 import os
 import platform
 import resource
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -85,3 +92,35 @@ def write_result(name: str, text: str) -> Path:
     path = RESULTS / f"{name}.md"
     path.write_text(text if text.endswith("\n") else text + "\n")
     return path
+
+
+def write_study_results(out_dir: Path, script: str, body: str, source: Any = None) -> Path:
+    """Writes ``out_dir/results.md``: a comment naming ``script``, the date, ``source`` and torch, then ``body``."""
+    origin = f" from {source}" if source is not None else ""
+    header = f"<!-- written by {script} on {datetime.date.today()}{origin}, torch {torch.__version__} -->\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.md"
+    path.write_text(header + (body if body.endswith("\n") else body + "\n"))
+    return path
+
+
+# --- multi-process runs ------------------------------------------------------------------------------
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(script: str | Path, world: int, argv: Callable[[int, int], list[str]],
+                env: dict[str, str] | None = None) -> list[int]:
+    """Runs ``world`` copies of ``script`` on this machine, one CPU thread each, and waits for all of them.
+
+    ``argv(rank, port)`` gives each copy's arguments; ``port`` is one free port for their rendezvous.
+    Returns the exit codes, by rank.
+    """
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [subprocess.Popen([sys.executable, str(script), *argv(rank, port)], env=env) for rank in range(world)]
+    return [p.wait() for p in procs]

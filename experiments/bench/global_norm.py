@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -27,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -44,13 +44,8 @@ def parse() -> argparse.Namespace:
 
 def launch(args: argparse.Namespace) -> int:
     """Starts ``args.world`` copies of this script as ranks and waits for them."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--port", str(port)], env=env)
-             for r in range(args.world)]
-    return max(p.wait() for p in procs)
+    return max(_common.spawn_ranks(__file__, args.world,
+                                   lambda rank, port: [*sys.argv[1:], "--rank", str(rank), "--port", str(port)]))
 
 
 def timed(fn, reps: int) -> tuple[float, float]:
@@ -127,9 +122,7 @@ def run(args: argparse.Namespace) -> None:
             f"Command: `.venv/bin/python experiments/bench/global_norm.py --world {w} --rounds {args.rounds}`; "
             f"machine: {os.cpu_count()} CPUs, 1-minute load average {load:.1f} at the end of the run.",
             "",
-            "| " + " | ".join(head) + " |",
-            "|" + "|".join("---" for _ in head) + "|",
-            *("| " + " | ".join(r) + " |" for r in rows),
+            _common.table(list(head), [list(r) for r in rows]),
             "",
             "Where the time goes. torch's path dispatches `_foreach_norm` and `stack` through DTensor "
             "(sharding propagation over 1,000 operands) and reduces with a redistribute. fxtrain reads the "

@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 from datetime import timedelta
@@ -85,17 +83,13 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
 
 
 def _spawn(world: int, rounds: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rank0.json")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world), str(port), out,
-                                   str(rounds)], env=env) for r in range(world)]
-        for p in procs:
-            if p.wait() != 0:
-                raise RuntimeError(f"world {world}: a rank exited with {p.returncode}")
+        codes = _common.spawn_ranks(__file__, world, lambda rank, port: ["--worker", str(rank), str(world), str(port),
+                                                                          out, str(rounds)],
+                                    env={"PYTHONWARNINGS": "ignore"})
+        if any(codes):
+            raise RuntimeError(f"world {world}: ranks exited with {codes}")
         return json.loads(Path(out).read_text())
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
-import subprocess
 import sys
 from datetime import timedelta
 
@@ -25,6 +23,8 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 4
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
+import _common  # noqa: E402 - experiments/bench/_common.py: rank launcher, markdown table
 
 
 def parse() -> argparse.Namespace:
@@ -40,13 +40,8 @@ def parse() -> argparse.Namespace:
 
 
 def launch() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--port", str(port)], env=env)
-             for r in range(WORLD)]
-    return max(p.wait() for p in procs)
+    return max(_common.spawn_ranks(__file__, WORLD,
+                                   lambda rank, port: [*sys.argv[1:], "--rank", str(rank), "--port", str(port)]))
 
 
 def init_params(seed: int = 0) -> dict:
@@ -74,6 +69,16 @@ def batches(steps: int, batch: int):
         yield x, torch.sin(3 * x[:, :8]) * 4  # a target far from the init: early gradients get clipped
 
 
+def loss_and_grads(params: dict, batch: tuple) -> tuple[torch.Tensor, dict]:
+    """The loss and its gradient tree (plain or DTensor leaves alike: autograd.grad over detached views)."""
+    import fxtrain as fx
+
+    leaves, spec = fx.tree.flatten(params)
+    leaves = [p.detach().requires_grad_() for p in leaves]
+    loss = loss_fn(fx.tree.unflatten(spec, leaves), batch)
+    return loss, fx.tree.unflatten(spec, list(torch.autograd.grad(loss, leaves)))
+
+
 def run(args: argparse.Namespace) -> None:
     import fxtrain as fx
     from torch.distributed.device_mesh import init_device_mesh
@@ -96,10 +101,7 @@ def run(args: argparse.Namespace) -> None:
     for step, (x, y) in enumerate(batches(args.steps, args.batch)):
         # Distributed step: batch over dp, replicated over tp.
         batch = (distribute_tensor(x, mesh, [S0, R]), distribute_tensor(y, mesh, [S0, R]))
-        leaves, spec = fx.tree.flatten(params)
-        leaves = [p.detach().requires_grad_() for p in leaves]
-        loss = loss_fn(fx.tree.unflatten(spec, leaves), batch)
-        grads = fx.tree.unflatten(spec, list(torch.autograd.grad(loss, leaves)))
+        loss, grads = loss_and_grads(params, batch)
         placements = sorted({str(tuple(g.placements)) for g in fx.tree.leaves(grads)})
         # What clip_grad_norm_ on this rank's local shards would see (Partial not reduced, shards alone).
         naive = torch.tensor([math.sqrt(sum(float(g.to_local().double().square().sum()) for g in fx.tree.leaves(grads)))], dtype=torch.float64)
@@ -112,10 +114,7 @@ def run(args: argparse.Namespace) -> None:
         norm = float(state[0].grad_norm)
 
         # Single-device reference, same init and whole batch.
-        ref_leaves, ref_spec = fx.tree.flatten(ref)
-        ref_leaves = [p.detach().requires_grad_() for p in ref_leaves]
-        ref_loss = loss_fn(fx.tree.unflatten(ref_spec, ref_leaves), (x, y))
-        ref_grads = fx.tree.unflatten(ref_spec, list(torch.autograd.grad(ref_loss, ref_leaves)))
+        _, ref_grads = loss_and_grads(ref, (x, y))
         ref_updates, ref_state = tx.update(ref_grads, ref_state, ref)
         ref = fx.apply_updates(ref, ref_updates)
         ref_norm = float(ref_state[0].grad_norm)
@@ -126,11 +125,10 @@ def run(args: argparse.Namespace) -> None:
     if args.rank == 0:
         head = ("step", "loss", "grad_norm, 4 ranks (fx)", "grad_norm, 1 device", "rel. diff",
                 "rel. diff vs fp64 of full grads", "per-rank local norms (min-max)", "clipped")
+        cells = [[s, f"{lo:.4f}", f"{n:.6f}", f"{r:.6f}", f"{d:.1e}", f"{e:.1e}", f"{nv[0]:.3f}-{nv[1]:.3f}",
+                  "yes" if c else "no"] for s, lo, n, r, d, e, nv, c in rows]
         lines = [
-            "| " + " | ".join(head) + " |",
-            "|" + "|".join("---" for _ in head) + "|",
-            *(f"| {s} | {lo:.4f} | {n:.6f} | {r:.6f} | {d:.1e} | {e:.1e} | {nv[0]:.3f}-{nv[1]:.3f} | {'yes' if c else 'no'} |"
-              for s, lo, n, r, d, e, nv, c in rows),
+            _common.table(list(head), cells),
             "",
             f"Gradient placements on the (dp=2, tp=2) mesh: {', '.join(placements)}.",
             f"Largest parameter difference after {args.steps} steps, 4 ranks vs 1 device: {drift:.1e}.",

@@ -12,7 +12,6 @@ same three keys (a different grid, more seeds), and on a sweep still running (co
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import pathlib
 import statistics
@@ -21,6 +20,8 @@ import sys
 from fxtrain.report import collect
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "bench"))
+import _common  # noqa: E402 - experiments/bench/_common.py
 LR, WARMUP, CLIP = "optim.chain.adamw.learning_rate", "schedule.warmup_steps", "optim.chain.clip_by_global_norm.max_norm"
 
 
@@ -107,9 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     png = heatmap(cells, args.metric, args.out / "heatmap.png",
                   f"{args.sweep_dir.name}: {done} jobs, digits MLP, 300 batches")
-    report = (f"<!-- written by experiments/lr_sweep/analyze.py on {datetime.date.today()} from {args.sweep_dir} -->\n"
-              f"{done} of {len(rows)} jobs completed, {seconds:.0f} s of training in all.\n\n{text}\n")
-    (args.out / "results.md").write_text(report)
+    report = f"{done} of {len(rows)} jobs completed, {seconds:.0f} s of training in all.\n\n{text}\n"
+    _common.write_study_results(args.out, "experiments/lr_sweep/analyze.py", report, source=args.sweep_dir)
     print(report)
     print(f"heatmap: {png}")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import pathlib
 import statistics
 import sys
@@ -29,6 +28,8 @@ import fxtrain as fx
 from fxtrain import build, report, train as runner
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "bench"))
+import _common  # noqa: E402 - experiments/bench/_common.py
 VARIANTS = {  # label: experiment config
     "baseline": "resnet_baseline",
     "clip_by_global_norm(0.1)": "resnet_clip",
@@ -90,9 +91,7 @@ def _jobs(sweep_dir: pathlib.Path) -> dict[str, list[tuple[dict, list[dict]]]]:
     out: dict[str, list] = {}
     for row in report.collect(sweep_dir):
         label = labels.get(row.get("experiment"), row.get("experiment"))
-        path = sweep_dir / str(row["job"]) / "metrics.jsonl"
-        records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        out.setdefault(label, []).append((row, records))
+        out.setdefault(label, []).append((row, report.read_jsonl(sweep_dir / str(row["job"]) / "metrics.jsonl")))
     return {k: out[k] for k in [*VARIANTS, *out] if k in out}
 
 
@@ -167,9 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     jobs = _jobs(sweep_dir)
     text = table(jobs)
     png = plot(jobs, args.out / "loss_curves.png")
-    (args.out / "results.md").write_text(
-        f"<!-- written by experiments/resnet_clip_accumulate/run.py on {datetime.date.today()} from {sweep_dir.name}, "
-        f"torch {torch.__version__} -->\n{text}\n\nThe accumulation check:\n\n```\n{check}\n```\n")
+    _common.write_study_results(args.out, "experiments/resnet_clip_accumulate/run.py",
+                                f"{text}\n\nThe accumulation check:\n\n```\n{check}\n```\n", source=sweep_dir.name)
     print(f"\n{text}\ncurves: {png}")
 
 

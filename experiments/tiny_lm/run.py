@@ -12,15 +12,18 @@ at every evaluation, and their difference) and ``val_loss.png`` next to this fil
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import shutil
 import subprocess
 import sys
 
+from fxtrain.report import read_jsonl
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent / "bench"))
+import _common  # noqa: E402 - experiments/bench/_common.py
 RUNS = {  # run directory: command (after the python interpreter)
     "1rank": ["-m", "fxtrain.train", "experiment=tiny_lm"],
     "2ranks": ["-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "fxtrain.train", "experiment=tiny_lm",
@@ -34,11 +37,6 @@ def run(name: str, overrides: list[str], runs: pathlib.Path) -> None:
     cmd = [sys.executable, *RUNS[name], f"hydra.run.dir={out}", *overrides]
     print("$ " + " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
-
-
-def _records(runs: pathlib.Path, name: str) -> list[dict]:
-    path = runs / name / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _summary(runs: pathlib.Path, name: str) -> dict:
@@ -93,15 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.only_report:
         for name in RUNS:
             run(name, args.overrides, args.runs.resolve())
-    curves = {name: _records(args.runs, name) for name in RUNS}
+    curves = {name: read_jsonl(args.runs / name / "metrics.jsonl") for name in RUNS}
     times = {name: _summary(args.runs, name)["time_s"] for name in RUNS}
     text = table(curves)
     png = plot(curves, args.out / "val_loss.png")
-    import torch
-
-    (args.out / "results.md").write_text(
-        f"<!-- written by experiments/tiny_lm/run.py on {datetime.date.today()}, torch {torch.__version__} -->\n"
-        f"{text}\n\nWall time: 1 rank {times['1rank']:.0f} s, 2 ranks {times['2ranks']:.0f} s.\n")
+    _common.write_study_results(args.out, "experiments/tiny_lm/run.py",
+                                f"{text}\n\nWall time: 1 rank {times['1rank']:.0f} s, 2 ranks {times['2ranks']:.0f} s.\n")
     print(f"\n{text}\nwall time (s): {times}\nplot: {png}")
 
 

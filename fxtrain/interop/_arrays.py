@@ -21,6 +21,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxtrain.interop._jax import is_jax_array, require
 
@@ -70,9 +71,9 @@ def to_jax(tree: Any, *, local: bool = False) -> Any:
     def conv(path, x):
         if not isinstance(x, torch.Tensor):
             return x
-        if _is_dtensor(x):
+        if isinstance(x, DTensor):
             x = x.to_local() if local else x.full_tensor()
-        return tensor_to_jax(x, where=_path(path))
+        return tensor_to_jax(x, where=dotted(path))
 
     return optree.tree_map_with_path(conv, tree, **_KW)
 
@@ -128,10 +129,6 @@ def array_to_torch(x: Any) -> torch.Tensor:
     return torch.from_dlpack(x)
 
 
-def _is_dtensor(x: torch.Tensor) -> bool:
-    # Duck-typed: torch.distributed is only imported by fxtrain.distributed (DESIGN section 2).
-    return hasattr(x, "device_mesh") and hasattr(x, "full_tensor")
-
-
-def _path(path: tuple) -> str:
+def dotted(path: tuple) -> str:
+    """An optree path as the dotted string errors name (``"1.inner_state.mu.w"``), as ``fxtrain.tree.paths``."""
     return ".".join(str(p) for p in path) or "<root>"

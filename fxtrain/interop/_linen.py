@@ -214,7 +214,7 @@ def to_linen(params: dict[str, Any], module: nn.Module, *, naming: str = "compac
         >>> {k: tuple(x.shape) for k, x in v["params"]["Dense_0"].items()}   # kernel is (in, out)
         {'kernel': (4, 8), 'bias': (8,)}
     """
-    where = _layout(module, naming, buffers is not None)
+    where = linen_names(module, naming=naming, buffers=buffers is not None)
     out: dict = {}
     for what, tensors in (("params", params), ("buffers", buffers or {})):
         for name, t in tensors.items():
@@ -265,7 +265,7 @@ def from_linen(variables: dict, module: nn.Module, *, naming: str = "compact") -
     tree = dict(variables)
     if "params" not in tree:
         tree = {"params": tree}
-    where = _layout(module, naming, False)
+    where = linen_names(module, naming=naming)
     shapes = {k: tuple(p.shape) for k, p in module.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     used: set[tuple] = set()
@@ -289,10 +289,6 @@ def from_linen(variables: dict, module: nn.Module, *, naming: str = "compact") -
         raise ValueError(f"from_linen: '{'/'.join(extra[0])}' is not a parameter of {type(module).__name__} "
                          f"(naming={naming!r})")
     return out
-
-
-def _layout(module: nn.Module, naming: str, buffers: bool) -> dict[str, Leaf]:
-    return linen_names(module, naming=naming, buffers=buffers)
 
 
 def _paths(node: Any, prefix: tuple) -> list[tuple]:

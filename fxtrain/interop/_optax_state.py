@@ -37,9 +37,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
-from fxtrain.interop._arrays import array_to_torch, tensor_to_jax
+from fxtrain.interop._arrays import array_to_torch, dotted, tensor_to_jax
 from fxtrain.interop._jax import is_jax_array, require
 
 __all__ = ["state_to_optax", "state_from_optax"]
@@ -131,10 +132,6 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (torch.Tensor, np.ndarray, np.generic)) or is_jax_array(x)
 
 
-def _dotted(path: tuple) -> str:
-    return ".".join(str(p) for p in path) or "<root>"
-
-
 class _Walk:
     """Rebuilds ``like`` with the values of ``src``; ``leaf(src, like, where)`` converts one array."""
 
@@ -142,7 +139,7 @@ class _Walk:
         self.fn, self.leaf = fn, leaf
 
     def fail(self, path: tuple, what: str) -> None:
-        raise ValueError(f"{self.fn}: the states differ at '{_dotted(path)}': {what} (is the `like` state "
+        raise ValueError(f"{self.fn}: the states differ at '{dotted(path)}': {what} (is the `like` state "
                          "from the counterpart transform, initialized on the same params?)")
 
     def convert(self, src: Any, like: Any, path: tuple) -> Any:
@@ -170,7 +167,7 @@ class _Walk:
                 self.fail(path, f"{_kind(src)} vs an array")
             if tuple(src.shape) != tuple(like.shape):
                 self.fail(path, f"shape {tuple(src.shape)} vs {tuple(like.shape)}")
-            return self.leaf(src, like, _dotted(path))
+            return self.leaf(src, like, dotted(path))
         return src if type(src) is type(like) else self.fail(path, f"{_kind(src)} vs {_kind(like)}")
 
     def node(self, src: Any, like: Any, path: tuple) -> Any:
@@ -267,7 +264,7 @@ _SPECIAL = {
 def _leaf_to_jax(src: Any, like: Any, where: str) -> Any:
     jnp = require("jax.numpy")
     if isinstance(src, torch.Tensor):
-        if hasattr(src, "full_tensor"):  # a DTensor: its full value (see to_jax)
+        if isinstance(src, DTensor):  # its full value (see to_jax)
             src = src.full_tensor()
         out = tensor_to_jax(src, where=where)
     else:
@@ -278,7 +275,7 @@ def _leaf_to_jax(src: Any, like: Any, where: str) -> Any:
 def _leaf_to_torch(src: Any, like: Any, where: str) -> torch.Tensor:
     if not isinstance(like, torch.Tensor):
         raise ValueError(f"state_from_optax: at '{where}' the fxtrain state holds {_kind(like)}, not a tensor")
-    if hasattr(like, "device_mesh"):
+    if isinstance(like, DTensor):
         raise ValueError(f"state_from_optax: '{where}' is a DTensor in the fxtrain state; convert into a state "
                          "of plain tensors, then distribute it (fxtrain.sharded_apply keeps states local)")
     t = array_to_torch(src) if is_jax_array(src) else torch.as_tensor(np.asarray(src))

@@ -1,0 +1,73 @@
+"""Helpers for the tests that drive the Hydra runner (test_train*.py, test_experiments.py).
+
+``from tests._runner import isolate`` in a test module turns on the autouse fixture there (pytest finds
+fixtures by module attribute); the rest are plain functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+import fxtrain as fx
+from fxtrain import build, train as runner
+
+CONF = runner.CONF_DIR
+
+
+def cfg_of(*overrides: str):
+    """``conf/train.yaml`` composed with ``overrides``, as ``python -m fxtrain.train`` would."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def run_main(*argv: str):
+    """fxtrain.train.main in this process; returns the exit code (0 when it returns normally)."""
+    try:
+        runner.main(list(argv))
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def torchrun_train(cwd, *args: str, timeout: float = 240) -> tuple[str, pathlib.Path]:
+    """``torchrun --nproc_per_node=2 -m fxtrain.train *args`` in ``cwd``; returns (stdout, the run directory)."""
+    pathlib.Path(cwd).mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "fxtrain.train", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = [p.parent for p in (pathlib.Path(cwd) / "outputs").rglob("summary.json")]
+    return proc.stdout, run
+
+
+def load_checkpoint(path, cfg) -> fx.TrainState:
+    """The runner's checkpoint at ``path`` as an fx.TrainState (like: the model and stack ``cfg`` builds)."""
+    _, params, buffers = fx.functional(build.instantiate(cfg.model, "model"))
+    like = fx.TrainState(0, params, build.stack(cfg).init(params), fx.rng_state(), buffers)
+    return fx.load(path, like=like)
+
+
+@pytest.fixture(autouse=True)
+def isolate(monkeypatch, tmp_path):
+    """Runs write under tmp_path; Hydra's global state, logging handlers and torch threads are restored."""
+    monkeypatch.chdir(tmp_path)
+    root, threads = logging.getLogger(), torch.get_num_threads()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in root.handlers:
+        if h not in handlers:
+            h.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    torch.set_num_threads(threads)
+    GlobalHydra.instance().clear()
