@@ -24,9 +24,9 @@ scale and its trackers, accumulation window, injected hyperparameters; all Named
 tensors) and the RNG states (:func:`rng_state`). Bytes are copied as they are: a resumed run computes
 what the uninterrupted one would have.
 
-Talking to ``torch.distributed`` belongs in ``fxtrain/distributed.py``, with one exception: this module
-calls ``torch.distributed.checkpoint``, and the few rank/barrier calls that its save protocol needs (who
-renames, and that nobody goes on before the rename) are part of that protocol, so they live here too.
+Talking to ``torch.distributed`` belongs in ``fxtrain/distributed.py`` (rank and world size come from
+there), with one exception: this module calls ``torch.distributed.checkpoint``, and the barriers its save
+protocol needs (nobody goes on before the rename) are part of that protocol, so they live here too.
 
 Example:
     >>> import tempfile, torch, fxtrain as fx
@@ -60,7 +60,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from fxtrain import tree
+from fxtrain import distributed, tree
 
 __all__ = ["TrainState", "save", "load", "rng_state", "set_rng_state", "latest", "CheckpointError"]
 
@@ -141,7 +141,8 @@ def save(path: str | os.PathLike, state: Any) -> pathlib.Path:
         leaves.append(entry)
         if entry["kind"] == "tensor":
             tensors[p] = x.detach()
-    rank0 = _rank() == 0
+    rank, world = distributed.rank_and_world()
+    rank0 = rank == 0
     tmp, old = _siblings(path)
     if rank0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,7 +157,7 @@ def save(path: str | os.PathLike, state: Any) -> pathlib.Path:
     # DCP's coordinator writes .metadata only after every rank reported its writes done: rank 0 sees all files.
     if rank0:
         files = {f.name: _fsync_and_crc(f) for f in sorted(tmp.iterdir())}
-        manifest = {"format": _FORMAT, "version": _VERSION, "world_size": _world(), "leaves": leaves,
+        manifest = {"format": _FORMAT, "version": _VERSION, "world_size": world, "leaves": leaves,
                     "files": files}
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         _fsync_dir(tmp)
@@ -210,11 +211,7 @@ def _recover(path: pathlib.Path) -> None:
 
 
 def _fsync_and_crc(f: pathlib.Path) -> list[int]:
-    crc = 0
-    with open(f, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-        os.fsync(fh.fileno())
+    crc = _crc(f, fsync=True)
     return [f.stat().st_size, crc]
 
 
@@ -313,11 +310,14 @@ def _check_files(path: pathlib.Path, manifest: dict[str, Any], verify: bool) -> 
             raise CheckpointError(f"checkpoint {path} is corrupted: {name} does not match its checksum")
 
 
-def _crc(f: pathlib.Path) -> int:
+def _crc(f: pathlib.Path, fsync: bool = False) -> int:
+    """CRC32 of ``f``'s bytes, read in 4 MiB chunks; with ``fsync`` the file is also flushed to disk."""
     crc = 0
     with open(f, "rb") as fh:
         while chunk := fh.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
+        if fsync:
+            os.fsync(fh.fileno())
     return crc
 
 
@@ -387,14 +387,6 @@ def latest(directory: str | os.PathLike) -> pathlib.Path | None:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _distributed() else 1
 
 
 def _barrier() -> None:

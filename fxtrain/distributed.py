@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 from typing import Any, NamedTuple, Sequence
 
@@ -50,7 +51,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, kernel, transform
 
-__all__ = ["global_norm", "global_sum_sq", "GlobalSumSq", "local_leaves", "reduce_partials"]
+__all__ = ["global_norm", "global_sum_sq", "GlobalSumSq", "to_local", "local_leaves", "reduce_partials"]
 
 Group = Any  # a torch.distributed ProcessGroup, or a 1-D DeviceMesh
 
@@ -67,6 +68,19 @@ class GlobalSumSq(NamedTuple):
 
 # --- public functions -----------------------------------------------------------------------------
 
+def to_local(x: Any) -> Any:
+    """The local piece of a DTensor (a view: writing into it writes into the DTensor); anything else as is.
+
+    ``_local_tensor`` is what ``DTensor.to_local()`` returns under ``no_grad``, read directly so a gradient
+    tree of ``requires_grad`` DTensors still gives views we can write into, with no autograd node per leaf.
+
+    >>> import torch
+    >>> to_local(torch.ones(1)).tolist(), to_local(None)
+    ([1.0], None)
+    """
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
 def local_leaves(t: Any) -> list[torch.Tensor]:
     """The non-``None`` leaves of ``t`` with each DTensor replaced by its local piece (a view of it).
 
@@ -78,9 +92,7 @@ def local_leaves(t: Any) -> list[torch.Tensor]:
     >>> [x.tolist() for x in xs]
     [[1.0, 1.0]]
     """
-    # _local_tensor is what DTensor.to_local() returns under no_grad; read directly so a gradient tree
-    # with requires_grad DTensors still gives views we can write into, with no autograd node per leaf.
-    return [x._local_tensor if isinstance(x, DTensor) else x for x in tree.leaves(t)]
+    return [to_local(x) for x in tree.leaves(t)]
 
 
 def global_sum_sq(t: Any, *, groups: Sequence[Group] = ()) -> GlobalSumSq:
@@ -164,15 +176,14 @@ def reduce_partials(t: Any) -> Any:
     plan = _plan(present)
     if not plan.partials:
         return t
-    local = [x._local_tensor if isinstance(x, DTensor) else x for x in present]
+    local = [to_local(x) for x in present]
     out = list(present)
     for p in plan.partials:
-        buf = _reduced_buffer(p, local)
-        pieces = torch.split(buf, [local[i].numel() for i in p.positions])
+        pieces = _unflat(_reduced_buffer(p, local), [local[i] for i in p.positions])
         for i, piece in zip(p.positions, pieces):
             x = present[i]
             out[i] = DTensor.from_local(
-                piece.view(local[i].shape).to(x.dtype), x.device_mesh, p.reduced_placements,
+                piece.to(x.dtype), x.device_mesh, p.reduced_placements,
                 run_check=False, shape=x.shape, stride=x.stride(),
             )
     it = iter(out)
@@ -204,7 +215,6 @@ class _Plan:
     foreach: list[tuple[torch.dtype | None, list[int] | None]]  # (dtype= for _foreach_norm, positions or all)
     packs: list[tuple[torch.dtype, list[int] | None]]  # (acc dtype, small leaves of one bucket and dtype, or all)
     partials: list[_Partial]
-    n_buckets: int
     gather: torch.Tensor  # (buckets + 2, 3 * values) 0/1: local values and their nan/inf flags -> vector
     steps: list[tuple[Any, torch.Tensor | None]]  # (group, entries of the scalar vector, None for all)
     fold: torch.Tensor  # (3, buckets + 2) 0/1: vector -> (sum_sq, nan, inf)
@@ -309,7 +319,7 @@ def _build_plan(leaves: list) -> _Plan:
     fold[[0] * nb + [1, 2], list(range(nb + 2))] = 1.0
     out = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
     return _Plan(foreach=foreach, packs=packs, partials=list(partials.values()),
-                 n_buckets=nb, gather=gather.to(device), steps=steps, fold=fold.to(device), out_dtype=out,
+                 gather=gather.to(device), steps=steps, fold=fold.to(device), out_dtype=out,
                  device=device)
 
 
@@ -324,14 +334,25 @@ def _flat(xs: list[torch.Tensor], acc: torch.dtype, mixed: bool = False) -> torc
     return torch._utils._flatten_dense_tensors(xs).to(acc)
 
 
-def _reduced_buffer(p: _Partial, local: list[torch.Tensor]) -> torch.Tensor:
-    """The local pieces of ``p``'s leaves, flattened into one buffer and reduced over the Partial dims."""
-    buf = _flat([local[i] for i in p.positions], p.acc, p.mixed)
-    for pg, op, div in p.reductions:
+def _unflat(buf: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Views of the 1-D ``buf`` shaped like ``like``, in order (the inverse of :func:`_flat`, dtype aside)."""
+    return torch._utils._unflatten_dense_tensors(buf, like)
+
+
+def _all_reduce_flat(xs: list[torch.Tensor], acc: torch.dtype, reductions: list, mixed: bool = False) -> torch.Tensor:
+    """``xs`` packed into one new buffer of dtype ``acc`` and all-reduced in place, one collective per
+    ``(process group, ReduceOp, divisor)`` of ``reductions`` (``reduce_partials`` and ``all_reduce_mean``)."""
+    buf = _flat(xs, acc, mixed)
+    for pg, op, div in reductions:
         dist.all_reduce(buf, op=op, group=pg)
         if div != 1:
             buf.div_(div)
     return buf
+
+
+def _reduced_buffer(p: _Partial, local: list[torch.Tensor]) -> torch.Tensor:
+    """The local pieces of ``p``'s leaves, flattened into one buffer and reduced over the Partial dims."""
+    return _all_reduce_flat([local[i] for i in p.positions], p.acc, p.reductions, p.mixed)
 
 
 def _as_group(g: Group) -> Any:
@@ -356,8 +377,7 @@ def _local_sums(plan: _Plan, local: list[torch.Tensor]) -> torch.Tensor:
 
 def _global_sum_sq(leaves: list, groups: Sequence[Group], counts: bool) -> GlobalSumSq:
     plan = _plan(leaves)
-    # _local_tensor is what DTensor.to_local() returns under no_grad, without an autograd node per leaf.
-    value = _local_sums(plan, [x._local_tensor if isinstance(x, DTensor) else x for x in leaves])
+    value = _local_sums(plan, [to_local(x) for x in leaves])
 
     if not plan.steps and not groups:  # nothing to communicate: the single-process path
         bad = (~value.isfinite()).sum(dtype=torch.float32) if counts else torch.zeros(())
@@ -561,12 +581,12 @@ def all_reduce_mean(world_size: int) -> GradientTransformation:
 def _all_reduce_mean_(leaves: list[torch.Tensor], world_size: int) -> None:
     """Replaces every plain tensor in ``leaves`` by its mean over all ranks, in place."""
     if leaves:
-        # One flat buffer, one collective: per-leaf all_reduces cost a round trip each.
-        flat = torch.cat([g.reshape(-1) for g in leaves])
-        dist.all_reduce(flat)
-        flat.div_(world_size)
-        chunks = flat.split([g.numel() for g in leaves])
-        torch._foreach_copy_(leaves, [c.view_as(g) for c, g in zip(chunks, leaves)])
+        # One flat buffer (in the leaves' promoted dtype), one collective: per-leaf all_reduces cost a
+        # round trip each.
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
+        mixed = any(g.dtype != dtype for g in leaves)
+        flat = _all_reduce_flat(leaves, dtype, [(None, dist.ReduceOp.SUM, world_size)], mixed)
+        torch._foreach_copy_(leaves, list(_unflat(flat, leaves)))
 
 
 def mean_across_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
@@ -622,9 +642,7 @@ def on_dp_mesh(tx: GradientTransformation, mesh: Any, *, reduce_first: bool = Fa
     grads = (Replicate(),) if reduce_first else (Partial("avg"),)
 
     def view(t, placements):
-        flat, spec = tree.flatten(t)
-        return tree.unflatten(spec, [None if x is None else DTensor.from_local(x, mesh, placements, run_check=False)
-                                     for x in flat])
+        return tree.map(lambda x: DTensor.from_local(x, mesh, placements, run_check=False), t)
 
     def init_fn(params):
         return tx.init(view(params, (Replicate(),)))
@@ -634,7 +652,6 @@ def on_dp_mesh(tx: GradientTransformation, mesh: Any, *, reduce_first: bool = Fa
             _all_reduce_mean_(tree.leaves(updates), n)
         params = None if params is None else view(params, (Replicate(),))
         updates, state = inner(view(updates, grads), state, params)
-        flat, spec = tree.flatten(reduce_partials(updates))
-        return tree.unflatten(spec, [x._local_tensor if isinstance(x, DTensor) else x for x in flat]), state
+        return tree.map(to_local, reduce_partials(updates)), state
 
     return GradientTransformation(init_fn, update_fn)

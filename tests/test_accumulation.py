@@ -8,10 +8,7 @@ computed in the same test. One spawn runs every data-parallel check.
 from __future__ import annotations
 
 import math
-import os
-import socket
-import traceback
-from datetime import timedelta
+import sys
 from typing import NamedTuple
 
 import pytest
@@ -21,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtrain as fx
 from fxtrain.testing import assert_trees_close
+from tests import _worlds
 
 
 def mlp_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
@@ -383,16 +381,20 @@ def test_microbatch_under_accumulate():
     assert_trees_close(p_acc, p_big, rtol=1e-6, atol=1e-7)
 
 
-# --- data parallel: 2 gloo ranks, one spawn -----------------------------------------------------------------
+# --- data parallel: 2 gloo ranks, one spawn (tests/_worlds.py) ----------------------------------------------
 
 WORLD, K, B = 2, 3, 4  # ranks, micro-batches per window, examples per rank per micro-batch
+TIMEOUT_S = 180
+CASES, case = _worlds.registry(worlds=(WORLD,))
 
 
-def _dp_checks(rank: int) -> None:
+@case()
+def case_data_parallel(world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor.debug import CommDebugMode
 
+    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,))
 
     def comms(fn):
@@ -477,28 +479,8 @@ def local_rows(batch, rank):
                  for t in batch)
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    try:
-        _dp_checks(rank)
-        result = "ok"
-    except Exception:  # noqa: BLE001 - reported by the test
-        result = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(result)
-    dist.destroy_process_group()
+test_case = _worlds.tests(__file__, CASES, TIMEOUT_S)
 
 
-@pytest.mark.slow
-def test_data_parallel_two_ranks(tmp_path):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
-    for rank in range(WORLD):
-        result = (tmp_path / f"rank{rank}.txt").read_text()
-        assert result == "ok", f"rank {rank}:\n{result}"
+if __name__ == "__main__":
+    _worlds.worker(CASES, *sys.argv[1:])

@@ -7,21 +7,17 @@ Megatron-LM's DynamicGradScaler.update (hysteresis, floors).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-import socket
-import subprocess
 import sys
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fxtrain as fx
 from fxtrain.testing import assert_trees_close
+from tests import _worlds
 
 F16 = "p=f32,c=f16,o=f32"
 
@@ -457,16 +453,19 @@ def test_overflow_inside_an_accumulation_window_skips_it_and_backs_off_once():
 
 
 # --- two gloo ranks: every rank takes the same decision ---------------------------------------------------
-# One world of 2 CPU ranks runs every case below (spawning is the cost); each reports per case.
+# One world of 2 CPU ranks runs every case below (spawning is the cost; tests/_worlds.py); each reports per case.
 
 WORLD, TIMEOUT_S = 2, 180
+CASES, case = _worlds.registry(worlds=(WORLD,))
 
 
-def _case_dtensor_data_parallel(rank):
+@case()
+def case_dtensor_data_parallel(world):
     """Replicate params, Shard(0) batch: Partial gradients; an inf only in rank 1's rows: both skip."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,))
     batches = _batches(8, inf_at=(4,))  # row 3 of batch 4 is on rank 0; move the inf to rank 1's half
     batches[4][0][3, 1], batches[4][0][12, 1] = 0.0, float("inf")
@@ -485,11 +484,13 @@ def _case_dtensor_data_parallel(rank):
     assert all(p.placements == (Replicate(),) for p in params.values())
 
 
-def _case_sharded_leaf_one_rank_overflows(rank):
+@case()
+def case_sharded_leaf_one_rank_overflows(world):
     """Shard(0) gradients and Adam state: an inf in rank 1's piece only; the update is skipped everywhere."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,))
     tx = fx.amp_cast(fx.adam(1e-2), F16, loss_scale=fx.DynamicLossScale(64.0))
     params = {"w": distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]),
@@ -512,12 +513,12 @@ def _case_sharded_leaf_one_rank_overflows(rank):
                   fx.tree.map(lambda x: x.to_local() if hasattr(x, "to_local") else x, before))
 
 
-def _case_plain_tensors_need_groups(rank):
+@case()
+def case_plain_tensors_need_groups(world):
     """Plain gradients all-reduced inside the inner chain: ``groups`` makes the ranks agree."""
-    import torch.distributed as dist
-
     from fxtrain import distributed
 
+    rank = dist.get_rank()
     inner = fx.chain(distributed.all_reduce_mean(WORLD), fx.sgd(0.1))
     g = {"w": torch.full((3,), float("inf") if rank == 1 else 2.0)}
     tx = fx.amp_cast(inner, F16, loss_scale=2.0, groups=[dist.group.WORLD])
@@ -528,68 +529,8 @@ def _case_plain_tensors_need_groups(rank):
     assert int(s.skipped) == rank
 
 
-_CASES = [_case_dtensor_data_parallel, _case_sharded_leaf_one_rank_overflows, _case_plain_tensors_need_groups]
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    results = {}
-    for fn in _CASES:
-        torch.manual_seed(0)
-        try:
-            fn(rank)
-            results[fn.__name__] = "ok"
-        except Exception:  # noqa: BLE001 - reported per case by the pytest side
-            results[fn.__name__] = traceback.format_exc()
-        dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def world_results(tmp_path_factory):
-    # Subprocesses running this file (not torch.multiprocessing.spawn): pytest imports test modules with
-    # --import-mode=importlib, under names a spawned child could not import to unpickle the worker.
-    out = tmp_path_factory.mktemp("amp_world")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    logs = [open(out / f"log{r}.txt", "w+") for r in range(WORLD)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out)], env=env,
-                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(WORLD)]
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-    results = []
-    for r in range(WORLD):
-        path = out / f"rank{r}.json"
-        if path.exists():
-            results.append(json.loads(path.read_text()))
-        else:
-            logs[r].seek(0)
-            results.append({"__crash__": f"rank {r} wrote no results:\n{logs[r].read()[-4000:]}"})
-        logs[r].close()
-    return results
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", [fn.__name__ for fn in _CASES])
-def test_two_ranks(world_results, case):
-    for rank, res in enumerate(world_results):
-        if "__crash__" in res:
-            pytest.fail(res["__crash__"])
-        if res[case] != "ok":
-            pytest.fail(f"rank {rank}:\n{res[case]}")
+test_case = _worlds.tests(__file__, CASES, TIMEOUT_S)
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    _worlds.worker(CASES, *sys.argv[1:])

@@ -8,15 +8,12 @@ one 2-rank world runs every DTensor case, and the two SIGKILL victims run side b
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -26,9 +23,10 @@ from fxtrain.checkpoint import latest
 
 CheckpointError = fx.CheckpointError  # the class fx.load raises (pytest may import fxtrain/checkpoint.py twice for doctests)
 from fxtrain.testing import assert_trees_close
+from tests import _worlds
 
 HERE = pathlib.Path(__file__)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+ENV = _worlds.script_env()  # this file runs as a script too (resume, victim, the 2-rank world)
 TIMEOUT_S = 120
 
 # --- single-process scenarios: the same code builds the run here and in the fresh process -----------
@@ -269,20 +267,33 @@ def test_sigkill_during_save_leaves_the_last_good_checkpoint(tmp_path):
 
 # --- DTensor: a world of 2 gloo ranks ---------------------------------------------------------------
 
-def dtensor_world(rank: int, world: int, port: int, root: pathlib.Path) -> None:
+CASES, case = _worlds.registry(worlds=(2,))  # run by tests/_worlds.py; files go to _worlds.OUT_DIR
+
+
+@functools.cache  # one mesh for both cases (each init_device_mesh makes process groups)
+def _mesh(world: int):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                         world_size=world, timeout=timedelta(seconds=30))
-    mesh = init_device_mesh("cpu", (world,))
-    results = {}
+    return init_device_mesh("cpu", (world,))
 
-    def params_on(placement, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        return {"w": distribute_tensor(torch.randn(8, 4, generator=g), mesh, [placement]),
-                "b": distribute_tensor(torch.randn(4, generator=g), mesh, [Replicate()])}
+
+def _params_on(mesh, placement, seed=0):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    return {"w": distribute_tensor(torch.randn(8, 4, generator=g), mesh, [placement]),
+            "b": distribute_tensor(torch.randn(4, generator=g), mesh, [Replicate()])}
+
+
+def _dtensor_stack() -> fx.GradientTransformation:
+    return fx.chain(fx.clip_by_global_norm(1.0), fx.adam(1e-2))
+
+
+@case()
+def case_resume_on_two_ranks_is_bit_exact(world):
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh, root, tx = _mesh(world), _worlds.OUT_DIR, _dtensor_stack()
 
     def dloss(params, k):
         g = torch.Generator().manual_seed(k)
@@ -290,7 +301,6 @@ def dtensor_world(rank: int, world: int, port: int, root: pathlib.Path) -> None:
         y = distribute_tensor(torch.randn(6, 4, generator=g), mesh, [Replicate()])
         return (x @ params["w"] + params["b"] - y).square().mean()
 
-    tx = fx.chain(fx.clip_by_global_norm(1.0), fx.adam(1e-2))
     step = fx.train_step(dloss, tx, donate=False)
 
     def train(params, opt_state, start, stop):
@@ -299,69 +309,45 @@ def dtensor_world(rank: int, world: int, port: int, root: pathlib.Path) -> None:
         return params, opt_state
 
     def local(t):
-        from torch.distributed.tensor import DTensor
         return fx.tree.map(lambda x: x.to_local() if isinstance(x, DTensor) else x, t)
 
-    def case_resume_on_two_ranks_is_bit_exact():
-        p0 = params_on(Shard(0))
-        ref = train(p0, tx.init(p0), 0, 6)
-        p, s = train(p0, tx.init(p0), 0, 3)
-        fx.save(root / "mid", fx.TrainState(3, p, s))
-        fresh = params_on(Shard(0), seed=1)
-        state = fx.load(root / "mid", like=fx.TrainState(0, fresh, tx.init(fresh)))
-        got = train(state.params, state.opt_state, 3, 6)
-        assert_trees_equal(local(got), local(ref))
-        assert state.params["w"].placements == (Shard(0),)
-        fx.save(root / "final", fx.TrainState(6, *got))
-        full = fx.tree.map(lambda x: x.full_tensor() if hasattr(x, "full_tensor") else x, got)  # collectives: all ranks
-        if rank == 0:
-            torch.save({"params": full[0], "opt_state": full[1]}, root / "full.pt")
-
-    def case_load_onto_other_placements_reshards():
-        p = params_on(Shard(0))
-        fx.save(root / "reshard", p)
-        back = fx.load(root / "reshard", like=params_on(Shard(1), seed=3))
-        assert back["w"].placements == (Shard(1),)
-        assert torch.equal(back["w"].full_tensor(), p["w"].full_tensor())
-
-    for name, fn in list(locals().items()):
-        if name.startswith("case_"):
-            try:
-                fn()
-                results[name[5:]] = "ok"
-            except Exception:  # noqa: BLE001 - reported by the pytest side
-                results[name[5:]] = traceback.format_exc()
-            torch.distributed.barrier()
-    (root / f"rank{rank}.json").write_text(json.dumps(results))
-    torch.distributed.destroy_process_group()
+    p0 = _params_on(mesh, Shard(0))
+    ref = train(p0, tx.init(p0), 0, 6)
+    p, s = train(p0, tx.init(p0), 0, 3)
+    fx.save(root / "mid", fx.TrainState(3, p, s))
+    fresh = _params_on(mesh, Shard(0), seed=1)
+    state = fx.load(root / "mid", like=fx.TrainState(0, fresh, tx.init(fresh)))
+    got = train(state.params, state.opt_state, 3, 6)
+    assert_trees_equal(local(got), local(ref))
+    assert state.params["w"].placements == (Shard(0),)
+    fx.save(root / "final", fx.TrainState(6, *got))
+    full = fx.tree.map(lambda x: x.full_tensor() if hasattr(x, "full_tensor") else x, got)  # collectives: all ranks
+    if torch.distributed.get_rank() == 0:
+        torch.save({"params": full[0], "opt_state": full[1]}, root / "full.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@case()
+def case_load_onto_other_placements_reshards(world):
+    from torch.distributed.tensor import Shard
+
+    mesh, root = _mesh(world), _worlds.OUT_DIR
+    p = _params_on(mesh, Shard(0))
+    fx.save(root / "reshard", p)
+    back = fx.load(root / "reshard", like=_params_on(mesh, Shard(1), seed=3))
+    assert back["w"].placements == (Shard(1),)
+    assert torch.equal(back["w"].full_tensor(), p["w"].full_tensor())
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     root = tmp_path_factory.mktemp("world2")
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE), "rank", str(r), "2", str(port), str(root)], env=ENV,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    outs = [p.communicate(timeout=TIMEOUT_S)[0].decode() for p in procs]
-    results = []
-    for r in range(2):
-        f = root / f"rank{r}.json"
-        results.append(json.loads(f.read_text()) if f.exists() else {"__crash__": outs[r][-4000:]})
-    return root, results
+    return root, _worlds.results(__file__, 2, root, TIMEOUT_S)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resume_on_two_ranks_is_bit_exact", "load_onto_other_placements_reshards"])
+@pytest.mark.parametrize("name", list(CASES))
 def test_dtensor_case(world2, name):
-    for rank, res in enumerate(world2[1]):
-        assert "__crash__" not in res, res.get("__crash__")
-        assert res.get(name) == "ok", f"rank {rank}:\n{res.get(name)}"
+    _worlds.check(world2[1], 2, name)
 
 
 @pytest.mark.slow
@@ -384,4 +370,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "victim":
         victim(pathlib.Path(sys.argv[2]), sys.argv[3])
     else:
-        dtensor_world(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), pathlib.Path(sys.argv[5]))
+        _worlds.worker(CASES, *sys.argv[1:])

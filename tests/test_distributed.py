@@ -18,16 +18,8 @@ import torch.distributed as dist
 
 from tests import _worlds
 
-CASES: dict = {}  # name -> (function(world), world sizes it runs at)
-WORLDS = (2, 4)
+CASES, case = _worlds.registry(worlds=(2, 4))  # name -> (function(world), world sizes it runs at)
 TIMEOUT_S = 240
-
-
-def case(*worlds: int):
-    def register(fn):
-        CASES[fn.__name__.removeprefix("case_")] = (fn, worlds or WORLDS)
-        return fn
-    return register
 
 
 # --- helpers run inside the ranks ---------------------------------------------------------------------
@@ -66,20 +58,6 @@ def dt(x: torch.Tensor, mesh, *placements):
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(x, mesh, list(placements))
-
-
-def local_copy(t):
-    """A copy made on the local pieces (``DTensor.clone`` turns ``Partial`` into ``Replicate``)."""
-    import fxtrain as fx
-    from torch.distributed.tensor import DTensor
-
-    def copy(x):
-        if not isinstance(x, DTensor):
-            return x.clone()
-        return DTensor.from_local(x.to_local().clone(), x.device_mesh, x.placements, run_check=False,
-                                  shape=x.shape, stride=x.stride())
-
-    return fx.tree.map(copy, t)
 
 
 def same_on_all_ranks(x: torch.Tensor, group=None) -> bool:
@@ -245,12 +223,12 @@ def case_partial_gradients(world):
 
     # Clipping keeps Partial (scaling is linear); clip by value must reduce first (clamp is not).
     clip = fx.clip_by_global_norm(1.0)
-    u, _ = fx.update_(clip, local_copy(t), clip.init(t))  # the kernel, as a donated train_step runs it
+    u, _ = fx.update_(clip, fx.tree.clone(t), clip.init(t))  # the kernel, as a donated train_step runs it
     assert u["a"].placements == p_sum.placements and u["b"].placements == p_2d.placements
     coef = 1.0 / ref_norm(total, sum(q), randn(50, 5), randn(51, 2))
     torch.testing.assert_close(full(u["a"]), total * coef, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(full(u["b"]), sum(q) * coef, rtol=1e-5, atol=1e-6)
-    v, _ = fx.update_(fx.clip(0.5), local_copy(t), fx.EmptyState())
+    v, _ = fx.update_(fx.clip(0.5), fx.tree.clone(t), fx.EmptyState())
     assert [p.is_replicate() for p in v["b"].placements] == [True, False], v["b"].placements
     assert v["b"].shape == p_2d.shape and v["b"].stride() == p_2d.stride()
     torch.testing.assert_close(full(v["a"]), total.clamp(-0.5, 0.5))
@@ -430,15 +408,7 @@ def test_plan_is_cached_per_leaf_signature():
 
 # --- the pytest side: one spawned world per world size runs every case (tests/_worlds.py) ----------------
 
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    return lambda world: _worlds.results(__file__, world, tmp_path_factory.mktemp(f"world{world}"), TIMEOUT_S)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world,name", [(w, n) for n, (_, ws) in CASES.items() for w in ws])
-def test_case(spawned, world, name):
-    _worlds.check(spawned(world), world, name)
+test_case = _worlds.tests(__file__, CASES, TIMEOUT_S)
 
 
 if __name__ == "__main__":

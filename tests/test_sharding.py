@@ -16,8 +16,7 @@ import torch.distributed as dist
 import fxtrain as fx
 from tests import _worlds
 
-CASES: dict = {}  # name -> (function(world), world sizes)
-WORLDS = (2, 4)
+CASES, case = _worlds.registry(worlds=(2, 4))  # name -> (function(world), world sizes it runs at)
 TIMEOUT_S = 180
 STEPS = 10
 OPTIMIZERS = {
@@ -25,13 +24,6 @@ OPTIMIZERS = {
     "lion": lambda: fx.lion(1e-3, weight_decay=1e-2),
     "sgd_momentum": lambda: fx.sgd(1e-2, momentum=0.9, nesterov=True),
 }
-
-
-def case(*worlds: int):
-    def register(fn):
-        CASES[fn.__name__.removeprefix("case_")] = (fn, worlds or WORLDS)
-        return fn
-    return register
 
 
 # --- helpers run inside the ranks ---------------------------------------------------------------------
@@ -367,15 +359,7 @@ def test_plain_leaves_pass_through_the_inner_transform(name, shard_over):
 
 # --- the pytest side: one spawned world per world size runs every case (tests/_worlds.py) ----------------
 
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    return lambda world: _worlds.results(__file__, world, tmp_path_factory.mktemp(f"world{world}"), TIMEOUT_S)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world,name", [(w, n) for n, (_, ws) in CASES.items() for w in ws])
-def test_case(spawned, world, name):
-    _worlds.check(spawned(world), world, name)
+test_case = _worlds.tests(__file__, CASES, TIMEOUT_S)
 
 
 if __name__ == "__main__":

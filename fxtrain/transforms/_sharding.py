@@ -159,7 +159,7 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
             zero.scatter(local_u)
         local_p = [_local_param(p, role) for p, role in zip(flat_p, roles)]
         flat_s, sspec = tree.flatten(state)
-        local_s = [x._local_tensor if isinstance(x, DTensor) else x for x in flat_s]
+        local_s = [distributed.to_local(x) for x in flat_s]
 
         new_u, new_s = inner(tree.unflatten(uspec, local_u), tree.unflatten(sspec, local_s),
                              None if params is None else tree.unflatten(pspec, local_p))
@@ -213,10 +213,16 @@ def _role(x: Any, shard_over: str) -> _Role | None:
         return None  # already sharded over that dim (FSDP): the local math is enough
     if any(isinstance(p, Shard) and p.dim == 0 for p in x.placements):
         return None  # rows already split on another mesh dim: a Shard(0) over dp would mean another layout
-    rows, n, r = x._local_tensor.shape[0], mesh.size(d), mesh.get_local_rank(d)
-    c = -(-rows // n)  # DTensor's Shard(0) split: ceil(rows / n) per rank, the last ones shorter or empty
-    start = min(r * c, rows)
-    return _Role(d, n, start, min(start + c, rows))
+    n = mesh.size(d)
+    start, stop = _row_splits(x._local_tensor.shape[0], n)[mesh.get_local_rank(d)]
+    return _Role(d, n, start, stop)
+
+
+def _row_splits(rows: int, n: int) -> list[tuple[int, int]]:
+    """Rows [start, stop) of each of ``n`` ranks: DTensor's Shard(0) split, ``ceil(rows / n)`` per rank,
+    the last ones shorter or empty."""
+    c = -(-rows // n)
+    return [(min(k * c, rows), min(k * c + c, rows)) for k in range(n)]
 
 
 def _local_param(x: Any, role: _Role | None) -> Any:
@@ -317,9 +323,8 @@ class _Zero:
             if g is None:
                 g = groups[key] = _Group(u.device_mesh, role.dim, op, [], [], [], [])
             shape = tuple(u._local_tensor.shape)
-            c = -(-shape[0] // role.n)
             g.positions.append(i)
-            g.rows.append([(min(k * c, shape[0]), min(min(k * c, shape[0]) + c, shape[0])) for k in range(role.n)])
+            g.rows.append(_row_splits(shape[0], role.n))
             g.row_numel.append(math.prod(shape[1:]))
             g.shapes.append(shape)
         for g in groups.values():
