@@ -63,7 +63,7 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, kernel, report, transform, wrap_loss
+from fxtrain._base import GradientTransformation, kernel, transform, wrap_loss
 from fxtrain.transforms._hyperparams import param_device
 
 __all__ = [
@@ -440,11 +440,8 @@ class AmpCastState(NamedTuple):
     inner_state: Any
 
     def report(self) -> dict[str, torch.Tensor]:
-        """``loss_scale`` and ``skipped``, then what the inner transform's state reports (``grad_norm``...)."""
-        out = {"loss_scale": self.loss_scale.scale, "skipped": self.skipped}
-        for k, v in report(self.inner_state).items():  # this node hides the inner ones from the step's walk
-            out.setdefault(k, v)
-        return out
+        """``loss_scale`` and ``skipped`` (the inner state's reports are found by the step's walk)."""
+        return {"loss_scale": self.loss_scale.scale, "skipped": self.skipped}
 
 
 def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScale | None = None, *,
@@ -474,11 +471,8 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
         # The inner kernel always runs (no host sync to branch on); its results are then selected on device.
         before = tree.clone(state.inner_state)  # the kernel works in place: keep what to restore
         updates, inner_state = inner_kernel(updates, state.inner_state, params)
-        new, old = tree.align(inner_state, before, what="inner state")
-        for n, o in zip(distributed.local_leaves(new), distributed.local_leaves(old)):
-            torch.where(overflow, o, n, out=o)  # into the copy: never aliases the updates
-        for u in distributed.local_leaves(updates):  # local pieces: Partial gradients stay Partial
-            u.masked_fill_(overflow, 0)
+        tree.where_(~overflow, *tree.align(inner_state, before, what="inner state"))  # into the copy
+        tree.zero_where_(overflow, tree.leaves(updates))  # on local pieces: Partial gradients stay Partial
         loss_scale = scaler.adjust_(state.loss_scale, overflow)
         return updates, AmpCastState(loss_scale, state.skipped.copy_(overflow), before)
 

@@ -68,17 +68,8 @@ class GlobalSumSq(NamedTuple):
 
 # --- public functions -----------------------------------------------------------------------------
 
-def to_local(x: Any) -> Any:
-    """The local piece of a DTensor (a view: writing into it writes into the DTensor); anything else as is.
-
-    ``_local_tensor`` is what ``DTensor.to_local()`` returns under ``no_grad``, read directly so a gradient
-    tree of ``requires_grad`` DTensors still gives views we can write into, with no autograd node per leaf.
-
-    >>> import torch
-    >>> to_local(torch.ones(1)).tolist(), to_local(None)
-    ([1.0], None)
-    """
-    return x._local_tensor if isinstance(x, DTensor) else x
+# The local piece of a DTensor (a writable view), anything else as is: defined once, in fxtrain/tree.py.
+to_local = tree.local
 
 
 def local_leaves(t: Any) -> list[torch.Tensor]:

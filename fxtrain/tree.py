@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "flatten", "unflatten", "leaves", "paths", "structure", "map", "align", "first_mismatch",
-    "zeros_like", "clone", "cast", "sum_sq", "norm", "add_", "scale_", "where", "all_finite",
+    "zeros_like", "clone", "cast", "sum_sq", "norm", "add_", "scale_", "where", "where_", "zero_where_",
+    "local", "all_finite",
 ]
 
 Tree = Any
@@ -173,7 +174,7 @@ def clone(tree: Tree) -> Tree:
 
 def _clone(x: Any) -> Any:
     if isinstance(x, DTensor):
-        return DTensor.from_local(x._local_tensor.clone(), x.device_mesh, x.placements, run_check=False,
+        return DTensor.from_local(local(x).clone(), x.device_mesh, x.placements, run_check=False,
                                   shape=x.shape, stride=x.stride())
     return x.clone() if isinstance(x, torch.Tensor) else x
 
@@ -219,6 +220,36 @@ def scale_(xs: list[torch.Tensor], s: float | torch.Tensor) -> list[torch.Tensor
 def where(pred: torch.Tensor, a: Tree, b: Tree) -> Tree:
     """Leafwise ``torch.where(pred, a, b)`` for a 0-dim boolean ``pred`` (selected on device, no host sync)."""
     return map(lambda x, y: torch.where(pred, x, y), a, b)
+
+
+def local(x: Any) -> Any:
+    """The local piece of a DTensor (a view: writing into it writes into the DTensor); anything else as is.
+
+    ``_local_tensor`` is what ``DTensor.to_local()`` returns under ``no_grad``, read directly so a gradient
+    tree of ``requires_grad`` DTensors still gives views to write into, with no autograd node per leaf.
+
+    >>> local(torch.ones(1)).tolist(), local(None)
+    ([1.0], None)
+    """
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+def where_(pred: torch.Tensor, new: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
+    """``out[i] = torch.where(pred, new[i], out[i])`` in place, for a 0-dim boolean ``pred`` (no host sync).
+
+    How a transform keeps or restores state without branching on the host: run the kernel, then select
+    into a kept copy. On local pieces, so DTensor placements (``Partial`` too) are kept. One kernel per
+    leaf: torch has no foreach ``where``, and arithmetic tricks (``mul``, ``lerp``) turn inf into NaN.
+    """
+    for n, o in zip(new, out):
+        o = local(o)
+        torch.where(pred, local(n), o, out=o)
+
+
+def zero_where_(pred: torch.Tensor, xs: Sequence[torch.Tensor]) -> None:
+    """``xs[i][...] = 0`` where the 0-dim boolean ``pred`` is true, in place (NaN and inf included)."""
+    for x in xs:
+        local(x).masked_fill_(pred, 0)
 
 
 def all_finite(xs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -71,3 +71,14 @@ def test_add_and_scale_in_place():
     tree.add_(xs, ys, alpha=2.0)
     tree.scale_(xs, torch.tensor(0.5))
     assert xs[0].tolist() == [1.5, 1.5]
+
+
+def test_where_and_zero_where_in_place_keep_inf_out_of_nan():
+    new, out = [torch.tensor([1.0, float("inf")])], [torch.tensor([5.0, 6.0])]
+    tree.where_(torch.tensor(False), new, out)
+    assert out[0].tolist() == [5.0, 6.0]
+    tree.where_(torch.tensor(True), new, out)
+    assert out[0].tolist() == [1.0, float("inf")]
+    xs = [torch.tensor([float("nan"), 2.0])]
+    tree.zero_where_(torch.tensor(True), xs)
+    assert xs[0].tolist() == [0.0, 0.0]

@@ -50,7 +50,7 @@ import optree
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, kernel, report, transform
+from fxtrain._base import GradientTransformation, kernel, transform
 from fxtrain.transforms._hyperparams import safe_increment_
 from fxtrain.transforms._moments import as_dtype
 
@@ -74,11 +74,8 @@ class AccumulateState(NamedTuple):
     inner_state: Any
 
     def report(self) -> dict[str, torch.Tensor]:
-        """``emitted``, then what the inner state reports (``grad_norm``, ``loss_scale``...)."""
-        out = {"emitted": self.emitted}
-        for k, v in report(self.inner_state).items():  # this node hides the inner ones from the step's walk
-            out.setdefault(k, v)
-        return out
+        """``emitted`` (the inner state's reports are found by the step's walk)."""
+        return {"emitted": self.emitted}
 
 
 @transform(elementwise=False)

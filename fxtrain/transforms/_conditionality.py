@@ -78,8 +78,9 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         accept = finite | (notfinite > max_consecutive_errors)
         before = tree.clone(state.inner_state)  # the inner kernel works in place; keep what to restore
         updates, inner_state = inner_kernel(updates, state.inner_state, params)
-        updates = tree.map(lambda u: torch.where(accept, u, 0), updates)
-        inner_state = tree.where(accept, inner_state, before)
+        tree.where_(accept, *tree.align(inner_state, before, what="inner state"))  # into the copy
+        tree.zero_where_(~accept, tree.leaves(updates))
+        inner_state = before
         total = state.total_notfinite.add_(~finite & (state.total_notfinite < torch.iinfo(torch.int32).max))
         return updates, ApplyIfFiniteState(notfinite, state.last_finite.copy_(finite), total, inner_state)
 
