@@ -121,7 +121,10 @@ def test_leaves_the_kernels_do_not_allow_fall_back_with_the_same_numbers():
     assert not _fused.step_(tx, params, state, params) and int(state[0].count) == 0
     p_fallback, _ = _run(tx, params)
     p_ref, _ = _run(PAIRS["adamw"][1](), _params())
-    assert_trees_close(p_fallback, p_ref, rtol=0, atol=0)  # the foreach kernels, exactly
+    # The foreach kernels on a transposed layout against the same kernels on a contiguous one: different
+    # loops (vectorised differently per CPU), so agreement is a float32 rounding claim, not bit-exactness
+    # (7e-9 apart on an AMD EPYC). 1e-6 relative is a few float32 ulps over these steps.
+    assert_trees_close(p_fallback, p_ref, rtol=1e-6, atol=1e-7)
 
 
 def test_frozen_none_leaves_keep_their_state():
