@@ -32,6 +32,7 @@ import pathlib
 import re
 from typing import Any, Callable
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -179,10 +180,11 @@ class ScaledSchedule:
 
     def __repr__(self) -> str:
         at = f"@({self.every}*count)" if self.every != 1 else ""
-        return f"{self.peak:g}*{self.shape!r}{at}"
+        peak = "peak" if isinstance(self.peak, torch.Tensor) else f"{self.peak:g}"  # a tensor: a vmapped sweep's
+        return f"{peak}*{self.shape!r}{at}"
 
 
-def stack(cfg: DictConfig, world_size: int = 1) -> fx.GradientTransformation:
+def stack(cfg: DictConfig, world_size: int = 1, values: dict[str, Any] | None = None) -> fx.GradientTransformation:
     """The gradient transformation a config describes:
     ``accumulate(amp_cast(chain(all_reduce_mean, *optim.chain)))``, each part only when configured.
 
@@ -199,6 +201,10 @@ def stack(cfg: DictConfig, world_size: int = 1) -> fx.GradientTransformation:
       (:func:`fxtrain.distributed.on_dp_mesh`): every rank keeps 1/n of the optimizer state.
     * ``amp.policy``: :func:`fxtrain.amp_cast` around the chain (the DESIGN's recommended order).
     * ``accumulate.every > 1``: :func:`fxtrain.accumulate` outermost.
+
+    ``values`` replaces the numbers of some ``optim.chain.<name>.<arg>`` and ``schedule.<arg>`` keys
+    (dotted keys as in the config): ``hydra/launcher=vmap`` builds one stack for a group of jobs inside
+    ``torch.func.vmap`` with each job's value as a 0-dim tensor there (:mod:`fxtrain.sweep`).
     """
     chain_cfg = cfg.optim.get("chain")
     if not chain_cfg:
@@ -210,8 +216,11 @@ def stack(cfg: DictConfig, world_size: int = 1) -> fx.GradientTransformation:
     if cfg.trainer.max_steps % every:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} is not a multiple of accumulate.every={every} "
                           "(both count batches)")
-    shape = instantiate(cfg.schedule, "schedule") if cfg.get("schedule") is not None else None
-    txs = [_transform(node, f"optim.chain.{name}", shape, every) for name, node in chain_cfg.items()]
+    values = values or {}
+    shape = (instantiate(cfg.schedule, "schedule", **_values_under(values, "schedule"))
+             if cfg.get("schedule") is not None else None)
+    txs = [_transform(node, f"optim.chain.{name}", shape, every, _values_under(values, f"optim.chain.{name}"))
+           for name, node in chain_cfg.items()]
     shard = cfg.parallel.get("shard_optimizer", False)
     if shard not in (True, False):
         raise ConfigError(f"parallel.shard_optimizer: expected true or false, got {shard!r}")
@@ -303,14 +312,24 @@ def constant_hyperparams(cfg: DictConfig) -> set[str]:
     return names
 
 
-def _transform(node: DictConfig, key: str, shape: Callable | None, every: int) -> fx.GradientTransformation:
-    factory, kwargs = target(node, key)
+def _values_under(values: dict[str, Any], key: str) -> dict[str, Any]:
+    """The entries of ``values`` for the arguments of the node at ``key`` (``"schedule"``: its ``peak_value``...)."""
+    return {k[len(key) + 1:]: v for k, v in values.items() if k.startswith(key + ".") and "." not in k[len(key) + 1:]}
+
+
+def _transform(node: DictConfig, key: str, shape: Callable | None, every: int,
+               given: dict[str, Any]) -> fx.GradientTransformation:
+    factory, kwargs = _parts(_resolve(node, key), key, given)
     if "learning_rate" in kwargs and shape is not None:
         lr = kwargs.pop("learning_rate")
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+        if isinstance(lr, torch.Tensor) and lr.ndim == 0 and lr.is_floating_point():
+            peak = lr  # one job's value in a vmapped sweep (stack's ``values``)
+        elif isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            peak = float(lr)
+        else:
             raise ConfigError(f"{key}.learning_rate: expected a number (the schedule's peak), got {lr!r}")
         try:
-            return fx.inject_hyperparams(factory)(learning_rate=ScaledSchedule(float(lr), shape, every), **kwargs)
+            return fx.inject_hyperparams(factory)(learning_rate=ScaledSchedule(peak, shape, every), **kwargs)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{key} ({node._target_}): {e}") from e
     try:

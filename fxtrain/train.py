@@ -46,7 +46,7 @@ import pathlib
 import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import hydra
 import torch
@@ -98,26 +98,10 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
     device = distributed.device(trainer.device)
     if device.type == "cpu" and trainer.cpu_threads:
         torch.set_num_threads(trainer.cpu_threads)
-    torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order)
 
     # --- build ----------------------------------------------------------------------------------
-    data = build.instantiate(cfg.data, "data").to(device)
-    model = build.instantiate(cfg.model, "model").to(device)
-    apply, params, buffers = fx.functional(model)
-    params = build.cast_params(cfg, params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
-    tx = build.stack(cfg, world)
-    opt_state = tx.init(params)
-
-    def loss_fn(params, batch):
-        # Classifier logits (B, C) or LM logits (B, T, V): one cross-entropy for both. BatchNorm statistics
-        # come back from apply as new buffers, carried out of the step in aux.
-        buffers, x, y = batch
-        logits, buffers = apply(params, buffers, x, train=True)
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
-        accuracy = (logits.argmax(-1) == y).float().mean()
-        return loss, {"accuracy": accuracy, "buffers": buffers}
-
-    step = fx.train_step(loss_fn, tx, has_aux=True, donate=True)
+    data, model, apply, params, buffers, tx, opt_state = build_run(cfg, device, world)
+    step = fx.train_step(loss_function(apply), tx, has_aux=True, donate=True)
     constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
     amp = cfg.amp.policy is not None  # only amp_cast changes the dtype of what the step hands back
 
@@ -140,11 +124,8 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
     sharded = world > 1 and bool(cfg.parallel.get("shard_optimizer", False))
     say(f"run    {where}" + (f"  [{world} ranks, parallel=dp" + (", shard_optimizer" if sharded else "") + "]"
                              if world > 1 else ""))
-    say(f"data   {data}")
-    say(f"model  {type(model).__name__}: {count_params(params):,} params on {device}")
-    say(f"stack  {tx!r}")
-    say(f"state  {state_bytes(opt_state):,} bytes of optimizer state per rank" +
-        (f" (sharded over {world} ranks)" if sharded else ""))
+    for line in describe_run(data, model, params, tx, opt_state, device, world if sharded else 1):
+        say(line)
     say(f"start  {resumed}")
 
     # --- loop -----------------------------------------------------------------------------------
@@ -193,6 +174,60 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
     final = {**train_metrics, **eval_metrics}
     if cfg.optimized_metric not in final and out is not None:  # resumed at max_steps: the logged train metrics
         final = {**_last_record(out / "metrics.jsonl", max_steps), **final}
+    return finish_run(cfg, out, final, elapsed, say)
+
+
+def build_run(cfg: DictConfig, device: torch.device, world: int = 1) -> tuple:
+    """What :func:`train` builds from ``cfg`` before its loop, in this order after ``torch.manual_seed(cfg.seed)``:
+    ``(data, model, apply, params, buffers, tx, opt_state)`` (``tx`` is :func:`fxtrain.build.stack`'s).
+
+    The sweep launcher (``hydra/launcher=vmap``) builds each job of a group with it, so every job starts from
+    exactly the params, state and RNG state its own run would.
+    """
+    torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order)
+    data = build.instantiate(cfg.data, "data").to(device)
+    model = build.instantiate(cfg.model, "model").to(device)
+    apply, params, buffers = fx.functional(model)
+    params = build.cast_params(cfg, params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
+    tx = build.stack(cfg, world)
+    return data, model, apply, params, buffers, tx, tx.init(params)
+
+
+def loss_function(apply: Callable) -> Callable:
+    """The loss :func:`train` differentiates: ``loss_fn(params, (buffers, x, y)) -> (loss, aux)``, where
+    ``aux`` holds the batch ``accuracy`` and the new ``buffers``."""
+
+    def loss_fn(params, batch):
+        # Classifier logits (B, C) or LM logits (B, T, V): one cross-entropy for both. BatchNorm statistics
+        # come back from apply as new buffers, carried out of the step in aux.
+        buffers, x, y = batch
+        logits, buffers = apply(params, buffers, x, train=True)
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
+        accuracy = (logits.argmax(-1) == y).float().mean()
+        return loss, {"accuracy": accuracy, "buffers": buffers}
+
+    return loss_fn
+
+
+def describe_run(data: Any, model: torch.nn.Module, params: Any, tx: fx.GradientTransformation, opt_state: Any,
+                 device: torch.device, shards: int = 1) -> list[str]:
+    """The ``data``, ``model``, ``stack`` and ``state`` lines a run prints at its start (and its train.log holds)."""
+    return [f"data   {data}",
+            f"model  {type(model).__name__}: {count_params(params):,} params on {device}",
+            f"stack  {tx!r}",
+            f"state  {state_bytes(opt_state):,} bytes of optimizer state per rank" +
+            (f" (sharded over {shards} ranks)" if shards > 1 else "")]
+
+
+def finish_run(cfg: DictConfig, out: pathlib.Path | None, final: dict[str, float], elapsed: float,
+               say: Callable[[str], Any]) -> float:
+    """Writes ``summary.json`` (status completed) into ``out``, says the ``done`` line and returns the
+    optimized metric of ``final`` (the last train and eval metrics).
+
+    Raises:
+      FloatingPointError: the optimized metric is not finite (summary.json is written first).
+    """
+    max_steps = cfg.trainer.max_steps
     value = final[cfg.optimized_metric]
     if out is not None:
         summary = {"status": "completed", "step": max_steps, "time_s": round(elapsed, 2),
@@ -204,6 +239,12 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
     if not math.isfinite(value):
         raise FloatingPointError(f"optimized_metric {cfg.optimized_metric} is {value}")
     return float(value)
+
+
+def write_failure(out: pathlib.Path, cfg: DictConfig, error: BaseException) -> None:
+    """Writes the ``summary.json`` of a failed run (``status: failed`` and the error), which summary.csv shows."""
+    failed = {"status": "failed", "error": f"{type(error).__name__}: {error}", "optimized_metric": cfg.optimized_metric}
+    (out / "summary.json").write_text(json.dumps(failed, indent=2) + "\n")
 
 
 def state_bytes(opt_state: Any) -> int:
@@ -331,8 +372,7 @@ def _task(cfg: DictConfig) -> float:
         return train(cfg, out)
     except Exception as e:
         if distributed.rank_and_world()[0] == 0:  # a failed job still says why in its directory (and summary.csv)
-            failed = {"status": "failed", "error": f"{type(e).__name__}: {e}", "optimized_metric": cfg.optimized_metric}
-            (out / "summary.json").write_text(json.dumps(failed, indent=2) + "\n")
+            write_failure(out, cfg, e)
         raise
 
 

@@ -1,0 +1,478 @@
+"""Sweeps as vmapped groups: the engine of ``hydra/launcher=vmap``.
+
+    python -m fxtrain.train -m hydra/launcher=vmap optim.chain.adamw.learning_rate=1e-3,3e-3,1e-2 seed=0,1
+
+The launcher (``hydra_plugins/fxtrain_vmap_launcher``) hands every job of a multirun to :func:`plan`,
+which groups the jobs that differ only in values a vmapped step can take as inputs, and to
+:func:`train_group`, which trains one group as one process: ``torch.func.vmap`` over the pure step
+``fx.train_step(loss_fn, tx, donate=False)``, with params, optimizer state and the batched
+hyperparameters carrying a leading axis of size N (one entry per job).
+
+**What can be batched** (jobs that differ in anything else go to separate groups):
+
+* ``optim.chain.<name>.<arg>`` and ``schedule.<arg>``: numbers the transform or schedule factory accepts as
+  0-dim tensors (learning rates, betas, ``eps``, ``weight_decay``, ``max_norm``, schedule values). The
+  stack is built inside the vmapped function with each job's value there
+  (:func:`fxtrain.build.stack`'s ``values``); hyperparameters that :func:`fxtrain.inject_hyperparams`
+  keeps in its state come from the stacked state. Step counts (``schedule.warmup_steps``) are Python ints
+  that shape the schedule: the factory refuses a tensor, so they split groups (said in a note).
+* ``seed`` (and ``data.seed``): each job's params are built under its own ``torch.manual_seed`` exactly as
+  its own run builds them (:func:`fxtrain.train.build_run`) and stacked leafwise; when the jobs' data
+  configs differ (the batch order follows the seed), each step stacks the jobs' own batches (vmap
+  ``in_dims=0``), else one batch serves all (``in_dims=None``).
+
+**Same outputs as one run per job.** Each job keeps its own directory, ``config.yaml``,
+``metrics.jsonl`` (same keys, same steps), checkpoints (an ordinary :class:`fxtrain.TrainState` of that
+job alone: ``resume=auto`` and ``resume=PATH`` work per job, with either launcher) and ``summary.json``,
+written by the functions :func:`fxtrain.train.train` uses; the launcher then finishes each job through
+Hydra's ``run_job`` (``.hydra/``, ``train.log``, callbacks: ``summary.csv`` and the table). A job whose loss
+turns NaN stops logging and fails alone, as its own run would; the others go on. Evaluation runs per job
+(:func:`fxtrain.train.evaluate` on that job's params).
+
+**When a group runs one job at a time instead** (a one-line note names the reason): a group of one,
+``parallel`` other than ``none`` or several ranks, jobs resuming from different steps, or a step that
+raises under vmap (:class:`NotBatchable`: checked by running the first optimizer update of the group
+before anything is written; e.g. a transform without a batching rule, or a model that draws random
+numbers in training, which vmap refuses rather than give every job the same draws). Never a silent
+difference: what vmap cannot run the same way raises, and the jobs run as the basic launcher runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+import fxtrain as fx
+from fxtrain import build, distributed, tree
+from fxtrain import train as runner
+
+__all__ = ["Job", "Group", "Result", "NotBatchable", "plan", "train_group", "vmap_trees"]
+
+log = logging.getLogger("fxtrain")
+
+
+class NotBatchable(RuntimeError):
+    """A group that cannot be trained as one vmapped process; the message says why (the jobs then run one by one)."""
+
+
+@dataclasses.dataclass
+class Job:
+    """One job of a multirun.
+
+    Attributes:
+      num: Hydra's job number (``hydra.job.num``).
+      cfg: its task config (no ``hydra`` node), fully resolved.
+      out: its run directory (``hydra.runtime.output_dir``).
+      overrides: its command-line overrides (``hydra.overrides.task``), for messages.
+    """
+
+    num: int
+    cfg: DictConfig
+    out: pathlib.Path
+    overrides: list[str]
+
+
+@dataclasses.dataclass
+class Group:
+    """Jobs that :func:`train_group` can train together.
+
+    Attributes:
+      jobs: in job order.
+      values: ``{config key: one number per job}`` for the stack keys whose values differ in the group.
+      sequential: why these jobs run one by one (with the task function), or ``None`` to vmap them.
+    """
+
+    jobs: list[Job]
+    values: dict[str, list[float]]
+    sequential: str | None = None
+
+    def label(self) -> str:
+        """``jobs 0,2,4`` for messages."""
+        return "job" + ("s " if len(self.jobs) > 1 else " ") + ",".join(str(j.num) for j in self.jobs)
+
+
+@dataclasses.dataclass
+class Result:
+    """What one job of a vmapped group returned: its optimized metric or its error, and the lines its run logs."""
+
+    value: float | None = None
+    error: BaseException | None = None
+    lines: list[str] = dataclasses.field(default_factory=list)
+
+
+# --- grouping -------------------------------------------------------------------------------------
+
+def _stack_key(key: str) -> bool:
+    """``optim.chain.<name>.<arg>`` or ``schedule.<arg>``: a key :func:`fxtrain.build.stack` takes in ``values``."""
+    parts = key.split(".")
+    if parts[-1] == "_target_":
+        return False
+    return (len(parts) == 4 and parts[:2] == ["optim", "chain"]) or (len(parts) == 2 and parts[0] == "schedule")
+
+
+def _seed_key(key: str) -> bool:
+    return key in ("seed", "data.seed")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _flat(cfg: DictConfig) -> dict[str, Any]:
+    """``{dotted key: value}`` of the resolved config; lists are values (compared whole)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
+        else:
+            out[prefix] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def _override_of(job: Job, key: str, value: Any) -> str:
+    """The override of ``job`` that set ``key`` (as the user wrote it), else ``key=value``."""
+    for o in job.overrides:
+        if o.lstrip("+~").split("=", 1)[0] == key:
+            return o
+    return f"{key}={value}"
+
+
+def hyperparams(values: dict[str, Sequence[float]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """``values`` as float32 tensors of shape ``(N,)``: what vmap hands the stack, one 0-dim value per job.
+
+    float32 as torch itself rounds a Python float that meets a float32 tensor (``lr * schedule(count)``).
+    """
+    return {k: torch.tensor([float(v) for v in vs], dtype=torch.float32, device=device) for k, vs in values.items()}
+
+
+def plan(jobs: Sequence[Job], max_group_size: int | None = None, world: int = 1) -> tuple[list[Group], list[str]]:
+    """Splits ``jobs`` into groups that differ only in batchable values; returns ``(groups, notes)``.
+
+    A key whose values differ between jobs keeps them in one group when it is ``seed``/``data.seed``, or a
+    stack key (``optim.chain.<name>.<arg>``, ``schedule.<arg>``) whose values are all numbers and which
+    the stack accepts as a 0-dim tensor (tried once, outside vmap). Any other difference (model, data,
+    chain structure, ``trainer.*``...) puts the jobs in different groups. ``notes`` has one line for each
+    key that looks batchable but is not, naming the override.
+
+    Args:
+      jobs: the jobs of one launch, in job order.
+      max_group_size: at most this many jobs per group (memory); ``None``: no limit.
+      world: processes running the launcher (``torchrun``); more than one runs every job one by one.
+    """
+    flats = [_flat(job.cfg) for job in jobs]
+    keys = sorted({k for f in flats for k in f})
+    missing = object()
+    differ = [k for k in keys if len({repr(f.get(k, missing)) for f in flats}) > 1]
+    notes: list[str] = []
+    batchable: list[str] = []
+    for key in differ:
+        values = [f.get(key, missing) for f in flats]
+        if not (_seed_key(key) or _stack_key(key)):
+            continue
+        bad = next((i for i, v in enumerate(values) if not _number(v)), None)
+        if bad is not None:
+            shown = _override_of(jobs[bad], key, values[bad])
+            notes.append(f"{shown} is not a number, so {key} cannot be batched: jobs with different values of it "
+                         "run in separate groups")
+            continue
+        if _stack_key(key):
+            why = _refuses_tensor(jobs[0].cfg, key, values[0])
+            if why is not None:
+                notes.append(f"{key} cannot be batched ({why}): jobs with different values of it run in separate groups")
+                continue
+        batchable.append(key)
+
+    structural = [k for k in differ if k not in batchable]
+    by_key: dict[tuple, list[int]] = {}
+    for i, f in enumerate(flats):
+        by_key.setdefault(tuple(repr(f.get(k, missing)) for k in structural), []).append(i)
+    groups = []
+    size = max_group_size or len(jobs)
+    for members in by_key.values():
+        for at in range(0, len(members), size):
+            chunk = members[at:at + size]
+            values = {k: [flats[i][k] for i in chunk] for k in batchable if _stack_key(k)
+                      and len({repr(flats[i][k]) for i in chunk}) > 1}
+            group = Group([jobs[i] for i in chunk], values)
+            group.sequential = _sequential_reason(group, world)
+            groups.append(group)
+    groups.sort(key=lambda g: g.jobs[0].num)
+    return groups, notes
+
+
+def _refuses_tensor(cfg: DictConfig, key: str, value: float) -> str | None:
+    """Why :func:`fxtrain.build.stack` cannot take ``key`` as a 0-dim tensor, or ``None`` if it can."""
+    try:
+        build.stack(cfg, 1, values={key: torch.tensor(float(value), dtype=torch.float32)})
+    except (TypeError, ValueError) as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def _sequential_reason(group: Group, world: int) -> str | None:
+    cfg = group.jobs[0].cfg
+    if len(group.jobs) == 1:
+        return "a group of one"
+    if world > 1:
+        return f"{world} processes run the sweep (torchrun); the vmap launcher batches jobs in one process"
+    if cfg.parallel.strategy != "none":
+        return f"parallel={cfg.parallel.strategy} (the vmap launcher batches jobs of parallel=none only)"
+    return None
+
+
+# --- vmap over fxtrain trees ------------------------------------------------------------------------
+
+def vmap_trees(fn: Callable, in_dims: Sequence[int | None]) -> Callable:
+    """``torch.func.vmap(fn, in_dims)`` for arguments and results that are fxtrain pytrees (optree).
+
+    ``torch.func.vmap`` walks torch's own pytrees; fxtrain's trees are optree's (namespace ``fxtrain``).
+    The tensor leaves of each argument go through vmap with that argument's ``in_dim`` (``0``: every
+    tensor leaf has the batch axis first; ``None``: shared), other leaves (``None``, Python numbers) are
+    constants; the tensor leaves of the result come back with the batch axis first.
+
+    Example:
+        >>> import torch
+        >>> f = vmap_trees(lambda p, x: {"y": p["w"] * x, "k": None}, in_dims=(0, None))
+        >>> f({"w": torch.tensor([1.0, 2.0])}, torch.tensor(3.0))
+        {'y': tensor([3., 6.]), 'k': None}
+    """
+
+    def call(*args):
+        flats = [tree.flatten(a) for a in args]
+        tensors = [[x for x in flat if isinstance(x, torch.Tensor)] for flat, _ in flats]
+        out_spec: list = []
+
+        def inner(*leaves):
+            rebuilt = []
+            for (flat, spec), ts in zip(flats, leaves):
+                it = iter(ts)
+                rebuilt.append(tree.unflatten(spec, [next(it) if isinstance(x, torch.Tensor) else x for x in flat]))
+            out_flat, spec = tree.flatten(fn(*rebuilt))
+            out_spec[:] = [spec, [None if isinstance(x, torch.Tensor) else x for x in out_flat],
+                           [isinstance(x, torch.Tensor) for x in out_flat]]
+            return [x for x in out_flat if isinstance(x, torch.Tensor)]
+
+        result = iter(torch.func.vmap(inner, in_dims=tuple(in_dims))(*tensors))
+        spec, constants, is_tensor = out_spec
+        return tree.unflatten(spec, [next(result) if t else c for c, t in zip(constants, is_tensor)])
+
+    return call
+
+
+def _stack(trees: Sequence[Any], what: str) -> Any:
+    """The trees stacked leafwise (a new leading axis); non-tensor leaves must be equal and stay as they are."""
+    flats = [tree.flatten(t) for t in trees]
+    spec = flats[0][1]
+    for flat, other in flats[1:]:
+        if other != spec:
+            raise NotBatchable(f"the jobs' {what} trees differ in structure")
+    out = []
+    for path, leaves in zip(tree.paths(trees[0]), zip(*(flat for flat, _ in flats))):
+        first = leaves[0]
+        if isinstance(first, torch.Tensor):
+            if any(x.dtype != first.dtype or x.shape != first.shape for x in leaves):
+                raise NotBatchable(f"{what} leaf '{path}' differs in dtype or shape between jobs "
+                                   f"({', '.join(f'{x.dtype}{tuple(x.shape)}' for x in leaves)})")
+            out.append(torch.stack(leaves))
+        else:
+            if any(x != first for x in leaves):
+                raise NotBatchable(f"{what} leaf '{path}' is {first!r} in one job and not in another")
+            out.append(first)
+    return tree.unflatten(spec, out)
+
+
+def _pick(stacked: Any, j: int) -> Any:
+    """Job ``j``'s tree out of a stacked one (tensor leaves copied: checkpoints get storage of their own)."""
+    return tree.map(lambda x: x[j].clone() if isinstance(x, torch.Tensor) else x, stacked)
+
+
+# --- training a group -------------------------------------------------------------------------------
+
+def train_group(group: Group) -> list[Result]:
+    """Trains the jobs of ``group`` as one vmapped process; one :class:`Result` per job, in order.
+
+    Writes each job's ``config.yaml``, ``metrics.jsonl``, checkpoints and ``summary.json`` (or the
+    failed summary) into its directory as :func:`fxtrain.train.train` would; each job's lines (``run``,
+    ``stack``, ``done``...) come back in its result for its ``train.log``. A job whose loss or metric turns
+    non-finite fails alone (its error in its result); the others go on.
+
+    Raises:
+      NotBatchable: before anything is written: the group cannot be trained vmapped (the message says why).
+    """
+    t0 = time.perf_counter()
+    jobs = group.jobs
+    cfg = jobs[0].cfg
+    trainer = cfg.trainer
+    results = {job.num: Result() for job in jobs}
+    device = distributed.device(trainer.device)
+    if device.type == "cpu" and trainer.cpu_threads:
+        torch.set_num_threads(trainer.cpu_threads)
+
+    # --- build every job as its own run would, then stack them ----------------------------------
+    live, built, sources = [], [], []
+    for job in jobs:
+        source = runner._resume_source(job.cfg, job.out / "checkpoints")
+        if source == "completed":  # resume=auto on a finished run: left as it is, as train() does
+            value = json.loads((job.out / "summary.json").read_text())["value"]
+            results[job.num] = Result(float(value), None, [f"resume=auto: {job.out} completed "
+                                                           f"{job.cfg.trainer.max_steps} steps already; nothing to do"])
+            continue
+        data, model, apply, params, buffers, tx, opt_state = runner.build_run(job.cfg, device)
+        rng, start = fx.rng_state(), 0
+        if source is not None:
+            state = fx.load(source, like=fx.TrainState(0, params, opt_state, rng, buffers))
+            start, params, opt_state, buffers, rng = state.step, state.params, state.opt_state, state.buffers, state.rng
+            if start > trainer.max_steps:
+                raise build.ConfigError(f"resume: the checkpoint {source} is at step {start}, beyond "
+                                        f"trainer.max_steps={trainer.max_steps}")
+        live.append(job)
+        built.append(dict(data=data, model=model, apply=apply, params=params, buffers=buffers, tx=tx,
+                          opt_state=opt_state, rng=rng, start=start))
+        sources.append(source)
+    if not live:
+        return [results[job.num] for job in jobs]
+    starts = sorted({b["start"] for b in built})
+    if len(starts) > 1:
+        raise NotBatchable(f"the jobs resume from different steps ({', '.join(map(str, starts))})")
+    start, max_steps = starts[0], trainer.max_steps
+    n = len(live)
+    params = _stack([b["params"] for b in built], "params")
+    opt_state = _stack([b["opt_state"] for b in built], "optimizer state")
+    buffers = _stack([b["buffers"] for b in built], "buffers")
+    kept = [i for i, job in enumerate(jobs) if any(job is other for other in live)]
+    hp = hyperparams({k: [vs[i] for i in kept] for k, vs in group.values.items()}, device)
+    shared_data = all(job.cfg.data == cfg.data for job in live)
+    datas = [b["data"] for b in built]
+    apply = built[0]["apply"]  # the jobs' modules differ only in their tensors, which the trees carry
+    loss_fn = runner.loss_function(apply)
+
+    def one(hp, params, opt_state, buffers, batch):
+        tx = build.stack(cfg, 1, values=hp)  # this job's numbers as 0-dim tensors (batched by vmap)
+        return fx.train_step(loss_fn, tx, has_aux=True, donate=False)(params, opt_state, (buffers, *batch))
+
+    step = vmap_trees(one, in_dims=(0, 0, 0, 0, None if shared_data else 0))
+
+    def batch(i: int):
+        if shared_data:
+            return datas[0].train[i]
+        xs, ys = zip(*(d.train[i] for d in datas))
+        return torch.stack(xs), torch.stack(ys)
+
+    # --- the first update, before anything is written: can this group be vmapped at all? --------
+    if start < max_steps:
+        try:
+            probe = (params, opt_state)
+            for i in range(start, min(start + cfg.accumulate.every, max_steps)):  # accumulate emits at its k-th call
+                probe = step(hp, *probe, buffers, batch(i))[:2]
+            del probe
+        except Exception as e:  # noqa: BLE001 - any failure means: run these jobs as the basic launcher does
+            raise NotBatchable(f"the vmapped step raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+    # --- loop -----------------------------------------------------------------------------------------
+    constants = build.constant_hyperparams(cfg)
+    amp = cfg.amp.policy is not None
+    alive = list(range(n))
+    train_metrics: list[dict[str, float]] = [{} for _ in live]
+    eval_metrics: list[dict[str, float]] = [{} for _ in live]
+    last = [(start, s) if s is not None else None for s in sources]
+    bar = tqdm(total=max_steps, initial=start, desc=f"train x{n}", disable=not trainer.progress, dynamic_ncols=True)
+
+    def fail(j: int, error: BaseException) -> None:
+        alive.remove(j)
+        results[live[j].num].error = error
+        runner.write_failure(live[j].out, live[j].cfg, error)
+
+    loggers: list = []
+    try:
+        # --- every job's directory, as train() starts it --------------------------------------------
+        for job, b, source in zip(live, built, sources):
+            job.out.mkdir(parents=True, exist_ok=True)
+            (job.out / "config.yaml").write_text(runner._resolved_yaml(job.cfg))
+            if source is not None:
+                runner._truncate_jsonl(job.out / "metrics.jsonl", start)
+            loggers.append(build.instantiate(job.cfg.logger, "logger", dir=job.out))
+            resumed = (f"from {source} (step {start})" if source is not None else
+                       f"from step 0 (resume=auto: no checkpoint in {job.out / 'checkpoints'})"
+                       if job.cfg.get("resume") == "auto" else "from step 0")
+            others = ",".join(str(o.num) for o in live if o is not job)
+            results[job.num].lines = [
+                f"run    {job.out}  [vmap: one process with jobs {others}]",
+                *runner.describe_run(b["data"], b["model"], b["params"], b["tx"], b["opt_state"], device),
+                f"start  {resumed}"]
+        batched = ", ".join([*group.values, *(["seed"] if len({job.cfg.seed for job in live}) > 1 else [])]) or "nothing"
+        log.info(f"vmap   jobs {','.join(str(j.num) for j in live)} as one process: {n} jobs, batched over {batched}; "
+                 f"{'one batch for all' if shared_data else 'a batch per job'}")
+
+        with bar:
+            if start == max_steps:  # killed after their last checkpoint, before their summaries
+                for j in alive:
+                    eval_metrics[j] = runner.evaluate(apply, _pick(params, j), _pick(buffers, j), datas[j].test,
+                                                      trainer.eval_batch_size)
+            for i in range(start + 1, max_steps + 1):
+                params, opt_state, metrics = step(hp, params, opt_state, buffers, batch(i - 1))
+                aux = metrics.pop("aux")
+                new_buffers = aux.pop("buffers")
+                buffers = tree.map(lambda new, old: new.to(old.dtype), new_buffers, buffers) if amp else new_buffers
+                metrics.update(aux)
+                bar.update()
+                if i == start + 1:
+                    runner._check_metric_name(cfg.optimized_metric,
+                                              [*runner._logged(metrics, constants), "test_loss", "test_accuracy"])
+                log_now, eval_now = i % trainer.log_every == 0 or i == max_steps, i % trainer.eval_every == 0 or i == max_steps
+                ckpt_now = (trainer.checkpoint_every and i % trainer.checkpoint_every == 0) or i == max_steps
+                for j in list(alive):
+                    record: dict[str, float] = {}
+                    if log_now:
+                        train_metrics[j] = runner._floats(_pick(runner._logged(metrics, constants), j))
+                        record.update(train_metrics[j])
+                    if eval_now:
+                        eval_metrics[j] = runner.evaluate(apply, _pick(params, j), _pick(buffers, j), datas[j].test,
+                                                          trainer.eval_batch_size)
+                        record.update(eval_metrics[j])
+                    try:
+                        if record:
+                            runner._stop_if_not_finite(record, i, last[j])
+                            record["time_s"] = round(time.perf_counter() - t0, 3)
+                            loggers[j].log(i, record)
+                        if ckpt_now:
+                            state = fx.TrainState(i, _pick(params, j), _pick(opt_state, j), built[j]["rng"],
+                                                  _pick(buffers, j))
+                            last[j] = (i, runner.save_checkpoint(live[j].out / "checkpoints", state,
+                                                                 trainer.keep_last, last[j], 0))
+                    except FloatingPointError as e:
+                        fail(j, e)
+                if alive and log_now:
+                    bar.set_postfix({"loss": f"{min(train_metrics[j].get('loss', float('inf')) for j in alive):.4g}",
+                                     "jobs": len(alive)})
+    except Exception as e:  # noqa: BLE001 - a failure of the group is every live job's failure
+        for j in list(alive):
+            fail(j, e)
+    finally:
+        for logger in loggers:
+            logger.close()
+
+    # --- summaries --------------------------------------------------------------------------------------
+    elapsed = time.perf_counter() - t0
+    for j in alive:
+        job = live[j]
+        final = {**train_metrics[j], **eval_metrics[j]}
+        if job.cfg.optimized_metric not in final:  # resumed at max_steps: the logged train metrics
+            final = {**runner._last_record(job.out / "metrics.jsonl", max_steps), **final}
+        try:
+            results[job.num].value = runner.finish_run(job.cfg, job.out, final, elapsed, results[job.num].lines.append)
+        except (FloatingPointError, KeyError) as e:
+            results[job.num].error = e
+            runner.write_failure(job.out, job.cfg, e)
+    return [results[job.num] for job in jobs]
