@@ -175,26 +175,30 @@ def plan(jobs: Sequence[Job], max_group_size: int | None = None, world: int = 1)
     keys = sorted({k for f in flats for k in f})
     missing = object()
     differ = [k for k in keys if len({repr(f.get(k, missing)) for f in flats}) > 1]
-    notes: list[str] = []
+    refused: dict[str, str] = {}  # key -> the note saying why it cannot be batched
     batchable: list[str] = []
     for key in differ:
         values = [f.get(key, missing) for f in flats]
-        if not (_seed_key(key) or _stack_key(key)):
+        if not (_seed_key(key) or _stack_key(key)) or any(v is missing for v in values):
             continue
         bad = next((i for i, v in enumerate(values) if not _number(v)), None)
         if bad is not None:
             shown = _override_of(jobs[bad], key, values[bad])
-            notes.append(f"{shown} is not a number, so {key} cannot be batched: jobs with different values of it "
-                         "run in separate groups")
+            refused[key] = (f"{shown} is not a number, so {key} cannot be batched: jobs with different values of it "
+                            "run in separate groups")
             continue
         if _stack_key(key):
             why = _refuses_tensor(jobs[0].cfg, key, values[0])
             if why is not None:
-                notes.append(f"{key} cannot be batched ({why}): jobs with different values of it run in separate groups")
+                refused[key] = f"{key} cannot be batched ({why}): jobs with different values of it run in separate groups"
                 continue
         batchable.append(key)
 
     structural = [k for k in differ if k not in batchable]
+    # A note only where that key alone splits jobs (schedule.decay_steps=${trainer.max_steps} follows max_steps).
+    notes = [note for key, note in refused.items()
+             if _splits([[repr(f.get(k, missing)) for k in structural if k != key] for f in flats],
+                        [repr(f.get(key, missing)) for f in flats])]
     by_key: dict[tuple, list[int]] = {}
     for i, f in enumerate(flats):
         by_key.setdefault(tuple(repr(f.get(k, missing)) for k in structural), []).append(i)
@@ -210,6 +214,12 @@ def plan(jobs: Sequence[Job], max_group_size: int | None = None, world: int = 1)
             groups.append(group)
     groups.sort(key=lambda g: g.jobs[0].num)
     return groups, notes
+
+
+def _splits(others: list[list[str]], own: list[str]) -> bool:
+    """Whether two jobs that agree on every other key (``others[i]``) differ in this one (``own[i]``)."""
+    seen: dict[tuple, str] = {}
+    return any(seen.setdefault(tuple(o), v) != v for o, v in zip(others, own))
 
 
 def _refuses_tensor(cfg: DictConfig, key: str, value: float) -> str | None:

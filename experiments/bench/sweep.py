@@ -1,0 +1,124 @@
+"""hydra/launcher=vmap against Hydra's basic launcher on the default experiment (issue 14's sweep benchmark).
+
+The default digits experiment (``make train``'s config: MLP 64-256-256-10, clip + AdamW, warmup-cosine,
+batch 64, one CPU thread per run as ``trainer.cpu_threads`` says), 200 steps per job, two sweeps:
+
+* ``8 learning rates``: ``optim.chain.adamw.learning_rate=1e-3,2e-3,3e-3,5e-3,7e-3,1e-2,2e-2,3e-2``
+* ``16 seeds``: ``seed=0,1,...,15`` (a batch per job: each seed has its own batch order)
+
+Each sweep runs as the user runs it, ``python -m fxtrain.train -m hydra/launcher=<basic|vmap> ...`` in a
+fresh process, both launchers in the same rounds (the order alternating), medians over rounds. Columns:
+
+* ``wall s``: the whole command, process start to exit (Python and torch imports, Hydra composing every
+  job's config, training, evaluation, checkpoints, summaries).
+* ``train s``: the part the launcher changes: the basic launcher's jobs' ``time_s`` summed (each from
+  the start of ``fxtrain.train.train`` to its summary: build, 200 steps, evaluation, checkpoint), against
+  the vmapped group's ``time_s`` (the same, once for all jobs).
+* ``max |diff|``: the largest difference of any job's final ``test_loss``/``loss`` between the launchers.
+
+Usage:
+    python experiments/bench/sweep.py [--rounds 3] [--steps 200] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SWEEPS = {
+    "8 learning rates": ["optim.chain.adamw.learning_rate=1e-3,2e-3,3e-3,5e-3,7e-3,1e-2,2e-2,3e-2"],
+    "16 seeds": ["seed=" + ",".join(map(str, range(16)))],
+}
+LAUNCHERS = ("basic", "vmap")
+GOAL, FLOOR = 5.0, 3.0  # issue 14: vmap sweep at least 3x (goal 5x) faster than the basic launcher
+
+
+def command(launcher: str, grid: list[str], steps: int, sweep_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "fxtrain.train", "-m", f"hydra/launcher={launcher}", *grid,
+            f"trainer.max_steps={steps}", "trainer.progress=false", f"hydra.sweep.dir={sweep_dir}"]
+
+
+def run(cmd: list[str], cwd: Path) -> tuple[float, float, dict[str, dict]]:
+    """Runs one sweep; returns (wall seconds, train seconds, {job: summary.json})."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    sweep_dir = Path(cmd[-1].split("=", 1)[1])
+    summaries = {d.name: json.loads((d / "summary.json").read_text())
+                 for d in sorted(sweep_dir.iterdir()) if (d / "summary.json").exists()}
+    if "hydra/launcher=vmap" in cmd and "as one process" not in proc.stdout:
+        raise RuntimeError(f"the vmap launcher did not batch the jobs:\n{proc.stdout[-3000:]}")
+    times = [s["time_s"] for s in summaries.values()]
+    return wall, (max(times) if "hydra/launcher=vmap" in cmd else sum(times)), summaries
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+
+    walls = {(s, la): [] for s in SWEEPS for la in LAUNCHERS}
+    trains = {(s, la): [] for s in SWEEPS for la in LAUNCHERS}
+    diffs = {s: 0.0 for s in SWEEPS}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for r in range(args.rounds):
+            for name, grid in SWEEPS.items():
+                finals = {}
+                for launcher in (LAUNCHERS if r % 2 == 0 else LAUNCHERS[::-1]):
+                    cmd = command(launcher, grid, args.steps, tmp / f"r{r}-{name.replace(' ', '_')}-{launcher}")
+                    wall, train, summaries = run(cmd, tmp)
+                    walls[name, launcher].append(wall)
+                    trains[name, launcher].append(train)
+                    finals[launcher] = summaries
+                    print(f"round {r} {name:16s} {launcher:5s}: wall {wall:6.2f} s, train {train:6.2f} s", flush=True)
+                for job, s in finals["basic"].items():
+                    for k in ("test_loss", "loss"):
+                        diffs[name] = max(diffs[name], abs(s["metrics"][k] - finals["vmap"][job]["metrics"][k]))
+
+    rows = []
+    for name in SWEEPS:
+        med = {la: (statistics.median(walls[name, la]), statistics.median(trains[name, la])) for la in LAUNCHERS}
+        for la in LAUNCHERS:
+            rows.append([name, la, med[la][0], med[la][1],
+                         f"{med['basic'][0] / med[la][0]:.2f}x", f"{med['basic'][1] / med[la][1]:.2f}x",
+                         f"{diffs[name]:.1e}" if la == "vmap" else ""])
+    cmd = shlex.join(["python", "experiments/bench/sweep.py", *sys.argv[1:]])
+    text = "\n".join([
+        "# hydra/launcher=vmap against the basic launcher",
+        "",
+        f"Command: `{cmd}` ({args.rounds} rounds, medians; each sweep is "
+        f"`python -m fxtrain.train -m hydra/launcher=<basic|vmap> <grid> trainer.max_steps={args.steps} "
+        "trainer.progress=false` in a fresh process, the default digits experiment).",
+        "",
+        _common.table(["sweep", "launcher", "wall s", "train s", "wall speedup", "train speedup", "max |diff|"], rows),
+        "",
+        f"Goal: {GOAL:g}x, at least {FLOOR:g}x. `wall`: the whole command; `train`: the basic launcher's jobs' "
+        "`time_s` summed against the vmapped group's (build, steps, evaluation, checkpoints). `max |diff|`: "
+        "the largest difference of a job's final test_loss or loss between the launchers.",
+        "",
+        _common.environment(),
+    ])
+    print("\n" + text)
+    if not args.no_write:
+        print(f"\nwrote {_common.write_result('sweep', text)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""hydra/launcher=vmap (hydra_plugins/fxtrain_vmap_launcher, fxtrain/sweep.py): a sweep trained as one vmapped
+process gives every job the numbers, files and summaries of the basic launcher's sweep; jobs that cannot be
+batched are grouped apart or run one by one, with a note.
+
+Tolerance of the comparisons with the basic launcher: relative 1e-4, absolute 1e-6 on every logged float
+(loss, accuracy, grad_norm, learning_rate, test metrics) after 30 AdamW steps. A batched matmul sums in another
+order than the unbatched one, so values agree to float32 rounding per step, and 30 steps of AdamW (which
+divides by sqrt(nu)) grow those last-bit differences to about 1e-6 relative; a real difference (another
+learning rate, another batch, a skipped step) moves these numbers by far more than 1e-4.
+"""
+
+import csv
+import json
+import math
+import pathlib
+
+import pytest
+import torch
+
+import fxtrain as fx
+import fxtrain.models
+from fxtrain import sweep
+from fxtrain.models import MLP
+from fxtrain.report import read_jsonl
+from tests._runner import cfg_of, isolate, load_checkpoint, run_main  # noqa: F401 - isolate: autouse
+
+RTOL, ATOL = 1e-4, 1e-6
+FAST = ["experiment=smoke", "trainer.device=cpu", "trainer.cpu_threads=1", "trainer.progress=false"]
+SWEEP = [*FAST, "trainer.max_steps=30", "trainer.log_every=5", "trainer.eval_every=15", "trainer.checkpoint_every=15"]
+
+
+def sweep_of(launcher, *overrides):
+    """Runs ``-m SWEEP overrides`` with ``hydra/launcher=launcher`` into ./<launcher>; returns the sweep directory."""
+    assert run_main("-m", f"hydra/launcher={launcher}", *SWEEP, *overrides, f"hydra.sweep.dir={launcher}") == 0
+    return pathlib.Path(launcher)
+
+
+def records(job):
+    return [{k: v for k, v in r.items() if k != "time_s"} for r in read_jsonl(job / "metrics.jsonl")]
+
+
+def assert_close_records(a, b, where):
+    assert [sorted(r) for r in a] == [sorted(r) for r in b], where                 # same steps, same keys
+    for ra, rb in zip(a, b):
+        for k in ra:
+            assert math.isclose(ra[k], rb[k], rel_tol=RTOL, abs_tol=ATOL), f"{where} step {ra['step']} {k}: {ra[k]} vs {rb[k]}"
+
+
+def assert_same_sweep(basic, vmapped, jobs):
+    for job in map(str, range(jobs)):
+        assert_close_records(records(basic / job), records(vmapped / job), f"job {job} metrics.jsonl")
+        sa, sb = (json.loads((d / job / "summary.json").read_text()) for d in (basic, vmapped))
+        assert sa["status"] == sb["status"] == "completed" and sa["step"] == sb["step"]
+        assert sorted(sa["metrics"]) == sorted(sb["metrics"])
+        for k in sa["metrics"]:
+            assert math.isclose(sa["metrics"][k], sb["metrics"][k], rel_tol=RTOL, abs_tol=ATOL), f"job {job} {k}"
+        assert (basic / job / "config.yaml").read_text() == (vmapped / job / "config.yaml").read_text()
+        assert (basic / job / ".hydra" / "overrides.yaml").read_text() == (vmapped / job / ".hydra" / "overrides.yaml").read_text()
+        assert sorted(p.name for p in (vmapped / job / "checkpoints").iterdir()) == ["step_0000015", "step_0000030"]
+        assert "stack  chain(clip_by_global_norm(" in (vmapped / job / "train.log").read_text()
+    rows = [list(csv.DictReader((d / "summary.csv").read_text().splitlines())) for d in (basic, vmapped)]
+    assert [r["job"] for r in rows[1]] == [str(j) for j in range(jobs)]
+    assert [{k: v for k, v in r.items() if k not in ("time_s", "test_loss", "loss", "accuracy", "test_accuracy")}
+            for r in rows[0]] == [{k: v for k, v in r.items() if k not in ("time_s", "test_loss", "loss", "accuracy",
+                                                                             "test_accuracy")} for r in rows[1]]
+
+
+def test_learning_rates_and_seeds_match_the_basic_launcher(capsys):
+    grid = ["optim.chain.adamw.learning_rate=3e-3,1e-2,3e-2", "seed=0,1"]
+    basic = sweep_of("basic", *grid)
+    vmapped = sweep_of("vmap", *grid)
+    out = capsys.readouterr().out
+    assert "vmap   jobs 0,1,2,3,4,5 as one process: 6 jobs, batched over optim.chain.adamw.learning_rate, seed" in out
+    assert_same_sweep(basic, vmapped, 6)
+    # A job's checkpoint is its own run's TrainState: the same params as the basic launcher's job.
+    cfg = cfg_of(*SWEEP, "optim.chain.adamw.learning_rate=1e-2", "seed=1")
+    a, b = (load_checkpoint(d / "3" / "checkpoints" / "step_0000030", cfg) for d in (basic, vmapped))
+    for x, y in zip(fx.tree.leaves(a.params), fx.tree.leaves(b.params)):
+        torch.testing.assert_close(x, y, rtol=RTOL, atol=1e-5)
+    assert torch.equal(a.rng["cpu"], b.rng["cpu"])
+
+
+def test_clip_and_schedule_values_are_batched_too(capsys):
+    grid = ["optim.chain.clip_by_global_norm.max_norm=0.1,1.0", "schedule.alpha=0.0,0.5"]
+    basic = sweep_of("basic", *grid)
+    vmapped = sweep_of("vmap", *grid)
+    assert ("batched over optim.chain.clip_by_global_norm.max_norm, schedule.alpha; one batch for all"
+            in capsys.readouterr().out)
+    assert_same_sweep(basic, vmapped, 4)
+
+
+def test_a_nan_job_fails_alone_and_the_group_goes_on(capsys):
+    code = run_main("-m", "hydra/launcher=vmap", *FAST, "schedule=constant", "optim.chain.adamw.learning_rate=inf,0.01",
+                    "trainer.max_steps=4", "trainer.log_every=1", "hydra.sweep.dir=sweep")
+    assert code == 1
+    rows = list(csv.DictReader(pathlib.Path("sweep/summary.csv").read_text().splitlines()))
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "failed"), ("1", "completed")]
+    assert rows[0]["error"].startswith("FloatingPointError: loss is nan at step 2")
+    assert [r["step"] for r in read_jsonl("sweep/0/metrics.jsonl")] == [1]
+    captured = capsys.readouterr()
+    assert "vmap   jobs 0,1 as one process" in captured.out
+    assert "[fxtrain] job 0 failed (" in captured.err
+
+
+def test_resume_auto_continues_each_job_of_a_killed_group():
+    grid = ["optim.chain.adamw.learning_rate=1e-2,3e-2", "hydra.sweep.dir=sweep", "resume=auto", "trainer.keep_last=0"]
+    assert run_main("-m", "hydra/launcher=vmap", *SWEEP, *grid) == 0
+    whole = {j: records(pathlib.Path("sweep", j)) for j in "01"}
+    for j in "01":  # as if killed after the checkpoint of step 15: later lines, checkpoints and summary gone
+        job = pathlib.Path("sweep", j)
+        (job / "summary.json").unlink()
+        for p in (job / "checkpoints" / "step_0000030").iterdir():
+            p.unlink()
+        (job / "checkpoints" / "step_0000030").rmdir()
+        lines = (job / "metrics.jsonl").read_text().splitlines()
+        (job / "metrics.jsonl").write_text("\n".join(lines[:4]) + "\n")               # steps 5..20
+    assert run_main("-m", "hydra/launcher=vmap", *SWEEP, *grid) == 0
+    for j in "01":
+        assert_close_records(whole[j], records(pathlib.Path("sweep", j)), f"job {j}")
+        assert "checkpoints/step_0000015 (step 15)" in pathlib.Path("sweep", j, "train.log").read_text()
+
+
+# --- grouping --------------------------------------------------------------------------------------
+
+def jobs_of(*per_job):
+    return [sweep.Job(i, cfg_of(*FAST, *o), pathlib.Path(str(i)), list(o)) for i, o in enumerate(per_job)]
+
+
+def test_jobs_that_differ_in_structure_go_to_separate_groups():
+    jobs = jobs_of(["optim.chain.adamw.learning_rate=0.1"], ["optim.chain.adamw.learning_rate=0.2"],
+                   ["optim.chain.adamw.learning_rate=0.1", "model.hidden=[8]"],
+                   ["optim.chain.adamw.learning_rate=0.2", "model.hidden=[8]"],
+                   ["optim.chain.adamw.learning_rate=0.2", "trainer.max_steps=40"])
+    groups, notes = sweep.plan(jobs)
+    assert [[j.num for j in g.jobs] for g in groups] == [[0, 1], [2, 3], [4]]
+    assert groups[0].values == {"optim.chain.adamw.learning_rate": [0.1, 0.2]} and groups[0].sequential is None
+    assert groups[2].sequential == "a group of one" and notes == []
+    assert [[j.num for j in g.jobs] for g in sweep.plan(jobs[:2], max_group_size=1)[0]] == [[0], [1]]
+
+
+def test_values_that_cannot_be_batched_are_named():
+    groups, notes = sweep.plan(jobs_of(["schedule=warmup_cosine", "schedule.warmup_steps=2"],
+                                       ["schedule=warmup_cosine", "schedule.warmup_steps=3"]))
+    assert [[j.num for j in g.jobs] for g in groups] == [[0], [1]]
+    assert notes == ["schedule.warmup_steps cannot be batched (schedule (fxtrain.warmup_cosine_decay_schedule): "
+                     "warmup_cosine_decay_schedule: warmup_steps must be an integer number of steps, got Tensor "
+                     "tensor(2.)): jobs with different values of it run in separate groups"]
+    groups, notes = sweep.plan(jobs_of(["optim.chain.adamw.weight_decay=0.1"], ["optim.chain.adamw.weight_decay=high"]))
+    assert [[j.num for j in g.jobs] for g in groups] == [[0], [1]]
+    assert notes == ["optim.chain.adamw.weight_decay=high is not a number, so optim.chain.adamw.weight_decay cannot be "
+                     "batched: jobs with different values of it run in separate groups"]
+
+
+class DropoutMLP(torch.nn.Module):
+    """The smoke MLP with dropout: random draws in training, which vmap refuses rather than share them."""
+
+    def __init__(self, input_shape, hidden, num_classes, activation):
+        super().__init__()
+        self.net = torch.nn.Sequential(MLP(input_shape, hidden, num_classes, activation), torch.nn.Dropout(0.1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_group_vmap_cannot_run_falls_back_to_one_by_one(monkeypatch, capsys):
+    monkeypatch.setattr(fxtrain.models, "DropoutMLP", DropoutMLP, raising=False)
+    code = run_main("-m", "hydra/launcher=vmap", *FAST, "model._target_=fxtrain.models.DropoutMLP",
+                    "optim.chain.adamw.learning_rate=1e-2,3e-2", "trainer.max_steps=3", "hydra.sweep.dir=sweep")
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "[vmap] jobs 0,1 run one by one: the vmapped step raised RuntimeError: " in out
+    assert [r["status"] for r in csv.DictReader(pathlib.Path("sweep/summary.csv").read_text().splitlines())] == \
+        ["completed", "completed"]
