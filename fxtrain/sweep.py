@@ -303,6 +303,15 @@ def _stack(trees: Sequence[Any], what: str) -> Any:
     return tree.unflatten(spec, out)
 
 
+def _next_event(step: int, trainer: DictConfig, longest: int = 50) -> int:
+    """The first step after ``step`` that logs, evaluates or checkpoints (or the last), at most ``longest`` on."""
+    every = [n for n in (trainer.log_every, trainer.eval_every, trainer.checkpoint_every) if n]
+    for i in range(step + 1, min(step + longest, trainer.max_steps)):
+        if any(i % n == 0 for n in every):
+            return i
+    return min(step + longest, trainer.max_steps)
+
+
 def _pick(stacked: Any, j: int) -> Any:
     """Job ``j``'s tree out of a stacked one (tensor leaves copied: checkpoints get storage of their own)."""
     return tree.map(lambda x: x[j].clone() if isinstance(x, torch.Tensor) else x, stacked)
@@ -368,31 +377,39 @@ def train_group(group: Group) -> list[Result]:
     apply = built[0]["apply"]  # the jobs' modules differ only in their tensors, which the trees carry
     loss_fn = runner.loss_function(apply)
 
-    def one(hp, params, opt_state, buffers, batch):
-        tx = build.stack(cfg, 1, values=hp)  # this job's numbers as 0-dim tensors (batched by vmap)
-        return fx.train_step(loss_fn, tx, has_aux=True, donate=False)(params, opt_state, (buffers, *batch))
+    constants = build.constant_hyperparams(cfg)
+    amp = cfg.amp.policy is not None
 
-    step = vmap_trees(one, in_dims=(0, 0, 0, 0, None if shared_data else 0))
+    def steps(hp, params, opt_state, buffers, xs, ys):
+        # One job's steps on the batches xs[k], ys[k]: the stack and the step are built once per call, with
+        # this job's numbers as 0-dim tensors (batched by vmap), and the Python loop runs under vmap.
+        tx = build.stack(cfg, 1, values=hp)
+        step = fx.train_step(loss_fn, tx, has_aux=True, donate=False)
+        for k in range(xs.shape[0]):
+            params, opt_state, metrics = step(params, opt_state, (buffers, xs[k], ys[k]))
+            aux = metrics.pop("aux")
+            new_buffers = aux.pop("buffers")
+            # amp_cast computes in its compute dtype; running statistics stay in their own dtype.
+            buffers = tree.map(lambda new, old: new.to(old.dtype), new_buffers, buffers) if amp else new_buffers
+            metrics.update(aux)
+        return params, opt_state, buffers, metrics
 
-    def batch(i: int):
-        if shared_data:
-            return datas[0].train[i]
-        xs, ys = zip(*(d.train[i] for d in datas))
-        return torch.stack(xs), torch.stack(ys)
+    run_steps = vmap_trees(steps, in_dims=(0, 0, 0, 0) + ((None, None) if shared_data else (0, 0)))
+
+    def batches(first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batches of steps first+1..end (data.train[first:end]), stacked: (K, ...) or, a batch per job, (N, K, ...)."""
+        per_job = [tuple(torch.stack(t) for t in zip(*(d.train[i] for i in range(first, end))))
+                   for d in (datas[:1] if shared_data else datas)]
+        return per_job[0] if shared_data else tuple(torch.stack(t) for t in zip(*per_job))
 
     # --- the first update, before anything is written: can this group be vmapped at all? --------
     if start < max_steps:
-        try:
-            probe = (params, opt_state)
-            for i in range(start, min(start + cfg.accumulate.every, max_steps)):  # accumulate emits at its k-th call
-                probe = step(hp, *probe, buffers, batch(i))[:2]
-            del probe
+        try:  # accumulate emits at its every-th call
+            run_steps(hp, params, opt_state, buffers, *batches(start, min(start + cfg.accumulate.every, max_steps)))
         except Exception as e:  # noqa: BLE001 - any failure means: run these jobs as the basic launcher does
             raise NotBatchable(f"the vmapped step raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
-    # --- loop -----------------------------------------------------------------------------------------
-    constants = build.constant_hyperparams(cfg)
-    amp = cfg.amp.policy is not None
+    # --- loop: one vmapped call per stretch of steps that ends where something is logged or saved ----
     alive = list(range(n))
     train_metrics: list[dict[str, float]] = [{} for _ in live]
     eval_metrics: list[dict[str, float]] = [{} for _ in live]
@@ -430,14 +447,12 @@ def train_group(group: Group) -> list[Result]:
                 for j in alive:
                     eval_metrics[j] = runner.evaluate(apply, _pick(params, j), _pick(buffers, j), datas[j].test,
                                                       trainer.eval_batch_size)
-            for i in range(start + 1, max_steps + 1):
-                params, opt_state, metrics = step(hp, params, opt_state, buffers, batch(i - 1))
-                aux = metrics.pop("aux")
-                new_buffers = aux.pop("buffers")
-                buffers = tree.map(lambda new, old: new.to(old.dtype), new_buffers, buffers) if amp else new_buffers
-                metrics.update(aux)
-                bar.update()
-                if i == start + 1:
+            i = start
+            while i < max_steps:
+                first, i = i, _next_event(i, trainer)
+                params, opt_state, buffers, metrics = run_steps(hp, params, opt_state, buffers, *batches(first, i))
+                bar.update(i - first)
+                if first == start:
                     runner._check_metric_name(cfg.optimized_metric,
                                               [*runner._logged(metrics, constants), "test_loss", "test_accuracy"])
                 log_now, eval_now = i % trainer.log_every == 0 or i == max_steps, i % trainer.eval_every == 0 or i == max_steps
