@@ -223,10 +223,18 @@ def _splits(others: list[list[str]], own: list[str]) -> bool:
 
 
 def _refuses_tensor(cfg: DictConfig, key: str, value: float) -> str | None:
-    """Why :func:`fxtrain.build.stack` cannot take ``key`` as a 0-dim tensor, or ``None`` if it can."""
+    """Why :func:`fxtrain.build.stack` cannot take ``key`` as a 0-dim tensor, or ``None`` if it can.
+
+    ``None`` too when the config does not build with the number itself: that error is the jobs' own (their
+    runs report it), not a reason to split them.
+    """
     try:
         build.stack(cfg, 1, values={key: torch.tensor(float(value), dtype=torch.float32)})
     except (TypeError, ValueError) as e:
+        try:
+            build.stack(cfg, 1)
+        except (TypeError, ValueError):
+            return None
         return str(e).splitlines()[0]
     return None
 
