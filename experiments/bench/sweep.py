@@ -5,6 +5,9 @@ batch 64, one CPU thread per run as ``trainer.cpu_threads`` says), 200 steps per
 
 * ``8 learning rates``: ``optim.chain.adamw.learning_rate=1e-3,2e-3,3e-3,5e-3,7e-3,1e-2,2e-2,3e-2``
 * ``16 seeds``: ``seed=0,1,...,15`` (a batch per job: each seed has its own batch order)
+* ``8 learning rates, smoke``: the same 8 learning rates on ``experiment=smoke`` (MLP 64-32-10, batch 32,
+  synthetic data), where a step is mostly per-op overhead rather than arithmetic: the case vmap speeds up
+  on a CPU
 
 Each sweep runs as the user runs it, ``python -m fxtrain.train -m hydra/launcher=<basic|vmap> ...`` in a
 fresh process, both launchers in the same rounds (the order alternating), medians over rounds. Columns:
@@ -37,9 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+LRS = "optim.chain.adamw.learning_rate=1e-3,2e-3,3e-3,5e-3,7e-3,1e-2,2e-2,3e-2"
 SWEEPS = {
-    "8 learning rates": ["optim.chain.adamw.learning_rate=1e-3,2e-3,3e-3,5e-3,7e-3,1e-2,2e-2,3e-2"],
+    "8 learning rates": [LRS],
     "16 seeds": ["seed=" + ",".join(map(str, range(16)))],
+    # The overhead-bound case: a tiny MLP (hidden [32], batch 32), logging/eval/checkpoints as the default's.
+    "8 learning rates, smoke": ["experiment=smoke", LRS, "trainer.log_every=25", "trainer.eval_every=250",
+                                "trainer.checkpoint_every=500"],
 }
 LAUNCHERS = ("basic", "vmap")
 GOAL, FLOOR = 5.0, 3.0  # issue 14: vmap sweep at least 3x (goal 5x) faster than the basic launcher
