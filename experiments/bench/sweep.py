@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -89,7 +90,7 @@ def main() -> None:
             for name, grid in SWEEPS.items():
                 finals = {}
                 for launcher in (LAUNCHERS if r % 2 == 0 else LAUNCHERS[::-1]):
-                    cmd = command(launcher, grid, args.steps, tmp / f"r{r}-{name.replace(' ', '_')}-{launcher}")
+                    cmd = command(launcher, grid, args.steps, tmp / f"r{r}-{re.sub(r'[^a-z0-9]+', '_', name)}-{launcher}")
                     wall, train, summaries = run(cmd, tmp)
                     walls[name, launcher].append(wall)
                     trains[name, launcher].append(train)

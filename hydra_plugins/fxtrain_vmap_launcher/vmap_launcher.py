@@ -69,8 +69,9 @@ class VmapLauncher(Launcher):
                 sweep_config.hydra.job.num = idx
             configs.append(sweep_config)
 
-        if not _is_fxtrain_task(self.task_function):
-            log.info("[vmap] the task function is not fxtrain.train's: every job runs one by one")
+        why = _not_batchable_launch(self.config, self.task_function)
+        if why is not None:
+            log.info(f"[vmap] every job runs one by one: {why}")
             return [self._run(c, self.task_function) for c in configs]
         jobs = [_job(c) for c in configs]
         groups, notes = sweep.plan([j for j in jobs if j is not None], self.max_group_size,
@@ -106,14 +107,25 @@ class VmapLauncher(Launcher):
         return ret
 
 
-def _is_fxtrain_task(task_function: Callable) -> bool:
-    """Whether the app is ``python -m fxtrain.train`` (its ``__module__`` is ``__main__`` when run with ``-m``)."""
+def _not_batchable_launch(config: DictConfig, task_function: Callable) -> str | None:
+    """Why no job of this launch can join a vmapped group (``None``: they can), from Hydra's settings.
+
+    The groups train outside ``run_job``: in the launch directory, without ``hydra.job.env_set``; jobs
+    that would see another working directory or environment in their own runs run one by one.
+    """
     from fxtrain import train
 
     try:
-        return pathlib.Path(inspect.getfile(task_function)).resolve() == pathlib.Path(train.__file__).resolve()
-    except TypeError:
-        return False
+        ours = pathlib.Path(inspect.getfile(task_function)).resolve() == pathlib.Path(train.__file__).resolve()
+    except TypeError:  # a callable without a source file
+        ours = False
+    if not ours:  # python -m fxtrain.train's task function has __module__ == "__main__": compare files
+        return "the task function is not fxtrain.train's"
+    if config.hydra.job.chdir:
+        return "hydra.job.chdir=true (each job runs in its own directory)"
+    if config.hydra.job.env_set:
+        return f"hydra.job.env_set sets {', '.join(config.hydra.job.env_set)} per job"
+    return None
 
 
 def _job(sweep_config: DictConfig) -> Any:
