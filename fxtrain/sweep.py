@@ -331,6 +331,15 @@ def _next_event(step: int, trainer: DictConfig, longest: int = 50) -> int:
     return min(step + longest, trainer.max_steps)
 
 
+def _dataset_without_rng(cfg: DictConfig, device: torch.device) -> Any:
+    """``cfg.data`` built as :func:`fxtrain.train.build_run` builds it, or ``None`` if that draws torch random
+    numbers (then every job must build its own, or the params init after it would change)."""
+    torch.manual_seed(cfg.seed)
+    before = torch.get_rng_state()
+    data = build.instantiate(cfg.data, "data").to(device)
+    return data if torch.equal(before, torch.get_rng_state()) else None
+
+
 def _pick(stacked: Any, j: int) -> Any:
     """Job ``j``'s tree out of a stacked one (tensor leaves copied: checkpoints get storage of their own)."""
     return tree.map(lambda x: x[j].clone() if isinstance(x, torch.Tensor) else x, stacked)
@@ -360,6 +369,7 @@ def train_group(group: Group) -> list[Result]:
 
     # --- build every job as its own run would, then stack them ----------------------------------
     live, built, sources = [], [], []
+    datasets: dict[str, Any] = {}  # one dataset per data config, when building it draws no torch random numbers
     for job in jobs:
         source = runner._resume_source(job.cfg, job.out / "checkpoints")
         if source == "completed":  # resume=auto on a finished run: left as it is, as train() does
@@ -367,7 +377,10 @@ def train_group(group: Group) -> list[Result]:
             results[job.num] = Result(float(value), None, [f"resume=auto: {job.out} completed "
                                                            f"{job.cfg.trainer.max_steps} steps already; nothing to do"])
             continue
-        data, model, apply, params, buffers, tx, opt_state = runner.build_run(job.cfg, device)
+        key = repr(OmegaConf.to_container(job.cfg.data))
+        if key not in datasets:
+            datasets[key] = _dataset_without_rng(job.cfg, device)
+        data, model, apply, params, buffers, tx, opt_state = runner.build_run(job.cfg, device, data=datasets[key])
         rng, start = fx.rng_state(), 0
         if source is not None:
             state = fx.load(source, like=fx.TrainState(0, params, opt_state, rng, buffers))

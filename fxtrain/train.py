@@ -177,15 +177,16 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
     return finish_run(cfg, out, final, elapsed, say)
 
 
-def build_run(cfg: DictConfig, device: torch.device, world: int = 1) -> tuple:
+def build_run(cfg: DictConfig, device: torch.device, world: int = 1, data: Any = None) -> tuple:
     """What :func:`train` builds from ``cfg`` before its loop, in this order after ``torch.manual_seed(cfg.seed)``:
     ``(data, model, apply, params, buffers, tx, opt_state)`` (``tx`` is :func:`fxtrain.build.stack`'s).
 
     The sweep launcher (``hydra/launcher=vmap``) builds each job of a group with it, so every job starts from
-    exactly the params, state and RNG state its own run would.
+    exactly the params, state and RNG state its own run would. It passes ``data`` (built already, for the
+    same ``cfg.data``) to share one dataset between jobs, when building it draws no torch random numbers.
     """
     torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order)
-    data = build.instantiate(cfg.data, "data").to(device)
+    data = build.instantiate(cfg.data, "data").to(device) if data is None else data
     model = build.instantiate(cfg.model, "model").to(device)
     apply, params, buffers = fx.functional(model)
     params = build.cast_params(cfg, params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
