@@ -65,7 +65,8 @@ import fxtrain as fx
 from fxtrain import build, distributed, tree
 from fxtrain import train as runner
 
-__all__ = ["Job", "Group", "Result", "NotBatchable", "plan", "train_group", "hyperparams", "vmap_trees"]
+__all__ = ["Job", "Group", "Result", "NotBatchable", "plan", "train_group", "hyperparams", "vmapped_steps",
+           "stack_trees", "pick", "vmap_trees"]
 
 log = logging.getLogger("fxtrain")
 
@@ -300,8 +301,13 @@ def vmap_trees(fn: Callable, in_dims: Sequence[int | None]) -> Callable:
     return call
 
 
-def _stack(trees: Sequence[Any], what: str) -> Any:
-    """The trees stacked leafwise (a new leading axis); non-tensor leaves must be equal and stay as they are."""
+def stack_trees(trees: Sequence[Any], what: str = "tree") -> Any:
+    """The trees stacked leafwise (a new leading axis, one entry per job); non-tensor leaves must be equal and
+    stay as they are.
+
+    Raises:
+      NotBatchable: the trees differ in structure, or a leaf in dtype or shape (named by its path in ``what``).
+    """
     flats = [tree.flatten(t) for t in trees]
     spec = flats[0][1]
     for flat, other in flats[1:]:
@@ -331,6 +337,34 @@ def _next_event(step: int, trainer: DictConfig, longest: int = 50) -> int:
     return min(step + longest, trainer.max_steps)
 
 
+def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool) -> Callable:
+    """The steps of every job of a group as one vmapped call: ``run(hp, params, opt_state, buffers, xs, ys) ->
+    (params, opt_state, buffers, metrics)``.
+
+    Each job (vmap over the leading axis of ``hp``, ``params``, ``opt_state`` and ``buffers``, stacked with
+    :func:`stack_trees`) runs ``fx.train_step(loss_fn, tx, has_aux=True, donate=False)`` on the batches
+    ``xs[k], ys[k]`` in order, ``tx`` built once per call by :func:`fxtrain.build.stack` with its own
+    ``hp`` values (0-dim tensors) and ``loss_fn`` the one :func:`fxtrain.train.train` uses. ``metrics`` are
+    the last step's. ``xs, ys``: ``(K, ...)`` shared by every job, or ``(N, K, ...)`` with ``batch_per_job``.
+    """
+    loss_fn = runner.loss_function(apply)
+    amp = cfg.amp.policy is not None
+
+    def steps(hp, params, opt_state, buffers, xs, ys):
+        tx = build.stack(cfg, 1, values=hp)
+        step = fx.train_step(loss_fn, tx, has_aux=True, donate=False)
+        for k in range(xs.shape[0]):  # under vmap: the Python loop runs once for all jobs
+            params, opt_state, metrics = step(params, opt_state, (buffers, xs[k], ys[k]))
+            aux = metrics.pop("aux")
+            new_buffers = aux.pop("buffers")
+            # amp_cast computes in its compute dtype; running statistics stay in their own dtype.
+            buffers = tree.map(lambda new, old: new.to(old.dtype), new_buffers, buffers) if amp else new_buffers
+            metrics.update(aux)
+        return params, opt_state, buffers, metrics
+
+    return vmap_trees(steps, in_dims=(0, 0, 0, 0) + ((0, 0) if batch_per_job else (None, None)))
+
+
 def _dataset_without_rng(cfg: DictConfig, device: torch.device) -> Any:
     """``cfg.data`` built as :func:`fxtrain.train.build_run` builds it, or ``None`` if that draws torch random
     numbers (then every job must build its own, or the params init after it would change)."""
@@ -340,7 +374,7 @@ def _dataset_without_rng(cfg: DictConfig, device: torch.device) -> Any:
     return data if torch.equal(before, torch.get_rng_state()) else None
 
 
-def _pick(stacked: Any, j: int) -> Any:
+def pick(stacked: Any, j: int) -> Any:
     """Job ``j``'s tree out of a stacked one (tensor leaves copied: checkpoints get storage of their own)."""
     return tree.map(lambda x: x[j].clone() if isinstance(x, torch.Tensor) else x, stacked)
 
@@ -399,34 +433,17 @@ def train_group(group: Group) -> list[Result]:
         raise NotBatchable(f"the jobs resume from different steps ({', '.join(map(str, starts))})")
     start, max_steps = starts[0], trainer.max_steps
     n = len(live)
-    params = _stack([b["params"] for b in built], "params")
-    opt_state = _stack([b["opt_state"] for b in built], "optimizer state")
-    buffers = _stack([b["buffers"] for b in built], "buffers")
+    params = stack_trees([b["params"] for b in built], "params")
+    opt_state = stack_trees([b["opt_state"] for b in built], "optimizer state")
+    buffers = stack_trees([b["buffers"] for b in built], "buffers")
     kept = [i for i, job in enumerate(jobs) if any(job is other for other in live)]
     hp = hyperparams({k: [vs[i] for i in kept] for k, vs in group.values.items()}, device)
     shared_data = all(job.cfg.data == cfg.data for job in live)
     datas = [b["data"] for b in built]
     apply = built[0]["apply"]  # the jobs' modules differ only in their tensors, which the trees carry
-    loss_fn = runner.loss_function(apply)
 
     constants = build.constant_hyperparams(cfg)
-    amp = cfg.amp.policy is not None
-
-    def steps(hp, params, opt_state, buffers, xs, ys):
-        # One job's steps on the batches xs[k], ys[k]: the stack and the step are built once per call, with
-        # this job's numbers as 0-dim tensors (batched by vmap), and the Python loop runs under vmap.
-        tx = build.stack(cfg, 1, values=hp)
-        step = fx.train_step(loss_fn, tx, has_aux=True, donate=False)
-        for k in range(xs.shape[0]):
-            params, opt_state, metrics = step(params, opt_state, (buffers, xs[k], ys[k]))
-            aux = metrics.pop("aux")
-            new_buffers = aux.pop("buffers")
-            # amp_cast computes in its compute dtype; running statistics stay in their own dtype.
-            buffers = tree.map(lambda new, old: new.to(old.dtype), new_buffers, buffers) if amp else new_buffers
-            metrics.update(aux)
-        return params, opt_state, buffers, metrics
-
-    run_steps = vmap_trees(steps, in_dims=(0, 0, 0, 0) + ((None, None) if shared_data else (0, 0)))
+    run_steps = vmapped_steps(cfg, apply, batch_per_job=not shared_data)
 
     def batches(first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batches of steps first+1..end (data.train[first:end]), stacked: (K, ...) or, a batch per job, (N, K, ...)."""
@@ -477,7 +494,7 @@ def train_group(group: Group) -> list[Result]:
         with bar:
             if start == max_steps:  # killed after their last checkpoint, before their summaries
                 for j in alive:
-                    eval_metrics[j] = runner.evaluate(apply, _pick(params, j), _pick(buffers, j), datas[j].test,
+                    eval_metrics[j] = runner.evaluate(apply, pick(params, j), pick(buffers, j), datas[j].test,
                                                       trainer.eval_batch_size)
             i = start
             while i < max_steps:
@@ -492,10 +509,10 @@ def train_group(group: Group) -> list[Result]:
                 for j in list(alive):
                     record: dict[str, float] = {}
                     if log_now:
-                        train_metrics[j] = runner._floats(_pick(runner._logged(metrics, constants), j))
+                        train_metrics[j] = runner._floats(pick(runner._logged(metrics, constants), j))
                         record.update(train_metrics[j])
                     if eval_now:
-                        eval_metrics[j] = runner.evaluate(apply, _pick(params, j), _pick(buffers, j), datas[j].test,
+                        eval_metrics[j] = runner.evaluate(apply, pick(params, j), pick(buffers, j), datas[j].test,
                                                           trainer.eval_batch_size)
                         record.update(eval_metrics[j])
                     try:
@@ -504,8 +521,8 @@ def train_group(group: Group) -> list[Result]:
                             record["time_s"] = round(time.perf_counter() - t0, 3)
                             loggers[j].log(i, record)
                         if ckpt_now:
-                            state = fx.TrainState(i, _pick(params, j), _pick(opt_state, j), built[j]["rng"],
-                                                  _pick(buffers, j))
+                            state = fx.TrainState(i, pick(params, j), pick(opt_state, j), built[j]["rng"],
+                                                  pick(buffers, j))
                             last[j] = (i, runner.save_checkpoint(live[j].out / "checkpoints", state,
                                                                  trainer.keep_last, last[j], 0))
                     except FloatingPointError as e:

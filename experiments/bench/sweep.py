@@ -19,8 +19,13 @@ fresh process, both launchers in the same rounds (the order alternating), median
   the vmapped group's ``time_s`` (the same, once for all jobs).
 * ``max |diff|``: the largest difference of any job's final ``test_loss``/``loss`` between the launchers.
 
+A second table times what vmap changes, the training steps alone, in this process (interleaved rounds,
+one CPU thread as the config says): 8 jobs x 25 steps of the donated ``fx.train_step`` the basic
+launcher's runs take, against one call of :func:`fxtrain.sweep.vmapped_steps` (the vmapped group's 25 steps,
+as ``train_group`` runs them between two logged steps), per step of all 8 jobs.
+
 Usage:
-    python experiments/bench/sweep.py [--rounds 3] [--steps 200] [--no-write]
+    python experiments/bench/sweep.py [--rounds 3] [--steps 200] [--step-rounds 20] [--no-write]
 """
 
 from __future__ import annotations
@@ -74,12 +79,57 @@ def run(cmd: list[str], cwd: Path) -> tuple[float, float, dict[str, dict]]:
     return wall, (max(times) if "hydra/launcher=vmap" in cmd else sum(times)), summaries
 
 
+def step_rows(rounds: int) -> list[list]:
+    """ms per step of 8 jobs: 8 donated train_steps vs one vmapped step, default and smoke experiments."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    import fxtrain as fx
+    from fxtrain import sweep, train as runner
+
+    lrs = [float(v) for v in LRS.split("=", 1)[1].split(",")]
+    k, rows = 25, []
+    torch.set_num_threads(1)
+    for name, overrides in (("default (digits MLP)", []), ("smoke", ["experiment=smoke"])):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfgs = [compose("train", overrides=[*overrides, f"optim.chain.adamw.learning_rate={lr}",
+                                                "trainer.device=cpu"]) for lr in lrs]
+        runs = [runner.build_run(c, torch.device("cpu")) for c in cfgs]
+        data = runs[0][0]
+        xs, ys = (torch.stack(t) for t in zip(*(data.train[i] for i in range(k))))
+        jobs = [[fx.train_step(runner.loss_function(r[2]), r[5], has_aux=True, donate=True), r[3], r[6], r[4]]
+                for r in runs]
+        group = [sweep.stack_trees([r[3] for r in runs]), sweep.stack_trees([r[6] for r in runs]),
+                 sweep.stack_trees([r[4] for r in runs])]
+        hp = sweep.hyperparams({"optim.chain.adamw.learning_rate": lrs})
+        run = sweep.vmapped_steps(cfgs[0], runs[0][2], batch_per_job=False)
+
+        def basic():
+            for job in jobs:
+                step, params, state, buffers = job
+                for i in range(k):
+                    params, state, _ = step(params, state, (buffers, xs[i], ys[i]))
+                job[1:3] = params, state
+
+        def vmapped():
+            group[0], group[1], group[2], _ = run(hp, *group, xs, ys)
+
+        times = _common.interleaved({"basic": basic, "vmap": vmapped}, rounds=rounds, warmup=1)
+        med = {v: _common.summary(t)["median"] / k for v, t in times.items()}
+        rows += [[name, "basic: 8 donated steps", med["basic"], "1.00x"],
+                 [name, "vmap: one vmapped step, N=8", med["vmap"], f"{med['basic'] / med['vmap']:.2f}x"]]
+        print(f"steps {name}: basic {med['basic']:.2f} ms, vmap {med['vmap']:.2f} ms", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--step-rounds", type=int, default=20)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    steps = step_rows(args.step_rounds)
 
     walls = {(s, la): [] for s in SWEEPS for la in LAUNCHERS}
     trains = {(s, la): [] for s in SWEEPS for la in LAUNCHERS}
@@ -120,6 +170,11 @@ def main() -> None:
         f"Goal: {GOAL:g}x, at least {FLOOR:g}x. `wall`: the whole command; `train`: the basic launcher's jobs' "
         "`time_s` summed against the vmapped group's (build, steps, evaluation, checkpoints). `max |diff|`: "
         "the largest difference of a job's final test_loss or loss between the launchers.",
+        "",
+        "The training steps alone (in one process, one thread, medians of interleaved rounds, ms per step of all "
+        "8 learning rates; each call runs 25 steps):",
+        "",
+        _common.table(["experiment", "variant", "ms per step", "speedup"], steps),
         "",
         _common.environment(),
     ])
