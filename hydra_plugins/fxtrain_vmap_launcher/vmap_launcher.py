@@ -87,7 +87,8 @@ class VmapLauncher(Launcher):
                 try:
                     results = sweep.train_group(group)
                 except Exception as e:  # noqa: BLE001 - nothing written yet: the jobs run as the basic launcher runs them
-                    group.sequential = f"{e}" if isinstance(e, sweep.NotBatchable) else f"{type(e).__name__}: {e}"
+                    why = str(e) if isinstance(e, sweep.NotBatchable) else f"{type(e).__name__}: {e}"
+                    group.sequential = why.splitlines()[0] if why else type(e).__name__  # a one-line note
                 else:
                     for job, result in zip(group.jobs, results):
                         returns[job.num] = self._run(by_num[job.num], _recorded(result))
