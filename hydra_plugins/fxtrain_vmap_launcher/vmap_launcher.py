@@ -15,7 +15,6 @@ imports every plugin module whenever any Hydra app starts.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import os
@@ -26,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
 log = logging.getLogger(__name__)
 
@@ -136,18 +135,15 @@ def _job(sweep_config: DictConfig) -> Any:
 
     saved = HydraConfig.instance().cfg
     try:
-        out = os.path.join(str(OmegaConf.select(sweep_config, "hydra.sweep.dir")),
-                           str(OmegaConf.select(sweep_config, "hydra.sweep.subdir")))
-        config = copy.deepcopy(sweep_config)
-        with read_write(config.hydra.runtime), open_dict(config.hydra.runtime):
-            config.hydra.runtime.output_dir = os.path.abspath(out)
-        HydraConfig.instance().set_config(config)
-        task = copy.deepcopy(config)
-        with read_write(task), open_dict(task):
-            del task["hydra"]
-        resolved = OmegaConf.create(OmegaConf.to_container(task, resolve=True))
-        overrides = [str(o) for o in OmegaConf.to_container(config.hydra.overrides.task)]
-        return sweep.Job(int(config.hydra.job.num), resolved, pathlib.Path(os.path.abspath(out)), overrides)
+        out = os.path.abspath(os.path.join(str(OmegaConf.select(sweep_config, "hydra.sweep.dir")),
+                                           str(OmegaConf.select(sweep_config, "hydra.sweep.subdir"))))
+        with read_write(sweep_config.hydra.runtime), open_dict(sweep_config.hydra.runtime):
+            sweep_config.hydra.runtime.output_dir = out  # as run_job sets it again
+        HydraConfig.instance().set_config(sweep_config)
+        task = {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
+                for k, v in sweep_config.items() if k != "hydra"}
+        overrides = [str(o) for o in OmegaConf.to_container(sweep_config.hydra.overrides.task)]
+        return sweep.Job(int(sweep_config.hydra.job.num), OmegaConf.create(task), pathlib.Path(out), overrides)
     except Exception:  # noqa: BLE001 - an interpolation that fails here fails in the job's own run, which says so
         return None
     finally:
