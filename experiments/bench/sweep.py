@@ -176,6 +176,17 @@ def main() -> None:
         "",
         _common.table(["experiment", "variant", "ms per step", "speedup"], steps),
         "",
+        "Reading. A vmapped group saves what its jobs repeat per operation (Python, dispatch, kernel launches), "
+        "not their arithmetic: the batched matmuls do every job's FLOPs and the optimizer update runs over N "
+        "times the state. The default digits MLP's step on one CPU thread is mostly arithmetic (forward and "
+        "backward of batch 64 through 64-256-256-10, AdamW over 85k params), so 8 jobs' steps cost about what "
+        "they cost one after another; the smoke MLP's step (2.4k params, batch 32) is mostly per-operation cost, "
+        "and one vmapped step replaces 8. Hydra's per-job work (composing every job's config twice, `.hydra/`, "
+        "the summary callback, a checkpoint, about 0.3 s a job here) stays per job with either launcher, and "
+        "the vmapped group builds every job as its own run would. Final losses of the learning-rate sweeps differ "
+        "by more than float32 rounding only for the largest learning rates, whose runs amplify the last-bit "
+        "differences of batched matmuls step after step (relative 1e-7 per step at the start, measured).",
+        "",
         _common.environment(),
     ])
     print("\n" + text)
