@@ -9,6 +9,7 @@ from fxtrain import tree
 from fxtrain._base import (
     EmptyState,
     GradientTransformation,
+    Traits,
     apply_updates,
     apply_updates_,
     chain,
@@ -16,8 +17,10 @@ from fxtrain._base import (
     is_elementwise,
     named_chain,
     stateless,
+    traits,
     transform,
     update_,
+    with_traits,
 )
 
 # --- transforms and optimizers (fxtrain/transforms/, fxtrain/optimizers.py)
@@ -58,6 +61,10 @@ from fxtrain.transforms._clipping import ClipByGlobalNormState, clip, clip_by_gl
 
 # --- train step (fxtrain/step.py)
 from fxtrain.step import train_step
+
+# --- per-example gradients and clipping (fxtrain/per_example.py, fxtrain/transforms/_per_example.py)
+from fxtrain.per_example import per_example_grads
+from fxtrain.transforms._per_example import per_example_global_norm_clip
 
 # --- functional models (fxtrain/functional.py)
 from fxtrain.functional import functional

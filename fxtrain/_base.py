@@ -1,12 +1,19 @@
 """The Optax protocol in PyTorch: ``GradientTransformation``, the ``@transform`` decorator and ``chain``.
 
 One code path per transform. A factory returns ``GradientTransformation(init_fn, update_fn)`` exactly as
-in Optax, with one convention: ``update_fn`` is a *kernel* that owns ``updates`` and ``state`` and may
-update them in place with ``torch._foreach_*_`` ops (it never mutates ``params``). The ``@transform``
-decorator then turns it into a public transform whose ``update`` is pure (it copies ``updates`` and
-``state`` on entry, then runs the kernel), and whose ``repr`` shows the factory call. A donated
-:func:`fxtrain.train_step` calls the kernel directly (:func:`update_`), so a step writes into the buffers it
-was given and allocates nothing parameter-sized. Transforms written by hand in Optax style (pure update,
+in Optax (a 2-field NamedTuple: ``init_fn, update_fn = tx`` works), with one convention: ``update_fn`` is
+a *kernel* written with :mod:`fxtrain.tree`'s op layer (``tree.lerp_``, ``tree.scale_``...), which
+returns its results and rebuilds its trees with :func:`fxtrain.tree.put`. The same kernel runs two ways:
+
+* **donated** (:func:`update_`, used by ``train_step(donate=True)``): the ops write into ``updates`` and
+  ``state`` with ``torch._foreach_*_`` kernels; nothing parameter-sized is allocated.
+* **pure** (``tx.update``): when a ``torch.func`` transform is active or autograd is recording, the ops
+  run out of place, one torch op per leaf, so ``vmap``, ``grad``, ``jacrev``, ``jvp`` and
+  ``create_graph`` see every operation (hyperparameter tensors included). Otherwise (under
+  ``torch.no_grad``) the kernel runs in place on copies: the donated kernel's exact numbers.
+
+The ``@transform`` decorator turns a factory into a public transform with that pure ``update``, a
+readable ``repr`` and its declared :class:`Traits`. Transforms written by hand in Optax style (pure update,
 no decorator) compose with everything: a pure function is a valid kernel.
 
 Example:
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
@@ -36,20 +43,41 @@ Params = Updates = State = Any
 LossFn = Callable[..., Any]
 
 
+class Traits(NamedTuple):
+    """Facts about a transform that the step and the combinators need, declared once (see :func:`transform`).
+
+    Read them with :func:`traits`; combinators merge their children's in :func:`merge_traits`.
+    """
+
+    elementwise: bool = False  #: acts on each element independently (what ``sharded_apply`` requires)
+    partial_grads: bool = False  #: takes data-parallel ``Partial`` gradients unreduced (``accumulate``)
+    host: bool = False  #: decides on the host between calls (``accumulate``): compiled steps keep it eager
+    fused: Any = None  #: a :class:`fxtrain.transforms._fused.FusedSpec`: a torch kernel computes update + apply
+    wrap_loss: Callable[[LossFn, State], LossFn] | None = None  #: acts on the forward pass (``amp_cast``)
+
+
 class GradientTransformation(NamedTuple):
     """An Optax gradient transformation: ``init(params) -> state``, ``update(updates, state, params) ->
-    (updates, state)``, plus fxtrain's one extension ``wrap_loss(loss_fn, state) -> loss_fn`` that lets a
-    transform act on the forward pass (``None`` means identity).
+    (updates, state)``. Exactly two fields, so ``init_fn, update_fn = tx`` works as in Optax.
+
+    fxtrain's one extension, ``wrap_loss(loss_fn, state) -> loss_fn`` (lets a transform act on the forward
+    pass; ``None`` means identity), rides along in the transform's :class:`Traits` (see
+    :func:`with_traits`), read as ``tx.wrap_loss``.
 
     >>> import fxtrain as fx
     >>> tx = fx.GradientTransformation(lambda p: fx.EmptyState(), lambda u, s, p=None: (u, s))
-    >>> tx.wrap_loss is None
-    True
+    >>> init_fn, update_fn = tx
+    >>> tx.wrap_loss is None, fx.traits(tx).elementwise
+    (True, False)
     """
 
     init: Callable[[Params], State]
     update: Callable[..., tuple[Updates, State]]
-    wrap_loss: Callable[[LossFn, State], LossFn] | None = None
+
+    @property
+    def wrap_loss(self) -> Callable[[LossFn, State], LossFn] | None:
+        """The transform's forward-pass wrapper, or ``None`` (see :mod:`fxtrain.step`)."""
+        return traits(self).wrap_loss
 
     def __repr__(self) -> str:
         label = getattr(self.update, "label", None)
@@ -63,12 +91,12 @@ class EmptyState(NamedTuple):
 
 
 class _Update:
-    """The pure ``update`` of an fxtrain transform: copies its inputs, then runs the in-place kernel."""
+    """The pure ``update`` of an fxtrain transform: its kernel run out of place, or in place on copies."""
 
-    __slots__ = ("kernel", "_label", "elementwise")
+    __slots__ = ("kernel", "_label", "traits")
 
-    def __init__(self, kernel: Callable, label: str | Callable[[], str], elementwise: bool):
-        self.kernel, self._label, self.elementwise = kernel, label, elementwise
+    def __init__(self, kernel: Callable, label: str | Callable[[], str], traits: Traits):
+        self.kernel, self._label, self.traits = kernel, label, traits
 
     @property
     def label(self) -> str:
@@ -79,9 +107,19 @@ class _Update:
         return self._label
 
     def __call__(self, updates: Updates, state: State, params: Params = None) -> tuple[Updates, State]:
+        # Out of place whenever something may differentiate or batch through the update: a torch.func
+        # transform, or autograd recording (a hyperparameter tensor in a closure can require grad
+        # without any input showing it). Under no_grad: the donated kernel on copies, the same bits.
+        composable = torch.is_grad_enabled() or tree.transformed()
         try:
-            return self.kernel(tree.clone(updates), tree.clone(state), params)
+            if composable:
+                with tree.functional():
+                    return self.kernel(updates, state, params)
+            with tree.functional(False):  # not donated: the copies are ours, the results the caller's
+                return self.kernel(tree.clone(updates), tree.clone(state), params)
         except ValueError as e:  # name the transform the user built, not only the inner one
+            if str(e).startswith(self.label.split("(")[0] + "("):  # named already (e.g. by an inner call)
+                raise
             raise ValueError(f"{self.label}: {e}") from None
 
     def __repr__(self) -> str:
@@ -89,14 +127,65 @@ class _Update:
 
 
 def kernel(tx: GradientTransformation) -> Callable:
-    """The in-place kernel of ``tx`` (its pure ``update`` for hand-written transforms)."""
-    return getattr(tx.update, "kernel", tx.update)
+    """The kernel of ``tx`` (its pure ``update`` for hand-written transforms); runs in the caller's op mode."""
+    return tx.update.kernel if isinstance(tx.update, _Update) else tx.update
+
+
+def traits(tx: GradientTransformation) -> Traits:
+    """The :class:`Traits` ``tx`` declares (all false for a hand-written transform).
+
+    >>> import fxtrain as fx
+    >>> fx.traits(fx.adam(0.1)).elementwise, fx.traits(fx.accumulate(fx.sgd(0.1), every=2)).partial_grads
+    (True, True)
+    """
+    return tx.update.traits if isinstance(tx.update, _Update) else _PLAIN
+
+
+_PLAIN = Traits()
+
+
+def with_traits(tx: GradientTransformation, **changes: Any) -> GradientTransformation:
+    """``tx`` with some :class:`Traits` replaced (e.g. ``wrap_loss=...``); its kernel and repr are kept.
+
+    >>> import fxtrain as fx
+    >>> tx = fx.with_traits(fx.scale(2.0), wrap_loss=lambda fn, state: fn)
+    >>> tx, tx.wrap_loss is not None
+    (scale(2.0), True)
+    """
+    label = tx.update._label if isinstance(tx.update, _Update) else ""
+    return GradientTransformation(tx.init, _Update(kernel(tx), label, traits(tx)._replace(**changes)))
+
+
+def merge_traits(children: Sequence[GradientTransformation], states_of: Callable | None = None) -> Traits:
+    """The traits of a combinator that runs ``children`` in sequence on the same updates (``chain``...).
+
+    Elementwise if all children are; takes ``Partial`` gradients and decides on the host as its first
+    child does (the first child is the one that sees the gradients); fused as
+    :func:`fxtrain.transforms._fused.combine` decides (its one place). ``wrap_loss`` composes
+    the children's (the first one outermost) when ``states_of(state)`` gives their states in order;
+    combinators that cannot pass a state per child (``states_of=None``) refuse children with one.
+    """
+    ts = [traits(c) for c in children]
+    wraps = [t.wrap_loss for t in ts]
+    wrap = None
+    if any(w is not None for w in wraps):
+        if states_of is None:
+            raise ValueError(f"cannot combine {next(c for c, w in zip(children, wraps) if w)!r} here: it acts on "
+                             "the forward pass (wrap_loss); apply it outside")
+        wrap = _composed_wrap_loss(tuple(children), states_of)
+    first = ts[0] if ts else _PLAIN
+    from fxtrain.transforms import _fused  # lazily: _fused imports this module
+
+    return Traits(elementwise=all(t.elementwise for t in ts), partial_grads=first.partial_grads,
+                  host=first.host, fused=_fused.combine(children, states_of), wrap_loss=wrap)
 
 
 def update_(tx: GradientTransformation, updates: Updates, state: State, params: Params = None):
     """Runs ``tx`` donating ``updates`` and ``state``: their buffers may be overwritten and must not be reused.
 
-    The in-place twin of ``tx.update`` (like ``jax.jit(..., donate_argnums=(0, 1))``). Same numbers.
+    The in-place twin of ``tx.update`` (like ``jax.jit(..., donate_argnums=(0, 1))``). Same numbers. Not
+    differentiable and not batchable (it runs under ``no_grad``; under a ``torch.func`` transform it
+    raises): use ``tx.update`` for that.
 
     >>> import torch, fxtrain as fx
     >>> g = {"w": torch.ones(2)}
@@ -104,12 +193,19 @@ def update_(tx: GradientTransformation, updates: Updates, state: State, params: 
     >>> u["w"] is g["w"], g["w"].tolist()   # the gradient buffer now holds the update
     (True, [3.0, 3.0])
     """
-    return kernel(tx)(updates, state, params)
+    if tree.transformed():
+        raise ValueError(f"update_ donates its buffers and cannot run under a torch.func transform; use "
+                         f"{tx!r}.update (pure, composable) there")
+    with torch.no_grad(), tree.donated():
+        try:
+            return kernel(tx)(updates, state, params)
+        except tree.DonatedGradError as e:
+            raise ValueError(f"{tx!r}: {e}") from None
 
 
 def is_elementwise(tx: GradientTransformation) -> bool:
     """Whether ``tx`` acts on each element independently (no reduction across elements or leaves)."""
-    return bool(getattr(tx.update, "elementwise", False))
+    return traits(tx).elementwise
 
 
 def _name(obj: Any) -> str:
@@ -155,15 +251,39 @@ def _same(a: Any, b: Any) -> bool:
     return False
 
 
-def transform(factory: Callable | None = None, *, elementwise: bool | None = True):
-    """Decorator for transform factories: pure ``update`` around the in-place kernel, and a readable repr.
+_FACTORIES: dict[str, Callable] = {}
+
+
+def public_factory(fn: Callable) -> Callable:
+    """Registers ``fn`` as a public transform factory (the conformance test runs every one); returns it.
+
+    :func:`transform` registers the factories it decorates; factories written without it call this.
+    """
+    _FACTORIES[fn.__name__] = fn
+    return fn
+
+
+def factories() -> dict[str, Callable]:
+    """Every registered public transform factory by name (see :func:`public_factory`)."""
+    return dict(_FACTORIES)
+
+
+def transform(factory: Callable | None = None, *, elementwise: bool | None = True,
+              partial_grads: bool | None = None, host: bool | None = None):
+    """Decorator for transform factories: pure ``update`` around the kernel, declared traits, a readable repr.
 
     Args:
-      factory: returns ``GradientTransformation(init_fn, update_fn)`` where ``update_fn`` may mutate
-        ``updates`` and ``state`` (never ``params``).
+      factory: returns ``GradientTransformation(init_fn, update_fn)`` where ``update_fn`` is written with
+        :mod:`fxtrain.tree`'s op layer: it may write into ``updates`` and ``state`` through it (never
+        ``params``) and returns its results (see the module docstring).
       elementwise: whether the transform treats every element independently (what
-        ``sharded_apply`` requires). ``None`` inherits the flag of the transform the factory returns
+        ``sharded_apply`` requires). ``None`` inherits the trait of the transform the factory returns
         (for optimizers, which are chains).
+      partial_grads: takes data-parallel ``Partial`` gradients unreduced; ``None`` inherits.
+      host: decides on the host between calls; ``None`` inherits.
+
+    Other traits (``wrap_loss``, ``fused``) come from the transform the factory returns
+    (:func:`with_traits`).
 
     Example:
         >>> import torch, fxtrain as fx
@@ -173,8 +293,8 @@ def transform(factory: Callable | None = None, *, elementwise: bool | None = Tru
         ...         del params
         ...         return fx.EmptyState()
         ...     def update_fn(updates, state, params=None):
-        ...         torch._foreach_add_(fx.tree.leaves(updates), 1.0)
-        ...         return updates, state
+        ...         new = fx.tree.add_(fx.tree.leaves(updates), 1.0)   # in place when donated
+        ...         return fx.tree.put(updates, updates, new), state
         ...     return fx.GradientTransformation(init_fn, update_fn)
         >>> add_one()
         add_one()
@@ -182,15 +302,16 @@ def transform(factory: Callable | None = None, *, elementwise: bool | None = Tru
     def decorate(factory: Callable) -> Callable:
         sig = inspect.signature(factory)
 
+        declared = {k: v for k, v in (("elementwise", elementwise), ("partial_grads", partial_grads),
+                                      ("host", host)) if v is not None}
+
         @functools.wraps(factory)
         def build(*args, **kwargs) -> GradientTransformation:
             tx = factory(*args, **kwargs)
             label = functools.partial(_label, factory.__name__, sig, args, kwargs)
-            flag = is_elementwise(tx) if elementwise is None else elementwise
-            return GradientTransformation(tx.init, _Update(kernel(tx), label, flag), tx.wrap_loss)
+            return GradientTransformation(tx.init, _Update(kernel(tx), label, traits(tx)._replace(**declared)))
 
-        build.is_transform_factory = True  # lets the conformance test find every public factory
-        return build
+        return public_factory(build)
 
     return decorate(factory) if factory is not None else decorate
 
@@ -198,10 +319,26 @@ def transform(factory: Callable | None = None, *, elementwise: bool | None = Tru
 # --- validation -------------------------------------------------------------------------------------
 
 def check_nonnegative(transform_name: str, **values: Any) -> None:
-    """Raises ``ValueError`` naming the argument when a float hyperparameter is negative."""
+    """Checks numeric hyperparameters: Python numbers must be >= 0; tensors must be 0-dim and floating.
+
+    A tensor's value is never read (no host sync, and under ``vmap`` it has none): only its shape and dtype.
+    To batch a hyperparameter, build the transform *inside* the vmapped function (where each setting is
+    a 0-dim tensor) or use ``inject_hyperparams``, whose state holds it.
+
+    >>> import torch, fxtrain as fx
+    >>> fx.sgd(torch.tensor([0.1, 0.2]))
+    Traceback (most recent call last):
+    ...
+    ValueError: sgd: learning_rate must be a number or a 0-dim floating-point tensor, got a tensor of shape (2,) ...
+    """
     for name, v in values.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
             raise ValueError(f"{transform_name}: {name}={v!r} must be >= 0")
+        if isinstance(v, torch.Tensor) and (v.ndim != 0 or not (v.is_floating_point() or v.is_complex())):
+            got = f"shape {tuple(v.shape)}" if v.ndim else f"dtype {v.dtype}"
+            raise ValueError(f"{transform_name}: {name} must be a number or a 0-dim floating-point tensor, got a "
+                             f"tensor of {got} (to batch hyperparameters, build the transform inside "
+                             "torch.func.vmap or use inject_hyperparams)")
 
 
 # --- combinators ----------------------------------------------------------------------------------
@@ -211,7 +348,7 @@ def wrap_loss(tx: GradientTransformation, loss_fn: LossFn, state: State) -> Loss
     return loss_fn if tx.wrap_loss is None else tx.wrap_loss(loss_fn, state)
 
 
-@transform(elementwise=None)
+@transform(elementwise=None, partial_grads=None)
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies ``transforms`` in sequence; the state is a tuple of their states (Optax's ``chain``).
 
@@ -233,7 +370,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return _with_flags(GradientTransformation(init_fn, update_fn, _chain_wrap_loss(txs, lambda s: s)), txs)
+    return _combined(init_fn, update_fn, txs, lambda s: s)
 
 
 @transform(elementwise=None)
@@ -261,14 +398,16 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
             updates, new_state[n] = kernel(t)(updates, state[n], params)
         return updates, new_state
 
-    wrap = _chain_wrap_loss(txs, lambda s: [s[n] for n in names])
-    return _with_flags(GradientTransformation(init_fn, update_fn, wrap), txs)
+    return _combined(init_fn, update_fn, txs, lambda s: [s[n] for n in names])
 
 
-def _chain_wrap_loss(txs: tuple, states_of: Callable) -> Callable | None:
-    if all(t.wrap_loss is None for t in txs):
-        return None
+def _combined(init_fn: Callable, update_fn: Callable, children: Sequence[GradientTransformation],
+              states_of: Callable | None = None) -> GradientTransformation:
+    """A combinator's transform, carrying its children's merged traits (:func:`merge_traits`)."""
+    return GradientTransformation(init_fn, _Update(update_fn, "", merge_traits(children, states_of)))
 
+
+def _composed_wrap_loss(txs: tuple, states_of: Callable) -> Callable:
     def wrap(loss_fn, state):
         # The first transform's wrapper is outermost: it sees the params the step was called with.
         for t, s in reversed(list(zip(txs, states_of(state)))):
@@ -276,11 +415,6 @@ def _chain_wrap_loss(txs: tuple, states_of: Callable) -> Callable | None:
         return loss_fn
 
     return wrap
-
-
-def _with_flags(tx: GradientTransformation, children: tuple) -> GradientTransformation:
-    flag = all(is_elementwise(c) for c in children)
-    return GradientTransformation(tx.init, _Update(kernel(tx), "", flag), tx.wrap_loss)
 
 
 @transform
@@ -330,14 +464,17 @@ def stateless(f: Callable[[Updates, Params], Updates]) -> GradientTransformation
 def apply_updates(params: Params, updates: Updates) -> Params:
     """``params + updates`` leafwise, keeping each param's dtype; ``None`` updates leave the param as is.
 
-    Pure: copies the params, then runs :func:`apply_updates_` on the copy (one code path; the in-place add
-    keeps each param's dtype and, for DTensors, its placements).
+    Pure. Where a ``torch.func`` transform is active or autograd is recording, ``(p + u).to(p.dtype)`` leaf
+    by leaf (Optax's expression: differentiable, batchable); under ``no_grad``, :func:`apply_updates_` on
+    copies of the params (the donated step's kernel; DTensor params keep their placements).
 
     >>> import torch, fxtrain as fx
     >>> fx.apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})["w"].tolist()
     [0.5, 0.5]
     """
     _check_matches(updates, params)
+    if torch.is_grad_enabled() or tree.transformed():
+        return tree.map(lambda p, u: p if u is None else _placed_like((p + u).to(p.dtype), p), params, updates)
     copied = tree.map(lambda p, u: p if u is None else tree.clone(p), params, updates)
     return apply_updates_(copied, updates)
 
@@ -362,6 +499,14 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
         elif ps:
             torch._foreach_add_(ps, us)
     return params
+
+
+def _placed_like(x: Any, p: Any) -> Any:
+    """``x`` with ``p``'s placements when both are DTensors (an update placed unlike its param, e.g. a
+    ``Shard(0)`` update of a ``Replicate`` param, must not change the param's layout)."""
+    if isinstance(p, DTensor) and isinstance(x, DTensor) and x.placements != p.placements:
+        return x.redistribute(p.device_mesh, p.placements)
+    return x
 
 
 def _check_matches(updates: Updates, params: Params) -> None:

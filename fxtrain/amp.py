@@ -63,7 +63,8 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, kernel, transform, wrap_loss
+from fxtrain._base import GradientTransformation, kernel, public_factory, transform, with_traits, wrap_loss
+from fxtrain.transforms._conditionality import select
 from fxtrain.transforms._hyperparams import param_device
 
 __all__ = [
@@ -361,7 +362,10 @@ class DynamicLossScale:
         )
 
     def adjust_(self, state: DynamicLossScaleState, overflow: torch.Tensor) -> DynamicLossScaleState:
-        """Updates ``state`` in place after an update whose gradients overflowed or not (0-dim bool); no host sync."""
+        """The state after an update whose gradients overflowed or not (0-dim bool); no host sync.
+
+        In place (``state`` updated and returned), or a new state inside :func:`fxtrain.tree.functional`.
+        """
         scale, growth, left = state
         count = growth + 1
         grow = ~overflow & (count >= self.growth_interval)
@@ -376,9 +380,12 @@ class DynamicLossScale:
         up = torch.where(up.isfinite(), up, scale)  # GradScaler: grow only to a finite scale
         if self.max_scale is not None:
             up = up.clamp_max(self.max_scale)
-        scale.copy_(torch.where(backoff, down, torch.where(grow, up, scale)))
-        growth.copy_(torch.where(overflow | grow, 0, count))
-        left.copy_(left_next)
+        new = (torch.where(backoff, down, torch.where(grow, up, scale)), torch.where(overflow | grow, 0, count),
+               left_next)
+        if tree.is_functional():  # the pure, composable path: a new state
+            return DynamicLossScaleState(*new)
+        for dst, value in zip(state, new):
+            dst.copy_(value)
         return state
 
 
@@ -465,16 +472,29 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
         if not scaler.scaled:
             updates, inner_state = inner_kernel(updates, state.inner_state, params)
             return updates, AmpCastState(state.loss_scale, state.skipped, inner_state)
-        found = _unscale_(distributed.local_leaves(updates), state.loss_scale.scale)
+        local = distributed.local_leaves(updates)
+        if tree.is_functional():  # out of place: the same math with ordinary ops (vmap, grad see it all)
+            local, found = _unscaled(local, state.loss_scale.scale)
+        else:  # in place, GradScaler's fused kernel
+            found = _unscale_(local, state.loss_scale.scale)
         # Every rank that holds a piece of the tree (and every rank of `groups`) must take the same branch.
         overflow = distributed.global_count(found, updates, groups=groups).to(found.device) > 0
         # The inner kernel always runs (no host sync to branch on); its results are then selected on device.
-        before = tree.clone(state.inner_state)  # the kernel works in place: keep what to restore
+        if tree.is_functional():  # nothing is written: no copy to keep
+            before = state.inner_state
+            # The inner results of a skipped step are discarded, but autograd still sends them a zero
+            # cotangent, and 0 * inf = NaN in their backward (a hyperparameter's gradient): the inner
+            # transform sees zeros on overflow instead.
+            updates = tree.put(updates, updates, tree.zero_where_(overflow, local))
+        else:  # the inner kernel writes into its state: keep a copy to restore
+            before = tree.clone(state.inner_state)
         updates, inner_state = inner_kernel(updates, state.inner_state, params)
-        tree.where_(~overflow, *tree.align(inner_state, before, what="inner state"))  # into the copy
-        tree.zero_where_(overflow, tree.leaves(updates))  # on local pieces: Partial gradients stay Partial
+        inner_state = select(~overflow, inner_state, before, what="inner state")
+        # On local pieces: Partial gradients stay Partial.
+        updates = tree.put(updates, updates, tree.zero_where_(overflow, tree.leaves(updates)))
         loss_scale = scaler.adjust_(state.loss_scale, overflow)
-        return updates, AmpCastState(loss_scale, state.skipped.copy_(overflow), before)
+        skipped = tree.copy_([state.skipped], [overflow])[0]
+        return updates, AmpCastState(loss_scale, skipped, inner_state)
 
     def wrap(loss_fn, state):
         fn = wrap_loss(inner, loss_fn, state.inner_state)
@@ -489,7 +509,7 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
 
         return amp_loss
 
-    return GradientTransformation(init_fn, update_fn, wrap)
+    return with_traits(GradientTransformation(init_fn, update_fn), wrap_loss=wrap)
 
 
 _factory.__name__ = _factory.__qualname__ = "amp_cast"  # the name the decorator prints
@@ -508,11 +528,14 @@ def amp_cast(inner: GradientTransformation, policy: str | Policy = "params=float
     Update, with :math:`s` the current scale:
 
     1. :math:`g \leftarrow g / s` with ``torch._amp_foreach_non_finite_check_and_unscale_`` on the local
-       pieces (grouped by device and dtype), which also flags non-finite values;
+       pieces (grouped by device and dtype), which also flags non-finite values; out of place (the pure
+       ``update`` under ``vmap``, ``grad`` or autograd) the same math with ordinary ops: ``g`` times the
+       float32 inverse of :math:`s`, finiteness with :func:`fxtrain.tree.all_finite`;
     2. ``overflow``: the flag summed over every rank and mesh that holds a piece of the tree
        (:func:`fxtrain.distributed.global_count`), so every rank takes the same decision;
     3. the inner transform runs; on overflow its updates are replaced by zeros and its state by a copy
-       taken before it ran (bit-identical), selected with ``torch.where`` on device (no host sync);
+       taken before it ran (bit-identical), selected with ``torch.where`` on device (no host sync); out
+       of place it sees zero gradients on overflow, so gradients through a skipped step are zero, not NaN;
     4. the loss scale adjusts (:class:`DynamicLossScale`).
 
     With ``loss_scale='none'`` (bf16, f32) steps 1-4 are skipped: the inner transform sees the
@@ -572,7 +595,18 @@ def amp_cast(inner: GradientTransformation, policy: str | Policy = "params=float
     return _amp_cast(inner, **kwargs)
 
 
-amp_cast.is_transform_factory = True  # public factory: the conformance test needs a case for it
+public_factory(amp_cast)  # public factory: the conformance test needs a case for it
+
+
+def _unscaled(xs: list[torch.Tensor], scale: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``xs / scale`` as new tensors and the 0-dim float32 non-finite flag: :func:`_unscale_` out of place.
+
+    The same numbers as GradScaler's kernel: ``x`` times the float32 inverse, computed in float32 (or
+    float64) and rounded once to ``x``'s dtype; the flag says whether any input element is not finite.
+    """
+    inv = scale.double().reciprocal().float()  # GradScaler.unscale_'s inverse
+    out = [(x.to(torch.promote_types(x.dtype, torch.float32)) * inv).to(x.dtype) for x in xs]
+    return out, (~tree.all_finite(xs)).to(torch.float32).to(scale.device)
 
 
 def _unscale_(xs: list[torch.Tensor], scale: torch.Tensor) -> torch.Tensor:

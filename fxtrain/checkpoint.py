@@ -5,17 +5,34 @@ rank writes the shards it holds of each DTensor leaf (plain tensors are taken as
 and written once), and loading into DTensors on another mesh or world size reshards. Without a process
 group the same call saves and loads in one process. Beside DCP's files, ``fxtrain.json`` (the manifest)
 records every leaf's path, kind, global shape and dtype, the non-tensor leaves (Python numbers, strings)
-and the size and CRC32 of every file, so that:
+and the size and CRC32 of every file, and is itself checksummed: its ``digest`` is
+``sha256:<hex>`` of its own JSON with keys sorted, no spaces and ``digest`` left out. So that:
 
 * ``load`` checks structure, shapes and dtypes against ``like`` and names the first path that differs
   (another model's checkpoint, an optimizer state from another stack) before reading any tensor;
-* a truncated or corrupted file is reported with its name and the checkpoint's path, never loaded.
+* a truncated or corrupted file is reported with its name and the checkpoint's path, never loaded;
+* an edited or damaged manifest (a step changed by hand, a ``files`` map emptied or shortened, a key
+  missing) is refused as one :class:`CheckpointError` line, and every DCP file in the directory must be
+  listed in it: nothing in a checkpoint escapes verification.
 
-**Atomic.** ``save`` writes into ``.<name>.saving`` beside the target, fsyncs every file and the
-directory, writes the manifest last, then renames it to ``<name>`` (an existing checkpoint there is first
-renamed to ``.<name>.old`` and removed after). A crash at any point leaves the previous checkpoint
-loadable: before the first rename it is untouched; between the two renames ``load`` finds it as
-``.<name>.old`` (and the next ``save`` puts it back first).
+A leaf's path is its keys joined with ``.`` (``opt_state.mu.w``), which is also its name in DCP's files.
+Two leaves with the same path (``{"a.b": t1, "a": {"b": t2}}``, keys ``1`` and ``"1"``) would load as
+one tensor, so ``save`` refuses them naming both, and ``load`` refuses a ``like`` or a manifest that has
+them.
+
+**Atomic.** ``save`` writes into ``.<name>.saving`` beside the target (its first file,
+``fxtrain.owner.json``, says which process on which host is saving), fsyncs every file and the directory,
+writes the manifest last, then renames it to ``<name>`` (an existing checkpoint there is first renamed
+to ``.<name>.old`` and removed after). A crash at any point leaves the previous checkpoint loadable:
+before the first rename it is untouched; between the two renames ``load`` finds it as ``.<name>.old``.
+A save that raises removes its ``.saving`` directory and puts the previous checkpoint back.
+
+**Leftovers are cleaned by the next save in the same directory**, of any name: it puts an interrupted
+commit's ``.<name>.old`` back (or removes it once ``<name>`` is committed) and removes the
+``.<name>.saving`` of saves whose process is dead (same host and boot: its pid is gone or now another
+process's; another host or boot: nothing in it changed for a day). A live save is never touched: saving to the path that
+a live process is saving to is refused, naming that process. A ``.saving`` without an owner record or an
+``.old`` without a manifest is not fxtrain's and is left alone, unless it is the path being saved's own.
 
 **What to save for a bit-exact resume.** Everything the next step reads: :class:`TrainState` holds the
 step count (which is also the data position: ``fxtrain.data`` batches are a pure function of seed and
@@ -45,14 +62,17 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
 import re
 import shutil
+import socket
+import time
 import warnings
 import zlib
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
@@ -66,12 +86,16 @@ __all__ = ["TrainState", "save", "load", "rng_state", "set_rng_state", "latest",
 
 MANIFEST = "fxtrain.json"
 _FORMAT = "fxtrain-checkpoint"
-_VERSION = 1
+_VERSION = 2  # 2: the manifest carries its own checksum ("digest"); 1 had none
 _VALUE_TYPES = (bool, int, float, str)  # non-tensor leaves kept in the manifest (JSON), by type
+_OWNER = "fxtrain.owner.json"  # written first into .<name>.saving: who saves, so cleanup spares a live save
+_STALE_S = 24 * 3600  # a .saving of another host, untouched this long, is abandoned (no save is that quiet)
+_REDO = "restore it from a copy, or load another checkpoint (an earlier step)"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: incomplete, truncated, corrupted, or of another tree."""
+    """A checkpoint that cannot be loaded (incomplete, truncated, corrupted, edited, of another tree) or a
+    tree that cannot be saved as one (two leaves with one path, a live save to the same path)."""
 
 
 class TrainState(NamedTuple):
@@ -120,7 +144,8 @@ def save(path: str | os.PathLike, state: Any) -> pathlib.Path:
     Leaves may be tensors, DTensors (each rank writes its shards), ``None`` and Python
     ``bool``/``int``/``float``/``str``. Under a process group every rank must call it with the same
     ``path`` (a filesystem all ranks share) and the same tree structure. An existing checkpoint at
-    ``path`` is replaced only once the new one is complete.
+    ``path`` is replaced only once the new one is complete. Leftovers of dead saves beside ``path`` are
+    cleaned first (see the module doc).
 
     Args:
       path: the checkpoint directory (created; its parent too).
@@ -131,10 +156,19 @@ def save(path: str | os.PathLike, state: Any) -> pathlib.Path:
 
     Raises:
       TypeError: a leaf of another type, naming its path.
+      CheckpointError: two leaves with the same path (naming both), or a live process saving to ``path``.
+
+    >>> import tempfile; d = pathlib.Path(tempfile.mkdtemp())
+    >>> save(d / "ck", {"w": torch.ones(2), "step": 3}).name
+    'ck'
+    >>> save(d / "bad", {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}})
+    Traceback (most recent call last):
+    ...
+    fxtrain.checkpoint.CheckpointError: fx.save: the leaves state['a']['b'] and state['a.b'] have the same path 'a.b' ...
     """
     path = pathlib.Path(path)
     flat, _ = tree.flatten(state)
-    paths = _paths(state)
+    paths = _paths(state, "fx.save", "state")
     leaves, tensors = [], {}
     for p, x in zip(paths, flat):
         entry = _describe(p, x)
@@ -142,34 +176,49 @@ def save(path: str | os.PathLike, state: Any) -> pathlib.Path:
         if entry["kind"] == "tensor":
             tensors[p] = x.detach()
     rank, world = distributed.rank_and_world()
-    rank0 = rank == 0
-    tmp, old = _siblings(path)
-    if rank0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _recover(path)
-        if tmp.exists():  # a save that was killed: its files are garbage
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
-    with warnings.catch_warnings():  # single process is what we mean: DCP warns about it on every call
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
-    # DCP's coordinator writes .metadata only after every rank reported its writes done: rank 0 sees all files.
-    if rank0:
-        files = {f.name: _fsync_and_crc(f) for f in sorted(tmp.iterdir())}
-        manifest = {"format": _FORMAT, "version": _VERSION, "world_size": world, "leaves": leaves,
-                    "files": files}
-        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-        _fsync_dir(tmp)
-        if path.exists():
-            os.rename(path, old)
-            _fsync_dir(path.parent)
-        os.rename(tmp, path)
-        _fsync_dir(path.parent)
-        if old.exists():
-            shutil.rmtree(old)
-    _barrier()
+    tmp, _ = _siblings(path)
+    _on_rank0(rank, path, "start saving", lambda: _start(path))
+    try:
+        with warnings.catch_warnings():  # single process is what we mean: DCP warns about it on every call
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+        # DCP's coordinator writes .metadata only after every rank reported its writes done: rank 0 sees all files.
+        _on_rank0(rank, path, "commit", lambda: _commit(path, leaves, world))
+    except BaseException:
+        # DCP raises on every rank once every rank is done writing, _on_rank0 too: nobody writes into tmp any more.
+        if rank == 0:
+            _undo(path)
+        raise
     return path
+
+
+def _start(path: pathlib.Path) -> None:
+    """Cleans what dead saves left beside ``path``, then makes ``.<name>.saving`` with its owner record."""
+    tmp, _ = _siblings(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _clean(path.parent, path)
+    tmp.mkdir()
+    try:
+        _write_synced(tmp / _OWNER, json.dumps(_me()) + "\n")
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _commit(path: pathlib.Path, leaves: list[dict[str, Any]], world: int) -> None:
+    """Lists and checksums what DCP wrote into ``.<name>.saving``, writes the manifest, renames it to ``path``."""
+    tmp, old = _siblings(path)
+    files = {f.name: _fsync_and_crc(f) for f in sorted(tmp.iterdir())}
+    manifest = {"format": _FORMAT, "version": _VERSION, "world_size": world, "leaves": leaves, "files": files}
+    manifest["digest"] = _digest(manifest)
+    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    _fsync_dir(tmp)
+    if path.exists():
+        os.rename(path, old)
+        _fsync_dir(path.parent)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    _remove(old)
 
 
 def _describe(path: str, x: Any) -> dict[str, Any]:
@@ -186,28 +235,34 @@ def _describe(path: str, x: Any) -> dict[str, Any]:
                     "None and Python bool/int/float/str (make it a tensor, or keep it out of the tree)")
 
 
-def _paths(t: Any) -> list[str]:
-    """Dotted leaf paths with NamedTuple fields by name (``opt_state.inner_state.mu.w``), for the manifest."""
-    out = []
+def _paths(t: Any, who: str, name: str) -> list[str]:
+    """Dotted leaf paths with NamedTuple fields by name (``opt_state.inner_state.mu.w``), for the manifest.
+
+    A path names one leaf in the manifest and in DCP's files, so two leaves with one path (``{"a.b": x,
+    "a": {"b": y}}``, keys ``1`` and ``"1"``) raise, naming both as ``name[...]`` expressions; ``who``
+    starts the message.
+    """
+    out, first = [], {}
     for accessor in optree.tree_accessors(t, none_is_leaf=True, namespace="fxtrain"):
         keys = [getattr(e, "field", None) if isinstance(e, optree.NamedTupleEntry) else e.entry for e in accessor]
-        out.append(".".join(str(k) for k in keys) or "<root>")
+        p = ".".join(str(k) for k in keys) or "<root>"
+        if p in first:
+            raise CheckpointError(f"{who}: the leaves {first[p].codify(name)} and {accessor.codify(name)} have "
+                                  f"the same path '{p}' (a checkpoint names a leaf by its keys joined with '.', "
+                                  "so they would load as one); rename one of the keys")
+        first[p] = accessor
+        out.append(p)
     return out
+
+
+def _digest(manifest: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of the manifest's JSON with keys sorted, no spaces, and ``digest`` itself left out."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _siblings(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     return path.parent / f".{path.name}.saving", path.parent / f".{path.name}.old"
-
-
-def _recover(path: pathlib.Path) -> None:
-    """Finishes or undoes a commit that a crash interrupted between its two renames."""
-    _, old = _siblings(path)
-    if old.exists():
-        if path.exists():  # the new one was committed; only the cleanup was missed
-            shutil.rmtree(old)
-        else:
-            os.rename(old, path)
-            _fsync_dir(path.parent)
 
 
 def _fsync_and_crc(f: pathlib.Path) -> list[int]:
@@ -228,6 +283,160 @@ def _fsync_dir(d: pathlib.Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --- leftovers of interrupted saves -------------------------------------------------------------------
+
+_LEFTOVER = re.compile(r"^\.(.+)\.(saving|old)$")
+
+
+def _clean(parent: pathlib.Path, path: pathlib.Path) -> None:
+    """Before saving ``path``: removes the ``.saving`` of dead saves in ``parent`` (and ``path``'s own, unless
+    a live process is saving there: that raises), then puts back or removes the ``.old`` of interrupted
+    commits. A ``.saving`` without an owner record or an ``.old`` without a manifest is not fxtrain's and
+    stays, unless it is ``path``'s own. A sibling that cannot be removed (another user's) stays too."""
+    found = [(d, *m.groups()) for d in sorted(parent.iterdir()) if (m := _LEFTOVER.match(d.name)) and d.is_dir()]
+    # .saving first: an .old is put back only while no save of its name is under way
+    for d, name, kind in sorted(found, key=lambda f: f[2] == "old"):
+        own = parent / name == path
+        try:
+            if kind == "saving":
+                _clean_saving(d, path if own else None)
+            else:
+                _clean_old(d, parent / name, own)
+        except OSError:
+            if own:
+                raise
+
+
+def _clean_saving(d: pathlib.Path, own: pathlib.Path | None) -> None:
+    owner = _owner(d)
+    if own is not None:
+        if owner is not None and owner.get("pid") != os.getpid() and _alive(owner):
+            raise CheckpointError(f"fx.save: another process (pid {owner.get('pid')} on {owner.get('host')}) is "
+                                  f"saving to {own} right now, into {d}; wait for it to finish or stop it, then "
+                                  "save again")
+        _remove(d)
+    elif owner is not None and _abandoned(d, owner):
+        _remove(d)
+
+
+def _clean_old(d: pathlib.Path, target: pathlib.Path, own: bool) -> None:
+    if not (own or (d / MANIFEST).exists()):
+        return
+    if (target / MANIFEST).exists() or (own and target.exists()):
+        _remove(d)  # the new one was committed; only the cleanup was missed
+    elif not target.exists() and not _siblings(target)[0].exists():  # and no save of it is under way
+        try:
+            os.rename(d, target)  # the commit was interrupted between its renames: the previous one is back
+        except OSError:  # a save of `target` committed meanwhile; the next save removes d
+            return
+        _fsync_dir(target.parent)
+
+
+def _undo(path: pathlib.Path) -> None:
+    """After a save of ``path`` raised: removes its ``.saving`` and puts the previous checkpoint back if it
+    was aside. Never raises (the save's own error is the one to see)."""
+    tmp, old = _siblings(path)
+    try:
+        if old.exists() and not path.exists():
+            os.rename(old, path)
+        _remove(tmp)
+    except OSError:
+        pass
+
+
+def _me() -> dict[str, Any]:
+    """The owner record of a save: enough for another process to tell whether this one still runs."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "started": _proc(pid)[1],
+            "boot": _read("/proc/sys/kernel/random/boot_id"), "pid_namespace": _pid_namespace(), "time": time.time()}
+
+
+def _owner(d: pathlib.Path) -> dict[str, Any] | None:
+    try:
+        owner = json.loads((d / _OWNER).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def _alive(owner: dict[str, Any]) -> bool | None:
+    """Whether the process that wrote ``owner`` runs: ``True``, ``False``, or ``None`` when this process cannot
+    tell: another host, another boot of this one (a host name alone does not tell machines apart), or
+    another pid namespace. A pid reused since counts as dead where ``/proc`` gives start times; where it
+    does not, as alive (a leftover kept is the safe mistake)."""
+    me = _me()
+    if any(owner.get(k) != me[k] for k in ("host", "boot", "pid_namespace")):
+        return None
+    pid = owner.get("pid")
+    if type(pid) is not int or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's process
+        pass
+    state, started = _proc(pid)
+    if state == "Z":  # killed, not yet reaped by its parent
+        return False
+    return started is None or owner.get("started") is None or started == owner["started"]
+
+
+def _abandoned(d: pathlib.Path, owner: dict[str, Any]) -> bool:
+    alive = _alive(owner)
+    if alive is not None:
+        return not alive
+    try:  # cannot tell from here: abandoned if nothing in it changed for _STALE_S
+        newest = max([d.stat().st_mtime] + [f.stat().st_mtime for f in d.iterdir()])
+    except OSError:
+        return False
+    return time.time() - newest > _STALE_S
+
+
+def _proc(pid: int) -> tuple[str | None, int | None]:
+    """(state, start time in clock ticks since boot) of ``pid`` from ``/proc/<pid>/stat``; ``None`` each
+    where there is no ``/proc``."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None, None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name, in parentheses, may hold spaces
+    return fields[0], int(fields[19])
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _read(f: str) -> str | None:
+    try:
+        with open(f, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _remove(d: pathlib.Path) -> None:
+    """Removes a ``.saving`` or ``.old`` directory, its owner record and manifest last: a crash halfway leaves
+    it still recognisable as fxtrain's, for the next save to finish. What is gone already (another
+    process's cleanup got there first) is skipped."""
+    try:
+        files = sorted(d.iterdir(), key=lambda f: f.name in (_OWNER, MANIFEST))
+    except FileNotFoundError:
+        return
+    for f in files:
+        try:
+            shutil.rmtree(f) if f.is_dir() and not f.is_symlink() else f.unlink()
+        except FileNotFoundError:
+            pass
+    try:
+        d.rmdir()
+    except FileNotFoundError:
+        pass
 
 
 # --- load -----------------------------------------------------------------------------------------
@@ -251,16 +460,31 @@ def load(path: str | os.PathLike, *, like: Any, verify: bool = True) -> Any:
 
     Raises:
       FileNotFoundError: nothing at ``path``.
-      CheckpointError: an incomplete, truncated or corrupted checkpoint, naming the file; or one whose
-        structure, shapes or dtypes differ from ``like``, naming the first path that differs.
+      CheckpointError: an incomplete, truncated or corrupted checkpoint, naming the file; a manifest that
+        was edited or is malformed (its checksum is verified even with ``verify=False``); one whose
+        structure, shapes or dtypes differ from ``like``, naming the first path that differs; or a
+        ``like`` with two leaves of the same path.
+
+    >>> import json, tempfile; d = pathlib.Path(tempfile.mkdtemp())
+    >>> path = save(d / "ck", {"w": torch.ones(2), "step": 25})
+    >>> back = load(path, like={"w": torch.zeros(2), "step": 0})
+    >>> back["step"], back["w"].tolist()
+    (25, [1.0, 1.0])
+    >>> edited = (path / MANIFEST).read_text().replace('"value": 25', '"value": 65')
+    >>> _ = (path / MANIFEST).write_text(edited)
+    >>> load(path, like={"w": torch.zeros(2), "step": 0})
+    Traceback (most recent call last):
+    ...
+    fxtrain.checkpoint.CheckpointError: checkpoint .../ck: fxtrain.json does not match its checksum ...
     """
-    path = pathlib.Path(path)
-    path = _readable(path)
+    path = _readable(pathlib.Path(path))
+    flat, spec = tree.flatten(like)
+    like_paths = _paths(like, f"checkpoint {path} cannot be loaded into `like`", "like")
     manifest = _manifest(path)
     _check_files(path, manifest, verify)
-    flat, spec = tree.flatten(like)
     saved = manifest["leaves"]
-    _check_like(path, saved, _paths(like), flat)
+    _check_like(path, saved, like_paths, flat)
+    _check_dcp(path, manifest)
     tensors = {e["path"]: _empty_like(x) for e, x in zip(saved, flat) if e["kind"] == "tensor"}
     try:
         with warnings.catch_warnings():
@@ -282,32 +506,117 @@ def _readable(path: pathlib.Path) -> pathlib.Path:
 
 
 def _manifest(path: pathlib.Path) -> dict[str, Any]:
+    """The manifest, once its checksum and its shape are verified: every key ``load`` reads is there, with
+    the type it expects; anything else is one :class:`CheckpointError` naming what is wrong."""
     f = path / MANIFEST
     if not f.exists():
         what = "an incomplete save or a DCP checkpoint not written by fx.save" if (path / ".metadata").exists() \
             else "not a checkpoint directory"
         raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: {what}")
     try:
-        manifest = json.loads(f.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupted ({e})") from None
-    if manifest.get("format") != _FORMAT or manifest.get("version") != _VERSION:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not an fxtrain checkpoint manifest of version "
-                              f"{_VERSION}")
+        manifest = json.loads(f.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupted ({e}); {_REDO}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a JSON object; {_REDO}")
+    if manifest.get("format") != _FORMAT:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not an fxtrain checkpoint manifest "
+                              f"(format {manifest.get('format')!r}); pass a directory written by fx.save")
+    if manifest.get("version") != _VERSION:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is version {manifest.get('version')!r}, this fxtrain "
+                              f"reads version {_VERSION} (version 1 manifests had no checksum); load it with the "
+                              "fxtrain that wrote it and save it again, or load another checkpoint")
+    if not isinstance(manifest.get("digest"), str):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} has no checksum ('digest'), so it was edited or not "
+                              f"written by fx.save; {_REDO}")
+    if manifest["digest"] != _digest(manifest):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not match its checksum (edited or damaged since "
+                              f"it was saved); {_REDO}")
+    _check_manifest(path, manifest)
     return manifest
 
 
+def _check_manifest(path: pathlib.Path, manifest: dict[str, Any]) -> None:
+    """Checks the shape of a manifest whose checksum matched (so written by a tool, or an fxtrain with a bug)."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed: {what}; {_REDO}")
+
+    world, leaves, files = manifest.get("world_size"), manifest.get("leaves"), manifest.get("files")
+    if type(world) is not int or world < 1:
+        raise bad(f"'world_size' is {world!r}, not a positive int")
+    if not isinstance(leaves, list):
+        raise bad("'leaves' is not a list")
+    if not isinstance(files, dict):
+        raise bad("'files' is not a map of file name to [size, crc32]")
+    for name, entry in files.items():
+        if name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name:
+            raise bad(f"'files' lists {name!r}, which is not a data file of this directory")
+        if not (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int and v >= 0 for v in entry)):
+            raise bad(f"the entry of {name} in 'files' is {entry!r}, not [size, crc32]")
+    seen = set()
+    for i, e in enumerate(leaves):
+        if not isinstance(e, dict) or not isinstance(e.get("path"), str):
+            raise bad(f"leaf {i} of 'leaves' has no path")
+        leaf, kind = f"the leaf '{e['path']}'", e.get("kind")
+        if e["path"] in seen:
+            raise bad(f"{leaf} is listed twice (two leaves would load as one)")
+        seen.add(e["path"])
+        if kind == "tensor":
+            shape, dtype = e.get("shape"), e.get("dtype")
+            if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+                raise bad(f"{leaf} has shape {shape!r}, not a list of sizes")
+            if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)):
+                raise bad(f"{leaf} has dtype {dtype!r}, not a torch dtype")
+        elif kind in _KINDS:
+            if "value" not in e:
+                raise bad(f"{leaf} has no value")
+            if type(e["value"]) is not _KINDS[kind]:
+                raise bad(f"{leaf} has value {e['value']!r}, not a Python {kind}")
+        elif kind != "none":
+            raise bad(f"{leaf} has kind {kind!r}, not one of tensor, none, " + ", ".join(_KINDS))
+
+
+_KINDS = {t.__name__: t for t in _VALUE_TYPES}  # a Python leaf's "kind" in the manifest -> its type
+
+
 def _check_files(path: pathlib.Path, manifest: dict[str, Any], verify: bool) -> None:
-    for name, (size, crc) in manifest["files"].items():
+    """Every file DCP wrote is listed (``.metadata`` always is), and each listed file has its size and CRC."""
+    files = manifest["files"]
+    for f in sorted(path.iterdir()):
+        if (f.name == ".metadata" or f.suffix == ".distcp") and f.name not in files:
+            raise CheckpointError(f"checkpoint {path}: {f.name} is not listed in {MANIFEST} (the manifest was "
+                                  f"edited, or files of another save were copied in); {_REDO}")
+    for name in sorted({".metadata", *files}):
         f = path / name
         if not f.exists():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        size, crc = files[name]
         actual = f.stat().st_size
         if actual != size:
             raise CheckpointError(f"checkpoint {path} is truncated or corrupted: {name} has {actual} bytes, "
                                   f"{size} were written")
         if verify and _crc(f) != crc:
             raise CheckpointError(f"checkpoint {path} is corrupted: {name} does not match its checksum")
+
+
+def _check_dcp(path: pathlib.Path, manifest: dict[str, Any]) -> None:
+    """The manifest's tensor leaves are exactly the tensors DCP's ``.metadata`` holds, in files it lists."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - an unpickling error of any kind: say which checkpoint it was
+        raise CheckpointError(f"checkpoint {path} could not be read: .metadata: {str(e).splitlines()[0]}") from e
+    stored = set(metadata.state_dict_metadata)
+    listed = [e["path"] for e in manifest["leaves"] if e["kind"] == "tensor"]
+    for p in listed:
+        if p not in stored:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists the tensor '{p}', which DCP's .metadata "
+                                  f"does not hold; {_REDO}")
+    for p in sorted(stored - set(listed)):
+        raise CheckpointError(f"checkpoint {path}: DCP's .metadata holds the tensor '{p}', which {MANIFEST} does "
+                              f"not list; {_REDO}")
+    for name in sorted({info.relative_path for info in metadata.storage_data.values()} - set(manifest["files"])):
+        raise CheckpointError(f"checkpoint {path}: DCP's .metadata refers to {name}, which {MANIFEST} does not "
+                              f"list; {_REDO}")
 
 
 def _crc(f: pathlib.Path, fsync: bool = False) -> int:
@@ -389,6 +698,21 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
+def _on_rank0(rank: int, path: pathlib.Path, what: str, fn: Callable[[], None]) -> None:
+    """Runs ``fn`` on rank 0, then every rank goes on together (a barrier), or raises if rank 0's ``fn``
+    raised: rank 0 its own error, the others a :class:`CheckpointError` saying so (none waits for ever)."""
+    failed = None
+    if rank == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - passed on to every rank, then raised here as it is
+            failed = e
+    why = None if failed is None else f"{type(failed).__name__}: {failed}".splitlines()[0]
     if _distributed():
-        dist.barrier()
+        box = [why]
+        dist.broadcast_object_list(box, src=0)
+        why = box[0]
+    if failed is not None:
+        raise failed
+    if why is not None:
+        raise CheckpointError(f"fx.save: rank 0 could not {what} {path}: {why}")

@@ -164,9 +164,12 @@ def reduce_partials(t: Any) -> Any:
     """
     flat, spec = tree.flatten(t)
     present = [x for x in flat if x is not None]
+    if not any(isinstance(x, DTensor) for x in present):
+        return t  # plain leaves: nothing to reduce (and under vmap/grad, nothing to plan)
     plan = _plan(present)
     if not plan.partials:
         return t
+    _refuse_autodiff("reduce_partials", [present[i] for p in plan.partials for i in p.positions])
     local = [to_local(x) for x in present]
     out = list(present)
     for p in plan.partials:
@@ -367,6 +370,15 @@ def _local_sums(plan: _Plan, local: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _global_sum_sq(leaves: list, groups: Sequence[Group], counts: bool) -> GlobalSumSq:
+    if tree.is_functional() and not groups and not any(isinstance(x, DTensor) for x in leaves):
+        # The composable path (vmap, grad, jvp): Optax's sum of |x|^2, leaf by leaf, no packing.
+        wide = any(x.dtype == torch.float64 for x in leaves)
+        value = tree.sum_sq(leaves, torch.float64 if wide else torch.float32)
+        return GlobalSumSq(value, (~value.isfinite()).float() if counts else torch.zeros(()))
+    if torch.is_grad_enabled() and any(x.requires_grad for x in leaves):
+        raise NotImplementedError(
+            "the global norm of DTensor leaves (or over process groups) is not differentiable: its "
+            "collectives are outside autograd; differentiate on one process with plain tensors")
     plan = _plan(leaves)
     value = _local_sums(plan, [to_local(x) for x in leaves])
 
@@ -563,21 +575,33 @@ def all_reduce_mean(world_size: int) -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
-        _all_reduce_mean_(tree.leaves(updates), world_size)
-        return updates, state
+        return tree.put(updates, updates, _all_reduce_mean_(tree.leaves(updates), world_size)), state
 
     return GradientTransformation(init_fn, update_fn)
 
 
-def _all_reduce_mean_(leaves: list[torch.Tensor], world_size: int) -> None:
-    """Replaces every plain tensor in ``leaves`` by its mean over all ranks, in place."""
-    if leaves:
-        # One flat buffer (in the leaves' promoted dtype), one collective: per-leaf all_reduces cost a
-        # round trip each.
-        dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
-        mixed = any(g.dtype != dtype for g in leaves)
-        flat = _all_reduce_flat(leaves, dtype, [(None, dist.ReduceOp.SUM, world_size)], mixed)
-        torch._foreach_copy_(leaves, list(_unflat(flat, leaves)))
+def _all_reduce_mean_(leaves: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+    """Every plain tensor in ``leaves`` averaged over all ranks: written into ``leaves`` (op layer: in place
+    when donated, new tensors inside :func:`fxtrain.tree.functional`); returns the results."""
+    if not leaves:
+        return leaves
+    _refuse_autodiff("all_reduce_mean", leaves)
+    # One flat buffer (in the leaves' promoted dtype), one collective: per-leaf all_reduces cost a
+    # round trip each.
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
+    mixed = any(g.dtype != dtype for g in leaves)
+    flat = _all_reduce_flat(leaves, dtype, [(None, dist.ReduceOp.SUM, world_size)], mixed)
+    return tree.copy_(leaves, list(_unflat(flat, leaves)))
+
+
+def _refuse_autodiff(what: str, leaves: Sequence) -> None:
+    """Collectives run outside autograd and have no batching rule: raise rather than return a detached
+    (silently wrong) gradient or fail deep inside a torch.func transform."""
+    if tree.transformed():
+        raise ValueError(f"{what}: its collectives cannot run under a torch.func transform (vmap, grad, jvp)")
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+        raise ValueError(f"{what}: cannot differentiate through its collectives (they are outside autograd); "
+                         "differentiate on one process")
 
 
 def mean_across_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
@@ -640,7 +664,7 @@ def on_dp_mesh(tx: GradientTransformation, mesh: Any, *, reduce_first: bool = Fa
 
     def update_fn(updates, state, params=None):
         if reduce_first:
-            _all_reduce_mean_(tree.leaves(updates), n)
+            updates = tree.put(updates, updates, _all_reduce_mean_(tree.leaves(updates), n))
         params = None if params is None else view(params, (Replicate(),))
         updates, state = inner(view(updates, grads), state, params)
         return tree.map(to_local, reduce_partials(updates)), state

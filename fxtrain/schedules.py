@@ -44,16 +44,24 @@ class Schedule:
     """A step count -> value function with a readable ``repr`` (what every factory here returns).
 
     Calling it with a Python int or an integer tensor of any shape gives a float32 tensor of that shape,
-    on the count's device.
+    on the count's device. Tensor arguments (``init_value``, ``peak_value``...) stay in the computation:
+    the value is differentiable with respect to them and batches under ``torch.func.vmap``.
     """
 
-    __slots__ = ("fn", "label")
+    __slots__ = ("fn", "_label")
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], label: str):
-        self.fn, self.label = fn, label
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], label: str | Callable[[], str]):
+        self.fn, self._label = fn, label
+
+    @property
+    def label(self) -> str:
+        # Built on demand: the repr of a tensor argument reads its value, which a vmapped tensor has not.
+        if callable(self._label):
+            self._label = self._label()
+        return self._label
 
     def __call__(self, count: Count) -> torch.Tensor:
-        return _as_value(self.fn(_as_count(count, self.label)))
+        return _as_value(self.fn(_as_count(count, self)))
 
     def __repr__(self) -> str:
         return self.label
@@ -89,7 +97,8 @@ def _schedule(factory: Callable) -> Callable[..., Schedule]:
     @functools.wraps(factory)
     def build(*args, **kwargs) -> Schedule:
         bound = bind(name, name, sig, args, kwargs)
-        label = f"{name}({', '.join(f'{k}={_name(v)}' for k, v in bound.arguments.items())})"
+        given = dict(bound.arguments)
+        label = lambda: f"{name}({', '.join(f'{k}={_name(v)}' for k, v in given.items())})"
         bound.apply_defaults()
         return Schedule(factory(**bound.arguments), label)
 
@@ -118,7 +127,7 @@ def _steps(owner: str, arg: str, v: Any, *, minimum: int = 0) -> int:
     return int(v)
 
 
-def _as_count(count: Any, owner: str) -> torch.Tensor:
+def _as_count(count: Any, owner: Any) -> torch.Tensor:
     if isinstance(count, torch.Tensor):
         if count.dtype == torch.bool or count.is_complex():
             raise TypeError(f"{owner}: the step count must be an integer tensor, got dtype {count.dtype}")
@@ -135,8 +144,18 @@ def _as_value(v: Any) -> torch.Tensor:
 
 
 def _full(count: torch.Tensor, value: Value) -> torch.Tensor:
-    """``value`` (rounded to float32, as Optax does) shaped and placed like ``count``."""
-    return torch.zeros(count.shape, dtype=torch.float32, device=count.device).add_(value)
+    """``value`` (rounded to float32, as Optax does) shaped and placed like ``count``.
+
+    Out of place, so a tensor ``value`` stays differentiable and may be batched (``torch.func.vmap``).
+    """
+    if isinstance(value, torch.Tensor):
+        value = value.to(torch.float32)
+    return torch.zeros(count.shape, dtype=torch.float32, device=count.device) + value
+
+
+def _is_negative(v: Value) -> bool:
+    """``v < 0`` for a Python number; a tensor's value is never read (no host sync; vmap has none)."""
+    return not isinstance(v, torch.Tensor) and v < 0
 
 
 # --- schedules ------------------------------------------------------------------------------------
@@ -326,20 +345,30 @@ def exponential_decay(init_value: Value, transition_steps: int, decay_rate: Valu
     transition_begin = _steps(name, "transition_begin", transition_begin)
     if not isinstance(staircase, bool):
         raise TypeError(f"{name}: staircase must be a bool, got {staircase!r}")
-    if float(decay_rate) < 0:
-        raise ValueError(f"{name}: decay_rate={float(decay_rate)!r} must be >= 0")
-    if transition_steps == 0 or float(decay_rate) == 0:
+    if _is_negative(decay_rate):
+        raise ValueError(f"{name}: decay_rate={decay_rate!r} must be >= 0")
+    if transition_steps == 0 or (not isinstance(decay_rate, torch.Tensor) and decay_rate == 0):
         return lambda count: _full(count, init_value)
-    decaying = float(decay_rate) < 1.0
+    # A tensor decay_rate is never read on the host (differentiable, batchable): the two cases Optax
+    # decides in Python (rate 0 holds init_value; the end_value bound is below for rates < 1) are selected
+    # on device instead.
+    traced = isinstance(decay_rate, torch.Tensor)
 
     def fn(count):
         steps = count - transition_begin
         p = steps.to(torch.float32) / transition_steps
         if staircase:
             p = torch.floor(p)
-        value = torch.where(steps <= 0, _full(count, init_value), init_value * torch.pow(decay_rate, p))
+        held = _full(count, init_value)
+        value = torch.where(steps <= 0, held, init_value * torch.pow(decay_rate, p))
+        if traced:
+            value = torch.where(decay_rate == 0, held, value)
         if end_value is not None:
-            value = value.clamp(min=end_value) if decaying else value.clamp(max=end_value)
+            bound = _full(count, end_value)
+            if traced:
+                value = torch.where(decay_rate < 1.0, torch.maximum(value, bound), torch.minimum(value, bound))
+            else:
+                value = torch.maximum(value, bound) if decay_rate < 1.0 else torch.minimum(value, bound)
         return value
 
     return fn
@@ -374,8 +403,8 @@ def piecewise_constant_schedule(init_value: Value,
     for b, s in (boundaries_and_scales or {}).items():
         b = _steps(name, f"boundaries_and_scales key {b!r}", b, minimum=-(2**63))
         s = _value(name, f"boundaries_and_scales[{b}]", s)
-        if float(s) < 0:
-            raise ValueError(f"{name}: boundaries_and_scales[{b}]={float(s)!r}: scales must be >= 0")
+        if _is_negative(s):
+            raise ValueError(f"{name}: boundaries_and_scales[{b}]={s!r}: scales must be >= 0")
         pieces.append((b, s))
     pieces.sort(key=lambda bs: bs[0])
 

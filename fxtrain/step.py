@@ -19,15 +19,38 @@ allocate. Like ``jax.jit(step, donate_argnums=(0, 1))``, the step then *owns* th
 ``opt_state`` it is given: the caller must not use them afterwards except through the returned trees,
 which alias them (same tensors, same storage). With ``donate=False`` the step is pure and its inputs are
 left unchanged. Both run the same transform code; ``donate`` only picks the in-place or the pure entry
-point. An error raised *inside* a donated update (not in ``loss_fn``) may leave ``opt_state`` partially
-written, as with any donated buffer.
+point, once, when the step is built. An error raised *inside* a donated update (not in ``loss_fn``) may
+leave ``opt_state`` partially written, as with any donated buffer.
+
+**Composability.** A pure step is a function ``torch.func`` can transform: under ``torch.func.vmap``
+(params and state with a leading axis: an ensemble, or N hyperparameter settings kept in the state) and
+under ``torch.func.grad``, ``jvp``, ``jacrev`` or plain autograd of anything computed from its outputs
+(the loss after some steps with respect to the initial params or a hyperparameter tensor the stack was
+built with). Its gradients come from ``torch.func.grad`` (DTensor params: ``torch.autograd.grad``, with
+``create_graph`` when params or batch require grad), and wherever autograd records or a transform is
+active the update runs out of place (``tx.update``, :func:`fxtrain.apply_updates`): the returned params
+and state are differentiable and batchable, ``metrics`` are detached. Under ``torch.no_grad()`` nothing
+can differentiate it, so the pure step runs the donated kernels on copies instead: the same bits as
+``donate=True`` (out of place the numbers agree to float32 rounding). A donated or compiled step refuses
+to run under a ``torch.func`` transform, and refuses params that carry autograd history, rather than
+return a detached gradient.
+
+    >>> import torch, fxtrain as fx
+    >>> w = torch.ones(3)
+    >>> def loss_after_one_step(lr):
+    ...     tx = fx.sgd(lr, momentum=0.9)
+    ...     new_w, _, _ = fx.train_step(lambda p, b: (p ** 2).sum(), tx, donate=False)(w, tx.init(w), None)
+    ...     return (new_w ** 2).sum()                     # 3 (1 - 2 lr)^2
+    >>> round(torch.func.grad(loss_after_one_step)(torch.tensor(0.1)).item(), 4)   # -12 (1 - 2 lr)
+    -9.6
 
 **Kernel choice.** Where the step owns the params and is not compiled, an optimizer that declares a
 fused torch kernel (``fx.adam``, ``fx.adamw``, ``fx.sgd`` with plain-number arguments; see
 :mod:`fxtrain.transforms._fused`) runs its update and ``apply_updates_`` as that one kernel when the leaves
 allow it (plain floating tensors on one device). It is the same math on the same state, to float32
-rounding; a pure step runs the same kernel on copies, so donated and pure steps still agree exactly.
-Stacks around an optimizer (``chain(clip_by_global_norm(1.0), adamw(...))``) take the foreach kernels.
+rounding; a pure step under ``torch.no_grad()`` runs the same kernel on copies, so donated and pure
+steps still agree exactly there. Which stacks declare a kernel is :mod:`fxtrain.transforms._fused`'s
+business; the others take the foreach kernels.
 
 **Compilation.** With ``compile=True`` the update half (steps 2 and 3, donated) runs under
 ``torch.compile``: one graph per stack in which inductor fuses the foreach passes of every transform and
@@ -63,8 +86,8 @@ Example: a hand-written transform that scales the objective by 8 and divides the
     ...             objective, (loss, aux) = fn(params, batch)
     ...             return objective * factor, (loss, aux)
     ...         return wrapped
-    ...     return fx.GradientTransformation(lambda p: fx.EmptyState(),
-    ...                                      fx.scale(1.0 / factor).update, wrap_loss)
+    ...     tx = fx.GradientTransformation(lambda p: fx.EmptyState(), fx.scale(1.0 / factor).update)
+    ...     return fx.with_traits(tx, wrap_loss=wrap_loss)
     >>> tx = fx.chain(scaled(8.0), fx.scale(-0.25))
     >>> step = fx.train_step(lambda p, b: ((p["w"] - b) ** 2).sum(), tx)
     >>> params = {"w": torch.zeros(2)}
@@ -72,32 +95,35 @@ Example: a hand-written transform that scales the objective by 8 and divides the
     >>> params["w"].tolist(), metrics["loss"].item()   # loss is reported unscaled: 2.0, not 16.0
     ([0.5, 0.5], 2.0)
 
-**Gradients.** Each step differentiates with ``torch.autograd.grad`` over detached views of the param
-leaves (``p.detach().requires_grad_()``: same storage, no copy). This one path serves plain tensors,
+**Gradients.** Each donated step differentiates with ``torch.autograd.grad`` over detached views of the
+param leaves (``p.detach().requires_grad_()``: same storage, no copy). This one path serves plain tensors,
 ``nn.Parameter`` and DTensor leaves (``torch.func.grad_and_value`` raises on DTensor, DESIGN section 1), and
 on plain ones it measured 5-10% faster than ``grad_and_value`` for forward+backward (which always builds
 its backward with ``create_graph=True``; ``experiments/bench/step.py`` keeps both floors in its table so
 the choice can be re-checked). ``loss_fn`` sees those views; params it does not use get zero gradients,
-as in ``jax.grad``.
+as in ``jax.grad``. A pure step takes ``torch.func.grad`` instead (see **Composability**).
 
 **Data parallel.** With replicated DTensor params and a batch sharded on dim 0, autograd returns
 ``Partial`` gradients (each rank's unreduced sum). The step reduces them right after the backward pass,
 once and packed (:func:`fxtrain.distributed.reduce_partials`: one all-reduce per mesh and placement, not
 one per leaf), so every transform sees the gradient of the whole batch. A transform whose kernel sets
-``takes_partial_grads`` gets them unreduced: :func:`fxtrain.accumulate` sums them locally and reduces
+``partial_grads`` trait gets them unreduced: :func:`fxtrain.accumulate` sums them locally and reduces
 once per emitted update (the functional ``no_sync``). Updates that are ``None`` (``accumulate`` between
 emissions) leave their params untouched: a donated step then writes nothing into the params.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any, Callable
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, apply_updates, apply_updates_, kernel, report, update_, wrap_loss
+from fxtrain._base import GradientTransformation, apply_updates, apply_updates_, kernel, report, traits, update_, wrap_loss
 from fxtrain.transforms import _fused
 
 __all__ = ["train_step"]
@@ -118,13 +144,15 @@ def train_step(loss_fn: Callable, tx: GradientTransformation, *, has_aux: bool =
         wraps the forward pass with the current state (see the module docstring for the contract).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (detached) comes back as ``metrics["aux"]``.
       donate: the step owns ``params`` and ``opt_state`` and updates them in place; the caller must not
-        reuse them (the returned trees alias them). ``False`` makes the step pure.
+        reuse them (the returned trees alias them). ``False`` makes the step pure, and composable with
+        ``torch.func.vmap``/``grad``/``jvp`` and autograd (see **Composability** in the module docstring).
       compile: run the update half (the transformation and ``apply_updates_``) under ``torch.compile``,
         in place on the donated buffers (see **Compilation** in the module docstring). Needs
         ``donate=True``. The first calls compile (seconds); later ones reuse the compiled code.
 
     Raises:
-      ValueError: ``compile=True`` with ``donate=False``.
+      ValueError: ``compile=True`` with ``donate=False``; at call time, a donated (or compiled) step
+        under a ``torch.func`` transform or given params that carry autograd history.
 
     Returns:
       ``step``. Its ``metrics`` hold ``loss`` (0-dim, detached, unscaled), ``aux`` with ``has_aux``, and
@@ -151,39 +179,86 @@ def train_step(loss_fn: Callable, tx: GradientTransformation, *, has_aux: bool =
                          "into its inputs allocates every buffer afresh each step (about 9x slower at 50M "
                          "params on CPU, DESIGN 3.4)")
     canonical = _canonical(loss_fn, has_aux)
-    compiled = _CompiledUpdate(tx) if compile else None
     # Partial (data-parallel) gradients are reduced here, once, unless tx defers it (accumulate). It runs
     # after _owned: the reduced leaves are disjoint views of one fresh buffer, safe to update in place.
-    sync = _identity if getattr(kernel(tx), "takes_partial_grads", False) else distributed.reduce_partials
+    sync = _identity if traits(tx).partial_grads else distributed.reduce_partials
+    if donate:
+        return _donated_step(canonical, tx, has_aux, sync, _CompiledUpdate(tx) if compile else None)
+    return _pure_step(canonical, tx, has_aux, sync)
 
+
+def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, sync: Callable,
+                  compiled: _CompiledUpdate | None) -> Step:
+    """The in-place step: autograd on detached views, then the fused, compiled or foreach kernels."""
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
+        if tree.transformed():
+            option = "compile=True" if compiled is not None else "donate=True"
+            raise ValueError(f"train_step({option}) updates its params and state in place, which torch.func "
+                             "transforms (vmap, grad, jvp...) cannot batch or differentiate: build the step "
+                             f"with donate=False to use it under one (stack: {tx!r})")
         fn = wrap_loss(tx, canonical, opt_state)
         grads, loss, aux = _grad(fn, params, batch, tx)
         # Nothing was written before this point: a failure above leaves the inputs as they were.
         with torch.no_grad():
             if compiled is not None:
                 params, opt_state = compiled(sync(_owned(grads)), opt_state, params)
-            elif donate:
-                # Fused kernels take plain tensors only (Partial DTensors never reach them): no sync here,
-                # else a DTensor step would all-reduce its gradients twice.
-                if not _fused.step_(tx, grads, opt_state, params):  # reads grads: no copies needed
-                    updates, opt_state = update_(tx, sync(_owned(grads)), opt_state, params)
-                    params = apply_updates_(params, updates)
-            elif _fused.applies(tx, grads, opt_state, params):  # pure: the same kernel on copies
-                params, opt_state = tree.clone(params), tree.clone(opt_state)
-                _fused.step_(tx, grads, opt_state, params)
-            else:
-                updates, opt_state = tx.update(sync(grads), opt_state, params)
-                params = apply_updates(params, updates)
-        metrics = {"loss": loss}
-        if has_aux:
-            metrics["aux"] = aux
-        for name, value in report(opt_state).items():
-            # Copies: a donated next step overwrites the state tensors these may be views of.
-            metrics.setdefault(name, value.detach().clone() if isinstance(value, torch.Tensor) else value)
-        return params, opt_state, metrics
+            # Fused kernels take plain tensors only (Partial DTensors never reach them): no sync here,
+            # else a DTensor step would all-reduce its gradients twice.
+            elif not _fused.step_(tx, grads, opt_state, params):
+                updates, opt_state = update_(tx, sync(_owned(grads)), opt_state, params)
+                params = apply_updates_(params, updates)
+        return params, opt_state, _metrics(loss, aux, opt_state, has_aux)
 
     return step
+
+
+def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, sync: Callable) -> Step:
+    """The composable step: differentiable and batchable where the caller records or transforms.
+
+    Where autograd records or a ``torch.func`` transform is active (the per-call test is two flags),
+    the update runs out of place (``tx.update``, ``apply_updates``), so ``vmap`` batches it and ``grad`` /
+    ``backward`` see it. Under ``torch.no_grad`` nothing can differentiate it: the donated kernels run on
+    copies (the fused one where it applies), the same bits as ``donate=True``.
+    """
+    fused = _fused.spec(tx) is not None
+
+    def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
+        fn = wrap_loss(tx, canonical, opt_state)
+        grads, loss, aux = _pure_grad(fn, params, batch, tx)
+        if fused and not (torch.is_grad_enabled() or tree.transformed()) \
+                and _fused.applies(tx, grads, opt_state, params):
+            params, opt_state = tree.clone(params), tree.clone(opt_state)
+            _fused.step_(tx, grads, opt_state, params)  # grads are this step's own
+        else:
+            updates, opt_state = tx.update(sync(grads), opt_state, params)
+            params = _placed_like(apply_updates(params, updates), params)
+        return params, opt_state, _metrics(loss, aux, opt_state, has_aux)
+
+    return step
+
+
+def _placed_like(new: Params, old: Params) -> Params:
+    """``new`` with each DTensor leaf in the placements of its ``old`` param (metadata only, no copy else).
+
+    The out-of-place ``p + u`` takes DTensor's propagated placement (a ``Shard(0)`` update turns a
+    ``Replicate`` bias into a ``Shard(0)`` one); the in-place add keeps the param's.
+    """
+    def place(n, o):
+        if isinstance(o, DTensor) and isinstance(n, DTensor) and n.placements != o.placements:
+            return n.redistribute(o.device_mesh, o.placements)
+        return n
+
+    return tree.map(place, new, old)
+
+
+def _metrics(loss: torch.Tensor, aux: Any, opt_state: State, has_aux: bool) -> Metrics:
+    metrics = {"loss": loss}
+    if has_aux:
+        metrics["aux"] = aux
+    for name, value in report(opt_state).items():
+        # Copies: a donated next step overwrites the state tensors these may be views of.
+        metrics.setdefault(name, value.detach().clone() if isinstance(value, torch.Tensor) else value)
+    return metrics
 
 
 def _identity(grads: Any) -> Any:
@@ -212,10 +287,8 @@ class _CompiledUpdate:
     def _build(self, state: Any) -> Callable:
         from torch._dynamo.eval_frame import skip_code
 
-        from fxtrain.transforms import _accumulation
-
         tx, top = self.tx, kernel(self.tx)
-        if not isinstance(state, _accumulation.AccumulateState):
+        if not traits(tx).host:
             def traced(grads, state, params):
                 updates, state = update_(tx, grads, state, params)
                 return apply_updates_(params, updates), state
@@ -228,10 +301,13 @@ class _CompiledUpdate:
             return apply_updates_(params, updates), state
 
         # accumulate decides on the host (reads of its CPU counters) whether this call emits. Those frames
-        # run in Python; the frames they call (the inner stack's kernel, the final add) compile one by one.
-        # _none_like's tree_unflatten of None leaves crashes dynamo's optree support (torch 2.13).
+        # run in Python, and so do the helpers of the module that defines it (its own bookkeeping: e.g. a
+        # tree_unflatten of None leaves crashes dynamo's optree support, torch 2.13); the frames they call
+        # elsewhere (the inner stack's kernel, the final add) compile one by one.
         hosted = _own_code(hosted)
-        for code in (hosted.__code__, top.__code__, _accumulation._none_like.__code__):
+        helpers = vars(sys.modules[top.__module__]).values() if top.__module__ in sys.modules else ()
+        for code in (hosted.__code__, top.__code__,
+                     *(f.__code__ for f in helpers if inspect.isfunction(f) and f.__module__ == top.__module__)):
             skip_code(code)
         return torch.compile(hosted, dynamic=False)
 
@@ -267,26 +343,98 @@ def _canonical(loss_fn: Callable, has_aux: bool) -> Callable:
 
 
 def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation):
-    """Gradients of ``fn``'s objective w.r.t. every tensor leaf of ``params``, and its (loss, aux), detached."""
+    """The donated step's gradients: ``torch.autograd.grad`` over detached views of the param leaves.
+
+    Returns the gradients (a tree like ``params``) and ``fn``'s (loss, aux), detached.
+    """
     # none_is_leaf=False: None leaves (frozen/absent) are not differentiated and come back as None.
     leaves, spec = optree.tree_flatten(params, none_is_leaf=False, namespace="fxtrain")
     try:
-        xs = [p.detach().requires_grad_() for p in leaves]
+        xs = [_detached_view(p) for p in leaves]
     except (AttributeError, RuntimeError):
         raise TypeError(f"train_step: params must hold floating-point tensors or None; {_bad_leaf(params)}") from None
     with torch.enable_grad():
-        out = fn(optree.tree_unflatten(spec, xs), batch)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple) and len(out[1]) == 2):
-            raise TypeError(f"train_step: the wrap_loss of {tx!r} must return a loss function giving "
-                            f"(objective, (loss, aux)), got {_describe(out)} (see fxtrain/step.py)")
-        objective, (loss, aux) = out
-        _check_scalar(objective, f"the objective returned by the wrap_loss of {tx!r}")
+        objective, (loss, aux) = _call(fn, optree.tree_unflatten(spec, xs), batch, tx)
     if not xs:
         grads = []
     elif not objective.requires_grad:
-        raise ValueError("train_step: the loss does not depend on params (no gradient flows to any leaf)")
+        raise ValueError(_CONSTANT_LOSS)
     else:
         grads = torch.autograd.grad(objective, xs, materialize_grads=True)
+    return optree.tree_unflatten(spec, grads), loss.detach(), _detach(aux)
+
+
+def _detached_view(p: torch.Tensor) -> torch.Tensor:
+    if p.grad_fn is not None:
+        # Writing into it would change, behind autograd's back, a value a graph was built from.
+        raise ValueError("train_step(donate=True) got params that autograd is tracking (they come out of a "
+                         "differentiable computation) and would overwrite them in place: build the step with "
+                         "donate=False to differentiate through it")
+    return p.detach().requires_grad_()
+
+
+_CONSTANT_LOSS = "train_step: the loss does not depend on params (no gradient flows to any leaf)"
+
+
+def _call(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation):
+    """``fn(params, batch)``, checked to be ``(objective, (loss, aux))`` with a scalar objective."""
+    out = fn(params, batch)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple) and len(out[1]) == 2):
+        raise TypeError(f"train_step: the wrap_loss of {tx!r} must return a loss function giving "
+                        f"(objective, (loss, aux)), got {_describe(out)} (see fxtrain/step.py)")
+    _check_scalar(out[0], f"the objective returned by the wrap_loss of {tx!r}")
+    return out
+
+
+def _pure_grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation):
+    """The pure step's gradients, differentiable and batchable: ``torch.func.grad`` on plain tensors.
+
+    ``torch.func.grad`` composes with an outer ``vmap`` or ``grad`` and, where the params require grad,
+    leaves its gradients differentiable with respect to them. DTensor leaves take ``torch.autograd.grad``
+    (``torch.func`` raises on DTensor, DESIGN section 1), with ``create_graph`` where something upstream
+    requires grad. Returns the gradients, the loss (detached) and aux (detached).
+    """
+    leaves, spec = optree.tree_flatten(params, none_is_leaf=False, namespace="fxtrain")
+    dtensor = False
+    for p in leaves:  # metadata only
+        if isinstance(p, DTensor):
+            dtensor = True
+        elif not (isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex())):
+            raise TypeError(f"train_step: params must hold floating-point tensors or None; {_bad_leaf(params)}")
+    if dtensor:
+        return _autograd_grad(fn, leaves, spec, batch, tx)
+    if not leaves:
+        with torch.enable_grad():
+            _, (loss, aux) = _call(fn, params, batch, tx)
+        return optree.tree_unflatten(spec, []), loss.detach(), _detach(aux)
+
+    outs = []  # (loss, aux) flattened: torch.func returns only the tensors of an aux through the transform
+
+    def objective(xs):
+        value, out = _call(fn, optree.tree_unflatten(spec, xs), batch, tx)
+        if not value.requires_grad:  # inside grad: True exactly when it depends on xs
+            raise ValueError(_CONSTANT_LOSS)
+        outs[:] = optree.tree_flatten(out, none_is_leaf=True, namespace="fxtrain")
+        return value, [x for x in outs[0] if isinstance(x, torch.Tensor)]
+
+    grads, tensors = torch.func.grad(objective, has_aux=True)(leaves)
+    it = iter(tensors)
+    loss, aux = optree.tree_unflatten(outs[1], [next(it) if isinstance(x, torch.Tensor) else x for x in outs[0]])
+    return optree.tree_unflatten(spec, grads), loss.detach(), _detach(aux)
+
+
+def _autograd_grad(fn: Callable, leaves: list, spec: Any, batch: Batch, tx: GradientTransformation):
+    """``torch.autograd.grad`` for DTensor params; differentiable when params or batch require grad."""
+    upstream = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in [*leaves, *tree.leaves(batch)])
+    # Leaves that require grad are differentiated as they are (create_graph keeps the graph to them);
+    # the others through detached views, as in the donated step.
+    xs = [p if upstream and p.requires_grad else p.detach().requires_grad_() for p in leaves]
+    with torch.enable_grad():
+        objective, (loss, aux) = _call(fn, optree.tree_unflatten(spec, xs), batch, tx)
+    if not objective.requires_grad:
+        raise ValueError(_CONSTANT_LOSS)
+    grads = torch.autograd.grad(objective, xs, materialize_grads=True, create_graph=upstream)
     return optree.tree_unflatten(spec, grads), loss.detach(), _detach(aux)
 
 

@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, Callable, Sequence
 
 import optree
@@ -27,9 +29,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 __all__ = [
-    "flatten", "unflatten", "leaves", "paths", "structure", "map", "align", "first_mismatch",
-    "zeros_like", "clone", "cast", "sum_sq", "norm", "add_", "scale_", "where", "where_", "zero_where_",
-    "local", "all_finite",
+    "flatten", "unflatten", "leaves", "paths", "structure", "map", "align", "put", "first_mismatch",
+    "zeros_like", "clone", "cast", "sum_sq", "norm", "local", "all_finite", "where",
+    # the op layer: in place by default, out of place inside functional()
+    "functional", "is_functional", "donated", "is_donated", "transformed", "scale_", "mul_", "div_", "add_", "lerp_", "addcmul_",
+    "addcdiv_", "sqrt_", "reciprocal_", "sign_", "tanh_", "abs_", "neg_", "clamp_", "maximum_", "copy_",
+    "inc_", "where_", "zero_where_",
 ]
 
 Tree = Any
@@ -186,16 +191,219 @@ def cast(tree: Tree, dtype: torch.dtype | None) -> Tree:
     return map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
 
 
-# --- batched math over flat leaf lists --------------------------------------------------------------
+# --- batched math over flat leaf lists: the op layer ----------------------------------------------
+#
+# Every transform writes its math once, with the functions below. Each takes flat lists of leaves (and
+# Python numbers or 0-dim tensors as scalars) and *returns* the result list; kernels always rebind
+# (``mu = tree.lerp_(mu, g, 0.1)``) and rebuild their trees with :func:`put`. Two ways to run them:
+#
+# * in place (the default, and what a donated step uses): one ``torch._foreach_*_`` call that writes
+#   into the first list and returns it. Nothing parameter-sized is allocated.
+# * out of place (inside :func:`functional`, which a pure ``tx.update`` enters when a ``torch.func``
+#   transform is active or autograd is recording): one ordinary torch op per leaf, never writing an
+#   input. ``torch._foreach_*`` ops have no vmap batching rules and their ``Scalar`` overloads read a
+#   tensor argument with ``.item()`` (a detached, host-synced number), so this path is what makes
+#   ``vmap``, ``grad``, ``jvp`` and ``create_graph`` see every operation, hyperparameters included.
+#
+# On CPU torch runs foreach ops as the same per-tensor kernels, so both ways give the same bits.
+
+_STATE = threading.local()
+
+
+def is_functional() -> bool:
+    """Whether the op layer currently runs out of place (inside :func:`functional`)."""
+    return getattr(_STATE, "functional", False)
+
+
+@contextlib.contextmanager
+def functional(on: bool = True):
+    """Runs the op layer out of place (``on=True``) or in place (``on=False``) inside the block.
+
+    >>> xs = [torch.ones(2)]
+    >>> with functional():
+    ...     ys = scale_(xs, 2.0)
+    >>> xs[0].tolist(), ys[0].tolist()
+    ([1.0, 1.0], [2.0, 2.0])
+    """
+    before = is_functional()
+    _STATE.functional = on
+    try:
+        yield
+    finally:
+        _STATE.functional = before
+
+
+def is_donated() -> bool:
+    """Whether the running update owns its buffers (:func:`fxtrain.update_`, a donated step).
+
+    A kernel may then return ``None`` for updates it leaves untouched (``accumulate`` between emissions:
+    the step skips the add); a pure update returns zeros there, as Optax does.
+    """
+    return getattr(_STATE, "donated", False)
+
+
+@contextlib.contextmanager
+def donated():
+    """Marks the block as a donated update (see :func:`is_donated`); the op layer runs in place inside."""
+    before = is_donated(), is_functional()
+    _STATE.donated, _STATE.functional = True, False
+    try:
+        yield
+    finally:
+        _STATE.donated, _STATE.functional = before
+
+
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jvp, jacrev...) is active around this call."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+class DonatedGradError(ValueError):
+    """A hyperparameter tensor that requires grad met a donated (in-place, ``no_grad``) update."""
+
+
+def _in_place(*scalars: Any) -> bool:
+    """Whether ops run in place now; refuses, in a donated update, a scalar tensor that requires grad
+    (its gradient would be dropped in silence: a donated update runs under ``no_grad``)."""
+    if is_functional():
+        return False
+    if is_donated():
+        for s in scalars:
+            if isinstance(s, torch.Tensor) and s.requires_grad:
+                raise DonatedGradError(
+                    "a hyperparameter tensor requires grad, but this update is donated (in place, under "
+                    "no_grad) and would drop its gradient; use tx.update or train_step(donate=False)")
+    return True
+
+
+def _scalars(s: Any, n: int) -> Any:
+    """A 0-dim tensor scalar as a list of ``n`` tensors: the foreach ``Tensor``-list overloads broadcast
+    it, where the ``Scalar`` overloads would call ``.item()``."""
+    return [s] * n if isinstance(s, torch.Tensor) and s.ndim == 0 else s
+
+
+def _kept(r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``r`` in ``x``'s dtype, as an in-place op on ``x`` leaves it (computed promoted, stored in x's dtype).
+
+    A 0-dim float32 hyperparameter against a 0-dim bfloat16 leaf promotes; Optax casts such scalars to
+    the leaf's dtype, and so does the in-place kernel.
+    """
+    return r if r.dtype == x.dtype else r.to(x.dtype)
+
+
+def _num(s: Any, x: torch.Tensor) -> Any:
+    """A Python number against a 0-dim ``x`` as a 0-dim tensor of ``x``'s compute dtype.
+
+    Under ``torch.func.jvp``, a 0-dim tensor times a Python float gets a float64 tangent
+    (pytorch/functorch#1073), which later ops refuse. A tensor scalar in the same (opmath) dtype gives
+    the same value and a tangent of the right dtype.
+    """
+    if x.ndim or isinstance(s, torch.Tensor):
+        return s
+    return torch.tensor(s, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+
+
+def scale_(xs: list[torch.Tensor], s: Any) -> list[torch.Tensor]:
+    """``xs * s``; ``s`` a number, a 0-dim tensor (no host sync) or a list of tensors."""
+    if not xs:
+        return xs
+    _in_place(s)
+    if is_functional():
+        return [_kept(x * y, x) for x, y in zip(xs, s)] if isinstance(s, list) else [_kept(x * _num(s, x), x) for x in xs]
+    torch._foreach_mul_(xs, s)
+    return xs
+
+
+mul_ = scale_
+
+
+def div_(xs: list[torch.Tensor], s: Any) -> list[torch.Tensor]:
+    """``xs / s``; ``s`` a number, a 0-dim tensor or a list of tensors."""
+    if not xs:
+        return xs
+    _in_place(s)
+    if is_functional():
+        return [_kept(x / y, x) for x, y in zip(xs, s)] if isinstance(s, list) else [_kept(x / _num(s, x), x) for x in xs]
+    torch._foreach_div_(xs, s)
+    return xs
+
+
+def add_(xs: list[torch.Tensor], ys: Any, alpha: Any = 1.0) -> list[torch.Tensor]:
+    """``xs + alpha * ys``; ``ys`` a list of tensors, or a number / 0-dim tensor added to every element."""
+    if not xs:
+        return xs
+    _in_place(ys, alpha)
+    if not isinstance(ys, list):
+        if is_functional():
+            return [_kept(x + _num(ys, x), x) for x in xs]
+        torch._foreach_add_(xs, ys)
+        return xs
+    if isinstance(alpha, torch.Tensor):  # alpha= takes a number only: fold a tensor into ys
+        ys, alpha = scale_(list(ys), alpha) if is_functional() else torch._foreach_mul(ys, alpha), 1.0
+    if is_functional():
+        return [_kept(torch.add(x, y, alpha=alpha), x) for x, y in zip(xs, ys)]
+    torch._foreach_add_(xs, ys, alpha=alpha)
+    return xs
+
+
+def lerp_(xs: list[torch.Tensor], ys: list[torch.Tensor], w: Any) -> list[torch.Tensor]:
+    """``xs + w * (ys - xs)`` (``torch.lerp``); ``w`` a number or a 0-dim tensor."""
+    if not xs:
+        return xs
+    _in_place(w)
+    if is_functional():
+        return [_kept(torch.lerp(x, y, w.to(x.dtype) if isinstance(w, torch.Tensor) else w), x)
+                for x, y in zip(xs, ys)]
+    torch._foreach_lerp_(xs, ys, _scalars(w, len(xs)))
+    return xs
+
+
+def addcmul_(xs: list[torch.Tensor], ys: list[torch.Tensor], zs: list[torch.Tensor], value: Any = 1.0
+             ) -> list[torch.Tensor]:
+    """``xs + value * ys * zs``; a tensor ``value`` multiplies ``zs`` first (``value=`` takes numbers only)."""
+    if not xs:
+        return xs
+    _in_place(value)
+    if isinstance(value, torch.Tensor):
+        zs, value = ([z * value for z in zs] if is_functional() else torch._foreach_mul(zs, value)), 1.0
+    if is_functional():
+        return [_kept(torch.addcmul(x, y, z, value=value), x) for x, y, z in zip(xs, ys, zs)]
+    torch._foreach_addcmul_(xs, ys, zs, value=value)
+    return xs
+
+
+def addcdiv_(xs: list[torch.Tensor], ys: list[torch.Tensor], zs: list[torch.Tensor], value: Any = 1.0
+             ) -> list[torch.Tensor]:
+    """``xs + value * ys / zs``; a tensor ``value`` multiplies ``ys`` first."""
+    if not xs:
+        return xs
+    _in_place(value)
+    if isinstance(value, torch.Tensor):
+        ys, value = ([y * value for y in ys] if is_functional() else torch._foreach_mul(ys, value)), 1.0
+    if is_functional():
+        return [_kept(torch.addcdiv(x, y, z, value=value), x) for x, y, z in zip(xs, ys, zs)]
+    torch._foreach_addcdiv_(xs, ys, zs, value=value)
+    return xs
+
 
 def sum_sq(xs: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Sum of squares of all elements of ``xs`` as a 0-dim tensor, accumulated in ``dtype`` or wider."""
+    """Sum of squared magnitudes of all elements of ``xs`` as a 0-dim tensor, accumulated in ``dtype`` or wider.
+
+    In place: one ``torch._foreach_norm``. Inside :func:`functional`: ``sum(|x|^2)`` leaf by leaf, as Optax
+    writes it, so its gradient is ``2x`` everywhere (a norm's is undefined at 0) and vmap batches it.
+    """
     xs = list(xs)
     if not xs:
         return torch.zeros((), dtype=dtype)
     acc = torch.promote_types(dtype, xs[0].dtype) if xs[0].is_floating_point() else dtype
+    if is_functional():
+        return sum(_abs_sq(x).to(acc).sum() for x in xs)
     norms = torch._foreach_norm(xs, 2, dtype=acc)
     return torch.stack(norms).square().sum()
+
+
+def _abs_sq(x: torch.Tensor) -> torch.Tensor:
+    return (x * x.conj()).real if x.is_complex() else x * x
 
 
 def norm(tree: Tree) -> torch.Tensor:
@@ -203,18 +411,100 @@ def norm(tree: Tree) -> torch.Tensor:
     return sum_sq(leaves(tree)).sqrt()
 
 
-def add_(xs: list[torch.Tensor], ys: list[torch.Tensor], alpha: float = 1.0) -> list[torch.Tensor]:
-    """``xs += alpha * ys`` in place."""
-    if xs:
-        torch._foreach_add_(xs, ys, alpha=alpha)
+def _unary(name: str) -> Callable:
+    inplace, leafwise = getattr(torch, f"_foreach_{name}_"), getattr(torch, name)
+
+    def op(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not xs:
+            return xs
+        if is_functional():
+            return [leafwise(x) for x in xs]
+        inplace(xs)
+        return xs
+
+    op.__name__ = op.__qualname__ = f"{name}_"
+    op.__doc__ = f"``torch.{name}`` of every tensor of ``xs``."
+    return op
+
+
+sqrt_, reciprocal_, sign_, tanh_, abs_, neg_ = map(_unary, ("sqrt", "reciprocal", "sign", "tanh", "abs", "neg"))
+
+
+def clamp_(xs: list[torch.Tensor], lo: Any = None, hi: Any = None) -> list[torch.Tensor]:
+    """``min(max(xs, lo), hi)`` elementwise (NaN stays NaN); bounds are numbers, 0-dim tensors or ``None``."""
+    if not xs:
+        return xs
+    _in_place(lo, hi)
+    if is_functional():
+        if lo is not None:
+            xs = [torch.clamp_min(x, lo) for x in xs]
+        return xs if hi is None else [torch.clamp_max(x, hi) for x in xs]
+    if lo is not None:
+        torch._foreach_clamp_min_(xs, _scalars(lo, len(xs)))
+    if hi is not None:
+        torch._foreach_clamp_max_(xs, _scalars(hi, len(xs)))
     return xs
 
 
-def scale_(xs: list[torch.Tensor], s: float | torch.Tensor) -> list[torch.Tensor]:
-    """``xs *= s`` in place; ``s`` may be a Python number or a 0-dim tensor (no host sync)."""
-    if xs:
-        torch._foreach_mul_(xs, s)
+def maximum_(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Elementwise ``max(xs, ys)`` (NaN propagates)."""
+    if not xs:
+        return xs
+    if is_functional():
+        return [_kept(torch.maximum(x, y), x) for x, y in zip(xs, ys)]
+    torch._foreach_maximum_(xs, ys)
     return xs
+
+
+def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``src`` cast to ``dst``'s dtypes; in place, written into ``dst``.
+
+    DTensor has no sharding rule for ``_foreach_copy_`` (torch 2.13), so DTensor leaves are copied one
+    by one there; plain tensors take the single foreach call.
+    """
+    if not dst:
+        return dst
+    if is_functional():
+        return [s.to(d.dtype) for d, s in zip(dst, src)]
+    if not any(isinstance(x, DTensor) for x in dst):
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, x in zip(dst, src):
+            d.copy_(x)
+    return dst
+
+
+def inc_(count: torch.Tensor, by: Any = 1) -> torch.Tensor:
+    """``count + by`` for a 0-dim counter (in place outside :func:`functional`)."""
+    return count + by if is_functional() else count.add_(by)
+
+
+def put(like: Tree, mask: Tree, new: Sequence) -> Tree:
+    """``like`` with its leaves at the non-``None`` positions of ``mask`` replaced by ``new``, in order.
+
+    The inverse of :func:`align` for kernels: ``g, mu = align(updates, state.mu)`` then, after the math,
+    ``put(state.mu, updates, mu)``. In place the leaves were written already and ``like`` itself comes
+    back (no cost). A DTensor leaf whose new value is a plain tensor (math on its local piece) is
+    wrapped back with the same mesh, placements, shape and stride.
+
+    >>> with functional():
+    ...     put({"a": torch.zeros(1), "b": torch.zeros(1)}, {"a": None, "b": 1}, [torch.ones(1)])
+    {'a': tensor([0.]), 'b': tensor([1.])}
+    """
+    if not is_functional():
+        return like
+    flat, spec = flatten(like)
+    keep = flatten(mask)[0] if mask is not like else flat
+    it = iter(new)
+    out = [x if m is None else _rewrap(next(it), x) for x, m in zip(flat, keep)]
+    return unflatten(spec, out)
+
+
+def _rewrap(new: Any, old: Any) -> Any:
+    if isinstance(old, DTensor) and not isinstance(new, DTensor):
+        return DTensor.from_local(new, old.device_mesh, old.placements, run_check=False, shape=old.shape,
+                                  stride=old.stride())
+    return new
 
 
 def where(pred: torch.Tensor, a: Tree, b: Tree) -> Tree:
@@ -227,29 +517,39 @@ def local(x: Any) -> Any:
 
     ``_local_tensor`` is what ``DTensor.to_local()`` returns under ``no_grad``, read directly so a gradient
     tree of ``requires_grad`` DTensors still gives views to write into, with no autograd node per leaf.
+    Inside :func:`functional` it is ``to_local()`` itself, so autograd sees the step.
 
     >>> local(torch.ones(1)).tolist(), local(None)
     ([1.0], None)
     """
-    return x._local_tensor if isinstance(x, DTensor) else x
+    if not isinstance(x, DTensor):
+        return x
+    return x.to_local() if is_functional() else x._local_tensor
 
 
-def where_(pred: torch.Tensor, new: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
-    """``out[i] = torch.where(pred, new[i], out[i])`` in place, for a 0-dim boolean ``pred`` (no host sync).
+def where_(pred: torch.Tensor, new: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> list:
+    """``torch.where(pred, new[i], out[i])`` for a 0-dim boolean ``pred`` (no host sync), written into ``out``.
 
     How a transform keeps or restores state without branching on the host: run the kernel, then select
     into a kept copy. On local pieces, so DTensor placements (``Partial`` too) are kept. One kernel per
     leaf: torch has no foreach ``where``, and arithmetic tricks (``mul``, ``lerp``) turn inf into NaN.
+    Returns the selected leaves (``out`` itself in place; new tensors inside :func:`functional`).
     """
+    if is_functional():
+        return [_rewrap(torch.where(pred, local(n), local(o)), o) for n, o in zip(new, out)]
     for n, o in zip(new, out):
         o = local(o)
         torch.where(pred, local(n), o, out=o)
+    return list(out)
 
 
-def zero_where_(pred: torch.Tensor, xs: Sequence[torch.Tensor]) -> None:
-    """``xs[i][...] = 0`` where the 0-dim boolean ``pred`` is true, in place (NaN and inf included)."""
+def zero_where_(pred: torch.Tensor, xs: Sequence[torch.Tensor]) -> list:
+    """``xs[i]`` with every element set to 0 where the 0-dim boolean ``pred`` is true (NaN and inf included)."""
+    if is_functional():
+        return [_rewrap(local(x).masked_fill(pred, 0), x) for x in xs]
     for x in xs:
         local(x).masked_fill_(pred, 0)
+    return list(xs)
 
 
 def all_finite(xs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -257,5 +557,7 @@ def all_finite(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     xs = list(xs)
     if not xs:
         return torch.ones((), dtype=torch.bool)
+    if is_functional():
+        return torch.stack([x.isfinite().all() for x in xs]).all()
     # The inf-norm of finite values is finite (a sum of squares could overflow); NaN propagates through amax.
     return torch.stack(torch._foreach_norm(xs, float("inf"))).isfinite().all()

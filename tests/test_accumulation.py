@@ -64,7 +64,7 @@ def counting(inner):
         calls.append(1)
         return k(updates, state, params)
 
-    return fx.GradientTransformation(inner.init, update, inner.wrap_loss), calls
+    return fx.with_traits(fx.GradientTransformation(inner.init, update), wrap_loss=inner.wrap_loss), calls
 
 
 OPTIMIZERS = {
@@ -157,7 +157,7 @@ def test_mean_or_sum(mean):
     state = tx.init(params)
     for g in ([1.0, 2.0], [3.0, 4.0]):
         u, state = tx.update({"w": torch.tensor(g)}, state, params)
-        assert u["w"] is None
+        assert u["w"].tolist() == [0.0, 0.0]  # held: zeros, as Optax's MultiSteps
     u, state = tx.update({"w": torch.tensor([5.0, 9.0])}, state, params)
     expected = [-3.0, -5.0] if mean else [-9.0, -15.0]
     assert u["w"].tolist() == expected
@@ -170,14 +170,15 @@ def test_every_as_schedule_of_the_emitted_count():
     pattern = []
     for i in range(6):
         u, state = tx.update({"w": torch.tensor([float(i)])}, state, params)
-        pattern.append(None if u["w"] is None else u["w"].item())
+        pattern.append(None if int(state.mini_step) else u["w"].item())  # held calls leave mini_step > 0
+        assert int(state.mini_step) == 0 or u["w"].item() == 0.0  # held: a zero update (Optax)
     assert pattern == [0.0, None, 1.5, None, None, 4.0]  # the mean of each window
     tx = fx.accumulate(fx.scale(1.0), every=fx.piecewise_constant_schedule(1, {1: 2.0}))  # 1, then 2
     state = tx.init(params)
     held = []
     for _ in range(6):
         u, state = tx.update({"w": torch.ones(1)}, state, params)
-        held.append(u["w"] is None)
+        held.append(u["w"].item() == 0.0)
     assert held == [False, True, False, True, False, True]
 
 
@@ -220,12 +221,23 @@ def test_pure_donated_equal_structure_stable(dtype, frozen):
     for i in range(4):
         grads = fx.tree.map(lambda p: torch.randn_like(p), params)
         g0, s0 = fx.tree.clone(grads), fx.tree.clone(state)
-        u, new_state = tx.update(grads, state, params)
+        with torch.no_grad():  # bit-exact: under no_grad the pure update runs the donated kernel on copies
+            u, new_state = tx.update(grads, state, params)
+        c_u, c_state = tx.update(grads, state, params)  # the composable path: out of place, to rounding
         assert_trees_close(grads, g0, rtol=0, atol=0)
         assert_trees_close(state, s0, rtol=0, atol=0)
         du, ds = fx.update_(tx, fx.tree.clone(grads), fx.tree.clone(state), params)
+        if i % 2 == 0:  # held: zeros from the pure update (Optax), None from the donated kernel (no add)
+            assert all(x is None for x in fx.tree.flatten(du)[0])
+            assert all(not x.any() for x in fx.tree.leaves(u)) and fx.tree.structure(u) == fx.tree.structure(grads)
+            du = fx.tree.map(torch.zeros_like, u)
         assert_trees_close(du, u, rtol=0, atol=0)
         assert_trees_close(ds, new_state, rtol=0, atol=0)
+        tol = {"rtol": 2e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-7}
+        assert_trees_close(c_u, u, **tol)
+        assert fx.tree.structure(c_state) == fx.tree.structure(new_state)
+        assert_trees_close((c_state.inner_state, c_state.mini_step), (new_state.inner_state, new_state.mini_step),
+                           **tol)
         assert fx.tree.structure(new_state) == spec
         assert u.get("frozen") is None
         assert all(x.dtype == dtype for x in fx.tree.leaves(u))
@@ -267,8 +279,8 @@ def test_wrap_loss_sees_the_inner_state():
 
     # A NamedTuple state: fx._base.report caches per treespec, and a bare-leaf state's spec ("*") is shared
     # with any other single-leaf state (test_step's Counting): the cache would hide that one's report().
-    inner = fx.GradientTransformation(lambda p: _Count(torch.zeros((), dtype=torch.int32)),
-                                      lambda u, s, p=None: (u, _Count(s.n + 1)), wrap)
+    inner = fx.with_traits(fx.GradientTransformation(lambda p: _Count(torch.zeros((), dtype=torch.int32)),
+                                                     lambda u, s, p=None: (u, _Count(s.n + 1))), wrap_loss=wrap)
     tx = fx.accumulate(inner, every=2)
     run(tx, batches(6, 3))
     assert seen == [0, 0, 1, 1, 2, 2]  # the inner state moves once per window
@@ -317,17 +329,103 @@ def test_matches_optax_multisteps(every, mean):
         grads = fx.tree.map(lambda p: torch.randn(p.shape, generator=g), params)
         o_updates, o_state = update(to_jnp(grads), o_state, to_jnp(params))
         updates, state = tx.update(grads, state, params)
-        o_updates = from_jnp(o_updates)
-        if all(u is None for u in fx.tree.flatten(updates)[0]):
-            assert all(float(u.abs().max()) == 0 for u in fx.tree.leaves(o_updates))
-        else:
-            assert_trees_close(updates, o_updates, rtol=1e-5, atol=1e-7)
-            params = fx.apply_updates(params, updates)
+        assert_trees_close(updates, from_jnp(o_updates), rtol=1e-5, atol=1e-7)  # zeros on held calls, both
+        params = fx.apply_updates(params, updates)
         assert int(state.mini_step) == int(o_state.mini_step)
         assert int(state.emitted) == int(o_state.gradient_step)
     adam, o_adam = state.inner_state[0], from_jnp(o_state.inner_opt_state[0])
     assert int(adam.count) == int(o_adam.count)
     assert_trees_close((adam.mu, adam.nu), (o_adam.mu, o_adam.nu), rtol=1e-5, atol=1e-7)
+
+
+# --- composing with torch.func -----------------------------------------------------------------------------
+
+def _stack(trees):
+    return fx.tree.map(lambda *xs: torch.stack(xs), *trees)
+
+
+def _member(t, i):
+    return fx.tree.map(lambda x: x[i], t)
+
+
+def test_vmap_over_an_ensemble_equals_separate_runs():
+    # 3 models with their own params, gradients and inner state; the CPU counters stay unbatched (the
+    # emit decision, taken on the host, is common to the ensemble).
+    tx = fx.accumulate(fx.chain(fx.clip_by_global_norm(1.0), fx.adam(1e-2)), every=3)
+    members = [{k: v for k, v in mlp_params(seed).items() if v is not None} for seed in range(3)]
+    g = torch.Generator().manual_seed(7)
+    grads = [[fx.tree.map(lambda p: torch.randn(p.shape, generator=g), members[0]) for _ in range(3)]
+             for _ in range(7)]
+    runs = []
+    for i, params in enumerate(members):
+        state, history = tx.init(params), []
+        for step in grads:
+            u, state = tx.update(step[i], state, params)
+            history.append(u)
+            params = fx.apply_updates(params, u)
+        runs.append((history, params, state))
+
+    states = [tx.init(p) for p in members]
+    state = _stack(states)._replace(mini_step=states[0].mini_step, emitted=states[0].emitted)
+    dims = fx.AccumulateState(mini_step=None, emitted=None, acc=0, inner_state=0)
+    update = torch.func.vmap(tx.update, in_dims=(0, dims, 0), out_dims=(0, dims))
+    params = _stack(members)
+    for t, step in enumerate(grads):
+        u, state = update(_stack(step), state, params)
+        params = fx.apply_updates(params, u)
+        for i, (history, _, _) in enumerate(runs):
+            assert_trees_close(_member(u, i), history[t], rtol=1e-6, atol=1e-6)
+        assert int(state.emitted) == (t + 1) // 3
+    for i, (_, p_ref, s_ref) in enumerate(runs):
+        assert_trees_close(_member(params, i), p_ref, rtol=1e-6, atol=1e-6)
+        assert_trees_close(_member(state.inner_state, i), s_ref.inner_state, rtol=1e-6, atol=1e-6)
+    batched = fx.AccumulateState(0, 0, 0, 0)  # counters cannot be batched: a clear error, not a wrong answer
+    with pytest.raises(ValueError, match="accumulate.*unbatched"):
+        torch.func.vmap(tx.update, in_dims=(0, batched, 0))(_stack(grads[0]), _stack(states), _stack(members))
+
+
+@pytest.mark.optax
+def test_grad_through_updates_matches_optax():
+    """d(a function of the params after 7 accumulated calls) / d(every gradient, the learning rate)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from fxtrain.testing import from_jnp, to_jnp
+
+    params = {k: v for k, v in mlp_params().items() if v is not None}
+    g = torch.Generator().manual_seed(11)
+    grads = [fx.tree.map(lambda p: torch.randn(p.shape, generator=g), params) for _ in range(7)]
+    weights = fx.tree.map(lambda p: torch.randn(p.shape, generator=g), params)
+
+    def objective(grads, lr):
+        tx = fx.accumulate(fx.chain(fx.clip_by_global_norm(1.0), fx.adam(lr)), every=3)
+        p, state = params, tx.init(params)
+        for gs in grads:
+            u, state = tx.update(gs, state, p)
+            p = fx.apply_updates(p, u)
+        return sum((w * x).sum() for w, x in zip(fx.tree.leaves(weights), fx.tree.leaves(p)))
+
+    def o_objective(grads, lr):
+        otx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr)), every_k_schedule=3)
+        p = to_jnp(params)
+        state = otx.init(p)
+        for gs in grads:
+            u, state = otx.update(gs, state, p)
+            p = optax.apply_updates(p, u)
+        return sum(jnp.sum(w * x) for w, x in zip(jax.tree.leaves(to_jnp(weights)), jax.tree.leaves(p)))
+
+    d_grads, d_lr = torch.func.grad(objective, argnums=(0, 1))(grads, torch.tensor(0.05))
+    o_grads, o_lr = jax.grad(o_objective, argnums=(0, 1))(to_jnp(grads), jnp.float32(0.05))
+    assert_trees_close(d_grads, from_jnp(o_grads), rtol=1e-4, atol=1e-6)
+    assert math.isclose(float(d_lr), float(o_lr), rel_tol=1e-4)
+    assert float(d_lr) != 0 and any(float(x.abs().max()) > 1e-3 for x in fx.tree.leaves(d_grads))
+    # Plain autograd sees the same graph (a learning rate that requires grad, gradients as leaves).
+    lr = torch.tensor(0.05, requires_grad=True)
+    leaves = [x.clone().requires_grad_() for x in fx.tree.leaves(grads)]
+    spec = fx.tree.structure(grads)
+    (a_lr,) = torch.autograd.grad(objective(fx.tree.unflatten(spec, leaves), lr), [lr])
+    assert math.isclose(float(a_lr), float(d_lr), rel_tol=1e-5)
 
 
 # --- microbatch ----------------------------------------------------------------------------------------
@@ -379,6 +477,24 @@ def test_microbatch_under_accumulate():
     p_acc, _, _ = run(fx.accumulate(fx.adam(1e-2), every=2), micro, loss=fx.microbatch(loss_fn, 3))
     p_big, _, _ = run(fx.chain(fx.adam(1e-2)), big(micro, 2))  # foreach kernels, as inside accumulate
     assert_trees_close(p_acc, p_big, rtol=1e-6, atol=1e-7)
+
+
+def test_microbatch_under_torch_func_grad_and_vmap():
+    # Under a torch.func transform the loss is the weighted sum of the micro-batch losses (no backward inside).
+    (batch,) = batches(1, 10)
+    members = _stack([{k: v for k, v in mlp_params(seed).items() if v is not None} for seed in range(3)])
+    split = fx.microbatch(loss_fn, 4)
+    one = _member(members, 0)
+    assert_trees_close(torch.func.grad(split)(one, batch), torch.func.grad(loss_fn)(one, batch),
+                       rtol=1e-6, atol=1e-7)
+    ensemble = torch.func.vmap(torch.func.grad(split), in_dims=(0, None))(members, batch)
+    for i in range(3):
+        assert_trees_close(_member(ensemble, i), torch.func.grad(loss_fn)(_member(members, i), batch),
+                           rtol=1e-6, atol=1e-7)
+    # Plain autograd: a higher-order gradient through the split backward is refused, not returned as zero.
+    w = fx.tree.map(lambda v: v.clone().requires_grad_(), one)
+    with pytest.raises(RuntimeError, match="microbatch: higher-order gradients"):
+        torch.autograd.grad(split(w, batch), fx.tree.leaves(w), create_graph=True)
 
 
 # --- data parallel: 2 gloo ranks, one spawn (tests/_worlds.py) ----------------------------------------------

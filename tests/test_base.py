@@ -66,7 +66,7 @@ def test_wrap_loss_composes_first_outermost():
                 calls.append(tag)
                 return loss_fn(params, batch)
             return wrapped
-        return fx.GradientTransformation(lambda p: fx.EmptyState(), lambda u, s, p=None: (u, s), wrap)
+        return fx.with_traits(fx.GradientTransformation(lambda p: fx.EmptyState(), lambda u, s, p=None: (u, s)), wrap_loss=wrap)
 
     tx = fx.chain(make("outer"), fx.identity(), make("inner"))
     loss = _base.wrap_loss(tx, lambda p, b: p + b, tx.init(None))

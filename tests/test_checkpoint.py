@@ -1,6 +1,8 @@
 """Tests for fxtrain/checkpoint.py: bit-exact resume in a fresh process (mid accumulation window, just after
 an amp overflow skip, with a schedule and injected hyperparameters), DTensor save/resume on 2 gloo ranks and
-load on 1, SIGKILL during save, and clear errors for truncated, corrupted and foreign checkpoints.
+load on 1 (and a save rank 0 refuses raises on every rank), SIGKILL during save, and clear errors for
+truncated, corrupted and foreign checkpoints. Manifest checksums, leaf-path collisions and the cleanup of
+leftovers are in tests/test_checkpoint_integrity.py.
 
 Processes are the cost (a torch import each), so one fresh process resumes every single-process scenario,
 one 2-rank world runs every DTensor case, and the two SIGKILL victims run side by side.
@@ -9,6 +11,7 @@ one 2-rank world runs every DTensor case, and the two SIGKILL victims run side b
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
 import signal
@@ -336,6 +339,19 @@ def case_load_onto_other_placements_reshards(world):
     back = fx.load(root / "reshard", like=_params_on(mesh, Shard(1), seed=3))
     assert back["w"].placements == (Shard(1),)
     assert torch.equal(back["w"].full_tensor(), p["w"].full_tensor())
+
+
+@case()
+def case_a_save_rank0_refuses_raises_on_every_rank(world):
+    root, rank = _worlds.OUT_DIR, torch.distributed.get_rank()
+    owner = [fx.checkpoint._me()]  # the owner record of rank 1: a live process on this host
+    torch.distributed.broadcast_object_list(owner, src=1)
+    if rank == 0:  # as if rank 1 were saving to root / "busy" on its own
+        (root / ".busy.saving").mkdir()
+        (root / ".busy.saving" / "fxtrain.owner.json").write_text(json.dumps(owner[0]))
+    expected = r"another process \(pid \d+" if rank == 0 else r"rank 0 could not start saving .*another process"
+    with pytest.raises(CheckpointError, match=expected):  # on rank 1 too, instead of waiting at a barrier
+        fx.save(root / "busy", {"x": torch.ones(2)})
 
 
 @pytest.fixture(scope="module")

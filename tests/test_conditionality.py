@@ -1,5 +1,7 @@
 """Tests for fxtrain/transforms/_conditionality.py: apply_if_finite against Optax, skipped steps, errors."""
 
+import math
+
 import pytest
 import torch
 
@@ -85,7 +87,8 @@ def test_none_leaves_pass_and_report():
 
 def test_update_is_pure_and_donated_kernel_agrees():
     tx = fx.apply_if_finite(reference_trace(0.9), max_consecutive_errors=1)
-    assert_pure_and_donated_agree(tx, _grads, steps=4, equal_nan=True)
+    with torch.no_grad():  # bit-exact: under no_grad the pure update runs the donated kernel on copies
+        assert_pure_and_donated_agree(tx, _grads, steps=4, equal_nan=True)
 
 
 def test_no_host_sync_on_meta_tensors():
@@ -105,9 +108,31 @@ def test_repr_flags_and_wrap_loss():
     def wrap(fn, state):
         return lambda p, b: (fn(p, b), state)
 
-    inner = fx.GradientTransformation(lambda p: "inner-state", lambda u, s, p=None: (u, s), wrap)
+    inner = fx.with_traits(fx.GradientTransformation(lambda p: "inner-state", lambda u, s, p=None: (u, s)),
+                           wrap_loss=wrap)
     tx = fx.apply_if_finite(inner, max_consecutive_errors=3)
     assert _base.wrap_loss(tx, lambda p, b: 1.0, tx.init({}))(None, None) == (1.0, "inner-state")
+
+
+@pytest.mark.parametrize("path", ["composable", "pure-no_grad", "donated"])
+def test_inner_state_with_non_tensor_leaves(path):
+    # A hand-written inner transform whose state holds a Python number: host values cannot wait for the
+    # device decision, so they come from the inner transform's new state; tensors are restored on a skip.
+    inner = fx.GradientTransformation(lambda p: {"calls": 0, "sum": torch.zeros(2)},
+                                      lambda u, s, p=None: (u, {"calls": s["calls"] + 1, "sum": s["sum"] + u["w"]}))
+    tx = fx.apply_if_finite(inner, max_consecutive_errors=2)
+    state = tx.init({"w": torch.zeros(2)})
+    for g in ([1.0, 2.0], [float("nan"), 1.0], [3.0, 4.0]):
+        g = {"w": torch.tensor(g)}
+        if path == "donated":
+            u, state = fx.update_(tx, g, state)
+        elif path == "pure-no_grad":
+            with torch.no_grad():
+                u, state = tx.update(g, state)
+        else:
+            u, state = tx.update(g, state)
+    assert state.inner_state["calls"] == 3 and state.inner_state["sum"].tolist() == [4.0, 6.0]
+    assert int(state.total_notfinite) == 1 and u["w"].tolist() == [3.0, 4.0]
 
 
 @pytest.mark.parametrize("bad, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
@@ -123,3 +148,83 @@ def test_inner_metrics_are_reported_through_apply_if_finite():
     metrics = _base.report(state)
     assert set(metrics) >= {"total_notfinite", "grad_norm"}
     assert float(metrics["grad_norm"]) == 6.0
+
+
+# --- composing with torch.func -------------------------------------------------------------------------
+
+def _stack(trees):
+    return fx.tree.map(lambda *xs: torch.stack(xs), *trees)
+
+
+def _member(t, i):
+    return fx.tree.map(lambda x: x[i], t)
+
+
+def test_vmap_over_an_ensemble_equals_separate_runs():
+    # 3 models whose gradients go non-finite at different steps: each member decides for itself.
+    tx = fx.apply_if_finite(fx.sgd(0.1, momentum=0.9), max_consecutive_errors=1)
+    bad = {0: {2: float("nan")}, 1: {3: float("inf"), 4: float("nan")}, 2: {}}  # member -> step -> value
+    members = [nested_params(seed=i) for i in range(3)]
+
+    def grads(i, step):
+        g = growing_grads(10 * i + step)
+        if step in bad[i]:
+            g["blocks"][0][0, 1, 0] = bad[i][step]
+        return g
+
+    runs = []
+    for i, params in enumerate(members):
+        state, history = tx.init(params), []
+        for step in range(6):
+            u, state = tx.update(grads(i, step), state, params)
+            history.append((u, state))
+            params = fx.apply_updates(params, u)
+        runs.append((history, params))
+
+    update = torch.func.vmap(tx.update)
+    params, state = _stack(members), _stack([tx.init(p) for p in members])
+    for step in range(6):
+        u, state = update(_stack([grads(i, step) for i in range(3)]), state, params)
+        params = fx.apply_updates(params, u)
+        for i, (history, _) in enumerate(runs):
+            assert_trees_close(_member(u, i), history[step][0], rtol=1e-6, atol=1e-6, equal_nan=True)
+            assert_trees_close(_member(state, i), history[step][1], rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert state.total_notfinite.tolist() == [1, 2, 0]
+    assert state.last_finite.tolist() == [True, True, True]
+    for i, (_, p_ref) in enumerate(runs):  # member 1's second non-finite step in a row was accepted: NaN
+        assert_trees_close(_member(params, i), p_ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.optax
+def test_grad_through_skipped_updates_matches_optax():
+    """d(a function of the params after 6 steps, one of them skipped) / d(every gradient, the learning rate)."""
+    optax = pytest.importorskip("optax")
+    import jax
+    import jax.numpy as jnp
+
+    params = nested_params(seed=0)
+    grads = [_grads(step) for step in range(6)]  # step 2 holds a NaN: skipped, and its gradient is zero
+    weights = nested_params(seed=99)
+
+    def objective(grads, lr):
+        tx = fx.apply_if_finite(fx.sgd(lr, momentum=0.9), max_consecutive_errors=1)
+        p, state = params, tx.init(params)
+        for g in grads:
+            u, state = tx.update(g, state, p)
+            p = fx.apply_updates(p, u)
+        return sum(((w * x) ** 2).sum() for w, x in zip(fx.tree.leaves(weights), fx.tree.leaves(p)))
+
+    def o_objective(grads, lr):
+        otx = optax.apply_if_finite(optax.sgd(lr, momentum=0.9), max_consecutive_errors=1)
+        p = to_jnp(params)
+        state = otx.init(p)
+        for g in grads:
+            u, state = otx.update(g, state, p)
+            p = optax.apply_updates(p, u)
+        return sum(jnp.sum((w * x) ** 2) for w, x in zip(jax.tree.leaves(to_jnp(weights)), jax.tree.leaves(p)))
+
+    d_grads, d_lr = torch.func.grad(objective, argnums=(0, 1))(grads, torch.tensor(0.1))
+    o_grads, o_lr = jax.grad(o_objective, argnums=(0, 1))(to_jnp(grads), jnp.float32(0.1))
+    assert_trees_close(d_grads, from_jnp(o_grads), rtol=1e-5, atol=1e-6)
+    assert all(float(x.abs().max()) == 0 for x in fx.tree.leaves(d_grads[2]))  # the skipped step's
+    assert math.isfinite(float(d_lr)) and math.isclose(float(d_lr), float(o_lr), rel_tol=1e-5)

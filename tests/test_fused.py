@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import fxtrain as fx
+from fxtrain._base import report
 from fxtrain.testing import assert_trees_close
 from fxtrain.transforms import _fused
 
@@ -19,6 +20,25 @@ PAIRS = {
                      lambda: fx.chain(fx.trace(0.9), fx.scale_by_learning_rate(0.1))),
     "sgd-nesterov": (lambda: fx.sgd(0.1, momentum=0.9, nesterov=True),
                      lambda: fx.chain(fx.trace(0.9, nesterov=True), fx.scale_by_learning_rate(0.1))),
+    # The default stack: the clip rides in the kernel's grad_scale. The hand-built twin nests the same
+    # chain, so both states are (ClipByGlobalNormState, (ScaleByAdamState, EmptyState, EmptyState)).
+    # The gradients here have norms of about 0.3-10: max_norm=1.0 clips most steps, 1e3 none.
+    "clip-adamw": (lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(1e-2, weight_decay=0.1)),
+                   lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.chain(
+                       fx.scale_by_adam(), fx.add_decayed_weights(0.1), fx.scale_by_learning_rate(1e-2)))),
+    "clip-adamw-unclipped": (lambda: fx.chain(fx.clip_by_global_norm(1e3), fx.adamw(1e-2)),
+                             lambda: fx.chain(fx.clip_by_global_norm(1e3), fx.chain(
+                                 fx.scale_by_adam(), fx.add_decayed_weights(1e-4), fx.scale_by_learning_rate(1e-2)))),
+    "clip-adam": (lambda: fx.chain(fx.clip_by_global_norm(0.5), fx.adam(1e-2)),
+                  lambda: fx.chain(fx.clip_by_global_norm(0.5), fx.chain(fx.scale_by_adam(),
+                                                                         fx.scale_by_learning_rate(1e-2)))),
+    "clip-sgd-momentum": (lambda: fx.named_chain(("clip", fx.clip_by_global_norm(1.0)),
+                                                 ("sgd", fx.sgd(0.1, momentum=0.9))),
+                          lambda: fx.named_chain(("clip", fx.clip_by_global_norm(1.0)), ("sgd", fx.chain(
+                              fx.trace(0.9), fx.scale_by_learning_rate(0.1))))),
+    "clip-sgd": (lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.sgd(0.1)),
+                 lambda: fx.chain(fx.clip_by_global_norm(1.0),
+                                  fx.chain(fx.identity(), fx.scale_by_learning_rate(0.1)))),
 }
 
 
@@ -33,13 +53,16 @@ def _loss(params, batch):
     return F.cross_entropy(F.linear(h, *params["l2"]), y)
 
 
-def _run(tx, params, steps=10, donate=True):
+def _run(tx, params, steps=10, donate=True, record=True):
+    """``steps`` training steps; ``record=False`` calls them under ``no_grad`` (a pure step then runs the
+    donated kernels on copies, see fxtrain/step.py; where autograd records, it runs out of place)."""
     state = tx.init(params)
     step = fx.train_step(_loss, tx, donate=donate)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         batch = (torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g))
-        params, state, _ = step(params, state, batch)
+        with torch.set_grad_enabled(record):
+            params, state, _ = step(params, state, batch)
     return params, state
 
 
@@ -48,7 +71,7 @@ def _run_updates(tx, params, fused, steps=10):
     state = tx.init(params)
     g = torch.Generator().manual_seed(2)
     for _ in range(steps):
-        grads = fx.tree.map(lambda p: torch.randn(p.shape, generator=g), params)
+        grads = fx.tree.map(lambda p: torch.randn(p.shape, generator=g) * torch.rand((), generator=g), params)
         if fused:
             assert _fused.step_(tx, grads, state, params)
         else:
@@ -85,13 +108,22 @@ def test_train_step_takes_the_fused_kernel(name, monkeypatch):
     assert_trees_close(p_fused, p_ref, rtol=1e-4, atol=1e-6)
 
 
-def test_pure_fused_step_leaves_inputs_and_matches_donated():
+@pytest.mark.parametrize("name", ["adamw", "clip-adamw", "clip-sgd-momentum"])
+def test_pure_fused_step_leaves_inputs_and_matches_donated(name):
+    make = PAIRS[name][0]
     params = _params()
     before = fx.tree.clone(params)
-    p_pure, s_pure = _run(fx.adamw(1e-2), params, steps=3, donate=False)
+    p_don, s_don = _run(make(), _params(), steps=3)
+    # Under no_grad the pure step runs the same fused kernel on copies: bit-exact.
+    p_pure, s_pure = _run(make(), params, steps=3, donate=False, record=False)
     assert_trees_close(params, before, rtol=0, atol=0)
-    p_don, s_don = _run(fx.adamw(1e-2), _params(), steps=3)
     assert_trees_close((p_pure, s_pure), (p_don, s_don), rtol=0, atol=0)
+    # Where autograd records, it runs the transforms out of place: the foreach math, so the fused kernel's
+    # tolerance: float64 bias corrections move each Adam update (at most lr=1e-2 per element) by up to
+    # ~1e-5 relative, so 3 steps apart by 3e-7 absolute at most, plus what that feeds back through the loss.
+    p_rec, s_rec = _run(make(), params, steps=3, donate=False)
+    assert_trees_close(params, before, rtol=0, atol=0)
+    assert_trees_close((p_rec, s_rec), (p_don, s_don), rtol=2e-5, atol=5e-7)
 
 
 @pytest.mark.parametrize("make", [
@@ -105,10 +137,21 @@ def test_pure_fused_step_leaves_inputs_and_matches_donated():
     lambda: fx.sgd(0.1, momentum=0.0),  # Optax's trace holds the gradient; torch's kernel keeps no buffer
     lambda: fx.inject_hyperparams(fx.adamw)(learning_rate=1e-2),
     lambda: fx.inject_hyperparams(fx.sgd)(learning_rate=1e-2, momentum=0.9),
-    lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(1e-2)),
+    lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(fx.linear_schedule(1e-2, 0.0, 10))),
+    lambda: fx.chain(fx.clip_by_global_norm(torch.tensor(1.0)), fx.adamw(1e-2)),
+    lambda: fx.chain(fx.clip_by_global_norm(1.0, groups=[object()]), fx.adamw(1e-2)),  # pipeline stages
+    lambda: fx.chain(fx.adamw(1e-2), fx.clip_by_global_norm(1.0)),  # clips the update, not the gradient
+    lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.clip_by_global_norm(2.0), fx.adamw(1e-2)),
+    lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.chain(fx.clip_by_global_norm(2.0), fx.adamw(1e-2))),
+    lambda: fx.chain(fx.clip(1.0), fx.adamw(1e-2)),
+    lambda: fx.chain(fx.adamw(1e-2)),
+    lambda: fx.masked(fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(1e-2)), {"l1": True, "l2": False}),
+    lambda: fx.clip_by_global_norm(1.0),  # a prefix: no kernel of its own
 ])
 def test_arguments_the_kernels_do_not_cover_take_the_foreach_path(make):
-    assert _fused.spec(make()) is None
+    params = _params()
+    tx = make()
+    assert not _fused.applies(tx, params, tx.init(params), params)
 
 
 def test_leaves_the_kernels_do_not_allow_fall_back_with_the_same_numbers():
@@ -151,3 +194,76 @@ def test_matches_torch_optim_fused_adamw():
         opt.step()
         params, state, _ = step(params, state, batch)
     assert_trees_close(params, {"w": model.weight.detach(), "b": model.bias.detach()}, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clipping every step, and never
+def test_clip_then_adamw_matches_torch_optim_fused_adamw_with_clip_grad_norm(max_norm):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    params = {"l1": {"w": model[0].weight.detach().clone(), "b": model[0].bias.detach().clone()},
+              "l2": [model[2].weight.detach().clone(), model[2].bias.detach().clone()]}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    tx = fx.chain(fx.clip_by_global_norm(max_norm), fx.adamw(1e-2, weight_decay=0.1))
+    state = tx.init(params)
+    step = fx.train_step(_loss, tx)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        x, y = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        params, state, metrics = step(params, state, (x, y))
+        torch.testing.assert_close(metrics["grad_norm"], norm, rtol=1e-5, atol=0)
+    # clip_grad_norm_ scales by max_norm / (norm + 1e-6), Optax by max_norm / norm: the gradients differ by
+    # 1e-6 / norm relative (~1e-5 here), which Adam's normalisation cancels but for eps; with the float32
+    # vs float64 bias corrections (module docstring), 10 steps of lr=1e-2 agree to 2e-6.
+    expected = {"l1": {"w": model[0].weight.detach(), "b": model[0].bias.detach()},
+                "l2": [model[2].weight.detach(), model[2].bias.detach()]}
+    assert_trees_close(params, expected, rtol=2e-6, atol=2e-6)
+
+
+def test_clip_state_reports_the_norm_as_the_foreach_path_does():
+    fused, foreach = PAIRS["clip-adamw"][0](), PAIRS["clip-adamw"][1]()
+    g = {"l1": {"w": torch.full((8, 5), 0.5), "b": torch.ones(8)}, "l2": [torch.zeros(3, 8), torch.full((3,), 2.0)]}
+    params = _params()
+    s_fused, s_ref = fused.init(params), foreach.init(params)
+    assert _fused.step_(fused, fx.tree.clone(g), s_fused, fx.tree.clone(params))
+    _, s_ref = fx.update_(foreach, fx.tree.clone(g), s_ref, params)
+    # The same global_norm on the same gradients: bit-exact.
+    assert float(s_fused[0].grad_norm) == float(s_ref[0].grad_norm) == float(fx.global_norm(g))
+    assert report(s_fused)["grad_norm"] is s_fused[0].grad_norm
+
+
+def test_clip_declines_gradients_that_share_a_buffer():
+    # autograd gives (a + b).sum() one gradient tensor for both leaves; the kernel writes the clipped
+    # gradients back, so it would divide that buffer twice. The foreach path (which copies) runs instead.
+    tx = PAIRS["clip-adamw"][0]()
+    params = {"a": torch.ones(3), "b": torch.ones(3)}
+    shared = torch.full((3,), 2.0)
+    state = tx.init(params)
+    assert not _fused.applies(tx, {"a": shared, "b": shared}, state, params)
+    assert _fused.applies(tx, {"a": shared, "b": shared.clone()}, state, params)
+    step = fx.train_step(lambda p, b: (p["a"] + p["b"]).sum(), tx)
+    p_step, _, metrics = step(fx.tree.clone(params), tx.init(params), None)
+    p_ref, _, _ = fx.train_step(lambda p, b: (p["a"] + p["b"]).sum(), PAIRS["clip-adamw"][1]())(
+        fx.tree.clone(params), PAIRS["clip-adamw"][1]().init(params), None)
+    assert_trees_close(p_step, p_ref, rtol=1e-6, atol=1e-7)
+    assert float(metrics["grad_norm"]) == pytest.approx(6 ** 0.5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_clip_non_finite_gradients_poison_the_step_as_on_the_foreach_path(bad):
+    # Optax's rule: no skipping (that is apply_if_finite's or amp_cast's job); the params become non-finite.
+    fused, foreach = PAIRS["clip-adamw"][0](), PAIRS["clip-adamw"][1]()
+    grads = fx.tree.map(torch.ones_like, _params())
+    grads["l2"][1][0] = bad
+    p_fused, s_fused = _params(), fused.init(_params())
+    assert _fused.step_(fused, fx.tree.clone(grads), s_fused, p_fused)
+    p_ref, s_ref = _params(), foreach.init(_params())
+    updates, s_ref = fx.update_(foreach, fx.tree.clone(grads), s_ref, p_ref)
+    fx.apply_updates_(p_ref, updates)
+    fused_leaves, ref_leaves = fx.tree.leaves(p_fused), fx.tree.leaves(p_ref)
+    assert all(torch.equal(a.isfinite(), b.isfinite()) for a, b in zip(fused_leaves, ref_leaves))
+    assert not all(bool(x.isfinite().all()) for x in fused_leaves)
+    assert torch.equal(s_fused[0].grad_norm.isnan(), s_ref[0].grad_norm.isnan())

@@ -323,6 +323,63 @@ def case_function_form(world):
     torch.testing.assert_close(full(res["b"]), b * 2)
 
 
+@case()
+def case_pure_update_out_of_place_and_on_copies_agree_and_leave_inputs(world):
+    """The pure update on DTensors, both ways it runs: out of place (autograd recording) and the in-place
+    kernel on copies (no_grad); inputs untouched, placements kept, same numbers as the donated kernel."""
+    from fxtrain.testing import assert_trees_close
+
+    for shard_over in (None, "dp"):
+        params, _, grads = mixed(world)
+        if shard_over == "dp":
+            params = {k: v for k, v in params.items() if k != "tp"}  # a 1-D mesh for the ZeRO leaves
+        tx = fx.sharded_apply(fx.adamw(1e-2, weight_decay=1e-2), shard_over=shard_over)
+        state = tx.init(params)
+        for k in range(3):
+            g = {n: v for n, v in grads(k)[0].items() if n in params}
+            g0, s0 = fx.tree.clone(g), fx.tree.clone(state)
+            u, new = tx.update(g, state, params)  # grad mode on: the op layer runs out of place
+            with torch.no_grad():  # the in-place kernel on copies: the donated kernel's bits
+                nu, nnew = tx.update(g, state, params)
+            assert_trees_close(g, g0, rtol=0, atol=0)
+            assert_trees_close(state, s0, rtol=0, atol=0)
+            du, dnew = fx.update_(tx, fx.tree.clone(g), fx.tree.clone(state), params)
+            assert_trees_close(du, nu, rtol=0, atol=0)
+            assert_trees_close(dnew, nnew, rtol=0, atol=0)
+            assert_trees_close(u, nu, rtol=1e-6, atol=1e-7)  # per-leaf ops vs foreach: float32 rounding
+            assert_trees_close(new, nnew, rtol=1e-6, atol=1e-7)
+            for n in u:  # updates laid out like their params (a Partial gradient comes back reduced)
+                if hasattr(params[n], "placements"):
+                    assert u[n].placements == params[n].placements and u[n].shape == params[n].shape, n
+            assert fx.tree.structure(new) == fx.tree.structure(state)
+            state = new
+
+
+@case()
+def case_differentiating_through_collectives_raises(world):
+    from torch.distributed.tensor import Replicate, Shard
+
+    m = meshes(world)["1d"]
+    # Local math only (Shard grads, no collective): autograd sees to_local/from_local, the gradient flows.
+    p = {"w": dt(randn(1, 2 * world, 3), m, Shard(0))}
+    g = {"w": dt(randn(2, 2 * world, 3), m, Shard(0)).requires_grad_()}
+    tx = fx.sharded_apply(fx.sgd(0.5))
+    u, _ = tx.update(g, tx.init(p), p)
+    (grad,) = torch.autograd.grad(u["w"].to_local().sum(), g["w"])
+    torch.testing.assert_close(grad.full_tensor(), torch.full((2 * world, 3), -0.5))
+    # A Partial gradient (reduced by a collective) or ZeRO (reduce-scatter): refused by name, not detached.
+    gp = {"w": partial_grad(randn(3, 2 * world, 3), m, None).requires_grad_()}
+    pr = {"w": dt(randn(1, 2 * world, 3), m, Replicate())}
+    with pytest.raises(ValueError, match=r"sharded_apply\(sgd\(0.5\)\): cannot differentiate .* Partial"):
+        tx.update(gp, tx.init(pr), pr)
+    zero = fx.sharded_apply(fx.sgd(0.5), shard_over="dp")
+    with pytest.raises(ValueError, match=r"cannot differentiate through sharded_apply here: its ZeRO"):
+        zero.update({"w": dt(randn(4, 2 * world, 3), m, Replicate()).requires_grad_()}, zero.init(pr), pr)
+    with pytest.raises(ValueError, match="torch.func does not support DTensor"):
+        torch.func.grad(lambda x: tx.update({"w": g["w"] * x}, tx.init(p), p)[0]["w"].to_local().sum())(
+            torch.tensor(1.0))
+
+
 # --- single process ----------------------------------------------------------------------------------
 
 def test_repr_and_refusal_names_the_transform():
@@ -355,6 +412,32 @@ def test_plain_leaves_pass_through_the_inner_transform(name, shard_over):
 
     assert_trees_close(params, ref, rtol=0, atol=0)
     assert_trees_close(s, sr, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shard_over", [None, "dp"])
+def test_plain_leaves_compose_with_vmap_and_grad(shard_over):
+    """On plain leaves sharded_apply is its inner transform: under vmap (4 models) and grad through 3
+    updates it gives the inner transform's numbers (the same kernel: bit for bit)."""
+    from fxtrain.testing import assert_trees_close, nested_params
+
+    inner = fx.adamw(1e-2, weight_decay=1e-2)
+    tx = fx.sharded_apply(inner, shard_over=shard_over)
+    stacked = fx.tree.map(lambda *xs: torch.stack(xs), *[nested_params(seed=i) for i in range(4)])
+    grads = fx.tree.map(lambda x: 0.5 * x, stacked)
+    ours = torch.func.vmap(tx.update)(grads, torch.func.vmap(tx.init)(stacked), stacked)
+    ref = torch.func.vmap(inner.update)(grads, torch.func.vmap(inner.init)(stacked), stacked)
+    assert_trees_close(ours, ref, rtol=0, atol=0)
+
+    def loss(t, p):
+        state = t.init(p)
+        for _ in range(3):
+            u, state = t.update(fx.tree.map(lambda x: 0.5 * x + 0.1, p), state, p)
+            p = fx.apply_updates(p, u)
+        return sum((x ** 2).sum() for x in fx.tree.leaves(p))
+
+    params = nested_params()
+    ours, ref = torch.func.grad(lambda p: loss(tx, p))(params), torch.func.grad(lambda p: loss(inner, p))(params)
+    assert_trees_close(ours, ref, rtol=0, atol=0)
 
 
 # --- the pytest side: one spawned world per world size runs every case (tests/_worlds.py) ----------------

@@ -36,27 +36,43 @@ def _batches(n, seed=1):
     return [(torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
 
 
-def _run(stack, donate, steps=5, params=None, loss=_mlp_loss):
+def _run(stack, donate, steps=5, params=None, loss=_mlp_loss, grad_enabled=True):
     tx = stack()
     params = _mlp_params() if params is None else params
     state = tx.init(params)
     step = fx.train_step(loss, tx, donate=donate)
     history = []
-    for batch in _batches(steps):
-        params, state, metrics = step(params, state, batch)
-        history.append(metrics)
+    with torch.set_grad_enabled(grad_enabled):
+        for batch in _batches(steps):
+            params, state, metrics = step(params, state, batch)
+            history.append(metrics)
     return params, state, history
 
 
 # --- numbers ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(STACKS))
-def test_donated_equals_pure_over_steps(name):
+def test_donated_equals_pure_under_no_grad_bit_for_bit(name):
+    """Under no_grad the pure step runs the donated kernels on copies: the same kernels, the same bits."""
     p_donated, s_donated, m_donated = _run(STACKS[name], donate=True)
-    p_pure, s_pure, m_pure = _run(STACKS[name], donate=False)
+    p_pure, s_pure, m_pure = _run(STACKS[name], donate=False, grad_enabled=False)
     assert_trees_close(p_donated, p_pure, rtol=0, atol=0)
     assert_trees_close(s_donated, s_pure, rtol=0, atol=0)
     assert_trees_close(m_donated, m_pure, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(STACKS))
+def test_donated_equals_composable_pure_step_to_rounding(name):
+    """With grad enabled the pure step runs out of place (per-tensor ops, differentiable): other kernels.
+
+    Bound: float32 rounding of foreach vs per-tensor kernels, plus the fused Adam kernels' float64 bias
+    correction (up to ~7e-6 relative per update, fxtrain/transforms/_fused.py), over 5 steps.
+    """
+    p_donated, s_donated, m_donated = _run(STACKS[name], donate=True)
+    p_pure, s_pure, m_pure = _run(STACKS[name], donate=False)
+    assert_trees_close(p_donated, p_pure, rtol=1e-5, atol=1e-6)
+    assert_trees_close(s_donated, s_pure, rtol=1e-5, atol=1e-6)
+    assert_trees_close(m_donated, m_pure, rtol=1e-5, atol=1e-6)
 
 
 def test_matches_hand_written_autograd_reference():
@@ -114,7 +130,7 @@ def test_wrap_loss_scales_objective_but_reports_loss():
             return objective * 1024.0, (loss.float(), aux)
         return wrapped
 
-    unscale = fx.GradientTransformation(lambda p: fx.EmptyState(), fx.scale(1 / 1024.0).update, wrap_loss)
+    unscale = fx.with_traits(fx.GradientTransformation(lambda p: fx.EmptyState(), fx.scale(1 / 1024.0).update), wrap_loss=wrap_loss)
     tx = fx.chain(unscale, fx.scale(-0.1))
     params = {"w": torch.tensor([1.0, 2.0])}
     step = fx.train_step(lambda p, b: (p["w"] ** 2).sum(), tx)
@@ -295,8 +311,7 @@ def test_bad_loss_fn_is_named(loss_fn, has_aux, error, match):
 
 
 def test_bad_wrap_loss_is_named():
-    tx = fx.GradientTransformation(lambda p: fx.EmptyState(), fx.scale(1.0).update,
-                                   lambda fn, s: lambda p, b: fn(p, b)[0])
+    tx = fx.with_traits(fx.scale(1.0), wrap_loss=lambda fn, s: lambda p, b: fn(p, b)[0])
     match = r"the wrap_loss of scale\(1.0\) must return a loss function giving \(objective, \(loss, aux\)\)"
     with pytest.raises(TypeError, match=match):
         fx.train_step(lambda p, b: p.sum(), tx)(torch.ones(2), tx.init(None), None)
@@ -366,8 +381,9 @@ def test_donated_step_copies_gradients_autograd_shares(loss_fn):
         params = {"a": torch.ones(3), "b": torch.full((3,), 2.0)}
         state = tx.init(params)
         step = fx.train_step(loss_fn, tx, donate=donate)
-        for _ in range(3):
-            params, state, _ = step(params, state, None)
+        with torch.no_grad():  # the pure step then runs the same kernels on copies: same bits
+            for _ in range(3):
+                params, state, _ = step(params, state, None)
         outs.append((params, state))
     assert_trees_close(outs[0], outs[1], rtol=0, atol=0)
 

@@ -55,11 +55,16 @@ def _run(make, compile, steps=10, after_warmup=None):
     return params, state, history
 
 
-@pytest.mark.parametrize("make", [_full_stack, _clip_adamw], ids=["accumulate-amp-clip-injected-adamw", "clip-adamw"])
-def test_compiled_equals_eager_over_steps(make):
+# Eager clip+adamw runs torch's fused AdamW kernel (fxtrain/transforms/_fused.py), whose float64 bias
+# corrections differ from the foreach path's float32 ones by up to ~7e-6 relative per update early on;
+# the compiled foreach graph reorders float32 arithmetic only.
+@pytest.mark.parametrize("make, tol", [(_full_stack, {"rtol": 1e-6, "atol": 1e-7}),
+                                       (_clip_adamw, {"rtol": 2e-5, "atol": 1e-6})],
+                         ids=["accumulate-amp-clip-injected-adamw", "clip-adamw"])
+def test_compiled_equals_eager_over_steps(make, tol):
     eager = _run(make, compile=False)
     compiled = _run(make, compile=True)
-    assert_trees_close(compiled, eager, rtol=1e-6, atol=1e-7)
+    assert_trees_close(compiled, eager, **tol)
 
 
 def test_no_graph_breaks_and_no_recompiles_after_warmup():

@@ -18,16 +18,18 @@ Three choices, and why (measured on torch 2.13, CPU):
   implementation reads the predicate on the host anyway (``if pred:`` in ``cond_op_dense``). Under
   ``torch.compile`` the counter reads are graph breaks (measured: the update compiles to 3 graphs with
   2 breaks, same results as eager): the accumulation and the inner update compile separately.
-* **Non-emitting calls return ``None`` updates.** ``None`` is fxtrain's "no update" leaf:
-  :func:`fxtrain.apply_updates` and :func:`fxtrain.apply_updates_` leave those params untouched, so a
-  donated :func:`fxtrain.train_step` writes nothing into the params between emissions. Optax returns a
-  tree of zeros; applying it would cost a pass over every parameter per micro-batch.
+* **Non-emitting calls: zeros when pure, ``None`` when donated.** The pure ``update`` returns a tree
+  of zeros, as Optax's ``MultiSteps`` (what ``vmap`` and ``grad`` must see). The donated kernel
+  (:func:`fxtrain.update_`) returns ``None`` leaves, fxtrain's "no update": :func:`fxtrain.apply_updates_`
+  leaves those params untouched, so a donated :func:`fxtrain.train_step` writes nothing into the params
+  between emissions, where adding zeros would cost a pass over every parameter per micro-batch.
 * **Buffers change hands instead of being copied.** The kernel owns the gradients it is given (see
   :mod:`fxtrain._base`), so the first call of a window keeps the gradient tensors as the accumulator (no
   copy, no zeroing); the next calls add into it (one pass each); the emitting call adds its gradients,
   hands the sum to the inner transform as its updates, and keeps the spent gradient buffers as the next
   window's accumulator. Between windows ``acc`` holds no meaningful values (it is replaced before it is
-  read). With an ``accumulator_dtype`` the first call casts instead (a new buffer in that dtype).
+  read). With an ``accumulator_dtype`` the first call casts instead (a new buffer in that dtype). Out of
+  place (the composable path) the same math makes new tensors and the emitting call keeps ``acc`` as is.
 
 **Data parallel.** With replicated DTensor params and a batch sharded on dim 0, autograd returns
 ``Partial(sum)`` gradients. Summing is linear, so ``accumulate`` adds their local pieces and the
@@ -36,7 +38,7 @@ emitting call reduces them once (:func:`fxtrain.distributed.reduce_partials`: on
 mesh and placement) before the inner transform runs. Non-emitting calls communicate nothing: the
 functional form of DDP's ``no_sync``. :func:`fxtrain.train_step` reduces ``Partial`` gradients itself
 right after the backward pass unless the outermost transform takes them as they come
-(``update_fn.takes_partial_grads``, set here), so put ``accumulate`` outermost to defer communication.
+(its ``partial_grads`` trait, declared here), so put ``accumulate`` outermost to defer communication.
 The accumulator keeps the gradients' ``Partial`` placements between windows too (spent buffers are
 reused), which a checkpoint of the state must be able to store.
 """
@@ -50,11 +52,14 @@ import optree
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, kernel, transform
+from fxtrain._base import GradientTransformation, kernel, transform, with_traits
 from fxtrain.transforms._hyperparams import safe_increment_
 from fxtrain.transforms._moments import as_dtype
 
 _NS = "fxtrain"
+_HOST_COUNTERS = ("accumulate decides on the host whether a call emits, from its CPU counters mini_step and "
+                  "emitted; they cannot be batched or traced (under torch.func.vmap pass them unbatched, "
+                  "in_dims=None, and take them back with out_dims=None): {}")
 
 
 class AccumulateState(NamedTuple):
@@ -85,7 +90,7 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
 
     With :math:`g_1 \dots g_k` the gradients of one window of :math:`k` = ``every(emitted)`` calls::
 
-        calls 1 .. k-1:  updates = None (no update; params unchanged), acc += g_i
+        calls 1 .. k-1:  updates = 0 (None from the donated kernel: params untouched), acc += g_i
         call k:          updates, inner_state = tx.update(G, inner_state, params)
                          G = (g_1 + ... + g_k) / k   (mean=True)   or   g_1 + ... + g_k   (mean=False)
 
@@ -120,8 +125,8 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
         >>> params = {"w": torch.zeros(2)}
         >>> state = tx.init(params)
         >>> u, state = tx.update({"w": torch.tensor([1.0, 2.0])}, state, params)
-        >>> u["w"] is None, int(state.mini_step)   # held: no update this call
-        (True, 1)
+        >>> u["w"].tolist(), int(state.mini_step)   # held: a zero update this call
+        ([0.0, 0.0], 1)
         >>> u, state = tx.update({"w": torch.tensor([3.0, 4.0])}, state, params)
         >>> u["w"].tolist(), int(state.emitted)    # -learning_rate * mean of the two gradients
         ([-2.0, -3.0], 1)
@@ -145,16 +150,21 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
 
     def update_fn(updates, state, params=None):
         # Host reads of CPU counters (no device sync): the decision that lets held calls skip the inner tx.
-        m, k = int(state.mini_step), window(int(state.emitted))
+        try:
+            m, n = int(state.mini_step), int(state.emitted)
+        except RuntimeError as e:  # batched or traced by a torch.func transform
+            raise ValueError(_HOST_COUNTERS.format(e)) from None
+        k = window(n)
         if m + 1 < k:  # hold
             if m == 0:
                 acc = _refill(state.acc, updates, dtype)  # the gradient buffers become the accumulator
             else:
-                acc = state.acc
-                xs, ys = tree.align(updates, acc)
-                torch._foreach_add_(distributed.local_leaves(ys), distributed.local_leaves(xs))
-            state.mini_step.add_(1)
-            return _none_like(updates), AccumulateState(state.mini_step, state.emitted, acc, state.inner_state)
+                xs, ys = tree.align(updates, state.acc)
+                acc = tree.put(state.acc, updates,
+                               tree.add_(distributed.local_leaves(ys), distributed.local_leaves(xs)))
+            state = AccumulateState(tree.inc_(state.mini_step), state.emitted, acc, state.inner_state)
+            # Zeros when pure (Optax; what vmap and grad see); None when donated: the step skips the add.
+            return (_none_like(updates) if tree.is_donated() else tree.map(torch.zeros_like, updates)), state
 
         acc = state.acc
         if m > 0:  # a window of m + 1 calls; with m == 0 (every=1) the gradients pass straight through
@@ -162,19 +172,17 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
         # Data parallel: Partial sums become Replicate here, once per emitted update (one packed all-reduce).
         updates = distributed.reduce_partials(updates)
         updates, inner_state = inner_kernel(updates, state.inner_state, params)
-        state.mini_step.zero_()
-        safe_increment_(state.emitted)
-        return updates, AccumulateState(state.mini_step, state.emitted, acc, inner_state)
-
-    # train_step leaves Partial gradients unreduced for this kernel (see fxtrain/step.py).
-    update_fn.takes_partial_grads = True
+        mini_step = torch.zeros_like(state.mini_step) if tree.is_functional() else state.mini_step.zero_()
+        return updates, AccumulateState(mini_step, safe_increment_(state.emitted), acc, inner_state)
 
     wrap_loss = None
     if tx.wrap_loss is not None:
         def wrap_loss(loss_fn, state):
             return tx.wrap_loss(loss_fn, state.inner_state)
 
-    return GradientTransformation(init_fn, update_fn, wrap_loss)
+    # partial_grads: train_step leaves Partial gradients unreduced for this kernel (see fxtrain/step.py).
+    return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=True, host=True,
+                       wrap_loss=wrap_loss)
 
 
 def _window_length(every: Any) -> Callable[[int], int]:
@@ -219,14 +227,16 @@ def _window_sum(acc: Any, grads: Any, divisor: int, same_dtype: bool) -> tuple[A
     """``(acc + grads) / divisor`` as updates in the gradient dtype, and the tree to keep as accumulator."""
     xs, ys = tree.align(grads, acc)
     g_local, acc_local = distributed.local_leaves(xs), distributed.local_leaves(ys)
-    torch._foreach_add_(acc_local, g_local)  # in the accumulator dtype; Partial + Partial stays Partial
+    total = tree.add_(acc_local, g_local)  # in the accumulator dtype; Partial + Partial stays Partial
     if divisor != 1:
-        torch._foreach_mul_(acc_local, 1.0 / divisor)
+        total = tree.scale_(total, 1.0 / divisor)
+    if tree.is_functional():  # new tensors: the sum, rounded once into the gradient dtype; acc is spent
+        return tree.put(grads, grads, tree.copy_(g_local, total)), acc
     if same_dtype:  # the sum is the update; the spent gradient buffers are the next accumulator
         if not _has_none(grads):
             return acc, grads
         return tree.map(lambda g, a: a, grads, acc), _refill(acc, grads, None)
-    torch._foreach_copy_(g_local, acc_local)  # rounded once into the gradient dtype
+    tree.copy_(g_local, acc_local)  # rounded once into the gradient dtype
     return grads, acc
 
 
@@ -255,7 +265,10 @@ def microbatch(loss_fn: Callable, n: int) -> Callable:
     ``accumulate`` over ``n`` step calls: each micro-batch's backward here runs before the loss scale is
     applied (the scale multiplies the summed gradient afterwards), so tiny float16 gradients of a
     micro-batch can underflow; bfloat16 and float32 are unaffected. Called without gradients (evaluation),
-    it just computes the weighted mean of the micro-batch losses.
+    it just computes the weighted mean of the micro-batch losses. Under a ``torch.func`` transform
+    (``grad``, ``vmap``) it returns that weighted mean with its graph: the same gradient, differentiated
+    by the transform, without the memory saving. Higher-order gradients (``create_graph=True``) through
+    the split backward raise: differentiate ``loss_fn`` itself there.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``, a mean over the batch's examples.
@@ -282,7 +295,10 @@ def microbatch(loss_fn: Callable, n: int) -> Callable:
 
     def fn(params, batch):
         chunks, weights = _split(batch, n)
-        xs = [x for x in tree.leaves(params) if isinstance(x, torch.Tensor) and x.requires_grad]
+        # Under a torch.func transform no backward may run inside the loss: the weighted sum, for the caller
+        # to differentiate (the same gradient, every micro-batch's activations alive).
+        composable = tree.transformed()
+        xs = [] if composable else [x for x in tree.leaves(params) if isinstance(x, torch.Tensor) and x.requires_grad]
         differentiate = bool(xs) and torch.is_grad_enabled()
         total, grads, auxes, has_aux = None, None, [], False
         for chunk, w in zip(chunks, weights):
@@ -300,7 +316,7 @@ def microbatch(loss_fn: Callable, n: int) -> Callable:
                 else:
                     torch._foreach_add_(distributed.local_leaves(grads), distributed.local_leaves(list(gs)),
                                         alpha=w)
-            loss = loss.detach() * w
+            loss = (loss if composable else loss.detach()) * w
             total = loss if total is None else total + loss
             auxes.append(aux)
         if differentiate:
@@ -322,6 +338,10 @@ class _WithGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gout):
+        if torch.is_grad_enabled():  # create_graph=True: the precomputed gradients have no graph of their own
+            raise RuntimeError("microbatch: higher-order gradients (create_graph=True) are not supported: its "
+                               "gradients are computed micro-batch by micro-batch without a graph; differentiate "
+                               "the loss function itself, or call it under torch.func.grad")
         grads, ctx.grads = ctx.grads, None
         # gout is 1 under train_step, the loss scale under amp_cast: scale the buffers we own, in place.
         torch._foreach_mul_(distributed.local_leaves(grads), distributed.local_leaves([gout])[0])

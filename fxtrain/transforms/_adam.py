@@ -8,9 +8,7 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Updates, check_nonnegative, transform
-from fxtrain.transforms._moments import (
-    Scalar, as_dtype, axpy_, bias_correction, copy_, counter, ema_, ema_sq_, is_zero,
-)
+from fxtrain.transforms._moments import Scalar, as_dtype, bias_correction, counter, ema_, ema_sq_, is_zero
 
 
 class ScaleByAdamState(NamedTuple):
@@ -71,39 +69,37 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8, eps_
                                 nu=tree.zeros_like(params))
 
     def denominator_(d, bc1, bc2):
-        """``d <- bc1 * (sqrt(d / bc2 + eps_root) + eps)`` in place, ``d`` holding the second moment."""
+        """``bc1 * (sqrt(d / bc2 + eps_root) + eps)``, written into ``d`` (the second moment) when donated."""
         if is_zero(eps_root):  # sqrt(v / bc2) = sqrt(v) / sqrt(bc2): one pass fewer
-            torch._foreach_sqrt_(d)
-            torch._foreach_mul_(d, bc1 / bc2.sqrt())
-            torch._foreach_add_(d, eps * bc1)
-        else:
-            torch._foreach_div_(d, bc2)
-            torch._foreach_add_(d, eps_root)
-            torch._foreach_sqrt_(d)
-            torch._foreach_add_(d, eps)
-            torch._foreach_mul_(d, bc1)
-        return d
+            d = tree.sqrt_(d)
+            d = tree.scale_(d, bc1 / bc2.sqrt())
+            return tree.add_(d, eps * bc1)
+        d = tree.add_(tree.div_(d, bc2), eps_root)
+        d = tree.add_(tree.sqrt_(d), eps)
+        return tree.scale_(d, bc1)
 
     def update_fn(updates, state, params=None):
         del params
         g, mu, nu = tree.align(updates, state.mu, state.nu)
-        count = state.count.add_(1)
+        count = tree.inc_(state.count)
         if not g:
-            return updates, state
-        m = ema_(mu, g, b1)  # m: the new first moment at full precision (mu itself unless mu_dtype)
-        v = ema_sq_(nu, g, b2)
+            return updates, state._replace(count=count)
+        mu, m = ema_(mu, g, b1)  # m: the new first moment at full precision (mu itself unless mu_dtype)
+        nu, v = ema_sq_(nu, g, b2)
         bc1, bc2 = bias_correction(b1, count), bias_correction(b2, count)
         if nesterov:
             # g <- bc1 * m_hat = (1 - b1) g + b1 bc1 / (1 - b1^(t+1)) m; the denominator needs a buffer.
-            tree.scale_(g, 1 - b1)
-            axpy_(g, m, b1 * bc1 / bias_correction(b1, count + 1))
-            torch._foreach_div_(g, denominator_(torch._foreach_mul(v, 1.0), bc1, bc2))
+            g = tree.scale_(g, 1 - b1)
+            g = tree.add_(g, m, b1 * bc1 / bias_correction(b1, count + 1))
+            with tree.functional():
+                d = tree.scale_(v, 1.0)
+            g = tree.div_(g, denominator_(d, bc1, bc2))
         else:
             # The gradient is no longer needed: build bc1 * (sqrt(v_hat) + eps) in its buffer, then
             # u = 1 / (that / m) = m_hat / (sqrt(v_hat) + eps) without a temporary.
-            copy_(g, v)
-            torch._foreach_div_(denominator_(g, bc1, bc2), m)
-            torch._foreach_reciprocal_(g)
-        return updates, state
+            g = tree.copy_(g, v)
+            g = tree.reciprocal_(tree.div_(denominator_(g, bc1, bc2), m))
+        return tree.put(updates, updates, g), ScaleByAdamState(
+            count, tree.put(state.mu, updates, mu), tree.put(state.nu, updates, nu))
 
     return GradientTransformation(init_fn, update_fn)

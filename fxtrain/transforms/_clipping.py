@@ -12,6 +12,7 @@ import torch
 
 from fxtrain import distributed, tree
 from fxtrain._base import EmptyState, GradientTransformation, check_nonnegative, transform
+from fxtrain.transforms import _fused
 
 
 class ClipByGlobalNormState(NamedTuple):
@@ -72,11 +73,14 @@ def clip_by_global_norm(max_norm: float, *, groups: Sequence[Any] = ()) -> Gradi
         local = distributed.local_leaves(updates)
         g = distributed.global_norm(updates, groups=groups)
         # Optax: select(g < max_norm, t, t / g * max_norm). One 0-dim coefficient, chosen on device.
-        coef = torch.where(g < max_norm, 1.0, max_norm / g)
-        tree.scale_(local, coef)
-        return updates, ClipByGlobalNormState(g)
+        # A number max_norm enters as a tensor: under torch.func.jvp (torch 2.13) `number / 0-dim tensor`
+        # gets a float64 tangent, which later ops (lerp) refuse; the division rounds the same either way.
+        bound = max_norm if isinstance(max_norm, torch.Tensor) else torch.full_like(g, max_norm)
+        coef = torch.where(g < max_norm, 1.0, bound / g)
+        return tree.put(updates, updates, tree.scale_(local, coef)), ClipByGlobalNormState(g)
 
-    return GradientTransformation(init_fn, update_fn)
+    return _fused.declare(GradientTransformation(init_fn, update_fn), "clip_by_global_norm", covered=not groups,
+                          max_norm=max_norm)
 
 
 @transform
@@ -109,9 +113,6 @@ def clip(max_delta: float) -> GradientTransformation:
         del params
         updates = distributed.reduce_partials(updates)
         local = distributed.local_leaves(updates)
-        if local:
-            torch._foreach_clamp_min_(local, -max_delta)
-            torch._foreach_clamp_max_(local, max_delta)
-        return updates, state
+        return tree.put(updates, updates, tree.clamp_(local, -max_delta, max_delta)), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, kernel, transform
+from fxtrain._base import GradientTransformation, kernel, transform, with_traits
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
 
@@ -41,7 +41,9 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     updates are zeros and the inner state is left exactly as it was. The decision is a 0-dim tensor
     (``tree.all_finite``): the inner kernel always runs and its results are selected with ``torch.where``,
     so there is no host sync. ``tx.update`` stays pure; the in-place kernel copies the inner state once to
-    be able to restore it.
+    be able to restore it. Out of place (under ``vmap``, ``grad``, autograd) a rejected update reaches the
+    inner transform as zeros, so gradients through a skipped step are zero, not NaN (as Optax's
+    ``lax.cond``).
 
     Args:
       inner: the transform to protect.
@@ -74,19 +76,49 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
 
     def update_fn(updates, state, params=None):
         finite = tree.all_finite(tree.leaves(updates)).to(state.last_finite.device)
-        notfinite = safe_increment_(state.notfinite_count).mul_(~finite)  # reset to 0 by a finite update
+        notfinite = tree.scale_([safe_increment_(state.notfinite_count)], ~finite)[0]  # reset by a finite update
         accept = finite | (notfinite > max_consecutive_errors)
-        before = tree.clone(state.inner_state)  # the inner kernel works in place; keep what to restore
+        if tree.is_functional():  # nothing is written: no copy to keep
+            before = state.inner_state
+            # Rejected inner results are discarded, but autograd still sends them a zero cotangent, and
+            # 0 * NaN = NaN in their backward (a hyperparameter's gradient): the inner transform sees zeros
+            # instead (Optax does not run it at all: lax.cond).
+            updates = tree.put(updates, updates, tree.zero_where_(~accept, tree.leaves(updates)))
+        else:  # the inner kernel writes into its state: keep a copy to restore
+            before = tree.clone(state.inner_state)
         updates, inner_state = inner_kernel(updates, state.inner_state, params)
-        tree.where_(accept, *tree.align(inner_state, before, what="inner state"))  # into the copy
-        tree.zero_where_(~accept, tree.leaves(updates))
-        inner_state = before
-        total = state.total_notfinite.add_(~finite & (state.total_notfinite < torch.iinfo(torch.int32).max))
-        return updates, ApplyIfFiniteState(notfinite, state.last_finite.copy_(finite), total, inner_state)
+        inner_state = select(accept, inner_state, before)
+        updates = tree.put(updates, updates, tree.zero_where_(~accept, tree.leaves(updates)))
+        total = tree.inc_(state.total_notfinite, ~finite & (state.total_notfinite < torch.iinfo(torch.int32).max))
+        last_finite = tree.copy_([state.last_finite], [finite])[0]
+        return updates, ApplyIfFiniteState(notfinite, last_finite, total, inner_state)
 
     wrap_loss = None
     if inner.wrap_loss is not None:
         def wrap_loss(loss_fn, state):
             return inner.wrap_loss(loss_fn, state.inner_state)
 
-    return GradientTransformation(init_fn, update_fn, wrap_loss)
+    return with_traits(GradientTransformation(init_fn, update_fn), wrap_loss=wrap_loss)
+
+
+def select(pred: torch.Tensor, new: Any, old: Any, what: str = "inner state") -> Any:
+    """``new`` where the 0-dim boolean ``pred`` is true, else ``old``: a state kept or restored on device.
+
+    Leafwise ``torch.where`` (:func:`fxtrain.tree.where_`), no host sync. In place the selection is
+    written into ``old``'s tensors (the copy a kernel took before running its inner transform); out of
+    place it makes new tensors. Leaves that are not tensors (a Python number in a hand-written state) are
+    host values that cannot wait for a device decision: they come from ``new``.
+
+    >>> import torch
+    >>> select(torch.tensor(False), {"a": torch.ones(1), "n": 2}, {"a": torch.zeros(1), "n": 1})
+    {'a': tensor([0.]), 'n': 2}
+    """
+    flat_new, spec = tree.flatten(new)
+    flat_old, spec_old = tree.flatten(old)
+    if spec_old != spec:
+        raise ValueError(f"the {what} changed structure at '{tree.first_mismatch(new, old)}'")
+    at = [i for i, x in enumerate(flat_new) if isinstance(x, torch.Tensor)]
+    out = list(flat_new)
+    for i, x in zip(at, tree.where_(pred, [flat_new[i] for i in at], [flat_old[i] for i in at])):
+        out[i] = x
+    return tree.unflatten(spec, out)

@@ -1,4 +1,5 @@
-"""torch's fused optimizer kernels as a kernel choice of the donated step: ``adam``, ``adamw``, ``sgd``.
+"""torch's fused optimizer kernels as a kernel choice of the donated step: ``adam``, ``adamw``, ``sgd``,
+alone or after ``clip_by_global_norm``.
 
 ``fx.adamw(...)`` is a chain (``scale_by_adam``, ``add_decayed_weights``, ``scale_by_learning_rate``)
 whose foreach kernels make several passes over memory, then ``apply_updates_`` makes one more. torch
@@ -7,13 +8,22 @@ ships the same math as one fused kernel per optimizer (``torch._fused_adamw_``, 
 and moments in place. When a training step owns the params (:func:`fxtrain.train_step`, not compiled),
 it asks :func:`step_` to run the whole update-and-apply as that one kernel call.
 
-No second copy of the math lives here: an optimizer *declares* (:func:`declare`, called by the
-factories in ``fxtrain/optimizers.py``) which torch kernel computes exactly its chain, and only when
-its arguments are ones that kernel covers (plain-number hyperparameters, no schedule, no ``mask``,
-``mu_dtype``, ``eps_root`` or ``nesterov`` for Adam). The state is the chain's own (``ScaleByAdamState``,
-``TraceState``...), so a run can switch between the fused and foreach kernels at any step, and
-checkpoints do not know which one ran. The numerics agree with the foreach path to float32 rounding,
-with one caveat:
+No second copy of the math lives here: a transform *declares* (:func:`declare`) which torch kernel
+computes exactly its chain, and only when its arguments are ones that kernel covers (plain-number
+hyperparameters, no schedule, no ``mask``, ``mu_dtype``, ``eps_root`` or ``nesterov`` for Adam). The
+optimizer factories in ``fxtrain/optimizers.py`` declare ``adam``, ``adamw`` and ``sgd``;
+``clip_by_global_norm`` declares itself a *prefix* (it only scales the gradients, by one 0-dim
+coefficient). :func:`combine`, the one place where specs are combined (called by ``chain`` and
+``named_chain`` through ``fxtrain._base.merge_traits``), turns ``chain(clip_by_global_norm(m),
+optimizer)`` into that optimizer's kernel with the clip riding in the kernel's ``grad_scale``: the
+kernels divide every gradient by ``grad_scale`` before the update, so ``grad_scale = 1 / coef =
+max(1, norm / m)`` (0-dim float32, chosen on the device: no host sync) and the norm is
+:func:`fxtrain.distributed.global_norm` of the gradients, the foreach path's own. The clip's state
+(``ClipByGlobalNormState``) gets that norm, so ``grad_norm`` is reported as on the foreach path.
+
+The state is the chain's own (``ScaleByAdamState``, ``TraceState``...), so a run can switch between the
+fused and foreach kernels at any step, and checkpoints do not know which one ran. The numerics agree
+with the foreach path to float32 rounding, with one caveat:
 
 * AdamW: Optax adds ``weight_decay * p`` to the Adam direction and scales the sum by ``-lr``; torch's
   ``p <- p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`` is the same expression, rearranged.
@@ -23,10 +33,13 @@ with one caveat:
   first steps, shrinking as ``b2 ** count`` moves away from 1 (tests/test_fused.py bounds it).
 * SGD momentum: Optax's ``trace`` starts from a zero buffer (``t_1 = g_1``), which is torch's update
   with ``dampening=0`` when the buffer is zero; torch's ``is_first_step`` shortcut is never needed.
+* clipping: ``g / (norm / m)`` in the kernel against ``g * (m / norm)`` on the foreach path, 1 float32
+  rounding apart per element. ``torch.nn.utils.clip_grad_norm_`` divides by ``norm + 1e-6`` instead.
 
 Leaves must allow it too (:func:`step_` checks each call, in Python, on metadata only): plain (not
 DTensor) floating-point tensors, all on one device, each param, gradient and state leaf of one dtype and
-contiguous. Otherwise the step takes the foreach kernels (same numbers, up to the above).
+contiguous; with a clip, gradients that share no storage (the kernel writes the clipped gradients back
+into them). Otherwise the step takes the foreach kernels (same numbers, up to the above).
 
 Example:
     >>> import torch, fxtrain as fx
@@ -41,50 +54,86 @@ Example:
     True
     >>> torch.allclose(params["w"], 1 + ref["w"])
     True
+
+    The default stack, clip then AdamW, is one kernel call too:
+
+    >>> tx = fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(0.1))
+    >>> _fused.spec(tx).name, _fused.spec(tx).max_norm
+    ('adamw', 1.0)
+    >>> state = tx.init(params)
+    >>> _fused.step_(tx, {"w": torch.tensor([3.0, -4.0])}, state, params), float(state[0].grad_norm)
+    (True, 5.0)
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from fxtrain import tree
-from fxtrain._base import GradientTransformation, kernel
+from fxtrain import distributed, tree
+from fxtrain._base import GradientTransformation, traits, with_traits
 from fxtrain.transforms._momentum import TraceState
 
-__all__ = ["FusedSpec", "applies", "declare", "spec", "step_"]
+__all__ = ["FusedSpec", "applies", "combine", "declare", "spec", "step_"]
+
+KERNELS = ("adam", "adamw", "sgd")  # names with a torch kernel of their own
+PREFIXES = ("clip_by_global_norm",)  # names that only scale the gradients: the kernels' grad_scale
 
 
 class FusedSpec(NamedTuple):
-    """Which fused torch kernel computes a chain, with the numbers it needs (all Python numbers)."""
+    """Which fused torch kernel computes a transform, with the numbers it needs (all Python numbers).
 
-    name: str  # "adam", "adamw" or "sgd"
-    hyperparams: dict
-
-
-def declare(tx: GradientTransformation, name: str, **hyperparams: Any) -> GradientTransformation:
-    """Marks ``tx`` (a chain built by an optimizer factory) as computed exactly by torch's fused ``name``.
-
-    The mark is set only when every hyperparameter is a plain number (the fused kernels take floats;
-    tensors from ``inject_hyperparams`` and schedules stay on the foreach path; bools are flags).
-    Returns ``tx``.
+    ``name`` is a kernel (``"adam"``, ``"adamw"``, ``"sgd"``) or a prefix (``"clip_by_global_norm"``:
+    no kernel of its own, see :func:`combine`). A combined spec also carries the clip's ``max_norm``
+    and ``states_of``, which splits the combinator's state into (clip state, optimizer state).
     """
-    if all(isinstance(v, (bool, int, float)) for v in hyperparams.values()):
-        kernel(tx).fused = FusedSpec(name, dict(hyperparams))  # the chain's own kernel: one per instance
+
+    name: str
+    hyperparams: dict
+    max_norm: float | None = None
+    states_of: Callable[[Any], Sequence[Any]] | None = None
+
+
+def declare(tx: GradientTransformation, name: str, *, covered: bool = True, **hyperparams: Any
+            ) -> GradientTransformation:
+    """Marks ``tx`` as computed exactly by torch's fused ``name`` (a kernel, or the prefix ``clip_by_global_norm``).
+
+    The mark is set only when ``covered`` (the caller's arguments are ones the kernel computes) and every
+    hyperparameter is a plain number (the fused kernels take floats; tensors from ``inject_hyperparams``
+    and schedules stay on the foreach path; bools are flags). Returns ``tx``.
+    """
+    if covered and all(isinstance(v, (bool, int, float)) for v in hyperparams.values()):
+        return with_traits(tx, fused=FusedSpec(name, dict(hyperparams)))
     return tx
+
+
+def combine(children: Sequence[GradientTransformation], states_of: Callable | None) -> FusedSpec | None:
+    """The spec of a combinator that runs ``children`` in sequence on the same updates, or ``None``.
+
+    Called by ``fxtrain._base.merge_traits`` (``chain``, ``named_chain``): the one place where specs
+    combine. Covered: ``[clip_by_global_norm(max_norm), optimizer]`` with both declared, which becomes
+    the optimizer's kernel with the clip in its ``grad_scale``. ``states_of`` (the combinator's state ->
+    its children's states, in order) is needed to find both states; combinators without one get ``None``.
+    """
+    if states_of is None or len(children) != 2:
+        return None
+    clip, opt = (traits(c).fused for c in children)
+    if clip is None or opt is None or clip.name not in PREFIXES or opt.name not in KERNELS or opt.max_norm is not None:
+        return None
+    return opt._replace(max_norm=clip.hyperparams["max_norm"], states_of=states_of)
 
 
 def spec(tx: GradientTransformation) -> FusedSpec | None:
     """The :class:`FusedSpec` declared for ``tx``, or ``None``."""
-    return getattr(kernel(tx), "fused", None)
+    return traits(tx).fused
 
 
 def step_(tx: GradientTransformation, grads: Any, state: Any, params: Any) -> bool:
     """Runs ``tx``'s update *and* ``apply_updates_`` as one fused kernel, in place on ``params`` and ``state``.
 
     Returns ``False`` (and touches nothing) when :func:`applies` is false; the caller then runs the
-    foreach kernels. ``grads`` are read, never written.
+    foreach kernels. ``grads`` are donated: with a clip the kernel writes the clipped gradients into them.
     """
     plan = _plan(tx, grads, state, params)
     if plan is None:
@@ -101,12 +150,20 @@ def applies(tx: GradientTransformation, grads: Any, state: Any, params: Any) -> 
 def _plan(tx, grads, state, params):
     """A thunk running the fused kernel on these trees, or ``None`` where none applies."""
     s = spec(tx)
-    if s is None:
+    if s is None or s.name not in KERNELS:
         return None
+    clip_state = None
+    if s.states_of is not None:
+        try:
+            clip_state, state = s.states_of(state)
+        except (KeyError, TypeError, ValueError):  # not this combinator's state: the foreach path names it
+            return None
+        if not isinstance(getattr(clip_state, "grad_norm", None), torch.Tensor):
+            return None
     hp = s.hyperparams
     if s.name in ("adam", "adamw"):
         g, p, mu, nu = tree.align(grads, params, state[0].mu, state[0].nu, what="params")
-        if not _allowed(g, p, mu, nu):
+        if not _allowed(g, p, mu, nu) or not _distinct(g, clip_state):
             return None
         count = state[0].count
         fused = torch._fused_adamw_ if s.name == "adamw" else torch._fused_adam_
@@ -116,24 +173,38 @@ def _plan(tx, grads, state, params):
             if p:
                 steps = [count.to(torch.float32)] * len(p)  # read, not written, by the kernel
                 fused(p, g, mu, nu, [], steps, lr=hp["learning_rate"], beta1=hp["b1"], beta2=hp["b2"],
-                      weight_decay=hp.get("weight_decay", 0.0), eps=hp["eps"], amsgrad=False, maximize=False)
+                      weight_decay=hp.get("weight_decay", 0.0), eps=hp["eps"], amsgrad=False, maximize=False,
+                      grad_scale=_grad_scale(g, s.max_norm, clip_state))
         return run
-    if s.name == "sgd":
-        if isinstance(state[0], TraceState):  # momentum given (never 0: sgd declares no kernel then)
-            g, p, bufs = tree.align(grads, params, state[0].trace, what="params")
-            ok = _allowed(g, p, bufs)
-        else:
-            (g, p), bufs = tree.align(grads, params, what="params"), []
-            ok = _allowed(g, p)
-        if not ok:
-            return None
+    if isinstance(state[0], TraceState):  # sgd with momentum (never 0: sgd declares no kernel then)
+        g, p, bufs = tree.align(grads, params, state[0].trace, what="params")
+        ok = _allowed(g, p, bufs)
+    else:
+        (g, p), bufs = tree.align(grads, params, what="params"), []
+        ok = _allowed(g, p)
+    if not ok or not _distinct(g, clip_state):
+        return None
 
-        def run():
-            if p:
-                torch._fused_sgd_(p, g, bufs, weight_decay=0.0, momentum=hp["momentum"], lr=hp["learning_rate"],
-                                  dampening=0.0, nesterov=hp["nesterov"], maximize=False, is_first_step=False)
-        return run
-    return None
+    def run():
+        if p:
+            torch._fused_sgd_(p, g, bufs, weight_decay=0.0, momentum=hp["momentum"], lr=hp["learning_rate"],
+                              dampening=0.0, nesterov=hp["nesterov"], maximize=False, is_first_step=False,
+                              grad_scale=_grad_scale(g, s.max_norm, clip_state))
+    return run
+
+
+def _grad_scale(g: list, max_norm: float | None, clip_state: Any) -> torch.Tensor | None:
+    """``clip_by_global_norm``'s coefficient as the kernels' divisor, its state updated; ``None`` unclipped.
+
+    Optax's rule ``coef = 1 if norm < max_norm else max_norm / norm`` inverted: NaN and inf norms give the
+    foreach path's NaN and zero-times-inf updates.
+    """
+    if max_norm is None:
+        return None
+    norm = distributed.global_norm(g)  # plain tensors: one packed/foreach pass, no collective
+    clip_state.grad_norm.copy_(norm)
+    # max(1, norm / max_norm): exactly 1.0 below max_norm; NaN stays NaN (clamp propagates it).
+    return (norm / max_norm).clamp_(min=1.0).to(torch.float32)  # the kernels read a float32 scale
 
 
 def _allowed(*lists: list) -> bool:
@@ -149,3 +220,11 @@ def _allowed(*lists: list) -> bool:
                     or x.device != device or not x.is_floating_point() or not x.is_contiguous():
                 return False
     return True
+
+
+def _distinct(g: list, clip_state: Any) -> bool:
+    """No two gradients share storage, where the kernel writes them (a clip): autograd may hand one buffer
+    to two leaves (``(a + b).sum()``), which would be divided twice. Metadata only."""
+    if clip_state is None or len(g) < 2:
+        return True
+    return len({x.untyped_storage().data_ptr() for x in g}) == len(g)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, _name, _Update, is_elementwise, kernel
+from fxtrain._base import GradientTransformation, _name, _Update, kernel, public_factory, traits
 from fxtrain.schedules import bind
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
@@ -48,6 +48,13 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
     by default the widest floating dtype of the params but at least float32 (Optax would round, say,
     ``b2=0.999`` to 1.0 in bfloat16); ints become int32 tensors; tensors keep their dtype.
 
+    The hyperparameters in the state are ordinary inputs of the pure ``update``: ``torch.func.grad``
+    (or plain autograd) of a loss after some updates with respect to ``state.hyperparams["learning_rate"]``
+    gives the hypergradient, and ``torch.func.vmap`` over a state whose hyperparameters are stacked runs an
+    ensemble of settings in one call. A tensor given as a hyperparameter that requires grad stays in the
+    graph (the state holds a differentiable copy). A hyperparameter must be a number or a 0-dim tensor,
+    floating where the value given was floating.
+
     Args:
       inner_factory: a transform factory, e.g. :func:`fxtrain.adamw`; its hyperparameters must accept
         0-dim tensors.
@@ -69,6 +76,23 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
         ...     u, state = tx.update(g, state, g)
         >>> u["w"].tolist(), float(state.hyperparams["step_size"]), int(state.count)
         ([0.5], 0.5, 3)
+
+        Four learning rates in one vmapped call, and the gradient of a loss with respect to one:
+
+        >>> tx = fx.inject_hyperparams(fx.sgd)(learning_rate=0.1)
+        >>> p = {"w": torch.ones(2)}
+        >>> states = fx.tree.map(lambda x: torch.stack([x] * 4), tx.init(p))
+        >>> states.hyperparams["learning_rate"] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+        >>> u, _ = torch.func.vmap(tx.update, in_dims=(None, 0, None))(p, states, p)
+        >>> u["w"][:, 0].tolist()
+        [-0.1..., -0.2..., -0.3..., -0.4...]
+        >>> def loss(lr):
+        ...     state = tx.init(p)
+        ...     state.hyperparams["learning_rate"] = lr
+        ...     u, _ = tx.update(p, state, p)
+        ...     return (fx.apply_updates(p, u)["w"] ** 2).sum()
+        >>> float(torch.func.grad(loss)(torch.tensor(0.1)))   # d/dlr |w - lr w|^2 = -2 (1 - lr) |w|^2
+        -3.6...
     """
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     if hyperparam_dtype is not None and not isinstance(hyperparam_dtype, torch.dtype):
@@ -95,11 +119,16 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
             elif callable(v):
                 schedules[k] = v
             elif isinstance(v, (numbers.Number, torch.Tensor, np.ndarray, np.generic)):
-                numeric[k] = v
+                numeric[k] = _checked(head, f"hyperparameter {k}", v, _is_float(v))
             else:
                 other[k] = v
-        # Built once now with plain values: checks the arguments early and gives the flags to forward.
-        proto = inner_factory(**other, **numeric, **{k: f(0) for k, f in schedules.items()})
+        # Float hyperparameters stay float: a value written into the state later is checked against this.
+        floats = {k for k, v in numeric.items() if _is_float(v)}
+        # Built once now with plain values: checks the arguments early and gives the traits to forward.
+        try:
+            proto = inner_factory(**other, **numeric, **{k: f(0) for k, f in schedules.items()})
+        except ValueError as e:
+            raise ValueError(f"{head}: {e}") from None
 
         def current(state, params) -> dict:
             """Hyperparameters for the update at ``state.count``: stored values, then schedules evaluated."""
@@ -112,8 +141,11 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
                 return memo[0]
 
             device = state.count.device
-            hps = {k: v if isinstance(v, torch.Tensor) else _as_hparam(v, dtype(), device)
-                   for k, v in state.hyperparams.items()}
+            hps = {}
+            for k, v in state.hyperparams.items():
+                if k not in schedules:  # a scheduled value is overwritten below whatever the state holds
+                    v = _checked(head, f"state.hyperparams[{k!r}]", v, k in floats)
+                hps[k] = v if isinstance(v, torch.Tensor) else _as_hparam(v, dtype(), device, k in floats)
             for k, f in schedules.items():
                 prev = hps.get(k)
                 keep = isinstance(prev, torch.Tensor) and prev.is_floating_point()
@@ -123,14 +155,14 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
         def init_fn(params):
             dtype, device = _float_dtype(params, hyperparam_dtype), param_device(params)
             count = counter(params)
-            hps = {k: _as_hparam(v, dtype, device, keep_tensor_dtype=True) for k, v in numeric.items()}
+            hps = {k: _as_hparam(v, dtype, device, k in floats, keep_tensor_dtype=True) for k, v in numeric.items()}
             hps.update({k: _as_hparam(f(count), dtype, device) for k, f in schedules.items()})
             inner_state = inner_factory(**other, **hps).init(params)
             return InjectHyperparamsState(count, hps, inner_state)
 
         def update_fn(updates, state, params=None):
             hps = current(state, params)
-            inner = inner_factory(**other, **hps)
+            inner = inner_factory(**other, **hps)  # cheap: factories are closures over the 0-dim tensors
             updates, inner_state = kernel(inner)(updates, state.inner_state, params)
             return updates, InjectHyperparamsState(safe_increment_(state.count), hps, inner_state)
 
@@ -140,13 +172,13 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
                 inner = inner_factory(**other, **current(state, None))
                 return inner.wrap_loss(loss_fn, state.inner_state)
 
-        update = _Update(update_fn, label, is_elementwise(proto))
-        return GradientTransformation(init_fn, update, wrap_loss)
+        update = _Update(update_fn, label, traits(proto)._replace(fused=None, wrap_loss=wrap_loss))
+        return GradientTransformation(init_fn, update)
 
     return wrapped
 
 
-inject_hyperparams.is_transform_factory = True  # a public factory of transforms (see the conformance test)
+public_factory(inject_hyperparams)  # a public factory of transforms (see the conformance test)
 
 
 def _float_dtype(params: Any, override: torch.dtype | None) -> torch.dtype:
@@ -156,17 +188,50 @@ def _float_dtype(params: Any, override: torch.dtype | None) -> torch.dtype:
     return functools.reduce(torch.promote_types, dtypes, torch.float32)
 
 
-def _as_hparam(v: Any, dtype: torch.dtype, device: torch.device, keep_tensor_dtype: bool = False) -> torch.Tensor:
-    """A value as a 0-dim tensor of its own on ``device``: floats in ``dtype``, ints in int32.
+def _is_float(v: Any) -> bool:
+    """Whether a numeric hyperparameter value is a floating (or complex) one, as opposed to an integer."""
+    if isinstance(v, torch.Tensor):
+        return v.is_floating_point() or v.is_complex()
+    if isinstance(v, (np.ndarray, np.generic)):
+        return not np.issubdtype(np.asarray(v).dtype, np.integer)
+    return not isinstance(v, numbers.Integral)
 
-    A tensor given by the user keeps its dtype (``keep_tensor_dtype``, as Optax keeps a typed array).
+
+def _checked(owner: str, what: str, v: Any, is_float: bool) -> Any:
+    """``v`` if it can be a hyperparameter (``what`` names it): a number, or a 0-dim tensor (floating if
+    ``is_float``).
+
+    Under ``torch.func.vmap`` a batched hyperparameter is 0-dim inside the vmapped function, as it should.
+    """
+    if isinstance(v, (np.ndarray, np.generic)) and np.ndim(v) != 0:
+        raise ValueError(f"{owner}: {what} must be a number or a 0-dim tensor, got an array of "
+                         f"shape {np.shape(v)} (to batch it, vmap the update over the state with in_dims=0)")
+    if not isinstance(v, torch.Tensor):
+        return v
+    if v.ndim != 0:
+        raise ValueError(f"{owner}: {what} must be a number or a 0-dim tensor, got a tensor of "
+                         f"shape {tuple(v.shape)} (to batch it, vmap the update over the state with in_dims=0)")
+    if is_float and not (v.is_floating_point() or v.is_complex()):
+        raise ValueError(f"{owner}: {what} must be floating-point (its value was), got a tensor of "
+                         f"dtype {v.dtype}")
+    return v
+
+
+def _as_hparam(v: Any, dtype: torch.dtype, device: torch.device, is_float: bool = True,
+               keep_tensor_dtype: bool = False) -> torch.Tensor:
+    """A value as a 0-dim tensor on ``device``: floats in ``dtype``, ints in int32 (floats if ``is_float``).
+
+    A tensor is never detached: one that requires grad (a hyperparameter being differentiated) stays in
+    the graph, through a differentiable copy (the state owns its own buffer, as ``init`` must not alias
+    the caller's tensor). A tensor given by the user keeps its dtype (``keep_tensor_dtype``, as Optax
+    keeps a typed array).
     """
     if isinstance(v, torch.Tensor):
         cast = v.is_floating_point() and not keep_tensor_dtype
-        return v.detach().to(device=device, dtype=dtype if cast else v.dtype, copy=True)
-    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return v.to(device=device, dtype=dtype if cast else v.dtype, copy=True)
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool) and not is_float:
         return torch.tensor(int(v), dtype=torch.int32, device=device)
     v = np.asarray(v)
-    if np.issubdtype(v.dtype, np.integer):
+    if np.issubdtype(v.dtype, np.integer) and not is_float:
         return torch.tensor(v.item(), dtype=torch.int32, device=device)
     return torch.tensor(float(v), dtype=dtype, device=device)

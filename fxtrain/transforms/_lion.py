@@ -8,7 +8,7 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Updates, check_nonnegative, transform
-from fxtrain.transforms._moments import Scalar, as_dtype, axpy_, copy_, counter, ema_
+from fxtrain.transforms._moments import Scalar, as_dtype, counter, ema_
 
 _MODES = ("hard", "smooth", "refined")
 
@@ -65,21 +65,20 @@ def scale_by_lion(b1: Scalar = 0.9, b2: Scalar = 0.99, mu_dtype: torch.dtype | s
     def update_fn(updates, state, params=None):
         del params
         g, mu = tree.align(updates, state.mu)
-        state.count.add_(1)
+        count = tree.inc_(state.count)
         if not g:
-            return updates, state
-        c = torch._foreach_mul(g, 1 - b1)  # both g and the old momentum are needed: one temporary
-        axpy_(c, mu, b1)
+            return updates, state._replace(count=count)
+        with tree.functional():  # both g and the old momentum are needed: one temporary
+            c = tree.scale_(g, 1 - b1)
+        c = tree.add_(c, mu, b1)
         if mode == "hard":
-            torch._foreach_sign_(c)
+            c = tree.sign_(c)
         elif mode == "smooth":
-            torch._foreach_mul_(c, smooth_beta)
-            torch._foreach_tanh_(c)
+            c = tree.tanh_(tree.scale_(c, smooth_beta))
         else:
-            torch._foreach_clamp_min_(c, -1.0)
-            torch._foreach_clamp_max_(c, 1.0)
-        ema_(mu, g, b2)
-        copy_(g, c)
-        return updates, state
+            c = tree.clamp_(c, -1.0, 1.0)
+        mu, _ = ema_(mu, g, b2)
+        g = tree.copy_(g, c)
+        return tree.put(updates, updates, g), ScaleByLionState(count, tree.put(state.mu, updates, mu))
 
     return GradientTransformation(init_fn, update_fn)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple
 import optree
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, _with_flags, kernel, transform
+from fxtrain._base import GradientTransformation, _combined, kernel, transform
 
 Mask = Any  # a tree of bools (prefix of the params) or a callable returning one
 _KW = tree._kw()  # fxtrain's optree conventions: None is a leaf, fxtrain's node namespace
@@ -82,8 +82,9 @@ def _check_no_wrap_loss(inner: GradientTransformation) -> None:
 def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     """Applies ``inner`` to the params where ``mask`` is True; the other updates pass through (Optax's).
 
-    The inner state covers only the masked-in params. ``inner`` runs in place on the masked-in gradient
-    buffers, so masking costs no copies.
+    The inner state covers only the masked-in params. Donated, ``inner`` runs in place on the masked-in
+    gradient buffers, so masking costs no copies; the pure update rebuilds the trees (it composes with
+    ``torch.func.vmap`` and ``grad`` as ``inner`` does).
 
     Args:
       inner: the transform to apply.
@@ -120,7 +121,7 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
         new, inner_state = kernel(inner)(mask_tree(updates, m), state.inner_state, masked_params)
         return _unmask(m, new, updates), MaskedState(inner_state)
 
-    return _with_flags(GradientTransformation(init_fn, update_fn), (inner,))
+    return _combined(init_fn, update_fn, (inner,))
 
 
 @transform(elementwise=None)
@@ -177,4 +178,4 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
                 updates, state.inner_states[k], params)
         return updates, PartitionState(new_states)
 
-    return _with_flags(GradientTransformation(init_fn, update_fn), tuple(txs.values()))
+    return _combined(init_fn, update_fn, tuple(txs.values()))

@@ -57,34 +57,24 @@ def counter(params: Any) -> torch.Tensor:
 
 
 def safe_increment_(count: torch.Tensor) -> torch.Tensor:
-    """``count += 1`` in place, saturating at the dtype's maximum (Optax's ``safe_increment``)."""
-    return count.add_(count < torch.iinfo(count.dtype).max)
+    """``count + 1`` (in place when donated), saturating at the dtype's maximum (Optax's ``safe_increment``)."""
+    return tree.inc_(count, count < torch.iinfo(count.dtype).max)
 
 
 def full_like(params: Any, value: Scalar, dtype: torch.dtype | None = None) -> Any:
-    """Leaves of ``params`` filled with ``value`` (Optax's ``tree.full_like``)."""
+    """Leaves of ``params`` filled with ``value`` (Optax's ``tree.full_like``).
+
+    A tensor ``value`` is added out of place, so the state stays a function of it: differentiable, and
+    batched when ``value`` is (``torch.func.vmap`` over ``initial_scale``...).
+    """
     if is_number(value):
         return tree.map(lambda x: torch.full_like(x, value, dtype=dtype), params)
-    return tree.map(lambda x: torch.zeros_like(x, dtype=dtype).add_(value), params)
+    return tree.map(lambda x: (torch.zeros_like(x, dtype=dtype) + value).to(dtype or x.dtype), params)
 
 
 def bias_correction(decay: Scalar, count: torch.Tensor) -> torch.Tensor:
     """``1 - decay ** count`` as a 0-dim float tensor (computed on device, never rounded to bfloat16)."""
     return 1 - decay ** count
-
-
-def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``dst <- src`` in place, casting to ``dst``'s dtypes.
-
-    DTensor has no sharding rule for ``_foreach_copy_`` (torch 2.13), so DTensor leaves (a transform
-    used without ``sharded_apply``) are copied one by one; plain tensors take the single foreach call.
-    """
-    if not any(isinstance(x, DTensor) for x in dst):
-        torch._foreach_copy_(dst, src)
-    else:
-        for d, x in zip(dst, src):
-            d.copy_(x)
-    return dst
 
 
 def mixed_dtypes(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
@@ -111,46 +101,32 @@ def _rounded(c: float, dtype: torch.dtype) -> float:
 
 def ema(mu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> list[torch.Tensor]:
     """New tensors ``(1 - decay) * g + decay * mu`` in the promoted dtype (Optax's ``update_moment``)."""
-    return torch._foreach_add(torch._foreach_mul(g, weak(1 - decay, g)), torch._foreach_mul(mu, weak(decay, mu)))
+    with tree.functional():
+        return tree.add_(tree.scale_(g, weak(1 - decay, g)), tree.scale_(mu, weak(decay, mu)))
 
 
-def ema_(mu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> list[torch.Tensor]:
-    """``mu = decay * mu + (1 - decay) * g`` in place; returns the new moment at the promoted precision."""
+def ema_(mu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> tuple[list, list]:
+    """``decay * mu + (1 - decay) * g``: returns ``(stored, new)``, the moment as the state keeps it (written
+    into ``mu`` when donated) and at the promoted precision for this step's update (the same list unless
+    dtypes differ)."""
     if not mu:
-        return mu
+        return mu, mu
     if mixed_dtypes(mu, g):
         new = ema(mu, g, decay)
-        copy_(mu, new)
-        return new
-    if is_number(decay):
-        torch._foreach_lerp_(mu, g, 1 - decay)
-    else:
-        torch._foreach_lerp_(mu, g, [1 - decay] * len(mu))
-    return mu
+        return tree.copy_(mu, new), new
+    mu = tree.lerp_(mu, g, 1 - decay)
+    return mu, mu
 
 
-def ema_sq_(nu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> list[torch.Tensor]:
-    """``nu = decay * nu + (1 - decay) * g**2`` in place; returns the new moment at the promoted precision."""
+def ema_sq_(nu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> tuple[list, list]:
+    """``decay * nu + (1 - decay) * |g|^2``, returned as ``(stored, new)`` like :func:`ema_`."""
     if not nu:
-        return nu
+        return nu, nu
     if mixed_dtypes(nu, g):
-        new = ema(nu, torch._foreach_mul(g, g), decay)
-        copy_(nu, new)
-        return new
-    torch._foreach_mul_(nu, decay)
-    if is_number(decay):
-        torch._foreach_addcmul_(nu, g, g, 1 - decay)
-    else:  # as torch.optim does for a tensor beta2: addcmul_'s value= takes only a Python number
-        torch._foreach_addcmul_(nu, g, torch._foreach_mul(g, 1 - decay))
-    return nu
-
-
-def axpy_(y: list[torch.Tensor], x: list[torch.Tensor], a: Scalar) -> list[torch.Tensor]:
-    """``y += a * x`` in place."""
-    if not y:
-        return y
-    if is_number(a):
-        torch._foreach_add_(y, x, alpha=a)
-    else:
-        torch._foreach_addcmul_(y, x, [a] * len(y))
-    return y
+        with tree.functional():
+            sq = tree.scale_(g, g)
+        new = ema(nu, sq, decay)
+        return tree.copy_(nu, new), new
+    # as torch.optim: mul_ then addcmul_ (a tensor decay folds into g's copy inside addcmul_)
+    nu = tree.addcmul_(tree.scale_(nu, decay), g, g, 1 - decay)
+    return nu, nu

@@ -8,7 +8,7 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Params, check_nonnegative, transform
-from fxtrain.transforms._moments import Scalar, as_dtype, axpy_, copy_, mixed_dtypes, weak
+from fxtrain.transforms._moments import Scalar, as_dtype, mixed_dtypes, weak
 
 
 class TraceState(NamedTuple):
@@ -62,19 +62,16 @@ def trace(decay: Scalar, nesterov: bool = False, accumulator_dtype: torch.dtype 
             return updates, state
         if mixed_dtypes(g, t):
             # As Optax: the new trace in the promoted dtype feeds this update, the state keeps a cast.
-            new = torch._foreach_add(g, torch._foreach_mul(t, weak(decay, t)))
-            copy_(t, new)
-            if nesterov:
-                axpy_(g, new, decay)
-            else:
-                copy_(g, new)
+            with tree.functional():
+                new = tree.add_(g, tree.scale_(t, weak(decay, t)))
+            t = tree.copy_(t, new)
+            g = tree.add_(g, new, decay) if nesterov else tree.copy_(g, new)
         elif nesterov:
-            torch._foreach_mul_(t, decay)
-            torch._foreach_add_(t, g)
-            axpy_(g, t, decay)
+            t = tree.add_(tree.scale_(t, decay), g)
+            g = tree.add_(g, t, decay)
         else:
-            axpy_(g, t, decay)  # g <- g + decay * t, the new trace
-            copy_(t, g)
-        return updates, state
+            g = tree.add_(g, t, decay)  # g <- g + decay * t, the new trace
+            t = tree.copy_(t, g)
+        return tree.put(updates, updates, g), TraceState(tree.put(state.trace, updates, t))
 
     return GradientTransformation(init_fn, update_fn)

@@ -48,23 +48,18 @@ class ScaleByRssState(NamedTuple):
 
 
 def _divide_by_root_(g, v, eps, eps_in_sqrt, *, scratch=False):
-    """``g /= sqrt(v + eps)`` or ``g /= sqrt(v) + eps``; ``scratch``: ``v`` is a temporary to overwrite."""
-    if eps_in_sqrt:
-        if scratch:
-            torch._foreach_add_(v, eps)
-        d = v if scratch else torch._foreach_add(v, eps)
-        torch._foreach_sqrt_(d)
-    else:
-        if scratch:
-            torch._foreach_sqrt_(v)
-        d = v if scratch else torch._foreach_sqrt(v)
-        torch._foreach_add_(d, eps)
-    torch._foreach_div_(g, d)
+    """``g / sqrt(v + eps)`` or ``g / (sqrt(v) + eps)``; ``scratch``: ``v`` is a temporary to overwrite."""
+    fresh = tree.is_functional() or not scratch  # v is the state itself: never write into it
+    with tree.functional(fresh):
+        d = tree.add_(v, eps) if eps_in_sqrt else tree.sqrt_(v)
+    d = tree.sqrt_(d) if eps_in_sqrt else tree.add_(d, eps)
+    return tree.div_(g, d)
 
 
 def _debiased(v, decay, count):
     """New tensors ``v / (1 - decay ** count)``."""
-    return torch._foreach_div(v, _moments.bias_correction(decay, count))
+    with tree.functional():
+        return tree.div_(v, _moments.bias_correction(decay, count))
 
 
 @transform
@@ -111,15 +106,16 @@ def scale_by_rms(decay: Scalar = 0.9, eps: Scalar = 1e-8, initial_scale: Scalar 
     def update_fn(updates, state, params=None):
         del params
         g, nu = tree.align(updates, state.nu)
-        if debias:
-            state.count.add_(1)
+        count = tree.inc_(state.count) if debias else None
         if g:
-            v = ema_sq_(nu, g, decay)
+            nu, v = ema_sq_(nu, g, decay)
             if debias:
-                _divide_by_root_(g, _debiased(v, decay, state.count), eps, eps_in_sqrt, scratch=True)
+                g = _divide_by_root_(g, _debiased(v, decay, count), eps, eps_in_sqrt, scratch=True)
             else:
-                _divide_by_root_(g, v, eps, eps_in_sqrt)
-        return updates, state
+                g = _divide_by_root_(g, v, eps, eps_in_sqrt)
+        nu = tree.put(state.nu, updates, nu)
+        new = ScaleByRmsWithCountState(count, nu) if debias else ScaleByRmsState(nu)
+        return tree.put(updates, updates, g), new
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -171,17 +167,19 @@ def scale_by_stddev(decay: Scalar = 0.9, eps: Scalar = 1e-8, initial_scale: Scal
     def update_fn(updates, state, params=None):
         del params
         g, mu, nu = tree.align(updates, state.mu, state.nu)
-        if debias:
-            state.count.add_(1)
+        count = tree.inc_(state.count) if debias else None
         if g:
-            m, v = ema_(mu, g, decay), ema_sq_(nu, g, decay)
+            (mu, m), (nu, v) = ema_(mu, g, decay), ema_sq_(nu, g, decay)
             if debias:
-                m, d = _debiased(m, decay, state.count), _debiased(v, decay, state.count)
-                torch._foreach_addcmul_(d, m, m, -1)
+                m, d = _debiased(m, decay, count), _debiased(v, decay, count)
+                d = tree.addcmul_(d, m, m, -1)
             else:
-                d = torch._foreach_addcmul(v, m, m, -1)
-            _divide_by_root_(g, d, eps, eps_in_sqrt, scratch=True)
-        return updates, state
+                with tree.functional():
+                    d = tree.addcmul_(v, m, m, -1)
+            g = _divide_by_root_(g, d, eps, eps_in_sqrt, scratch=True)
+        mu, nu = tree.put(state.mu, updates, mu), tree.put(state.nu, updates, nu)
+        new = ScaleByRStdDevWithCountState(count, mu, nu) if debias else ScaleByRStdDevState(mu, nu)
+        return tree.put(updates, updates, g), new
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -222,14 +220,15 @@ def scale_by_rss(initial_accumulator_value: Scalar = 0.1, eps: Scalar = 1e-7) ->
         del params
         g, s = tree.align(updates, state.sum_of_squares)
         if g:
-            torch._foreach_addcmul_(s, g, g)
-            d = torch._foreach_add(s, eps)
-            torch._foreach_sqrt_(d)
+            s = tree.addcmul_(s, g, g)
+            with tree.functional():
+                d = tree.add_(s, eps)
+            d = tree.sqrt_(d)
             if not (is_number(eps) and eps > 0):
                 # Optax gives 0 where s + eps = 0 (then g = 0 too): 0 / tiny instead of 0 / 0. Any
                 # nonzero root is far above the smallest normal number, so no other value changes.
-                torch._foreach_clamp_min_(d, [torch.finfo(x.dtype).tiny for x in d])
-            torch._foreach_div_(g, d)
-        return updates, state
+                d = tree.clamp_(d, torch.finfo(d[0].dtype).tiny)
+            g = tree.div_(g, d)
+        return tree.put(updates, updates, g), ScaleByRssState(tree.put(state.sum_of_squares, updates, s))
 
     return GradientTransformation(init_fn, update_fn)

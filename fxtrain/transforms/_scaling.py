@@ -43,8 +43,7 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
-        tree.scale_(tree.leaves(updates), step_size)
-        return updates, state
+        return tree.put(updates, updates, tree.scale_(tree.leaves(updates), step_size)), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -77,9 +76,8 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
-        tree.scale_(tree.leaves(updates), step_size_fn(state.count))
-        state.count.add_(1)
-        return updates, state
+        new = tree.scale_(tree.leaves(updates), step_size_fn(state.count))
+        return tree.put(updates, updates, new), ScaleByScheduleState(tree.inc_(state.count))
 
     return GradientTransformation(init_fn, update_fn)
 

@@ -2,13 +2,17 @@
 
 An elementwise optimizer (Adam, Lion, momentum, weight decay) gives the same numbers on every piece of
 a tensor as on the whole. Run through DTensor dispatch it pays Python overhead per op and per leaf; run
-on the local pieces (``_local_tensor``) it is plain ``torch._foreach_*`` math, and its state is born
+on the local pieces it is plain tensor math (``torch._foreach_*`` in place on ``_local_tensor`` when
+donated; out of place on ``to_local()``, which autograd sees, in the pure update), and its state is born
 sharded like the params. Three forms:
 
 * ``sharded_apply(tx)``: ``tx.init`` and ``tx.update`` see the local pieces; state leaves shaped like
   params come back as DTensors with the param's mesh, placements, shape and stride (checkpointable as
   such). ``Partial`` gradients are reduced to the param's placement first
-  (:func:`fxtrain.distributed.reduce_partials`, packed). Plain leaves pass through ``tx`` unchanged.
+  (:func:`fxtrain.distributed.reduce_partials`, packed). A tree of plain leaves goes to ``tx`` itself,
+  so it composes with ``torch.func`` (vmap, grad, jvp) exactly as ``tx`` does. With DTensor leaves the
+  pure update is differentiable through the local math; through a collective (a ``Partial`` gradient,
+  ZeRO) it raises instead of returning a gradient that skipped it.
 * ``sharded_apply(tx, shard_over="dp")``: ZeRO-1/2 for leaves that are ``Replicate`` over the mesh dim
   named ``dp``: gradients are reduce-scattered to a ``Shard(0)`` over ``dp`` (a ``Partial`` gradient is
   summed and split in one collective per mesh and dtype, whatever the number of leaves), ``tx`` runs on
@@ -47,7 +51,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, is_elementwise, kernel, transform
+from fxtrain._base import GradientTransformation, is_elementwise, kernel, public_factory, transform, with_traits
 
 __all__ = ["sharded_apply"]
 
@@ -113,7 +117,7 @@ def sharded_apply(tx: GradientTransformation | Callable, *, shard_over: str | No
     return _local_map(tx, in_placements, out_placements, mesh)
 
 
-sharded_apply.is_transform_factory = True  # the conformance test runs it like every public transform
+public_factory(sharded_apply)  # the conformance test runs it like every public transform
 
 
 def _refuse(tx: GradientTransformation) -> None:
@@ -139,6 +143,12 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
     def update_fn(updates, state, params=None):
         flat_u, uspec = tree.flatten(updates)
         flat_p, pspec = tree.flatten(params) if params is not None else ([None] * len(flat_u), None)
+        flat_s, sspec = tree.flatten(state)
+        if not any(isinstance(x, DTensor) for x in (*flat_u, *flat_p, *flat_s)):
+            return inner(updates, state, params)  # plain leaves: tx itself (composes with torch.func as it does)
+        if tree.transformed():
+            raise ValueError("DTensor leaves cannot go through a torch.func transform (vmap, grad, jvp): "
+                             "torch.func does not support DTensor; use plain tensors there")
         if len(flat_p) != len(flat_u):
             raise ValueError(f"updates do not match params: the trees differ at '{tree.first_mismatch(updates, params)}'")
         roles = _roles([p if p is not None else u for p, u in zip(flat_p, flat_u)], shard_over)
@@ -147,19 +157,17 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
         paths = None
         local_u = []
         for i, (u, p) in enumerate(zip(flat_u, flat_p)):
-            if isinstance(u, DTensor):
-                if roles[i] is None and isinstance(p, DTensor) and u.placements != p.placements:
-                    paths = paths or tree.paths(updates)
-                    raise ValueError(f"the gradient at '{paths[i]}' has placements {u.placements} but its "
-                                     f"param has {p.placements} (redistribute it first)")
-                local_u.append(u._local_tensor)
-            else:
-                local_u.append(u)
+            if isinstance(u, DTensor) and roles[i] is None and isinstance(p, DTensor) and u.placements != p.placements:
+                paths = paths or tree.paths(updates)
+                raise ValueError(f"the gradient at '{paths[i]}' has placements {u.placements} but its "
+                                 f"param has {p.placements} (redistribute it first)")
+            # The local piece: a view to write into when donated; to_local() (seen by autograd) when pure.
+            local_u.append(tree.local(u))
         if zero is not None:
+            _refuse_grad(local_u, "its ZeRO reduce-scatter and all-gather (shard_over) are outside autograd")
             zero.scatter(local_u)
         local_p = [_local_param(p, role) for p, role in zip(flat_p, roles)]
-        flat_s, sspec = tree.flatten(state)
-        local_s = [distributed.to_local(x) for x in flat_s]
+        local_s = [tree.local(x) for x in flat_s]
 
         new_u, new_s = inner(tree.unflatten(uspec, local_u), tree.unflatten(sspec, local_s),
                              None if params is None else tree.unflatten(pspec, local_p))
@@ -176,9 +184,8 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
 
     # Partial gradients come in unreduced (train_step skips its reduce_partials): ZeRO leaves are
     # reduce-scattered, the rest reduced here, packed.
-    update_fn.takes_partial_grads = True
-    update_fn.elementwise = shard_over is None  # ZeRO leaves need collectives: not nestable in a local map
-    return GradientTransformation(init_fn, update_fn)
+    # ZeRO leaves need collectives: not nestable in a local map, hence not elementwise with shard_over.
+    return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=True, elementwise=shard_over is None)
 
 
 _factory.__name__ = _factory.__qualname__ = "sharded_apply"
@@ -228,8 +235,15 @@ def _row_splits(rows: int, n: int) -> list[tuple[int, int]]:
 def _local_param(x: Any, role: _Role | None) -> Any:
     if not isinstance(x, DTensor):
         return x
-    local = x._local_tensor
+    local = tree.local(x)
     return local if role is None else local[role.start:role.stop]
+
+
+def _refuse_grad(xs: Sequence, why: str) -> None:
+    """Raises rather than let autograd skip a collective: the gradient would come back silently wrong."""
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs):
+        raise ValueError(f"cannot differentiate through sharded_apply here: {why}; differentiate on one "
+                         "process with plain tensors")
 
 
 def _state_placements(x: DTensor, role: _Role | None) -> tuple:
@@ -281,6 +295,7 @@ def _sync_grads(flat_u: list, roles: list) -> list:
             and any(p.is_partial() and (role is None or d != role.dim) for d, p in enumerate(u.placements))]
     if not todo:
         return flat_u
+    _refuse_grad([flat_u[i] for i in todo], "Partial gradients are reduced by a collective outside autograd")
     reduced = distributed.reduce_partials([flat_u[i] for i in todo])
     out = list(flat_u)
     for i, x in zip(todo, reduced):
@@ -403,7 +418,8 @@ def _local_map(fn: Callable, in_placements: Any, out_placements: Any, mesh: Any)
                     elif x.device_mesh != found[0]:
                         raise ValueError(f"sharded_apply({_fname(fn)}): argument {a} at '{path}' is on {x.device_mesh}, "
                                          f"another input on {found[0]}: one function runs on one mesh")
-                    x = x._local_tensor
+                    # to_local() where autograd must see it (a differentiable input), else the piece itself
+                    x = x.to_local() if torch.is_grad_enabled() and x.requires_grad else x._local_tensor
                 out.append(x)
             local_args.append(tree.unflatten(spec, out))
         result = fn(*local_args)

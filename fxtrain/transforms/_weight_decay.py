@@ -9,7 +9,7 @@ import torch
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, check_nonnegative, transform
 from fxtrain.transforms._masking import Mask, masked
-from fxtrain.transforms._moments import Scalar, axpy_, counter, is_zero
+from fxtrain.transforms._moments import Scalar, counter, is_zero
 
 
 class WeightDecaySchedule(NamedTuple):
@@ -58,11 +58,11 @@ def add_decayed_weights(weight_decay: Scalar | Callable = 0.0, mask: Mask | None
             raise ValueError("add_decayed_weights needs the params: call update(updates, state, params)")
         g, p = tree.align(updates, params, what="params")
         if scheduled:
-            axpy_(g, p, weight_decay(state.count))
-            state.count.add_(1)
+            g = tree.add_(g, p, weight_decay(state.count))
+            state = WeightDecaySchedule(tree.inc_(state.count))
         elif not is_zero(weight_decay):
-            axpy_(g, p, weight_decay)
-        return updates, state
+            g = tree.add_(g, p, weight_decay)
+        return tree.put(updates, updates, g), state
 
     tx = GradientTransformation(init_fn, update_fn)
     return tx if mask is None else masked(tx, mask)
