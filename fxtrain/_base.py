@@ -196,6 +196,10 @@ def update_(tx: GradientTransformation, updates: Updates, state: State, params: 
     if tree.transformed():
         raise ValueError(f"update_ donates its buffers and cannot run under a torch.func transform; use "
                          f"{tx!r}.update (pure, composable) there")
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                       for x in tree.leaves((updates, state, params))):
+        raise ValueError(f"update_ donates its buffers and is not differentiable, but an input requires grad; "
+                         f"use {tx!r}.update (pure, composable) to differentiate through the update")
     with torch.no_grad(), tree.donated():
         try:
             return kernel(tx)(updates, state, params)

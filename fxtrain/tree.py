@@ -352,10 +352,16 @@ def lerp_(xs: list[torch.Tensor], ys: list[torch.Tensor], w: Any) -> list[torch.
         return xs
     _in_place(w)
     if is_functional():
-        return [_kept(torch.lerp(x, y, w.to(x.dtype) if isinstance(w, torch.Tensor) else w), x)
-                for x, y in zip(xs, ys)]
+        return [_kept(_lerp(x, y, w), x) for x, y in zip(xs, ys)]
     torch._foreach_lerp_(xs, ys, _scalars(w, len(xs)))
     return xs
+
+
+def _lerp(x: torch.Tensor, y: torch.Tensor, w: Any) -> torch.Tensor:
+    if x.ndim == 0 and transformed():
+        # torch.lerp refuses the float64 tangent forward mode gives 0-dim tensors (see _num): the formula.
+        return x + _num(w, x) * (y - x)
+    return torch.lerp(x, y, w.to(x.dtype) if isinstance(w, torch.Tensor) else w)
 
 
 def addcmul_(xs: list[torch.Tensor], ys: list[torch.Tensor], zs: list[torch.Tensor], value: Any = 1.0

@@ -29,10 +29,13 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], *, rounds: int, warmup: int = 3) -> dict[str, list[float]]:
+def interleaved(fns: dict[str, Callable[[], Any]], *, rounds: int, warmup: int = 3,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds per call of each function: ``rounds`` rounds, each calling every function once.
 
-    The order rotates each round so no variant always runs right after the same neighbour.
+    The order rotates each round so no variant always runs right after the same neighbour. ``clock``:
+    wall time by default; ``time.process_time`` counts this process's CPU time instead, which time spent
+    waiting for a core that other processes hold does not inflate (meaningful with one thread per process).
     """
     names = list(fns)
     for _ in range(warmup):
@@ -43,9 +46,9 @@ def interleaved(fns: dict[str, Callable[[], Any]], *, rounds: int, warmup: int =
     for r in range(rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return times
 
 
