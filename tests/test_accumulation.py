@@ -1,8 +1,9 @@
 """Tests for fxtrain/transforms/_accumulation.py: accumulate (Optax's MultiSteps) and microbatch.
 
 The references: one big batch through the same transform (k micro-batches of b must give the update of
-one batch of k*b), Optax's MultiSteps itself, and in a 2-rank gloo world a single-process big-batch run
-computed in the same test. One spawn runs every data-parallel check.
+one batch of k*b), Optax's MultiSteps itself (under jax.vmap and jax.grad for the ensembles whose counters
+are batched, decided on device), separate unbatched runs for the vmapped ones, and in a 2-rank gloo world a
+single-process big-batch run computed in the same test. One spawn runs every data-parallel check.
 """
 
 from __future__ import annotations
@@ -379,9 +380,207 @@ def test_vmap_over_an_ensemble_equals_separate_runs():
     for i, (_, p_ref, s_ref) in enumerate(runs):
         assert_trees_close(_member(params, i), p_ref, rtol=1e-6, atol=1e-6)
         assert_trees_close(_member(state.inner_state, i), s_ref.inner_state, rtol=1e-6, atol=1e-6)
-    batched = fx.AccumulateState(0, 0, 0, 0)  # counters cannot be batched: a clear error, not a wrong answer
-    with pytest.raises(ValueError, match="accumulate.*unbatched"):
-        torch.func.vmap(tx.update, in_dims=(0, batched, 0))(_stack(grads[0]), _stack(states), _stack(members))
+
+
+# Batched counters (each member its own window position, from vmap(tx.init)): decided on device, as Optax.
+
+ENSEMBLE, CALLS, EVERY = 3, 10, 3
+
+
+def _ensemble(seed: int = 7) -> tuple[list, list]:
+    """``ENSEMBLE`` members' params and ``CALLS`` calls' gradients (one per member per call)."""
+    members = [{k: v for k, v in mlp_params(seed).items() if v is not None} for seed in range(ENSEMBLE)]
+    g = torch.Generator().manual_seed(seed)
+    grads = [[fx.tree.map(lambda p: torch.randn(p.shape, generator=g), members[0]) for _ in range(ENSEMBLE)]
+             for _ in range(CALLS)]
+    return members, grads
+
+
+def _separate_runs(tx, members, grads, states=None) -> list:
+    """Each member on its own (unbatched counters, the host-decided path): (updates per call, state)."""
+    runs = []
+    for i, params in enumerate(members):
+        state, history = tx.init(params) if states is None else states[i], []
+        for step in grads:
+            u, state = tx.update(step[i], state, params)
+            history.append(u)
+            params = fx.apply_updates(params, u)
+        runs.append((history, state))
+    return runs
+
+
+@pytest.mark.parametrize("mean", [True, False])
+def test_vmap_with_batched_counters_equals_separate_runs(mean):
+    tx = fx.accumulate(fx.chain(fx.clip_by_global_norm(1.0), fx.adam(1e-2)), every=EVERY, mean=mean)
+    members, grads = _ensemble()
+    runs = _separate_runs(tx, members, grads)
+    params = _stack(members)
+    state = torch.func.vmap(tx.init)(params)
+    assert state.mini_step.shape == (ENSEMBLE,)  # batched: the counters cannot be read on the host
+    update = torch.func.vmap(tx.update)
+    for t, step in enumerate(grads):
+        u, state = update(_stack(step), state, params)
+        params = fx.apply_updates(params, u)
+        for i, (history, _) in enumerate(runs):
+            assert_trees_close(_member(u, i), history[t], rtol=1e-6, atol=1e-7)  # zeros on held calls, both
+        assert state.mini_step.tolist() == [(t + 1) % EVERY] * ENSEMBLE
+        assert state.emitted.tolist() == [(t + 1) // EVERY] * ENSEMBLE
+        assert state.mini_step.dtype == state.emitted.dtype == torch.int32
+        if (t + 1) % EVERY == 0:  # the accumulator is reset after an emission (Optax)
+            assert all(not x.any() for x in fx.tree.leaves(state.acc))
+    for i, (_, s_ref) in enumerate(runs):
+        assert_trees_close(_member(state.inner_state, i), s_ref.inner_state, rtol=1e-6, atol=1e-7)
+    assert fx.tree.structure(state) == fx.tree.structure(runs[0][1])
+
+
+def test_batched_counters_at_different_window_positions():
+    # Member i has made i host-decided calls before the ensemble is stacked: each member holds and emits on
+    # its own calls, and a state whose mini_step is 0 after an emission (acc left as is there) reads as empty.
+    tx = fx.accumulate(fx.sgd(0.1, momentum=0.9), every=EVERY)
+    members, grads = _ensemble()
+    states = []
+    for i, params in enumerate(members):
+        state = tx.init(params)
+        for step in grads[:i + EVERY - 1]:  # 2, 3, 4 calls: window positions 2, 0 (just emitted), 1
+            _, state = tx.update(step[i], state, params)
+        states.append(state)
+    runs = _separate_runs(tx, members, grads, states)
+    state, params = _stack(states), _stack(members)
+    update = torch.func.vmap(tx.update)
+    for t, step in enumerate(grads):
+        u, state = update(_stack(step), state, params)
+        params = fx.apply_updates(params, u)
+        for i, (history, _) in enumerate(runs):
+            assert_trees_close(_member(u, i), history[t], rtol=1e-6, atol=1e-7)
+    for i, (_, s_ref) in enumerate(runs):
+        assert int(state.mini_step[i]) == int(s_ref.mini_step) and int(state.emitted[i]) == int(s_ref.emitted)
+        assert_trees_close(_member(state.inner_state, i), s_ref.inner_state, rtol=1e-6, atol=1e-7)
+
+
+def test_batched_counters_keep_dtypes_every_one_and_pure_train_step():
+    members, grads = _ensemble()
+    # bfloat16 params and gradients, a float32 accumulator: the same leaf dtypes as the host path.
+    tx = fx.accumulate(fx.adam(1e-2), every=2, accumulator_dtype=torch.float32)
+    params = fx.tree.cast(_stack(members), torch.bfloat16)
+    state = torch.func.vmap(tx.init)(params)
+    for step in grads[:4]:
+        u, state = torch.func.vmap(tx.update)(fx.tree.cast(_stack(step), torch.bfloat16), state, params)
+        assert all(x.dtype == torch.bfloat16 for x in fx.tree.leaves(u))
+        assert all(x.dtype == torch.float32 for x in fx.tree.leaves(state.acc))
+    # every=1: nothing to select, every call emits. (Its accumulator is None leaves, which torch.func.vmap
+    # cannot take or return batched: the members' states stacked, the accumulator passed with dim None.)
+    tx = fx.accumulate(fx.sgd(0.1), every=1)
+    runs = _separate_runs(tx, members, grads[:3])
+    state, params = _stack([tx.init(p) for p in members]), _stack(members)
+    dims = fx.AccumulateState(mini_step=0, emitted=0, acc=None, inner_state=0)
+    update = torch.func.vmap(tx.update, in_dims=(0, dims, 0), out_dims=(0, dims))
+    for t, step in enumerate(grads[:3]):
+        u, state = update(_stack(step), state, params)
+        for i, (history, _) in enumerate(runs):
+            assert_trees_close(_member(u, i), history[t], rtol=1e-6, atol=1e-7)
+    assert state.emitted.tolist() == [3] * ENSEMBLE
+    # The pure train_step under vmap: an ensemble of models trained with accumulation in one call.
+    tx = fx.accumulate(fx.adam(1e-2), every=EVERY)
+    data = batches(2 * EVERY, 5)
+    refs = [run(tx, data, donate=False, params=p)[0] for p in members]
+    step = torch.func.vmap(fx.train_step(loss_fn, tx, donate=False), in_dims=(0, 0, None))
+    params = _stack(members)
+    state = torch.func.vmap(tx.init)(params)
+    for batch in data:
+        params, state, metrics = step(params, state, batch)
+    assert metrics["emitted"].tolist() == [2] * ENSEMBLE
+    for i, ref in enumerate(refs):
+        assert_trees_close(_member(params, i), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_schedule_with_batched_counters_is_a_value_error_naming_it():
+    tx = fx.accumulate(fx.sgd(0.1), every=lambda emitted: emitted + 2)
+    members, grads = _ensemble()
+    params = _stack(members)
+    state = torch.func.vmap(tx.init)(params)
+    with pytest.raises(ValueError, match=r"accumulate: every=<lambda> is a schedule.*batched.*integer every"):
+        torch.func.vmap(tx.update)(_stack(grads[0]), state, params)
+    # Unbatched counters (in_dims=None): the schedule is evaluated on the host, as without vmap.
+    state = state._replace(mini_step=state.mini_step[0], emitted=state.emitted[0])
+    dims = fx.AccumulateState(mini_step=None, emitted=None, acc=0, inner_state=0)
+    u, state = torch.func.vmap(tx.update, in_dims=(0, dims, 0), out_dims=(0, dims))(_stack(grads[0]), state, params)
+    assert int(state.mini_step) == 1 and not any(x.any() for x in fx.tree.leaves(u))
+    # A stacked state outside vmap: counters that are not 0-dim are named, not broadcast against the leaves.
+    tx = fx.accumulate(fx.sgd(0.1), every=2)
+    with pytest.raises(ValueError, match=r"accumulate: the counters .* must be 0-dim.*\(3,\)"):
+        tx.update(_stack(grads[0]), _stack([tx.init(p) for p in members]), params)
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("mean", [True, False])
+def test_vmap_with_batched_counters_matches_optax_multisteps_under_jax_vmap(mean):
+    import jax
+    import optax
+
+    from fxtrain.testing import from_jnp, to_jnp
+
+    tx = fx.accumulate(fx.chain(fx.clip_by_global_norm(1.0), fx.adam(1e-2)), every=EVERY, mean=mean)
+    ref = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), every_k_schedule=EVERY,
+                           use_grad_mean=mean)
+    members, grads = _ensemble()
+    params = _stack(members)
+    state, o_state = torch.func.vmap(tx.init)(params), jax.vmap(ref.init)(to_jnp(params))
+    o_update = jax.jit(jax.vmap(ref.update))
+    for step in grads:
+        o_updates, o_state = o_update(to_jnp(_stack(step)), o_state, to_jnp(params))
+        u, state = torch.func.vmap(tx.update)(_stack(step), state, params)
+        assert_trees_close(u, from_jnp(o_updates), rtol=1e-5, atol=1e-7)
+        params = fx.apply_updates(params, u)
+        assert state.mini_step.tolist() == o_state.mini_step.tolist()
+        assert state.emitted.tolist() == o_state.gradient_step.tolist()
+    adam, o_adam = state.inner_state[1][0], from_jnp(o_state.inner_opt_state[1][0])  # chain(clip, chain(adam..))
+    assert adam.count.tolist() == o_adam.count.tolist() == [CALLS // EVERY] * ENSEMBLE
+    assert_trees_close((adam.mu, adam.nu), (o_adam.mu, o_adam.nu), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.optax
+def test_grad_through_a_window_with_batched_counters_matches_jax_grad():
+    """d(a function of the ensemble's params after 7 calls, every=3) / d(every gradient, the learning rate),
+    the counters batched inside (vmap of init and update): torch.func.grad against jax.grad."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from fxtrain.testing import from_jnp, to_jnp
+
+    members, grads = _ensemble(seed=11)
+    grads = [_stack(step) for step in grads[:7]]
+    params = _stack(members)
+    g = torch.Generator().manual_seed(12)
+    weights = fx.tree.map(lambda p: torch.randn(p.shape, generator=g), params)
+
+    def objective(grads, lr):
+        tx = fx.accumulate(fx.chain(fx.clip_by_global_norm(1.0), fx.adam(lr)), every=EVERY)
+        p = params
+        state = torch.func.vmap(tx.init)(p)
+        for gs in grads:
+            u, state = torch.func.vmap(tx.update)(gs, state, p)
+            p = fx.apply_updates(p, u)
+        return sum((w * x).sum() for w, x in zip(fx.tree.leaves(weights), fx.tree.leaves(p)))
+
+    def o_objective(grads, lr):
+        otx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr)), every_k_schedule=EVERY)
+        p = to_jnp(params)
+        state = jax.vmap(otx.init)(p)
+        for gs in grads:
+            u, state = jax.vmap(otx.update)(gs, state, p)
+            p = optax.apply_updates(p, u)
+        return sum(jnp.sum(w * x) for w, x in zip(jax.tree.leaves(to_jnp(weights)), jax.tree.leaves(p)))
+
+    d_grads, d_lr = torch.func.grad(objective, argnums=(0, 1))(grads, torch.tensor(0.05))
+    o_grads, o_lr = jax.grad(o_objective, argnums=(0, 1))(to_jnp(grads), jnp.float32(0.05))
+    assert_trees_close(d_grads, from_jnp(o_grads), rtol=1e-4, atol=1e-6)
+    assert math.isclose(float(d_lr), float(o_lr), rel_tol=1e-4)
+    # Not a detached or zero gradient: the learning rate and every member's first gradients matter; the
+    # 7th call's gradients never reach the params (held, not emitted), and where() gives them exactly 0.
+    assert float(d_lr) != 0
+    assert all(float(x[i].abs().max()) > 1e-4 for x in fx.tree.leaves(d_grads[0]) for i in range(ENSEMBLE))
+    assert all(not x.any() for x in fx.tree.leaves(d_grads[6]))
 
 
 @pytest.mark.optax

@@ -4,7 +4,7 @@
 batches of size b give the update of one batch of k*b, with the activation memory of b. ``microbatch``
 does the same inside one call, for a caller who holds the whole batch.
 
-Three choices, and why (measured on torch 2.13, CPU):
+Four choices, and why (measured on torch 2.13, CPU):
 
 * **The emit decision is taken on the host, from the state.** ``mini_step`` and ``emitted`` are 0-dim
   int32 tensors that live on the CPU whatever the params' device (as ``torch.optim`` keeps its ``step``
@@ -18,6 +18,15 @@ Three choices, and why (measured on torch 2.13, CPU):
   implementation reads the predicate on the host anyway (``if pred:`` in ``cond_op_dense``). Under
   ``torch.compile`` the counter reads are graph breaks (measured: the update compiles to 3 graphs with
   2 breaks, same results as eager): the accumulation and the inner update compile separately.
+* **Unless the counters cannot be read: then Optax's way, on device.** An ensemble initialised with
+  ``torch.func.vmap(tx.init)`` has batched counters (one window position per member), and a counter
+  traced by a ``torch.func`` transform has no value on the host either. There ``update`` does what
+  ``MultiSteps`` does under ``jax.vmap``: it computes both branches out of place (this call's window
+  sum, and the inner transform on its mean or sum: the inner transform runs on every call) and selects
+  leaf by leaf with ``torch.where`` on ``mini_step + 1 >= every``: zeros and the inner state kept when
+  holding, the inner update and state, a zeroed accumulator and counters moved on when emitting. The
+  same numbers as the host path, at the cost of a full inner update per call; an integer ``every`` only
+  (a schedule is evaluated on the host).
 * **Non-emitting calls: zeros when pure, ``None`` when donated.** The pure ``update`` returns a tree
   of zeros, as Optax's ``MultiSteps`` (what ``vmap`` and ``grad`` must see). The donated kernel
   (:func:`fxtrain.update_`) returns ``None`` leaves, fxtrain's "no update": :func:`fxtrain.apply_updates_`
@@ -52,14 +61,16 @@ import optree
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, kernel, transform, with_traits
+from fxtrain._base import GradientTransformation, _name, kernel, transform, with_traits
 from fxtrain.transforms._hyperparams import safe_increment_
 from fxtrain.transforms._moments import as_dtype
 
 _NS = "fxtrain"
-_HOST_COUNTERS = ("accumulate decides on the host whether a call emits, from its CPU counters mini_step and "
-                  "emitted; they cannot be batched or traced (under torch.func.vmap pass them unbatched, "
-                  "in_dims=None, and take them back with out_dims=None): {}")
+_SCHEDULE_ON_DEVICE = (
+    "accumulate: every={} is a schedule (a callable of the emitted count), evaluated on the host, but the "
+    "counters mini_step and emitted are batched or traced here (e.g. torch.func.vmap over the state of "
+    "vmap(tx.init)), where the emit decision is taken on device: pass an integer every, or keep the counters "
+    "unbatched (in_dims=None for mini_step and emitted, and out_dims=None)")
 
 
 class AccumulateState(NamedTuple):
@@ -100,6 +111,11 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
     once). A non-emitting call costs one pass over the gradients (none on the window's first call) and
     no communication. How and why: see the module docstring.
 
+    Under ``torch.func.vmap`` with batched counters (an ensemble whose state comes from
+    ``vmap(tx.init)``: each member at its own window position) the decision is taken on device instead,
+    as Optax does under ``jax.vmap``: ``tx`` then runs on every call, and ``torch.where`` keeps its results
+    only where a member emits. Same numbers; an integer ``every`` only.
+
     Args:
       tx: the transform to run on the accumulated gradients, e.g. ``chain(clip_by_global_norm(1.0),
         adamw(1e-3))``: clipping acts on the accumulated gradient, as on one big batch.
@@ -115,7 +131,8 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
       metrics.
 
     Raises:
-      ValueError: ``every`` is not an int >= 1 or a callable (or the schedule returns a value < 1).
+      ValueError: ``every`` is not an int >= 1 or a callable (or the schedule returns a value < 1); or, at
+        an update, ``every`` is a schedule and the counters are batched or traced.
 
     Example:
         >>> import torch, fxtrain as fx
@@ -152,8 +169,14 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
         # Host reads of CPU counters (no device sync): the decision that lets held calls skip the inner tx.
         try:
             m, n = int(state.mini_step), int(state.emitted)
-        except RuntimeError as e:  # batched or traced by a torch.func transform
-            raise ValueError(_HOST_COUNTERS.format(e)) from None
+        except (RuntimeError, ValueError):  # batched (vmap over tx.init's state) or traced: decided on device
+            if state.mini_step.ndim or state.emitted.ndim:  # a stacked state outside vmap, say
+                raise ValueError(f"accumulate: the counters mini_step and emitted must be 0-dim (per model), got "
+                                 f"shapes {tuple(state.mini_step.shape)} and {tuple(state.emitted.shape)}") from None
+            if not isinstance(every, numbers.Integral):
+                raise ValueError(_SCHEDULE_ON_DEVICE.format(_name(every))) from None
+            with tree.functional():
+                return _update_on_device(inner_kernel, int(every), mean, updates, state, params)
         k = window(n)
         if m + 1 < k:  # hold
             if m == 0:
@@ -208,6 +231,70 @@ def _window_length(every: Any) -> Callable[[int], int]:
 
     window(0)  # fail at construction, not at the first update
     return window
+
+
+def _update_on_device(inner_kernel: Callable, k: int, mean: bool, updates: Any, state: AccumulateState,
+              params: Any) -> tuple[Any, AccumulateState]:
+    """One call whose counters cannot be read on the host (batched or traced), as Optax's ``MultiSteps``
+    under ``jax.vmap``: both branches out of place, selected leaf by leaf on ``mini_step + 1 >= k``.
+
+    Runs inside :func:`fxtrain.tree.functional`. The window sum is ``acc + g`` (``g`` alone when
+    ``mini_step`` is 0, whatever ``acc`` holds then, as on the host path), rounded and divided as there.
+    """
+    m, n = state.mini_step, state.emitted
+    if k == 1:  # every call emits: nothing to select, no accumulator
+        updates, inner_state = inner_kernel(distributed.reduce_partials(updates), state.inner_state, params)
+        return updates, AccumulateState(torch.zeros_like(m), safe_increment_(n), state.acc, inner_state)
+    emit, held = _placed(m + 1 >= k), _placed(m > 0)  # CPU bools, batched like the counters
+    xs, ys = tree.align(updates, state.acc)
+    g_local, acc_local = distributed.local_leaves(xs), distributed.local_leaves(ys)
+    total = [torch.where(held(g), a + g, g).to(a.dtype) for g, a in zip(g_local, acc_local)]
+    window = total
+    if mean:  # times 1 / (mini_step + 1), in float32 or wider, as the host path's scale by a Python float
+        inv = _placed(1.0 / (m + 1).double())
+        window = [(t.to(_opmath(t)) * inv(t).to(_opmath(t))).to(t.dtype) for t in total]
+    grads = tree.put(updates, updates, [w.to(g.dtype) for w, g in zip(window, g_local)])
+    new_updates, inner_state = inner_kernel(distributed.reduce_partials(grads), state.inner_state, params)
+    new_updates = tree.map(lambda u: torch.where(emit(u), u, u.new_zeros(())), new_updates)  # held: zeros
+    acc = tree.put(state.acc, updates, [torch.where(emit(t), t.new_zeros(()), t) for t in total])
+    return new_updates, AccumulateState(
+        mini_step=torch.where(emit(m), torch.zeros_like(m), m + 1),
+        emitted=torch.where(emit(n), safe_increment_(n), n),
+        acc=acc,
+        inner_state=_select(emit, inner_state, state.inner_state),
+    )
+
+
+def _placed(pred: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> pred`` on ``x``'s device (copied once per device): the counters live on the CPU, and under
+    ``vmap`` a batched CPU tensor is no 0-dim scalar that torch would let meet a CUDA tensor."""
+    on: dict = {}
+
+    def at(x: torch.Tensor) -> torch.Tensor:
+        if x.device not in on:  # non_blocking: a copy from pageable memory is staged at once, no stream sync
+            on[x.device] = pred.to(x.device, non_blocking=True)
+        return on[x.device]
+
+    return at
+
+
+def _opmath(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _select(emit: Callable, new: Any, old: Any) -> Any:
+    """Leafwise ``torch.where(emit, new, old)`` in ``old``'s dtypes (Optax's inner-state select)."""
+    def pick(a: Any, b: Any) -> Any:
+        if a is b:
+            return a
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return torch.where(emit(a), a, b).to(b.dtype)
+        if type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b:
+            return a
+        raise ValueError(f"accumulate: the inner state holds {a!r} where it held {b!r}, not tensors: with "
+                         "batched or traced counters the inner state is selected on device, leaf by leaf")
+
+    return optree.tree_map(pick, new, old, none_is_leaf=True, namespace=_NS)
 
 
 def _refill(acc: Any, grads: Any, dtype: torch.dtype | None) -> Any:
