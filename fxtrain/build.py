@@ -33,6 +33,7 @@ import re
 from typing import Any, Callable
 
 import torch
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -43,8 +44,38 @@ __all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "cast_
            "check_overrides", "ScaledSchedule"]
 
 
-class ConfigError(ValueError):
-    """A config that cannot be built; the message starts with the config key at fault."""
+class ConfigError(ValueError, CompactHydraException):
+    """A config that cannot be built; the message starts with the config key at fault.
+
+    Hydra prints a ``CompactHydraException`` as its message alone (the traceback with ``HYDRA_FULL_ERROR=1``);
+    ``python -m fxtrain.train`` prints it as one line (:func:`fxtrain.validate.one_line_errors`).
+    """
+
+
+# --- step counts that follow the run's length ---------------------------------------------------------
+# conf/schedule/*.yaml and conf/trainer/default.yaml give defaults as parts of trainer.max_steps, so that a
+# short run (trainer.max_steps=10) warms up and evaluates in proportion instead of failing or evaluating once.
+
+def _fraction_of(fraction: float, steps: int) -> int:
+    """``${fxtrain.fraction:0.05,${trainer.max_steps}}``: ``floor(fraction * steps)`` (warmup: 50 of 1000, 0 of 10)."""
+    _check_steps(steps)
+    return int(round(float(fraction) * steps, 6))
+
+
+def _every_for(steps: int, points: int) -> int:
+    """``${fxtrain.every:${trainer.max_steps},10}``: the period giving about ``points`` events in ``steps``
+    (``ceil(steps / points)``, at least 1): 10 evaluations whether the run is 30 or 3000 steps long."""
+    _check_steps(steps)
+    return max(1, -(-steps // int(points)))
+
+
+def _check_steps(steps: Any) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ConfigError(f"trainer.max_steps={steps}: expected a positive whole number of steps")
+
+
+OmegaConf.register_new_resolver("fxtrain.fraction", _fraction_of, replace=True)
+OmegaConf.register_new_resolver("fxtrain.every", _every_for, replace=True)
 
 
 # --- instantiate ------------------------------------------------------------------------------------

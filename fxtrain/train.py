@@ -31,8 +31,13 @@ config, and only rank 0 writes or prints (checkpoints are written by all ranks t
 
 In both cases ``metrics.jsonl`` is cut back to the checkpoint's step before training goes on (the lines
 a killed run logged after its last checkpoint are logged again by the resumed one), so it holds every
-logged step exactly once. The resumed run computes what the uninterrupted one would have: same batches
-(``data.train[step]``), same RNG, same optimizer state, bit for bit; only ``time_s`` restarts from 0.
+logged step exactly once; ``summary.json`` and checkpoints after that step are removed
+(:func:`fxtrain.rundir.rewind`). The resumed run computes what the uninterrupted one would have: same
+batches (``data.train[step]``), same RNG, same optimizer state, bit for bit; only ``time_s`` restarts from 0.
+
+**A run directory belongs to one run** (:mod:`fxtrain.rundir`): relaunching another config into it is
+refused, and so is the same config with ``resume=null`` (use ``resume=auto``); one live process holds it
+(a lock naming its pid and host); ``keep_last`` deletes only this run's older checkpoints.
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ import logging
 import math
 import os
 import pathlib
-import shutil
 import sys
 import time
 from typing import Any, Callable
@@ -52,13 +56,14 @@ import hydra
 import torch
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fxtrain as fx
-from fxtrain import build, checkpoint, distributed, report, tree
+from fxtrain import build, checkpoint, distributed, report, rundir, tree, validate
 from fxtrain.models import count_params
 
 log = logging.getLogger("fxtrain")
@@ -76,7 +81,14 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
       FloatingPointError: a non-finite loss or metric; training stops there, and ``metrics.jsonl`` and
         ``checkpoints/`` keep the last finite step.
       fxtrain.build.ConfigError: a config that cannot be built, naming the key.
+      fxtrain.rundir.RunDirError: ``out_dir`` holds another run, this run without ``resume``, or a live process.
     """
+    validate.check(cfg)  # every setting, before anything is written (fxtrain/validate.py)
+    with rundir.claim(out_dir, cfg):  # one run, one live process per directory (fxtrain/rundir.py)
+        return _train(cfg, out_dir)
+
+
+def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> float:
     # --- config ---------------------------------------------------------------------------------
     t0 = time.perf_counter()
     rank, world = distributed.rank_and_world()
@@ -88,7 +100,7 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
     ckpt_dir = pathlib.Path(out_dir) / "checkpoints" if out_dir is not None else None  # every rank writes its shards
     source = _resume_source(cfg, ckpt_dir)
     if source == "completed":  # resume=auto on a finished run: leave it as it is
-        value = json.loads((pathlib.Path(out_dir) / "summary.json").read_text())["value"]
+        value = rundir.read_summary(out_dir)["value"]
         say(f"resume=auto: {out_dir} completed {cfg.trainer.max_steps} steps already; nothing to do")
         return float(value)
     if out is not None:
@@ -114,11 +126,10 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
         if start > trainer.max_steps:
             raise build.ConfigError(f"resume: the checkpoint {source} is at step {start}, beyond "
                                     f"trainer.max_steps={trainer.max_steps}")
-        if out is not None:
-            _truncate_jsonl(out / "metrics.jsonl", start)
         resumed = f"from {source} (step {start})"
     elif cfg.get("resume") == "auto":
         resumed = f"from step 0 (resume=auto: no checkpoint in {ckpt_dir})"
+    rundir.rewind(out, start)  # no summary, no checkpoint or metrics.jsonl line after `start`: one timeline
     logger = build.instantiate(cfg.logger, "logger", dir=out) if out is not None else None
     where = str(out) if out is not None else "(not saved)"
     sharded = world > 1 and bool(cfg.parallel.get("shard_optimizer", False))
@@ -233,7 +244,7 @@ def finish_run(cfg: DictConfig, out: pathlib.Path | None, final: dict[str, float
     if out is not None:
         summary = {"status": "completed", "step": max_steps, "time_s": round(elapsed, 2),
                    "optimized_metric": cfg.optimized_metric, "value": value, "metrics": final}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        rundir.write_json(out / "summary.json", summary)  # atomic: a kill leaves the old one or the new one
     shown = [cfg.optimized_metric] + [k for k in ("test_accuracy", "test_loss", "loss") if k != cfg.optimized_metric]
     say(f"done   {max_steps} steps in {elapsed:.1f} s | " + " | ".join(f"{k} {final[k]:.4f}" for k in shown
                                                                    if k in final))
@@ -244,8 +255,10 @@ def finish_run(cfg: DictConfig, out: pathlib.Path | None, final: dict[str, float
 
 def write_failure(out: pathlib.Path, cfg: DictConfig, error: BaseException) -> None:
     """Writes the ``summary.json`` of a failed run (``status: failed`` and the error), which summary.csv shows."""
+    if isinstance(error, rundir.RunDirError):  # a refused launch: the directory is another run's
+        return
     failed = {"status": "failed", "error": f"{type(error).__name__}: {error}", "optimized_metric": cfg.optimized_metric}
-    (out / "summary.json").write_text(json.dumps(failed, indent=2) + "\n")
+    rundir.write_json(out / "summary.json", failed)
 
 
 def state_bytes(opt_state: Any) -> int:
@@ -272,14 +285,13 @@ def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], ba
 def save_checkpoint(directory: pathlib.Path, state: fx.TrainState, keep_last: int,
                     previous: tuple[int, pathlib.Path] | None, rank: int) -> pathlib.Path:
     """Writes ``state`` to ``directory/step_<N>`` (:func:`fxtrain.save`: atomic), refusing non-finite params,
-    then deletes all but the newest ``keep_last`` checkpoints (``0`` keeps all). Every rank calls it."""
+    then deletes older ones beyond the newest ``keep_last`` (``0`` keeps all; :func:`fxtrain.rundir.prune`).
+    Every rank calls it."""
     if not bool(tree.all_finite(distributed.local_leaves(state.params))):
         _raise_not_finite(f"params are not finite after step {state.step}", previous)
     path = fx.save(directory / f"step_{state.step:07d}", state)
-    if rank == 0 and keep_last:
-        steps = sorted(p for p in directory.glob("step_*") if p.is_dir())
-        for old in steps[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    if rank == 0:
+        rundir.prune(directory, keep_last, state.step)
     return path
 
 
@@ -292,9 +304,12 @@ def _resume_source(cfg: DictConfig, ckpt_dir: pathlib.Path | None) -> pathlib.Pa
         if ckpt_dir is None:
             return None
         found = checkpoint.latest(ckpt_dir)
-        summary = ckpt_dir.parent / "summary.json"
-        if summary.exists():
-            done = json.loads(summary.read_text())
+        try:
+            done = rundir.read_summary(ckpt_dir.parent) or {}
+        except rundir.RunDirError as e:  # the newest checkpoint has what it lacks: go on from there
+            log.warning(f"{e}; resume=auto goes on from the newest checkpoint and writes it again")
+            done = {}
+        if done:
             if done.get("status") == "completed" and done.get("step") == cfg.trainer.max_steps and "value" in done:
                 return "completed"
         return found
@@ -306,16 +321,6 @@ def _resume_source(cfg: DictConfig, ckpt_dir: pathlib.Path | None) -> pathlib.Pa
         raise build.ConfigError(f"resume={resume}: no checkpoint there (expected a checkpoint directory such as "
                                 "<run>/checkpoints/step_0000100, or a run directory that has checkpoints/)")
     return found
-
-
-def _truncate_jsonl(path: pathlib.Path, step: int) -> None:
-    """Keeps the lines of ``path`` up to ``step`` (and drops a half-written last line), atomically."""
-    if not path.exists():
-        return
-    kept = [r for r in report.read_jsonl(path) if r.get("step", 0) <= step]  # as JsonlLogger writes them
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
 
 
 def _last_record(path: pathlib.Path, step: int) -> dict[str, float]:
@@ -369,12 +374,15 @@ def _resolved_yaml(cfg: DictConfig) -> str:
 def _task(cfg: DictConfig) -> float:
     """Hydra's task function: one run (one job of a sweep) in Hydra's output directory."""
     out = pathlib.Path(HydraConfig.get().runtime.output_dir)
-    try:
-        return train(cfg, out)
-    except Exception as e:
-        if distributed.rank_and_world()[0] == 0:  # a failed job still says why in its directory (and summary.csv)
-            write_failure(out, cfg, e)
-        raise
+    # A setting's error prints as one line, without a traceback (HYDRA_FULL_ERROR=1 shows it).
+    with validate.one_line_errors(multirun=HydraConfig.get().mode == RunMode.MULTIRUN):
+        validate.check(cfg)  # a bad setting writes nothing here, not even a failed summary.json
+        try:
+            return train(cfg, out)
+        except Exception as e:
+            if distributed.rank_and_world()[0] == 0:  # a failed job still says why in its directory (and summary.csv)
+                write_failure(out, cfg, e)
+            raise
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,268 @@
+"""A run directory belongs to one run: who owns it, one live process at a time, its files rewound on resume.
+
+The training script's directory (``hydra.run.dir``, or a sweep job's) is managed the way orbax's
+``CheckpointManager`` manages its directory: what is in it was written by one run, and nothing another
+launch does can mix into it or delete from it.
+
+* **Ownership.** :func:`claim` records the run's config hash in ``run.json`` (the sha256 of the resolved
+  config, minus the keys in :data:`UNHASHED`, which change how a run is launched but not what it computes).
+  A later launch into a directory that holds progress (a checkpoint, a ``metrics.jsonl`` line or a
+  ``summary.json``) is refused as one line, before anything is written, when
+
+  - its config hash differs (the message names the keys that differ, says how to continue the run that
+    is there, ``resume=auto`` with its own config, and where to go instead: another ``hydra.run.dir``);
+  - its config is the same but ``resume`` is ``null``: starting over would mix two runs into one
+    ``metrics.jsonl``, so the same config is **refused, never silently resumed**; ``resume=auto`` continues it.
+
+  A directory without progress (a launch that failed before its first log line) is claimed anew. A key
+  present on one side only (one a newer fxtrain added, at its default) does not make another run:
+  ``resume`` continues and records the new config. A directory with progress but no ``run.json`` (written
+  before run directories were recorded) is continued only with ``resume``.
+* **One live process.** :func:`claim` holds an exclusive advisory lock (``fcntl.flock``) on ``run.lock``,
+  which records the holder's pid and host, for the whole run; a second process is refused with a message
+  naming the holder. The lock dies with its process (``kill -9`` included), so a relaunch never finds a
+  stale one. Under torchrun only rank 0 claims; its refusal is raised on every rank.
+* **Rewind.** :func:`rewind` runs when training (re)starts at step ``N``: ``summary.json`` goes,
+  ``metrics.jsonl`` is cut back to step ``N`` and checkpoints after step ``N`` (``resume=PATH`` into an
+  older step) are removed, so the directory holds one timeline and every logged step exactly once.
+* **keep_last.** :func:`prune` deletes only this run's checkpoints older than the one just written, and
+  never that one: ``trainer.keep_last=N`` keeps the newest ``N`` (``0`` keeps all; negative is refused).
+* **summary.json** is written atomically (:func:`write_json`: a temporary file, fsync, ``os.replace``); one
+  that does not parse is reported by :func:`read_summary` as one line naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import socket
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, OmegaConf
+
+from fxtrain import build, checkpoint, distributed, report
+
+__all__ = ["RunDirError", "UNHASHED", "config_hash", "claim", "rewind", "prune", "write_json", "read_summary"]
+
+OWNER = "run.json"  # {"config_sha256": ..., "config": {...}}: the run this directory belongs to
+LOCK = "run.lock"   # flock'ed by the live process; holds its pid and host
+SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"
+# Keys that do not change what a run computes, only how it is launched: a relaunch may change them.
+UNHASHED = ("resume", "trainer.progress", "trainer.cpu_threads", "trainer.keep_last", "trainer.eval_batch_size")
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+class RunDirError(build.ConfigError):
+    """A launch refused by its run directory: another run's directory, the same run without ``resume``, or a
+    directory another live process holds. Nothing was written."""
+
+
+def config_hash(cfg: DictConfig | dict) -> tuple[str, dict[str, Any]]:
+    """``(sha256 hex, flat config)`` of the resolved ``cfg`` without the :data:`UNHASHED` keys."""
+    container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif prefix not in UNHASHED:
+            flat[prefix] = node
+
+    walk(container, "")
+    text = json.dumps(flat, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode()).hexdigest(), json.loads(text)
+
+
+@contextlib.contextmanager
+def claim(out: str | os.PathLike | None, cfg: DictConfig) -> Iterator[None]:
+    """Holds the run directory ``out`` for the run ``cfg`` describes (see the module doc), until the block ends.
+
+    ``None`` (a run that writes nothing) claims nothing. Under torchrun rank 0 claims and every rank gets
+    its verdict.
+
+    Raises:
+      RunDirError: the directory holds another run, this run without ``resume``, or another live process.
+      fxtrain.build.ConfigError: ``trainer.keep_last`` is negative.
+    """
+    keep_last = cfg.trainer.get("keep_last", 0)
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0:
+        raise build.ConfigError(f"trainer.keep_last={keep_last!r}: expected the number of checkpoints to keep, "
+                                "a positive integer, or 0 to keep every checkpoint")
+    if out is None:
+        yield
+        return
+    rank, world = distributed.rank_and_world()
+    out = pathlib.Path(out)
+    fd, why = None, None
+    if rank == 0:
+        try:
+            fd = _lock(out)
+            _check_owner(out, cfg)
+        except RunDirError as e:
+            why = str(e)
+            if fd is not None:
+                os.close(fd)
+                fd = None
+    if world > 1:  # rank 0's verdict, on every rank (none starts a run that rank 0 refused)
+        import torch.distributed as dist
+
+        box = [why]
+        dist.broadcast_object_list(box, src=0)
+        why = box[0]
+    if why is not None:
+        raise RunDirError(why)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+def _lock(out: pathlib.Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = json.loads(os.read(fd, 4096) or b"{}")
+        except ValueError:
+            holder = {}
+        os.close(fd)
+        who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}"
+        raise RunDirError(f"run directory {out} is in use by {who} ({out / LOCK} is locked): one process per run "
+                          "directory; wait for it to end, or pass another hydra.run.dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode())
+    return fd
+
+
+def _check_owner(out: pathlib.Path, cfg: DictConfig) -> None:
+    """Refuses ``cfg`` in ``out`` (see the module doc), or records ``cfg`` as the owner of ``out``."""
+    digest, flat = config_hash(cfg)
+    progress = _progress(out)
+    if progress is not None:
+        try:
+            owner = json.loads((out / OWNER).read_text())
+        except (OSError, ValueError):
+            owner = None
+        there = owner.get("config") if isinstance(owner, dict) else None
+        resume = cfg.get("resume") not in (None, "")
+        if isinstance(there, dict):
+            # Keys on one side only (one that a newer fxtrain added, at its default) do not make another run.
+            diff = [k for k in sorted(set(there) & set(flat)) if there[k] != flat[k]]
+            if diff:
+                shown = ", ".join(f"{k}={there[k]} there, {flat[k]} here" for k in diff[:3])
+                raise RunDirError(f"run directory {out} holds another run's config ({shown}"
+                                  f"{', ...' if len(diff) > 3 else ''}), {progress}: to continue that run, relaunch "
+                                  "it with its own config and resume=auto; for this one, pass another hydra.run.dir")
+            if not resume:
+                then = "return its result" if progress.startswith("completed") else "continue it"
+                raise RunDirError(f"run directory {out} holds this run already, {progress}: pass resume=auto to "
+                                  f"{then}, or another hydra.run.dir to start a new run (resume=null never mixes two "
+                                  "runs in one directory)")
+            if owner.get("config_sha256") == digest:
+                return
+        elif not resume:
+            raise RunDirError(f"run directory {out} holds a run without {OWNER} (from before run directories were "
+                              f"recorded), {progress}: pass resume=auto to continue it with this config, or another "
+                              "hydra.run.dir to start a new run")
+    write_json(out / OWNER, {"config_sha256": digest, "config": flat})
+
+
+def _progress(out: pathlib.Path) -> str | None:
+    """What ``out`` holds of a run (``"completed at step 60"``, ``"at step 20 (checkpoint)"``...), or ``None``."""
+    try:
+        summary = read_summary(out)
+    except RunDirError:
+        summary = {"status": "unreadable"}
+    if summary is not None:
+        return f"{summary.get('status', 'unknown')} at step {summary.get('step', '?')} ({SUMMARY})"
+    latest = checkpoint.latest(out / "checkpoints")
+    if latest is not None:
+        return f"checkpoint at step {int(latest.name.split('_')[1])}"
+    steps = [r.get("step") for r in report.read_jsonl(out / METRICS)]
+    if steps:
+        return f"logged up to step {steps[-1]} ({METRICS})"
+    return None
+
+
+def rewind(out: pathlib.Path | None, step: int) -> None:
+    """Makes ``out`` the directory of a run at ``step``: removes ``summary.json`` and checkpoints after
+    ``step``, cuts ``metrics.jsonl`` back to ``step`` (a half-written last line dropped), atomically."""
+    if out is None:
+        return
+    (out / SUMMARY).unlink(missing_ok=True)
+    for path, n in _steps(out / "checkpoints"):
+        if n > step:
+            shutil.rmtree(path, ignore_errors=True)
+    metrics = out / METRICS
+    if metrics.exists():
+        kept = [r for r in report.read_jsonl(metrics) if r.get("step", 0) <= step]
+        tmp = metrics.with_name(f".{METRICS}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, metrics)
+
+
+def prune(directory: pathlib.Path, keep_last: int, current: int) -> None:
+    """Deletes the checkpoints of ``directory`` older than step ``current`` (just written) beyond the newest
+    ``keep_last`` (``0``: none); never ``current`` itself, never a later one.
+
+    >>> import tempfile; d = pathlib.Path(tempfile.mkdtemp())
+    >>> for n in (5, 10, 15): (d / f"step_{n:07d}").mkdir()
+    >>> prune(d, keep_last=2, current=15); sorted(p.name for p in d.iterdir())
+    ['step_0000010', 'step_0000015']
+    >>> prune(d, keep_last=1, current=10); sorted(p.name for p in d.iterdir())  # 15 is not this run's to delete
+    ['step_0000010', 'step_0000015']
+    """
+    if keep_last <= 0:
+        return
+    older = sorted((n, path) for path, n in _steps(directory) if n < current)
+    for _, path in older[:max(len(older) - (keep_last - 1), 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _steps(directory: pathlib.Path) -> list[tuple[pathlib.Path, int]]:
+    if not directory.is_dir():
+        return []
+    return [(p, int(m.group(1))) for p in directory.iterdir() if p.is_dir() and (m := _STEP.match(p.name))]
+
+
+def write_json(path: pathlib.Path, obj: Any) -> None:
+    """Writes ``obj`` as JSON to ``path`` atomically: a temporary file beside it, fsynced, then ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_summary(out: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``summary.json`` of the run directory ``out``, or ``None`` when there is none.
+
+    Raises:
+      RunDirError: it does not parse as a JSON object (named, with where it stops).
+    """
+    path = pathlib.Path(out) / SUMMARY
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        summary = json.loads(text)
+    except ValueError as e:
+        raise RunDirError(f"{path} is not valid JSON ({str(e).splitlines()[0]}): cut off by a kill while it was "
+                          "written, or edited") from None
+    if not isinstance(summary, dict):
+        raise RunDirError(f"{path} is not a JSON object")
+    return summary
