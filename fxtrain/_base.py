@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
@@ -313,11 +314,27 @@ def transform(factory: Callable | None = None, *, elementwise: bool | None = Tru
         def build(*args, **kwargs) -> GradientTransformation:
             tx = factory(*args, **kwargs)
             label = functools.partial(_label, factory.__name__, sig, args, kwargs)
-            return GradientTransformation(tx.init, _Update(kernel(tx), label, traits(tx)._replace(**declared)))
+            update = _Update(kernel(tx), label, traits(tx)._replace(**declared))
+            return GradientTransformation(_checked_init(tx.init, update), update)
 
         return public_factory(build)
 
     return decorate(factory) if factory is not None else decorate
+
+
+def _checked_init(init: Callable[[Params], State], update: _Update) -> Callable[[Params], State]:
+    """``init`` refusing, by name, what is not a tree of tensors but looks like params: a module, a generator."""
+    @functools.wraps(init)
+    def init_fn(params: Params) -> State:
+        if isinstance(params, torch.nn.Module) or isinstance(params, Iterator):
+            what = (f"an nn.Module ({type(params).__name__})" if isinstance(params, torch.nn.Module) else
+                    f"a {type(params).__name__} (module.parameters()?), which can be read only once")
+            raise TypeError(f"{update.label}.init got {what}; transforms take a tree of tensors (dict, list, "
+                            "tuple...): `apply, params, buffers = fx.functional(module)` gives the params tree of "
+                            "a module and a pure function of it, then `tx.init(params)`")
+        return init(params)
+
+    return init_fn
 
 
 # --- validation -------------------------------------------------------------------------------------

@@ -10,10 +10,13 @@ Three pieces, each usable alone:
 * :func:`amp_cast`: wraps a gradient transformation. Through ``wrap_loss`` the step's forward pass runs on
   params and batch cast to the compute dtype and differentiates ``loss.to(output) * scale``; its ``update``
   unscales the gradients, decides on every rank at once whether any element anywhere is not finite, and
-  then either runs the inner transform or skips it (zero updates, inner state bit-identical), and adjusts
-  the scale. Master params are never cast: gradients reach them in their own dtype through the cast.
+  then either runs the inner transform or skips it (``-0.0`` updates, so params stay bit-identical; inner
+  state bit-identical but for the ``grad_norm`` it reports, which says inf or NaN), and adjusts the scale.
+  Master params are never cast: gradients reach them in their own dtype through the cast. Model state
+  that rides in the batch (BatchNorm statistics) keeps its dtype when wrapped in :class:`Uncast`.
 
-The seeds' modes as presets (:func:`amp_preset`; the Hydra group ``amp/`` has the same names)::
+The seeds' modes as presets (:func:`amp_preset`; the Hydra group ``amp/`` has the same names, and
+``amp_cast(tx, "bf16")`` or ``Policy.parse("bf16")`` take them by name)::
 
     preset       policy               loss scale                               seeds' name
     -----------  -------------------  ---------------------------------------  --------------------------------------
@@ -63,13 +66,13 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, kernel, public_factory, transform, with_traits, wrap_loss
-from fxtrain.transforms._conditionality import select
+from fxtrain._base import GradientTransformation, kernel, public_factory, report, transform, with_traits, wrap_loss
+from fxtrain.transforms._conditionality import seen_grad_norm, select, skip_where_
 from fxtrain.transforms._hyperparams import param_device
 
 __all__ = [
     "Policy", "NoLossScale", "StaticLossScale", "DynamicLossScale", "StaticLossScaleState",
-    "DynamicLossScaleState", "AmpCastState", "amp_cast", "amp_preset", "PRESETS",
+    "DynamicLossScaleState", "AmpCastState", "amp_cast", "amp_preset", "PRESETS", "Uncast",
 ]
 
 # --- policies -------------------------------------------------------------------------------------
@@ -109,6 +112,12 @@ class Policy:
     a bare dtype name sets all three. Unset entries default as in jmp: params float32, compute = params,
     output = compute. Casting touches floating-point tensors only (integer labels, masks pass through).
 
+    A preset's name (``off``, ``bf16``, ``fp16``, ``naive_fp16``, ``pure_bf16``, ``pure_fp16``; see
+    :data:`PRESETS`) means the preset's policy, as ``amp=<name>`` does in the runner. Two of them shadow
+    jmp's bare names: ``"bf16"`` is ``p=f32,c=bf16,o=f32`` here (jmp: all three bf16, which is
+    ``"pure_bf16"`` or ``"p=bf16"``), and ``"off"`` is all float32. Other bare names keep jmp's meaning
+    (``"half"``, ``"bfloat16"``: all three in that dtype).
+
     Its ``repr`` is the short grammar form in quotes, so a stack prints as
     ``amp_cast(policy='p=f32,c=bf16,o=f32', ...)`` and ``Policy.parse(eval(repr(p))) == p``.
 
@@ -116,6 +125,8 @@ class Policy:
         >>> import torch, fxtrain as fx
         >>> fx.Policy.parse("c=bf16"), fx.Policy.parse("half"), fx.Policy(torch.float32, "f16", "f32")
         ('p=f32,c=bf16,o=bf16', 'p=f16,c=f16,o=f16', 'p=f32,c=f16,o=f32')
+        >>> fx.Policy.parse("bf16"), fx.Policy.parse("pure_bf16")   # presets by name
+        ('p=f32,c=bf16,o=f32', 'p=bf16,c=bf16,o=bf16')
         >>> p = fx.Policy.parse("params=float32,compute=bfloat16,output=float32")
         >>> p.cast_to_compute({"w": torch.ones(2), "label": torch.tensor([3])})["w"].dtype
         torch.bfloat16
@@ -143,6 +154,8 @@ class Policy:
             return policy
         if not isinstance(policy, str):
             raise ValueError(f"amp policy must be a string like 'p=f32,c=bf16,o=f32' or a fx.Policy, got {policy!r}")
+        if policy.strip() in PRESETS:  # a preset's name means the preset (the runner's amp=<name>), not jmp's
+            return cls.parse(PRESETS[policy.strip()][0])
         if "=" not in policy:
             dtype = _dtype(policy, f"amp policy {policy!r}")
             return cls(dtype, dtype, dtype)
@@ -433,13 +446,48 @@ _FP16_REFUSAL = (
 
 # --- amp_cast -----------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class Uncast:
+    """Part of a batch that reaches the loss in its own dtype: model state, such as BatchNorm running statistics.
+
+    ``amp_cast`` casts the floating-point leaves of the batch to the compute dtype; state that rides in the
+    batch (``fx.functional``'s ``buffers``, updated by the forward pass and handed back in ``aux``) would
+    then be rounded every step: a BatchNorm running mean kept in bf16 stops moving once ``momentum * (mean
+    - running_mean)`` falls below half a bf16 step. Wrapped in ``Uncast``, it passes through untouched, and
+    :func:`fxtrain.train_step` hands the loss function the value itself (with or without ``amp_cast``).
+    Buffers so keep their own dtype unless the caller stores them otherwise (the pure half presets store
+    everything in half).
+
+    BatchNorm on CPU computes with a bf16 or f16 input but wants its weight and bias in its statistics'
+    dtype: cast those params up inside the loss (the gradients flow back through the cast), as
+    ``torch.autocast`` keeps them.
+
+    >>> import torch, fxtrain as fx
+    >>> batch = (fx.amp.Uncast({"running_mean": torch.zeros(2)}), torch.ones(2))
+    >>> fx.Policy.parse("bf16").cast_to_compute(batch)[0].value["running_mean"].dtype
+    torch.float32
+    """
+
+    value: Any
+
+
+def uncast(batch: Any) -> Any:
+    """``batch`` with every :class:`Uncast` replaced by its value (what the loss function receives)."""
+    if isinstance(batch, Uncast):
+        return batch.value
+    if not isinstance(batch, (tuple, list, dict)):
+        return batch
+    return tree.map(lambda x: x.value if isinstance(x, Uncast) else x, batch)
+
+
 class AmpCastState(NamedTuple):
     """State of :func:`amp_cast`.
 
     Attributes:
       loss_scale: the loss scale's state (:class:`DynamicLossScaleState` or :class:`StaticLossScaleState`).
       skipped: whether the last update was skipped for a non-finite gradient (0-dim int32, 0 or 1).
-      inner_state: the state of the wrapped transform.
+      inner_state: the state of the wrapped transform (restored on a skipped update, but for the
+        ``grad_norm`` it reports: the norm of the unscaled gradients seen, inf or NaN).
     """
 
     loss_scale: DynamicLossScaleState | StaticLossScaleState
@@ -489,9 +537,12 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
         else:  # the inner kernel writes into its state: keep a copy to restore
             before = tree.clone(state.inner_state)
         updates, inner_state = inner_kernel(updates, state.inner_state, params)
-        inner_state = select(~overflow, inner_state, before, what="inner state")
-        # On local pieces: Partial gradients stay Partial.
-        updates = tree.put(updates, updates, tree.zero_where_(overflow, tree.leaves(updates)))
+        # The norm of what was skipped (out of place the inner stack saw zeros on overflow).
+        seen = seen_grad_norm(report(inner_state), overflow, local, fed_zeros=tree.is_functional())
+        inner_state = select(~overflow, inner_state, before, what="inner state", seen=seen)
+        # -0.0 on a skipped step (params stay bit-identical, -0.0 included); on local pieces: Partial
+        # gradients stay Partial.
+        updates = tree.put(updates, updates, skip_where_(overflow, tree.leaves(updates)))
         loss_scale = scaler.adjust_(state.loss_scale, overflow)
         skipped = tree.copy_([state.skipped], [overflow])[0]
         return updates, AmpCastState(loss_scale, skipped, inner_state)
@@ -533,8 +584,10 @@ def amp_cast(inner: GradientTransformation, policy: str | Policy = "params=float
        float32 inverse of :math:`s`, finiteness with :func:`fxtrain.tree.all_finite`;
     2. ``overflow``: the flag summed over every rank and mesh that holds a piece of the tree
        (:func:`fxtrain.distributed.global_count`), so every rank takes the same decision;
-    3. the inner transform runs; on overflow its updates are replaced by zeros and its state by a copy
-       taken before it ran (bit-identical), selected with ``torch.where`` on device (no host sync); out
+    3. the inner transform runs; on overflow its updates are replaced by ``-0.0`` (``p + -0.0`` is ``p``
+       bit for bit, ``-0.0`` included) and its state by a copy taken before it ran (bit-identical, but for
+       the ``grad_norm`` it reports: the norm of the gradients skipped, inf or NaN, so that metrics say
+       what happened), selected with ``torch.where`` on device (no host sync); out
        of place it sees zero gradients on overflow, so gradients through a skipped step are zero, not NaN;
     4. the loss scale adjusts (:class:`DynamicLossScale`).
 
@@ -549,8 +602,10 @@ def amp_cast(inner: GradientTransformation, policy: str | Policy = "params=float
     Args:
       inner: the transform to run on unscaled, finite gradients (e.g. ``chain(clip_by_global_norm(1.0),
         adamw(...))``: clipping sees unscaled gradients).
-      policy: a :class:`Policy` or its string (jmp grammar). The default computes in bf16 with float32
-        params and loss.
+      policy: a :class:`Policy`, its string (jmp grammar), or a preset's name (``"off"``, ``"bf16"``,
+        ``"fp16"``, ``"naive_fp16"``, ``"pure_bf16"``, ``"pure_fp16"``: the preset's policy and, unless
+        ``loss_scale`` is given, its loss scale; see :data:`PRESETS`). The default computes in bf16 with
+        float32 params and loss.
       loss_scale: ``None`` (the default: ``'dynamic'`` when the policy has a float16 dtype, else
         ``'none'``), ``'none'``, ``'dynamic'`` (``DynamicLossScale()``), a positive number (static
         scale), a mapping of :class:`DynamicLossScale` arguments (what a Hydra config gives), or a
@@ -584,6 +639,8 @@ def amp_cast(inner: GradientTransformation, policy: str | Policy = "params=float
         [-1.0, -1.0] 2.0 1
         [-2.0, -2.0] 2.0 0
     """
+    if loss_scale is None and isinstance(policy, str) and policy.strip() in PRESETS:
+        loss_scale = PRESETS[policy.strip()][1]  # a preset by name: its loss scale too
     policy = Policy.parse(policy)
     kwargs: dict[str, Any] = {"policy": policy}
     if loss_scale is not None:

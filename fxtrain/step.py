@@ -97,11 +97,13 @@ Example: a hand-written transform that scales the objective by 8 and divides the
 
 **Gradients.** Each donated step differentiates with ``torch.autograd.grad`` over detached views of the
 param leaves (``p.detach().requires_grad_()``: same storage, no copy). This one path serves plain tensors,
-``nn.Parameter`` and DTensor leaves (``torch.func.grad_and_value`` raises on DTensor, DESIGN section 1), and
-on plain ones it measured 5-10% faster than ``grad_and_value`` for forward+backward (which always builds
-its backward with ``create_graph=True``; ``experiments/bench/step.py`` keeps both floors in its table so
-the choice can be re-checked). ``loss_fn`` sees those views; params it does not use get zero gradients,
-as in ``jax.grad``. A pure step takes ``torch.func.grad`` instead (see **Composability**).
+``nn.Parameter`` and DTensor leaves (``torch.func.grad_and_value`` raises on DTensor parameters, torch
+2.13), and on plain ones it measured 5-10% faster than ``grad_and_value`` for forward+backward (which
+always builds its backward with ``create_graph=True``; ``experiments/bench/step.py`` keeps both floors in
+its table so the choice can be re-checked). ``loss_fn`` sees those views; params it does not use get zero gradients,
+as in ``jax.grad``; when *no* leaf gets one (``loss_fn`` computes with a module's own parameters instead
+of ``params``), the step raises rather than apply zeros. A pure step takes ``torch.func.grad`` instead (see
+**Composability**).
 
 **Data parallel.** With replicated DTensor params and a batch sharded on dim 0, autograd returns
 ``Partial`` gradients (each rank's unreduced sum). The step reduces them right after the backward pass,
@@ -124,6 +126,7 @@ from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 from fxtrain._base import GradientTransformation, apply_updates, apply_updates_, kernel, report, traits, update_, wrap_loss
+from fxtrain.amp import uncast
 from fxtrain.transforms import _fused
 
 __all__ = ["train_step"]
@@ -134,7 +137,7 @@ Step = Callable[[Params, State, Batch], tuple[Params, State, Metrics]]
 
 
 def train_step(loss_fn: Callable, tx: GradientTransformation, *, has_aux: bool = False,
-               donate: bool = True, compile: bool = False) -> Step:  # noqa: A002 - DESIGN 3.4's name
+               donate: bool = True, compile: bool = False) -> Step:  # noqa: A002 - the public argument name
     """Builds ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
     Args:
@@ -152,7 +155,8 @@ def train_step(loss_fn: Callable, tx: GradientTransformation, *, has_aux: bool =
 
     Raises:
       ValueError: ``compile=True`` with ``donate=False``; at call time, a donated (or compiled) step
-        under a ``torch.func`` transform or given params that carry autograd history.
+        under a ``torch.func`` transform or given params that carry autograd history, params with no
+        tensor leaf, or a loss from which no gradient reaches any leaf of params.
 
     Returns:
       ``step``. Its ``metrics`` hold ``loss`` (0-dim, detached, unscaled), ``aux`` with ``has_aux``, and
@@ -176,8 +180,8 @@ def train_step(loss_fn: Callable, tx: GradientTransformation, *, has_aux: bool =
     """
     if compile and not donate:
         raise ValueError("train_step: compile=True needs donate=True: a compiled update that may not write "
-                         "into its inputs allocates every buffer afresh each step (about 9x slower at 50M "
-                         "params on CPU, DESIGN 3.4)")
+                         "into its inputs allocates every buffer afresh each step (an AdamW update at 50M "
+                         "params measured about 9x slower than in place on CPU)")
     canonical = _canonical(loss_fn, has_aux)
     # Partial (data-parallel) gradients are reduced here, once, unless tx defers it (accumulate). It runs
     # after _owned: the reduced leaves are disjoint views of one fresh buffer, safe to update in place.
@@ -325,7 +329,7 @@ def _canonical(loss_fn: Callable, has_aux: bool) -> Callable:
     name = _name(loss_fn)
 
     def fn(params, batch):
-        out = loss_fn(params, batch)
+        out = loss_fn(params, uncast(batch))  # state that rode through amp_cast uncast: the value itself
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(f"train_step: loss_fn {name} must return (loss, aux) when has_aux=True, "
@@ -353,15 +357,23 @@ def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation
         xs = [_detached_view(p) for p in leaves]
     except (AttributeError, RuntimeError):
         raise TypeError(f"train_step: params must hold floating-point tensors or None; {_bad_leaf(params)}") from None
+    if not xs:
+        raise ValueError(_NO_PARAMS)
     with torch.enable_grad():
         objective, (loss, aux) = _call(fn, optree.tree_unflatten(spec, xs), batch, tx)
-    if not xs:
-        grads = []
-    elif not objective.requires_grad:
+    return optree.tree_unflatten(spec, _grads_reaching(objective, xs)), loss.detach(), _detach(aux)
+
+
+def _grads_reaching(objective: torch.Tensor, xs: list, create_graph: bool = False) -> list:
+    """``torch.autograd.grad(objective, xs)``; zeros for leaves the loss does not use (as ``jax.grad``), and an
+    error when it uses none: the loss may still require grad (a module's own ``nn.Parameter``), and zeros
+    everywhere would make a step that trains nothing look like one that works."""
+    if not objective.requires_grad:
         raise ValueError(_CONSTANT_LOSS)
-    else:
-        grads = torch.autograd.grad(objective, xs, materialize_grads=True)
-    return optree.tree_unflatten(spec, grads), loss.detach(), _detach(aux)
+    grads = torch.autograd.grad(objective, xs, allow_unused=True, create_graph=create_graph)
+    if all(g is None for g in grads):
+        raise ValueError(_CONSTANT_LOSS)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs)]
 
 
 def _detached_view(p: torch.Tensor) -> torch.Tensor:
@@ -373,7 +385,11 @@ def _detached_view(p: torch.Tensor) -> torch.Tensor:
     return p.detach().requires_grad_()
 
 
-_CONSTANT_LOSS = "train_step: the loss does not depend on params (no gradient flows to any leaf)"
+_CONSTANT_LOSS = ("train_step: no gradient reaches any leaf of params: the loss does not depend on params. If "
+                  "loss_fn calls an nn.Module, it computes with the module's own parameters: use "
+                  "`apply, params, buffers = fx.functional(module)` and compute with the params the step passes")
+_NO_PARAMS = ("train_step: params hold no tensor to differentiate (every leaf is None or the tree is empty), so "
+              "the step would train nothing; pass the trees from `fx.functional(module)`")
 
 
 def _call(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation):
@@ -391,7 +407,7 @@ def _pure_grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransform
 
     ``torch.func.grad`` composes with an outer ``vmap`` or ``grad`` and, where the params require grad,
     leaves its gradients differentiable with respect to them. DTensor leaves take ``torch.autograd.grad``
-    (``torch.func`` raises on DTensor, DESIGN section 1), with ``create_graph`` where something upstream
+    (``torch.func`` raises on DTensor parameters, torch 2.13), with ``create_graph`` where something upstream
     requires grad. Returns the gradients, the loss (detached) and aux (detached).
     """
     leaves, spec = optree.tree_flatten(params, none_is_leaf=False, namespace="fxtrain")
@@ -401,12 +417,10 @@ def _pure_grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransform
             dtensor = True
         elif not (isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex())):
             raise TypeError(f"train_step: params must hold floating-point tensors or None; {_bad_leaf(params)}")
+    if not leaves:
+        raise ValueError(_NO_PARAMS)
     if dtensor:
         return _autograd_grad(fn, leaves, spec, batch, tx)
-    if not leaves:
-        with torch.enable_grad():
-            _, (loss, aux) = _call(fn, params, batch, tx)
-        return optree.tree_unflatten(spec, []), loss.detach(), _detach(aux)
 
     outs = []  # (loss, aux) flattened: torch.func returns only the tensors of an aux through the transform
 
@@ -432,9 +446,7 @@ def _autograd_grad(fn: Callable, leaves: list, spec: Any, batch: Batch, tx: Grad
     xs = [p if upstream and p.requires_grad else p.detach().requires_grad_() for p in leaves]
     with torch.enable_grad():
         objective, (loss, aux) = _call(fn, optree.tree_unflatten(spec, xs), batch, tx)
-    if not objective.requires_grad:
-        raise ValueError(_CONSTANT_LOSS)
-    grads = torch.autograd.grad(objective, xs, materialize_grads=True, create_graph=upstream)
+    grads = _grads_reaching(objective, xs, create_graph=upstream)
     return optree.tree_unflatten(spec, grads), loss.detach(), _detach(aux)
 
 

@@ -86,7 +86,10 @@ def _megatron(pattern, init, growth, backoff, interval, hysteresis, lo=None, hi=
 @pytest.mark.parametrize("text,expected", [
     ("f32", ("f32", "f32", "f32")),
     ("half", ("f16", "f16", "f16")),
-    ("bf16", ("bf16", "bf16", "bf16")),
+    ("bf16", ("f32", "bf16", "f32")),                          # the preset (issue 15, finding 11), not jmp's
+    ("pure_bf16", ("bf16", "bf16", "bf16")),
+    ("bfloat16", ("bf16", "bf16", "bf16")),                    # jmp: a bare dtype that is no preset name
+    ("p=bf16", ("bf16", "bf16", "bf16")),
     ("c=bf16", ("f32", "bf16", "bf16")),                       # jmp: compute follows params, output compute
     ("p=f16,c=bf16", ("f16", "bf16", "bf16")),
     ("params=float32,compute=bfloat16,output=float32", ("f32", "bf16", "f32")),
@@ -326,7 +329,9 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical(donate):
     p_before, s_before = fx.tree.clone(params), fx.tree.clone(state.inner_state)
     params, state, m = step(params, state, _batches(1, seed=5, inf_at=(0,))[0])
     assert int(m["skipped"]) == 1 and float(m["loss_scale"]) == 512.0
-    assert _equal(params, p_before) and _equal(state.inner_state, s_before)
+    # Bit-identical but for the norm the clip reports, which says what was skipped (issue 15, finding 10).
+    assert math.isnan(float(m["grad_norm"])) and math.isnan(float(state.inner_state[0].grad_norm))  # inf * 0
+    assert _equal(params, p_before) and _equal(state.inner_state[1], s_before[1])
     params, state, m = step(params, state, _batches(1, seed=6)[0])  # training goes on from there
     assert int(m["skipped"]) == 0 and not _equal(params, p_before)
     assert int(state.inner_state[1][0].count) == 4  # adam's count: 3 + 1, the skipped step not counted
@@ -451,6 +456,48 @@ def test_presets_build_and_train(name):
     out, _, history = _run(tx, _batches(3), params=params)
     assert all(v.dtype == dtype for v in fx.tree.leaves(out))
     assert math.isfinite(float(history[-1][1]["loss"]))
+
+
+# --- issue 15, finding 11: a preset's name means the same in amp_cast, Policy and the runner --------------
+
+PRESET_NAMES = ["off", "bf16", "fp16", "naive_fp16", "pure_bf16", "pure_fp16"]
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_amp_cast_takes_a_preset_by_name(name):
+    by_name = fx.amp_cast(fx.sgd(0.1), name)
+    assert repr(by_name) == repr(fx.amp_cast(fx.sgd(0.1), **fx.amp_preset(name)))
+    assert fx.Policy.parse(name) == fx.Policy.parse(fx.amp_preset(name)["policy"])
+    dtype = fx.Policy.parse(name).param_dtype
+    out, _, history = _run(by_name, _batches(2), params=fx.tree.cast(_init(), dtype))
+    assert math.isfinite(float(history[-1][1]["loss"]))  # (naive_fp16 starts at 2**32: it skips first)
+
+
+def test_bf16_by_name_is_mixed_and_off_is_float32():
+    expected = "amp_cast(policy='p=f32,c=bf16,o=f32', loss_scale=NoLossScale(), sgd(0.1))"
+    assert repr(fx.amp_cast(fx.sgd(0.1), "bf16")) == expected
+    assert str(fx.amp_cast(fx.sgd(0.1), "off")).startswith("amp_cast(policy='p=f32,c=f32,o=f32'")
+    # An explicit loss scale wins over the preset's; the explicit grammar stays jmp's.
+    assert "loss_scale=StaticLossScale(scale=8.0)" in repr(fx.amp_cast(fx.sgd(0.1), "fp16", loss_scale=8.0))
+    assert str(fx.Policy.parse("p=bf16,c=bf16,o=bf16")) == "p=bf16,c=bf16,o=bf16"
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_runner_amp_configs_are_the_presets(name):
+    # conf/amp/<name>.yaml is what `amp=<name>` gives the runner: the same policy and loss scale as the preset.
+    import pathlib
+
+    import yaml
+
+    from fxtrain import amp
+    conf = yaml.safe_load((pathlib.Path(__file__).parents[1] / "conf" / "amp" / f"{name}.yaml").read_text())
+    preset = fx.amp_preset(name)
+    policy = fx.Policy.parse(preset["policy"])
+    if conf["policy"] is None:  # amp=off: no amp_cast at all, i.e. float32 throughout
+        assert name == "off" and policy == fx.Policy.parse("f32")
+        return
+    assert fx.Policy.parse(conf["policy"]) == policy == fx.Policy.parse(name)
+    assert amp._as_loss_scale(conf["loss_scale"], policy) == amp._as_loss_scale(preset["loss_scale"], policy)
 
 
 def test_naive_preset_is_megatron():
@@ -659,3 +706,55 @@ test_case = _worlds.tests(__file__, CASES, TIMEOUT_S)
 
 if __name__ == "__main__":
     _worlds.worker(CASES, *sys.argv[1:])
+
+
+# --- issue 15, finding 11: buffers keep their own dtype -------------------------------------------------
+
+def _batchnorm_run(policy, steps, wrap):
+    """Running mean of a BatchNorm1d(momentum=0.01) fed inputs of mean -51.8, after ``steps`` steps."""
+    net = torch.nn.BatchNorm1d(4, momentum=0.01)
+    apply, params, buffers = fx.functional(net)
+
+    def loss_fn(params, batch):
+        buffers, x = batch
+        # BatchNorm on CPU wants its weight and bias in its running statistics' dtype (the input may be bf16).
+        params = fx.tree.cast(params, buffers["running_mean"].dtype)
+        out, new = apply(params, buffers, x, train=True)
+        return out.float().square().mean(), new
+
+    tx = fx.sgd(0.1) if policy is None else fx.amp_cast(fx.sgd(0.1), policy)
+    step = fx.train_step(loss_fn, tx, has_aux=True)
+    state = tx.init(params)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(64, 4, generator=g) - 51.8
+        params, state, m = step(params, state, (wrap(buffers), x))
+        buffers = m["aux"]
+    return buffers
+
+
+def test_uncast_buffers_keep_their_dtype_through_amp_cast():
+    ref = _batchnorm_run(None, 300, lambda b: b)["running_mean"]
+    kept = _batchnorm_run("bf16", 300, fx.amp.Uncast)
+    assert kept["running_mean"].dtype == torch.float32 and kept["num_batches_tracked"].dtype == torch.int64
+    # bf16 inputs, float32 statistics: as torch.autocast keeps them (the batch mean is taken from bf16 values).
+    assert torch.allclose(kept["running_mean"], ref, rtol=2e-3), (kept["running_mean"], ref)
+    # What the runner did before: the statistics ride in the batch and are rounded to bf16 every step.
+    rounded = _batchnorm_run("p=f32,c=bf16,o=f32", 300, lambda b: b)["running_mean"]
+    assert (rounded.float() - ref).abs().min() > 5.0
+
+
+def test_uncast_is_unwrapped_for_the_loss_without_amp():
+    seen = []
+
+    def loss_fn(params, batch):
+        seen.append(type(batch[0]))
+        return (params["w"] * batch[1]).sum()
+
+    tx = fx.sgd(0.1)
+    for donate in (True, False):
+        params = {"w": torch.ones(2)}
+        batch = (fx.amp.Uncast({"b": torch.ones(1)}), torch.ones(2))
+        fx.train_step(loss_fn, tx, donate=donate)(params, tx.init(params), batch)
+    assert seen == [dict, dict]
+    assert repr(fx.amp.Uncast(torch.zeros(1, dtype=torch.float64))).startswith("Uncast(")

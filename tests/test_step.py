@@ -398,3 +398,42 @@ def test_apply_updates_on_a_tree_mixing_plain_tensors_and_dtensors(mesh):
     assert params["p"].tolist() == [1.0, 1.0]  # pure left the input alone
     fx.apply_updates_(params, updates)
     assert params["p"].tolist() == [1.5, 1.5] and params["d"].full_tensor().tolist() == [1.5] * 4
+
+
+# --- issue 15, finding 12: a step that trains nothing raises ------------------------------------------
+
+@pytest.mark.parametrize("donate", [True, False], ids=["donated", "pure"])
+def test_no_param_receives_a_gradient(donate):
+    # The classic slip: loss_fn calls the module (its own nn.Parameters) instead of computing with `params`.
+    # The loss does require grad, so torch.autograd.grad(materialize_grads=True) would fill zeros.
+    model = torch.nn.Linear(3, 1)
+    params = {"weight": torch.zeros(1, 3), "bias": torch.zeros(1)}
+    tx = fx.sgd(0.1)
+    step = fx.train_step(lambda p, x: model(x).sum(), tx, donate=donate)
+    with pytest.raises(ValueError, match=r"no gradient reaches any leaf of params.*fx.functional"):
+        step(params, tx.init(params), torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("donate", [True, False], ids=["donated", "pure"])
+def test_params_without_a_tensor_leaf(donate):
+    step = fx.train_step(lambda p, x: x.sum(), fx.identity(), donate=donate)
+    with pytest.raises(ValueError, match="params hold no tensor to differentiate"):
+        step({"w": None}, fx.EmptyState(), torch.ones(2, requires_grad=True))
+
+
+@pytest.mark.parametrize("given", ["module", "parameters()", "named_parameters()"])
+def test_init_on_a_module_points_to_functional(given):
+    model = torch.nn.Linear(3, 1)
+    arg = {"module": model, "parameters()": model.parameters(),
+           "named_parameters()": model.named_parameters()}[given]
+    for tx in (fx.adamw(1e-3), fx.chain(fx.clip_by_global_norm(1.0), fx.sgd(0.1)),
+               fx.amp_cast(fx.sgd(0.1)), fx.apply_if_finite(fx.sgd(0.1), 2)):
+        with pytest.raises(TypeError, match=r"fx.functional\(module\)"):
+            tx.init(arg)
+    assert fx.sgd(0.1).init(list(model.parameters())) is not None  # a list of tensors is a tree
+
+
+def test_errors_give_their_reason_not_a_design_section():
+    with pytest.raises(ValueError) as e:
+        fx.train_step(lambda p, b: p.sum(), fx.sgd(0.1), donate=False, compile=True)
+    assert "DESIGN" not in str(e.value) and "allocates every buffer afresh" in str(e.value)

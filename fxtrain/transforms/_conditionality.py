@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from fxtrain import tree
-from fxtrain._base import GradientTransformation, kernel, transform, with_traits
+from fxtrain import distributed, tree
+from fxtrain._base import GradientTransformation, kernel, report, transform, with_traits
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
 
@@ -38,12 +38,17 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
 
     With :math:`n` the number of consecutive non-finite updates including this one, the inner transform's
     result is used when the updates are all finite or :math:`n >` ``max_consecutive_errors``; otherwise the
-    updates are zeros and the inner state is left exactly as it was. The decision is a 0-dim tensor
+    updates are zeros (``-0.0``: params stay bit-identical) and the inner state is left exactly as it was,
+    but for the ``grad_norm`` it reports: the norm this update had (inf or NaN). The decision is a 0-dim tensor
     (``tree.all_finite``): the inner kernel always runs and its results are selected with ``torch.where``,
     so there is no host sync. ``tx.update`` stays pure; the in-place kernel copies the inner state once to
     be able to restore it. Out of place (under ``vmap``, ``grad``, autograd) a rejected update reaches the
     inner transform as zeros, so gradients through a skipped step are zero, not NaN (as Optax's
     ``lax.cond``).
+
+    An inner stack that skips non-finite updates by itself (``amp_cast`` with a loss scale: it reports
+    ``skipped``) gets them as they are and keeps what it did on a skip (its loss scale backs off, it
+    reports ``skipped=1``); this transform still counts the update and returns zeros.
 
     Args:
       inner: the transform to protect.
@@ -75,20 +80,28 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         )
 
     def update_fn(updates, state, params=None):
-        finite = tree.all_finite(tree.leaves(updates)).to(state.last_finite.device)
+        raw = tree.leaves(updates)
+        finite = tree.all_finite(raw).to(state.last_finite.device)
         notfinite = tree.scale_([safe_increment_(state.notfinite_count)], ~finite)[0]  # reset by a finite update
         accept = finite | (notfinite > max_consecutive_errors)
+        fed_zeros = False
         if tree.is_functional():  # nothing is written: no copy to keep
             before = state.inner_state
             # Rejected inner results are discarded, but autograd still sends them a zero cotangent, and
             # 0 * NaN = NaN in their backward (a hyperparameter's gradient): the inner transform sees zeros
-            # instead (Optax does not run it at all: lax.cond).
-            updates = tree.put(updates, updates, tree.zero_where_(~accept, tree.leaves(updates)))
+            # instead (Optax does not run it at all: lax.cond). An inner stack that skips by itself (it
+            # reports `skipped`: amp_cast) must see the overflow to back off, and zeroes in the same way.
+            if "skipped" not in report(state.inner_state):
+                updates, fed_zeros = tree.put(updates, updates, tree.zero_where_(~accept, raw)), True
         else:  # the inner kernel writes into its state: keep a copy to restore
             before = tree.clone(state.inner_state)
         updates, inner_state = inner_kernel(updates, state.inner_state, params)
-        inner_state = select(accept, inner_state, before)
-        updates = tree.put(updates, updates, tree.zero_where_(~accept, tree.leaves(updates)))
+        reports = report(inner_state)
+        # What an inner stack did on its own skip (loss scale backoff, skipped=1) is kept, not restored.
+        accept_state = accept | (reports["skipped"] > 0) if "skipped" in reports else accept
+        seen = seen_grad_norm(reports, ~accept, raw, fed_zeros=fed_zeros)
+        inner_state = select(accept_state, inner_state, before, seen=seen)
+        updates = tree.put(updates, updates, skip_where_(~accept, tree.leaves(updates)))
         total = tree.inc_(state.total_notfinite, ~finite & (state.total_notfinite < torch.iinfo(torch.int32).max))
         last_finite = tree.copy_([state.last_finite], [finite])[0]
         return updates, ApplyIfFiniteState(notfinite, last_finite, total, inner_state)
@@ -101,13 +114,17 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     return with_traits(GradientTransformation(init_fn, update_fn), wrap_loss=wrap_loss)
 
 
-def select(pred: torch.Tensor, new: Any, old: Any, what: str = "inner state") -> Any:
+def select(pred: torch.Tensor, new: Any, old: Any, what: str = "inner state",
+           seen: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
     """``new`` where the 0-dim boolean ``pred`` is true, else ``old``: a state kept or restored on device.
 
     Leafwise ``torch.where`` (:func:`fxtrain.tree.where_`), no host sync. In place the selection is
     written into ``old``'s tensors (the copy a kernel took before running its inner transform); out of
     place it makes new tensors. Leaves that are not tensors (a Python number in a hand-written state) are
     host values that cannot wait for a device decision: they come from ``new``.
+
+    ``seen``: ``(leaf, value)`` from :func:`seen_grad_norm`: that leaf of ``new`` (the reported
+    ``grad_norm``) takes ``value`` whatever ``pred``: a restored state still says which norm was seen.
 
     >>> import torch
     >>> select(torch.tensor(False), {"a": torch.ones(1), "n": 2}, {"a": torch.zeros(1), "n": 1})
@@ -121,4 +138,51 @@ def select(pred: torch.Tensor, new: Any, old: Any, what: str = "inner state") ->
     out = list(flat_new)
     for i, x in zip(at, tree.where_(pred, [flat_new[i] for i in at], [flat_old[i] for i in at])):
         out[i] = x
+    if seen is not None:
+        leaf, value = seen
+        i = next(i for i, x in enumerate(flat_new) if x is leaf)
+        out[i] = tree.copy_([out[i]], [value])[0]
     return tree.unflatten(spec, out)
+
+
+# --- what a skipped step writes and reports -------------------------------------------------------------
+#
+# Shared by apply_if_finite and amp_cast (fxtrain/amp.py), the two transforms that skip an update.
+
+def skip_where_(pred: torch.Tensor, xs: Sequence[torch.Tensor]) -> list:
+    """``xs[i]`` with every element set to ``-0.0`` where the 0-dim boolean ``pred`` is true: a skipped update.
+
+    ``-0.0``, not ``0.0``: it is the identity of floating-point addition (``p + -0.0`` is ``p`` bit for
+    bit, ``-0.0`` included, where ``-0.0 + 0.0`` is ``+0.0``), so a skipped step leaves every param
+    bit-identical. On local pieces, so ``Partial`` placements are kept.
+
+    >>> skip_where_(torch.tensor(True), [torch.ones(2)])[0].tolist()
+    [-0.0, -0.0]
+    """
+    if tree.is_functional():
+        return [tree._rewrap(tree.local(x).masked_fill(pred, -0.0), x) for x in xs]
+    for x in xs:
+        tree.local(x).masked_fill_(pred, -0.0)
+    return list(xs)
+
+
+def seen_grad_norm(reports: dict, rejected: torch.Tensor, raw: Sequence[torch.Tensor], *,
+                   fed_zeros: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``grad_norm`` leaf the inner stack reports and the norm this update had, even if it is rejected.
+
+    ``reports``: :func:`fxtrain._base.report` of the inner stack's new state, before a wrapper restores it
+    (a restored state would report the previous step's norm, or the initial 0.0, on a skipped step). Where
+    the inner transform ran on the gradients themselves its ``grad_norm`` is the one seen (global, the same
+    on every rank). Where it was ``fed_zeros`` instead (out of place, on a rejected update), the norm is
+    taken from the gradients ``raw`` (local pieces: a rank whose own pieces are finite says inf). ``None``
+    when the inner stack reports no ``grad_norm``: no norm is computed for it.
+    """
+    leaf = reports.get("grad_norm")
+    if leaf is None:
+        return None
+    value = leaf.detach()
+    if fed_zeros:
+        local = distributed.local_leaves([x.detach() for x in raw])
+        norm = tree.sum_sq(local, value.dtype).sqrt().to(value.device)
+        value = torch.where(rejected, torch.where(norm.isfinite(), torch.inf, norm).to(value.dtype), value)
+    return leaf, value
