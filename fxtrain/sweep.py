@@ -353,18 +353,15 @@ def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool) -> Call
     the last step's. ``xs, ys``: ``(K, ...)`` shared by every job, or ``(N, K, ...)`` with ``batch_per_job``.
     """
     loss_fn = runner.loss_function(apply)
-    amp = cfg.amp.policy is not None
     _reuse_freed_memory()
 
     def steps(hp, params, opt_state, buffers, xs, ys):
         tx = build.stack(cfg, 1, values=hp)
         step = fx.train_step(loss_fn, tx, has_aux=True, donate=False)
         for k in range(xs.shape[0]):  # under vmap: the Python loop runs once for all jobs
-            params, opt_state, metrics = step(params, opt_state, (buffers, xs[k], ys[k]))
+            params, opt_state, metrics = step(params, opt_state, (fx.amp.Uncast(buffers), xs[k], ys[k]))
             aux = metrics.pop("aux")
-            new_buffers = aux.pop("buffers")
-            # amp_cast computes in its compute dtype; running statistics stay in their own dtype.
-            buffers = tree.map(lambda new, old: new.to(old.dtype), new_buffers, buffers) if amp else new_buffers
+            buffers = aux.pop("buffers")  # in their own dtype: amp_cast passes Uncast state through
             metrics.update(aux)
         return params, opt_state, buffers, metrics
 

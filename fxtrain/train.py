@@ -115,7 +115,6 @@ def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> float:
     data, model, apply, params, buffers, tx, opt_state = build_run(cfg, device, world)
     step = fx.train_step(loss_function(apply), tx, has_aux=True, donate=True)
     constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
-    amp = cfg.amp.policy is not None  # only amp_cast changes the dtype of what the step hands back
 
     # --- resume ---------------------------------------------------------------------------------
     start, resumed = 0, "from step 0"
@@ -151,11 +150,9 @@ def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> float:
             eval_metrics = evaluate(apply, params, buffers, data.test, trainer.eval_batch_size)
         for i in range(start + 1, max_steps + 1):
             batch = distributed.local_batch(data.train[i - 1], rank, world)
-            params, opt_state, metrics = step(params, opt_state, (buffers, *batch))
+            params, opt_state, metrics = step(params, opt_state, (fx.amp.Uncast(buffers), *batch))
             aux = metrics.pop("aux")
-            new_buffers = aux.pop("buffers")
-            # amp_cast computes in its compute dtype; running statistics stay in their own dtype.
-            buffers = tree.map(lambda new, old: new.to(old.dtype), new_buffers, buffers) if amp else new_buffers
+            buffers = aux.pop("buffers")  # in their own dtype: amp_cast passes Uncast state through
             metrics.update(aux)  # 0-dim tensors; read on the host only on logging steps
             bar.update()
             if i == start + 1:
@@ -213,7 +210,7 @@ def loss_function(apply: Callable) -> Callable:
         # Classifier logits (B, C) or LM logits (B, T, V): one cross-entropy for both. BatchNorm statistics
         # come back from apply as new buffers, carried out of the step in aux.
         buffers, x, y = batch
-        logits, buffers = apply(params, buffers, x, train=True)
+        logits, buffers = apply(_like_statistics(params, buffers), buffers, x, train=True)
         loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
         accuracy = (logits.argmax(-1) == y).float().mean()
         return loss, {"accuracy": accuracy, "buffers": buffers}
@@ -266,6 +263,16 @@ def state_bytes(opt_state: Any) -> int:
     return sum(x.numel() * x.element_size() for x in distributed.local_leaves(opt_state))
 
 
+def _like_statistics(params: dict, buffers: dict) -> dict:
+    """BatchNorm's weight and bias in its running statistics' dtype: CPU BatchNorm refuses a bf16/f16 weight
+    beside float32 statistics (amp keeps statistics float32, see ``fx.amp.Uncast``); the cast is
+    differentiable, as ``torch.autocast`` keeps those params."""
+    dtypes = {k.rpartition(".")[0]: b.dtype for k, b in buffers.items() if k.endswith("running_mean")}
+    if not dtypes:
+        return params
+    return {k: p.to(dtypes.get(k.rpartition(".")[0], p.dtype)) for k, p in params.items()}
+
+
 @torch.no_grad()
 def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], batch_size: int) -> dict[str, float]:
     """Mean cross-entropy and accuracy on the whole held-out split, in eval mode (running BatchNorm stats)."""
@@ -275,7 +282,7 @@ def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], ba
     loss = torch.zeros((), dtype=torch.float64, device=x.device)
     correct = torch.zeros((), dtype=torch.long, device=x.device)
     for j in range(0, len(x), batch_size):
-        logits, _ = apply(params, buffers, x[j:j + batch_size], train=False)
+        logits, _ = apply(_like_statistics(params, buffers), buffers, x[j:j + batch_size], train=False)
         yb = y[j:j + batch_size]
         loss += F.cross_entropy(logits.flatten(0, -2).float(), yb.flatten(), reduction="sum")
         correct += (logits.argmax(-1) == yb).sum()
