@@ -33,6 +33,15 @@ def _fused_adam_covers(eps_root: Scalar, mu_dtype, nesterov: bool) -> bool:
     return is_zero(eps_root) and mu_dtype is None and not nesterov
 
 
+def _check(name: str, **values) -> None:
+    """The optimizers' argument checks: a learning rate is required (``None`` would leave the raw direction,
+    an ascent with step size 1), then :func:`fxtrain._base.check_nonnegative`."""
+    if values.get("learning_rate", 0) is None:
+        raise ValueError(f"{name}: learning_rate=None would apply the raw update direction (an ascent with step "
+                         "size 1); pass a number, a 0-dim tensor or a schedule")
+    check_nonnegative(name, **values)
+
+
 @transform(elementwise=None)
 def sgd(learning_rate: LearningRate, momentum: Scalar | None = None, nesterov: bool = False,
         accumulator_dtype: torch.dtype | str | None = None) -> GradientTransformation:
@@ -64,7 +73,7 @@ def sgd(learning_rate: LearningRate, momentum: Scalar | None = None, nesterov: b
       Sutskever et al., `On the importance of initialization and momentum in deep learning
       <http://proceedings.mlr.press/v28/sutskever13.pdf>`_, 2013.
     """
-    check_nonnegative("sgd", learning_rate=learning_rate, momentum=momentum)
+    _check("sgd", learning_rate=learning_rate, momentum=momentum)
     tx = chain(
         trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity(),
         scale_by_learning_rate(learning_rate),
@@ -109,7 +118,7 @@ def adam(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps:
     References:
       Kingma and Ba, `Adam: A Method for Stochastic Optimization <https://arxiv.org/abs/1412.6980>`_, 2014.
     """
-    check_nonnegative("adam", learning_rate=learning_rate)
+    _check("adam", learning_rate=learning_rate)
     tx = chain(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
         scale_by_learning_rate(learning_rate),
@@ -160,7 +169,7 @@ def adamw(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps
     References:
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
-    check_nonnegative("adamw", learning_rate=learning_rate)
+    _check("adamw", learning_rate=learning_rate)
     tx = chain(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
         add_decayed_weights(weight_decay, mask),
@@ -205,7 +214,7 @@ def lion(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.99,
     References:
       Chen et al., `Symbolic Discovery of Optimization Algorithms <https://arxiv.org/abs/2302.06675>`_, 2023.
     """
-    check_nonnegative("lion", learning_rate=learning_rate)
+    _check("lion", learning_rate=learning_rate)
     return chain(
         scale_by_lion(b1, b2, mu_dtype),
         add_decayed_weights(weight_decay, mask),
@@ -252,7 +261,7 @@ def rmsprop(learning_rate: LearningRate, decay: Scalar = 0.9, eps: Scalar = 1e-8
       Hinton, `Lecture 6.5 - rmsprop <https://www.cs.toronto.edu/~tijmen/csc321/slides/lecture_slides_lec6.pdf>`_, 2012.
       Graves, `Generating Sequences With Recurrent Neural Networks <https://arxiv.org/abs/1308.0850>`_, 2013.
     """
-    check_nonnegative("rmsprop", learning_rate=learning_rate, momentum=momentum)
+    _check("rmsprop", learning_rate=learning_rate, momentum=momentum)
     rescale = scale_by_stddev if centered else scale_by_rms
     return chain(
         rescale(decay=decay, eps=eps, initial_scale=initial_scale, eps_in_sqrt=eps_in_sqrt,
@@ -289,7 +298,7 @@ def adagrad(learning_rate: LearningRate, initial_accumulator_value: Scalar = 0.1
       Duchi et al., `Adaptive Subgradient Methods for Online Learning and Stochastic Optimization
       <https://jmlr.org/papers/v12/duchi11a.html>`_, 2011.
     """
-    check_nonnegative("adagrad", learning_rate=learning_rate)
+    _check("adagrad", learning_rate=learning_rate)
     return chain(
         scale_by_rss(initial_accumulator_value=initial_accumulator_value, eps=eps),
         scale_by_learning_rate(learning_rate),

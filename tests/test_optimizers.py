@@ -153,3 +153,10 @@ def test_dtensor_leaves_give_the_plain_numbers(tmp_path):
             assert_trees_close(results[1], results[0])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw", "lion", "rmsprop", "adagrad"])
+def test_learning_rate_none_is_refused_not_an_ascent(name):
+    # Issue 15, finding 4: fx.adam(None) used to apply the raw direction (+update, step size 1).
+    with pytest.raises(ValueError, match=f"{name}: learning_rate=None"):
+        getattr(fx, name)(None)
