@@ -359,7 +359,9 @@ def _raise_not_finite(what: str, checkpoint: tuple[int, pathlib.Path] | None) ->
     kept = (f"the last good checkpoint is step {checkpoint[0]} ({checkpoint[1]})" if checkpoint
             else "no checkpoint was written yet")
     raise FloatingPointError(f"{what}: training stopped. metrics.jsonl ends at the last logged finite step and "
-                             f"{kept}. A lower optim.chain.<name>.learning_rate often helps.")
+                             f"{kept}. With half-precision params (amp=pure_fp16, pure_bf16) the params "
+                             "themselves overflow or stop moving: prefer amp=fp16 or amp=bf16 (float32 master "
+                             "weights); otherwise a lower optim.chain.<name>.learning_rate often helps.")
 
 
 def _check_metric_name(name: str, available: list[str]) -> None:
