@@ -243,24 +243,10 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
             _fused.step_(tx, grads, opt_state, params)  # grads are this step's own
         else:
             updates, opt_state = tx.update(sync(grads), opt_state, params)
-            params = _placed_like(apply_updates(params, updates), params)
+            params = apply_updates(params, updates)  # keeps each DTensor param's placements
         return params, opt_state, _metrics(loss, aux, opt_state, has_aux)
 
     return step
-
-
-def _placed_like(new: Params, old: Params) -> Params:
-    """``new`` with each DTensor leaf in the placements of its ``old`` param (metadata only, no copy else).
-
-    The out-of-place ``p + u`` takes DTensor's propagated placement (a ``Shard(0)`` update turns a
-    ``Replicate`` bias into a ``Shard(0)`` one); the in-place add keeps the param's.
-    """
-    def place(n, o):
-        if isinstance(o, DTensor) and isinstance(n, DTensor) and n.placements != o.placements:
-            return n.redistribute(o.device_mesh, o.placements)
-        return n
-
-    return tree.map(place, new, old)
 
 
 def _metrics(loss: torch.Tensor, aux: Any, opt_state: State, has_aux: bool) -> Metrics:

@@ -45,8 +45,7 @@ applies (bf16: about 1e-3 relative at step 1).
 **When a group runs one job at a time instead** (a one-line note names the reason): a group of one,
 ``parallel`` other than ``none`` or several ranks, jobs resuming from different steps, or a step that
 raises under vmap (:class:`NotBatchable`: checked by running the group's first optimizer update before
-anything is written; e.g. ``accumulate``, which decides on the host whether a call emits, a transform
-without a batching rule, or a model that draws random numbers in training, which vmap refuses rather than
+anything is written; e.g. a transform without a batching rule, or a model that draws random numbers in training, which vmap refuses rather than
 give every job the same draws). Never a silent difference: what vmap cannot run the same way raises, and
 the jobs run as the basic launcher runs them.
 """

@@ -364,32 +364,32 @@ def _lerp(x: torch.Tensor, y: torch.Tensor, w: Any) -> torch.Tensor:
     return torch.lerp(x, y, w.to(x.dtype) if isinstance(w, torch.Tensor) else w)
 
 
-def addcmul_(xs: list[torch.Tensor], ys: list[torch.Tensor], zs: list[torch.Tensor], value: Any = 1.0
-             ) -> list[torch.Tensor]:
-    """``xs + value * ys * zs``; a tensor ``value`` multiplies ``zs`` first (``value=`` takes numbers only)."""
-    if not xs:
+def _addc(name: str, folds: int) -> Callable:
+    """``xs + value * ys op zs`` (op: mul or div); a tensor ``value`` multiplies operand ``folds`` (1: ``ys``,
+    2: ``zs``) first, since the ops' ``value=`` takes numbers only."""
+    inplace, leafwise = getattr(torch, f"_foreach_{name}_"), getattr(torch, name)
+
+    def op(xs: list[torch.Tensor], ys: list[torch.Tensor], zs: list[torch.Tensor], value: Any = 1.0
+           ) -> list[torch.Tensor]:
+        if not xs:
+            return xs
+        _in_place(value)
+        if isinstance(value, torch.Tensor):
+            operands = [ys, zs]
+            f = operands[folds - 1]
+            operands[folds - 1] = [t * value for t in f] if is_functional() else torch._foreach_mul(f, value)
+            (ys, zs), value = operands, 1.0
+        if is_functional():
+            return [_kept(leafwise(x, y, z, value=value), x) for x, y, z in zip(xs, ys, zs)]
+        inplace(xs, ys, zs, value=value)
         return xs
-    _in_place(value)
-    if isinstance(value, torch.Tensor):
-        zs, value = ([z * value for z in zs] if is_functional() else torch._foreach_mul(zs, value)), 1.0
-    if is_functional():
-        return [_kept(torch.addcmul(x, y, z, value=value), x) for x, y, z in zip(xs, ys, zs)]
-    torch._foreach_addcmul_(xs, ys, zs, value=value)
-    return xs
+
+    op.__name__ = op.__qualname__ = f"{name}_"
+    op.__doc__ = f"``torch.{name}(xs, ys, zs, value=value)`` leaf by leaf; ``value`` a number or a 0-dim tensor."
+    return op
 
 
-def addcdiv_(xs: list[torch.Tensor], ys: list[torch.Tensor], zs: list[torch.Tensor], value: Any = 1.0
-             ) -> list[torch.Tensor]:
-    """``xs + value * ys / zs``; a tensor ``value`` multiplies ``ys`` first."""
-    if not xs:
-        return xs
-    _in_place(value)
-    if isinstance(value, torch.Tensor):
-        ys, value = ([y * value for y in ys] if is_functional() else torch._foreach_mul(ys, value)), 1.0
-    if is_functional():
-        return [_kept(torch.addcdiv(x, y, z, value=value), x) for x, y, z in zip(xs, ys, zs)]
-    torch._foreach_addcdiv_(xs, ys, zs, value=value)
-    return xs
+addcmul_, addcdiv_ = _addc("addcmul", folds=2), _addc("addcdiv", folds=1)
 
 
 def sum_sq(xs: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -443,8 +443,8 @@ def clamp_(xs: list[torch.Tensor], lo: Any = None, hi: Any = None) -> list[torch
     _in_place(lo, hi)
     if is_functional():
         if lo is not None:
-            xs = [torch.clamp_min(x, lo) for x in xs]
-        return xs if hi is None else [torch.clamp_max(x, hi) for x in xs]
+            xs = [_kept(torch.clamp_min(x, lo), x) for x in xs]
+        return xs if hi is None else [_kept(torch.clamp_max(x, hi), x) for x in xs]
     if lo is not None:
         torch._foreach_clamp_min_(xs, _scalars(lo, len(xs)))
     if hi is not None:
