@@ -55,7 +55,7 @@ from fxtrain.schedules import (
 from fxtrain.transforms._conditionality import ApplyIfFiniteState, apply_if_finite
 from fxtrain.transforms._hyperparams import InjectHyperparamsState, inject_hyperparams
 
-# --- clipping and distributed norms (fxtrain/transforms/_clipping.py, fxtrain/distributed.py)
+# --- clipping and distributed norms (fxtrain/transforms/_clipping.py, fxtrain/distributed/)
 from fxtrain.distributed import global_norm
 from fxtrain.transforms._clipping import ClipByGlobalNormState, clip, clip_by_global_norm
 

@@ -41,7 +41,7 @@ scale and its trackers, accumulation window, injected hyperparameters; all Named
 tensors) and the RNG states (:func:`rng_state`). Bytes are copied as they are: a resumed run computes
 what the uninterrupted one would have.
 
-Talking to ``torch.distributed`` belongs in ``fxtrain/distributed.py`` (rank and world size come from
+Talking to ``torch.distributed`` belongs in the ``fxtrain/distributed`` package (rank and world size come from
 there), with one exception: this module calls ``torch.distributed.checkpoint``, and the barriers its save
 protocol needs (nobody goes on before the rename) are part of that protocol, so they live here too.
 

@@ -52,6 +52,10 @@ def functional(module: nn.Module) -> tuple[ApplyFn, Params, Buffers]:
       are detached and share storage with the module (no copy): from here on the trees are the state,
       and a donated :func:`fxtrain.train_step` updates them in place.
 
+    Raises:
+      TypeError: ``module`` is not an ``nn.Module``, or it (or a submodule) is ``fully_shard``-ed (FSDP2):
+        use :func:`fxtrain.distributed.fully_sharded` and :func:`fxtrain.distributed.fully_sharded_step`.
+
     Example:
         >>> import torch, fxtrain as fx
         >>> apply, params, buffers = fx.functional(torch.nn.Linear(2, 1))
@@ -62,6 +66,7 @@ def functional(module: nn.Module) -> tuple[ApplyFn, Params, Buffers]:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fx.functional expects an nn.Module, got {type(module).__name__}")
+    _refuse_fully_sharded(module)
     params = {name: p.detach() for name, p in module.named_parameters()}
     buffers = {name: b.detach() for name, b in module.named_buffers()}
     label = type(module).__name__
@@ -83,3 +88,17 @@ def functional(module: nn.Module) -> tuple[ApplyFn, Params, Buffers]:
 
     apply_fn.__name__ = apply_fn.__qualname__ = f"apply_{label}"
     return apply_fn, params, buffers
+
+
+def _refuse_fully_sharded(module: nn.Module) -> None:
+    """FSDP2's hooks replace the params ``functional_call`` passes with their own all-gathered ones, so no
+    gradient would reach the trees: refuse by name instead of training nothing (issue 16)."""
+    from fxtrain.distributed._fully_sharded import fully_sharded_modules, module_label  # lazily: torch.distributed
+
+    names = fully_sharded_modules(module)
+    if names:
+        where = "it" if names[0] == "" else f"its submodule '{names[0]}'"
+        raise TypeError(f"fx.functional({module_label(module)}): {where} is fully_shard-ed (FSDP2), whose hooks "
+                        "compute with their own all-gathered parameters, so no gradient would reach the params "
+                        "tree; use `apply, params, buffers = fx.distributed.fully_sharded(module)` and "
+                        "fx.distributed.fully_sharded_step(loss_fn, tx, module)")

@@ -184,18 +184,43 @@ def train_step(loss_fn: Callable, tx: GradientTransformation, *, has_aux: bool =
         raise ValueError("train_step: compile=True needs donate=True: a compiled update that may not write "
                          "into its inputs allocates every buffer afresh each step (an AdamW update at 50M "
                          "params measured about 9x slower than in place on CPU)")
-    canonical = _canonical(loss_fn, has_aux)
-    # Partial (data-parallel) gradients are reduced here, once, unless tx defers it (accumulate). It runs
-    # after _owned: the reduced leaves are disjoint views of one fresh buffer, safe to update in place.
-    sync = _identity if traits(tx).partial_grads else distributed.reduce_partials
     if donate:
-        return _donated_step(canonical, tx, has_aux, sync, _CompiledUpdate(tx) if compile else None)
-    return _pure_step(canonical, tx, has_aux, sync)
+        return donated_step(loss_fn, tx, has_aux=has_aux, compile=compile)
+    return _pure_step(_canonical(loss_fn, has_aux), tx, has_aux, _sync(tx))
+
+
+def _sync(tx: GradientTransformation) -> Callable:
+    """``sync(grads, params)``: each DTensor gradient brought to its param's placements, once, unless ``tx``
+    takes ``Partial`` gradients as they come (``accumulate``, ``sharded_apply``). It runs after ``_owned``:
+    the leaves it returns are this step's own buffers, safe to update in place."""
+    return _identity if traits(tx).partial_grads else distributed.match_placements
+
+
+def donated_step(loss_fn: Callable, tx: GradientTransformation, *, has_aux: bool = False, compile: bool = False,
+                 grads: Callable | None = None) -> Step:
+    """The in-place step with a pluggable gradient engine: :func:`train_step` with ``donate=True``.
+
+    ``grads(fn, params, batch, tx) -> (grads, loss, aux)`` computes the gradients of ``fn`` (the canonical loss,
+    ``fn(params, batch) -> (objective, (loss, aux))``, already wrapped by the stack's ``wrap_loss``) with
+    respect to ``params``; the default differentiates detached views with ``torch.autograd.grad``. The
+    parallel engines in :mod:`fxtrain.distributed` (FSDP2 modules, pipeline schedules) pass their own
+    (``loss.backward()`` through torch's hooks, then the params' ``.grad``); the update half is this one.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> from fxtrain.step import donated_step
+        >>> step = donated_step(lambda p, b: (p["w"] * b).sum(), fx.sgd(0.5))
+        >>> params, _, m = step({"w": torch.zeros(2)}, fx.sgd(0.5).init(None), torch.ones(2))
+        >>> params["w"].tolist()
+        [-0.5, -0.5]
+    """
+    return _donated_step(_canonical(loss_fn, has_aux), tx, has_aux, _sync(tx),
+                         _CompiledUpdate(tx) if compile else None, grads or _grad)
 
 
 def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, sync: Callable,
-                  compiled: _CompiledUpdate | None) -> Step:
-    """The in-place step: autograd on detached views, then the fused, compiled or foreach kernels."""
+                  compiled: _CompiledUpdate | None, grad: Callable) -> Step:
+    """The in-place step: autograd on detached views (or ``grad``), then the fused, compiled or foreach kernels."""
     fused = _fused.spec(tx) is not None  # decided once; whether the leaves allow it, per call (metadata)
 
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
@@ -205,7 +230,7 @@ def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool
                              "transforms (vmap, grad, jvp...) cannot batch or differentiate: build the step "
                              f"with donate=False to use it under one (stack: {tx!r})")
         fn = wrap_loss(tx, canonical, opt_state)
-        grads, loss, aux = _grad(fn, params, batch, tx)
+        grads, loss, aux = grad(fn, params, batch, tx)
         # Nothing was written before this point: a failure above leaves the inputs as they were.
         with torch.no_grad():
             # A fused torch kernel, where the stack declares one and the leaves allow it, also beats the
@@ -215,9 +240,9 @@ def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool
             if fused and _fused.step_(tx, grads, opt_state, params):
                 pass
             elif compiled is not None:
-                params, opt_state = compiled(sync(_owned(grads)), opt_state, params)
+                params, opt_state = compiled(sync(_owned(grads), params), opt_state, params)
             else:
-                updates, opt_state = update_(tx, sync(_owned(grads)), opt_state, params)
+                updates, opt_state = update_(tx, sync(_owned(grads), params), opt_state, params)
                 params = apply_updates_(params, updates)
         return params, opt_state, _metrics(loss, aux, opt_state, has_aux)
 
@@ -242,7 +267,7 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
             params, opt_state = tree.clone(params), tree.clone(opt_state)
             _fused.step_(tx, grads, opt_state, params)  # grads are this step's own
         else:
-            updates, opt_state = tx.update(sync(grads), opt_state, params)
+            updates, opt_state = tx.update(sync(grads, params), opt_state, params)
             params = apply_updates(params, updates)  # keeps each DTensor param's placements
         return params, opt_state, _metrics(loss, aux, opt_state, has_aux)
 
@@ -259,7 +284,8 @@ def _metrics(loss: torch.Tensor, aux: Any, opt_state: State, has_aux: bool) -> M
     return metrics
 
 
-def _identity(grads: Any) -> Any:
+def _identity(grads: Any, params: Params) -> Any:
+    del params
     return grads
 
 

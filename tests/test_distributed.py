@@ -1,4 +1,4 @@
-"""Tests for fxtrain/distributed.py: global_norm, global_sum_sq, reduce_partials and the clipping transforms on
+"""Tests for fxtrain/distributed/_norms.py: global_norm, global_sum_sq, reduce_partials and the clipping transforms on
 DTensor shards across gloo worlds of 2 and 4 CPU ranks.
 
 Spawning is the cost (torch import per rank), so each world size is spawned once per test session and
@@ -482,8 +482,8 @@ def test_plan_is_cached_per_leaf_signature():
 
     t = [randn(1, 3), randn(2, 5000)]
     leaves = [x for x in t]
-    assert distributed._plan(leaves) is distributed._plan([x.clone() for x in leaves])
-    assert distributed._plan(leaves) is not distributed._plan([randn(1, 4), randn(2, 5000)])
+    assert distributed._norms._plan(leaves) is distributed._norms._plan([x.clone() for x in leaves])
+    assert distributed._norms._plan(leaves) is not distributed._norms._plan([randn(1, 4), randn(2, 5000)])
 
 
 # --- the pytest side: one spawned world per world size runs every case (tests/_worlds.py) ----------------

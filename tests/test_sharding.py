@@ -290,14 +290,25 @@ def case_refuses_global_reductions(world):
         with pytest.raises(ValueError, match="clip_by_global_norm"):
             fx.sharded_apply(tx)
     m = meshes(world)["1d"]
-    # A gradient laid out unlike its param is named, not silently mis-updated.
+    # A Replicate gradient for a Shard(0) param (autograd gives one for RowwiseParallel's embedding) is
+    # sliced to the param's rows; one that cannot be brought to the param's placements is named.
     from torch.distributed.tensor import Replicate
 
-    p = {"w": dt(randn(1, 2 * world, 2), m, Shard(0))}
-    g = {"w": dt(randn(2, 2 * world, 2), m, Replicate())}
+    p = {"w": dt(randn(1, 2 * world + 1, 2), m, Shard(0))}
+    full = randn(2, 2 * world + 1, 2)
     tx = fx.sharded_apply(fx.sgd(0.1))
-    with pytest.raises(ValueError, match="'w'"):
-        tx.update(g, tx.init(p), p)
+    u, _ = tx.update({"w": dt(full, m, Replicate())}, tx.init(p), p)
+    assert u["w"].placements == (Shard(0),)
+    torch.testing.assert_close(u["w"].full_tensor(), -0.1 * full, rtol=0, atol=0)
+    # Moves with no bucketed collective here go through torch's redistribute (Shard -> Replicate: a gather).
+    rp = {"w": dt(randn(1, 2 * world, 2), m, Replicate())}
+    u, _ = tx.update({"w": dt(randn(2, 2 * world, 2), m, Shard(0))}, tx.init(rp), rp)
+    assert u["w"].placements == (Replicate(),)
+    torch.testing.assert_close(u["w"].full_tensor(), -0.1 * randn(2, 2 * world, 2), rtol=0, atol=0)
+    # A gradient on another mesh than its param: named, with both meshes.
+    m2 = meshes(world)["2d"]
+    with pytest.raises(ValueError, match="'w' lives on .*but its param on"):
+        tx.update({"w": dt(randn(2, 2 * world, 2), m2, Replicate(), Replicate())}, tx.init(rp), rp)
 
 
 @case()

@@ -55,6 +55,7 @@ reused), which a checkpoint of the state must be able to store.
 from __future__ import annotations
 
 import numbers
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import optree
@@ -203,9 +204,35 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
         def wrap_loss(loss_fn, state):
             return tx.wrap_loss(loss_fn, state.inner_state)
 
+    _WINDOWS[update_fn] = window  # for window_position: a gradient engine that must know before the backward
     # partial_grads: train_step leaves Partial gradients unreduced for this kernel (see fxtrain/step.py).
     return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=True, host=True,
                        wrap_loss=wrap_loss)
+
+
+_WINDOWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # accumulate's kernel -> its window length
+
+
+def window_position(tx: GradientTransformation, state: Any) -> tuple[int, int] | None:
+    """``(calls held so far, window length)`` of ``tx`` if it is an :func:`accumulate`, read from its host counters.
+
+    The next call of ``tx`` emits when ``held + 1 >= length``. For gradient engines that must decide
+    before the backward pass whether gradients are reduced this call (FSDP2's ``set_requires_gradient_sync``).
+    ``None`` when ``tx`` is not an ``accumulate`` or its counters are batched or traced (no host value).
+
+    >>> import torch, fxtrain as fx
+    >>> tx = fx.accumulate(fx.sgd(1.0), every=3)
+    >>> window_position(tx, tx.init({"w": torch.zeros(1)})), window_position(fx.sgd(1.0), None)
+    ((0, 3), None)
+    """
+    window = _WINDOWS.get(kernel(tx))
+    if window is None or not isinstance(state, AccumulateState):
+        return None
+    try:
+        m, n = int(state.mini_step), int(state.emitted)
+    except (RuntimeError, ValueError):
+        return None
+    return m, window(n)
 
 
 def _window_length(every: Any) -> Callable[[int], int]:

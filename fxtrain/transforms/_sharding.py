@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import distributed, tree
 from fxtrain._base import GradientTransformation, is_elementwise, kernel, public_factory, transform, with_traits
+from fxtrain.distributed._collectives import check_same_mesh, redistribute
 
 __all__ = ["sharded_apply"]
 
@@ -152,17 +153,10 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
         if len(flat_p) != len(flat_u):
             raise ValueError(f"updates do not match params: the trees differ at '{tree.first_mismatch(updates, params)}'")
         roles = _roles([p if p is not None else u for p, u in zip(flat_p, flat_u)], shard_over)
-        flat_u = _sync_grads(flat_u, roles)
+        flat_u = _sync_grads(flat_u, roles, flat_p, lambda: tree.paths(updates))
         zero = _Zero.build(flat_u, roles) if any(r is not None for r in roles) else None
-        paths = None
-        local_u = []
-        for i, (u, p) in enumerate(zip(flat_u, flat_p)):
-            if isinstance(u, DTensor) and roles[i] is None and isinstance(p, DTensor) and u.placements != p.placements:
-                paths = paths or tree.paths(updates)
-                raise ValueError(f"the gradient at '{paths[i]}' has placements {u.placements} but its "
-                                 f"param has {p.placements} (redistribute it first)")
-            # The local piece: a view to write into when donated; to_local() (seen by autograd) when pure.
-            local_u.append(tree.local(u))
+        # The local piece: a view to write into when donated; to_local() (seen by autograd) when pure.
+        local_u = [tree.local(u) for u in flat_u]
         if zero is not None:
             _refuse_grad(local_u, "its ZeRO reduce-scatter and all-gather (shard_over) are outside autograd")
             zero.scatter(local_u)
@@ -289,18 +283,30 @@ def _rewrap(new: Any, old: Any, old_local: Any) -> Any:
                               stride=old.stride())
 
 
-def _sync_grads(flat_u: list, roles: list) -> list:
-    """``Partial`` gradients of non-ZeRO leaves reduced (packed), and ZeRO leaves' Partial dims other than dp."""
-    todo = [i for i, (u, role) in enumerate(zip(flat_u, roles)) if isinstance(u, DTensor)
-            and any(p.is_partial() and (role is None or d != role.dim) for d, p in enumerate(u.placements))]
-    if not todo:
+def _sync_grads(flat_u: list, roles: list, flat_p: list, paths: Callable[[], list]) -> list:
+    """Each gradient brought to the placements the local math needs, in one pass of bucketed collectives:
+    its param's placements for plain local leaves (a slice, a reduce-scatter or an all-reduce, see
+    :func:`fxtrain.distributed.match_placements`); for ZeRO leaves every ``Partial`` dim reduced except
+    the dp one, which the ZeRO reduce-scatter handles."""
+    targets = []
+    for u, p, role in zip(flat_u, flat_p, roles):
+        if not isinstance(u, DTensor):
+            targets.append(None)
+        elif role is not None:
+            targets.append(tuple(q if d == role.dim or not q.is_partial() else Replicate()
+                                 for d, q in enumerate(u.placements)))
+        elif isinstance(p, DTensor):
+            check_same_mesh(u, p, paths, len(targets))
+            targets.append(tuple(p.placements))
+        else:  # no param to follow: reduce Partial dims only
+            targets.append(tuple(Replicate() if q.is_partial() else q for q in u.placements))
+    if all(t is None or t == tuple(u.placements) for u, t in zip(flat_u, targets)):
         return flat_u
-    _refuse_grad([flat_u[i] for i in todo], "Partial gradients are reduced by a collective outside autograd")
-    reduced = distributed.reduce_partials([flat_u[i] for i in todo])
-    out = list(flat_u)
-    for i, x in zip(todo, reduced):
-        out[i] = x
-    return out
+    # Slices (Replicate -> Shard) are differentiable; reductions of Partial gradients are collectives.
+    _refuse_grad([u for u, t in zip(flat_u, targets) if t is not None
+                  and any(a.is_partial() and a != b for a, b in zip(u.placements, t))],
+                 "Partial gradients are reduced by collectives outside autograd")
+    return redistribute(flat_u, targets, paths)
 
 
 # --- ZeRO: one reduce-scatter and one all-gather per (mesh, dp dim, dtype, reduce op) -------------------

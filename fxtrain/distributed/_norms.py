@@ -1,4 +1,4 @@
-"""Everything that talks to torch.distributed lives here (meshes and process groups passed explicitly).
+"""The norm engine: one L2 norm (and finiteness verdict) of a tree of tensors and DTensors on any meshes.
 
 The one hard question this module answers: the L2 norm (and the finiteness) of a gradient tree whose
 leaves are plain tensors and DTensors on any number of device meshes, with any placements, identical on
@@ -36,22 +36,19 @@ Example:
     5.0
 """
 
+
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import functools
-import os
 from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from fxtrain import tree
-from fxtrain._base import EmptyState, GradientTransformation, kernel, transform
 
-__all__ = ["global_norm", "global_sum_sq", "GlobalSumSq", "to_local", "local_leaves", "reduce_partials"]
+__all__ = ["global_norm", "global_sum_sq", "global_count", "GlobalSumSq", "to_local", "local_leaves"]
 
 Group = Any  # a torch.distributed ProcessGroup, or a 1-D DeviceMesh
 
@@ -149,39 +146,6 @@ def global_norm(t: Any, *, groups: Sequence[Group] = ()) -> torch.Tensor:
         5.0
     """
     return _global_sum_sq(tree.leaves(t), groups, counts=False).sum_sq.sqrt()
-
-
-def reduce_partials(t: Any) -> Any:
-    """``t`` with every ``Partial`` DTensor leaf reduced: ``Replicate`` on those mesh dims, same value.
-
-    For elementwise transforms that are not linear (``clip``): they must see the reduced values. Leaves
-    of one (mesh, placements) are packed into one buffer and all-reduced together (one collective per
-    ``Partial`` mesh dim of that group, not per leaf). Other leaves are returned as they are.
-
-    >>> import torch
-    >>> reduce_partials({"w": torch.ones(1)})["w"].tolist()
-    [1.0]
-    """
-    flat, spec = tree.flatten(t)
-    present = [x for x in flat if x is not None]
-    if not any(isinstance(x, DTensor) for x in present):
-        return t  # plain leaves: nothing to reduce (and under vmap/grad, nothing to plan)
-    plan = _plan(present)
-    if not plan.partials:
-        return t
-    _refuse_autodiff("reduce_partials", [present[i] for p in plan.partials for i in p.positions])
-    local = [to_local(x) for x in present]
-    out = list(present)
-    for p in plan.partials:
-        pieces = _unflat(_reduced_buffer(p, local), [local[i] for i in p.positions])
-        for i, piece in zip(p.positions, pieces):
-            x = present[i]
-            out[i] = DTensor.from_local(
-                piece.to(x.dtype), x.device_mesh, p.reduced_placements,
-                run_check=False, shape=x.shape, stride=x.stride(),
-            )
-    it = iter(out)
-    return tree.unflatten(spec, [None if x is None else next(it) for x in flat])
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -408,7 +372,7 @@ def _global_sum_sq(leaves: list, groups: Sequence[Group], counts: bool) -> Globa
     return GlobalSumSq(sum_sq.to(plan.out_dtype), (nan + inf).float())
 
 
-# --- a local count summed over every rank holding a piece of a tree (added for fxtrain/amp.py) -------
+# --- a local count summed over every rank holding a piece of a tree (amp_cast's found-inf flag) ------
 
 def global_count(count: torch.Tensor, t: Any, *, groups: Sequence[Group] = ()) -> torch.Tensor:
     """``count`` (a 0-dim tensor computed locally) summed over every rank that holds a piece of ``t``.
@@ -445,228 +409,3 @@ def global_count(count: torch.Tensor, t: Any, *, groups: Sequence[Group] = ()) -
         dist.all_reduce(total, group=_as_group(g))
     return total.reshape(()).to(count.dtype)
 
-
-__all__ += ["global_count"]
-
-
-# --- flat-buffer collectives for sharded optimizer state (added for fxtrain/transforms/_sharding.py) ---
-#
-# ``sharded_apply(tx, shard_over="dp")`` (ZeRO-1/2) packs the gradients of many leaves into one buffer
-# laid out rank-major, every rank's segment padded to the same length by the caller: gloo's uneven
-# all_gather is broken, and one even collective per (mesh, dtype) beats one per leaf.
-
-def reduce_scatter_flat(send: torch.Tensor, mesh: Any, dim: int, *, reduce_op: str | None = "sum") -> torch.Tensor:
-    """This rank's segment of ``send`` (1-D, ``n`` equal segments, rank-major) summed over mesh dim ``dim``.
-
-    ``reduce_op`` is the ``Partial`` op the segments carry (``"sum"`` or ``"avg"``); ``None`` means the
-    buffer is already identical on every rank (``Replicate``): the segment is sliced with no communication.
-
-    >>> import torch
-    >>> from torch.distributed.device_mesh import DeviceMesh
-    >>> reduce_scatter_flat(torch.arange(4.0), None, 0, reduce_op=None).tolist()   # one rank: the buffer
-    [0.0, 1.0, 2.0, 3.0]
-    """
-    if mesh is None or mesh.size(dim) == 1:
-        return send
-    n, r = mesh.size(dim), mesh.get_local_rank(dim)
-    seg = send.numel() // n
-    if reduce_op is None:
-        return send[r * seg:(r + 1) * seg]
-    if reduce_op not in ("sum", "avg"):
-        raise ValueError(f"reduce_scatter_flat: cannot reduce-scatter a Partial({reduce_op!r}) gradient")
-    out = torch.empty(seg, dtype=send.dtype, device=send.device)
-    dist.reduce_scatter_tensor(out, send, group=mesh.get_group(dim))
-    if reduce_op == "avg":
-        out.div_(n)
-    return out
-
-
-def all_gather_flat(piece: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
-    """The 1-D ``piece`` of every rank along mesh dim ``dim``, concatenated in rank order (equal sizes).
-
-    >>> import torch
-    >>> all_gather_flat(torch.ones(2), None, 0).tolist()   # one rank: the piece itself
-    [1.0, 1.0]
-    """
-    if mesh is None or mesh.size(dim) == 1:
-        return piece
-    out = torch.empty(piece.numel() * mesh.size(dim), dtype=piece.dtype, device=piece.device)
-    dist.all_gather_into_tensor(out, piece.contiguous(), group=mesh.get_group(dim))
-    return out
-
-
-__all__ += ["reduce_scatter_flat", "all_gather_flat"]
-
-
-# --- process runtime: torchrun ranks, the device, plain data parallelism (used by fxtrain.train) -----
-# Process-group setup from torchrun's environment, one shared run stamp, a gradient all-reduce transform
-# for ``parallel=dp`` on plain tensors, and metric averaging for logs.
-
-__all__ += ["init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device", "local_batch",
-            "all_reduce_mean", "mean_across_ranks", "shutdown"]
-
-
-def init_from_env() -> tuple[int, int]:
-    """Joins the process group torchrun describes (``WORLD_SIZE`` > 1); returns ``(rank, world_size)``."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        # gloo for CPU tensors always; NCCL for CUDA tensors when this build has it.
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
-    return rank_and_world()
-
-
-def rank_and_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of this process; ``(0, 1)`` without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def shared_stamp() -> str:
-    """A ``YYYY-MM-DD/HH-MM-SS`` stamp taken on rank 0 and given to every rank (one run directory for all)."""
-    stamp = [datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")]
-    if dist.is_initialized():
-        dist.broadcast_object_list(stamp, src=0)
-    return stamp[0]
-
-
-def world_mesh(device_type: str, name: str | None = None):
-    """A 1-D ``DeviceMesh`` over all ranks (its repr names the ranks, unlike a process group's).
-
-    ``name`` names its one dim (``"dp"``: what ``sharded_apply(..., shard_over="dp")`` looks for).
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=(name,) if name else None)
-
-
-def device(name: str) -> torch.device:
-    """``auto``: this rank's CUDA device when there is one, else CPU; anything else as ``torch.device``."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
-    return torch.device(name)
-
-
-def local_batch(batch: tuple, rank: int, world: int) -> tuple:
-    """This rank's contiguous 1/world slice of every tensor in a global batch (the batch itself for one rank)."""
-    if world == 1:
-        return batch
-    n = len(batch[0])
-    if n % world:
-        raise ValueError(f"data.batch_size={n} does not split evenly over {world} ranks (parallel=dp)")
-    return tuple(x.tensor_split(world)[rank] for x in batch)
-
-
-@transform(elementwise=False)
-def all_reduce_mean(world_size: int) -> GradientTransformation:
-    """Averages the gradients across all ranks of the default process group (one all_reduce per update).
-
-    Data parallelism on plain tensors: every rank computes the gradient of its share of the batch, and
-    after this transform every rank holds the gradient of the whole batch (equal shares assumed).
-    """
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None):
-        del params
-        return tree.put(updates, updates, _all_reduce_mean_(tree.leaves(updates), world_size)), state
-
-    return GradientTransformation(init_fn, update_fn)
-
-
-def _all_reduce_mean_(leaves: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
-    """Every plain tensor in ``leaves`` averaged over all ranks: written into ``leaves`` (op layer: in place
-    when donated, new tensors inside :func:`fxtrain.tree.functional`); returns the results."""
-    if not leaves:
-        return leaves
-    _refuse_autodiff("all_reduce_mean", leaves)
-    # One flat buffer (in the leaves' promoted dtype), one collective: per-leaf all_reduces cost a
-    # round trip each.
-    dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
-    mixed = any(g.dtype != dtype for g in leaves)
-    flat = _all_reduce_flat(leaves, dtype, [(None, dist.ReduceOp.SUM, world_size)], mixed)
-    return tree.copy_(leaves, list(_unflat(flat, leaves)))
-
-
-def _refuse_autodiff(what: str, leaves: Sequence) -> None:
-    """Collectives run outside autograd and have no batching rule: raise rather than return a detached
-    (silently wrong) gradient or fail deep inside a torch.func transform."""
-    if tree.transformed():
-        raise ValueError(f"{what}: its collectives cannot run under a torch.func transform (vmap, grad, jvp)")
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
-        raise ValueError(f"{what}: cannot differentiate through its collectives (they are outside autograd); "
-                         "differentiate on one process")
-
-
-def mean_across_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
-    """The average over ranks of each (float) metric; identical on every rank. For logs, not the hot path."""
-    if world == 1 or not metrics:
-        return metrics
-    values = torch.tensor(list(metrics.values()), dtype=torch.float64)
-    dist.all_reduce(values)
-    return dict(zip(metrics, (values / world).tolist()))
-
-
-def shutdown() -> None:
-    """Leaves the process group, if this process joined one."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# --- parallel=dp with parallel.shard_optimizer=true: ZeRO over plain data parallelism (fxtrain.build) ---
-# The loop keeps plain params and batches (the models, evaluation and checkpoints of params stay as they
-# are); only the optimizer sees DTensors, so ``sharded_apply(..., shard_over="dp")`` can shard its state.
-
-__all__ += ["on_dp_mesh"]
-
-
-@transform(elementwise=False)
-def on_dp_mesh(tx: GradientTransformation, mesh: Any, *, reduce_first: bool = False) -> GradientTransformation:
-    """Runs ``tx`` on DTensor views of data-parallel params and gradients: ZeRO-1/2 for ``parallel=dp``.
-
-    Under plain data parallelism every rank holds all params as plain tensors and the gradient of its
-    share of the batch. ``tx`` sees them on the 1-D ``mesh`` (one dim, named ``"dp"``), with no copy::
-
-        params  -> DTensor(Replicate())                      the same on every rank
-        updates -> DTensor(Partial("avg"))                   their mean is the whole batch's gradient
-        updates -> mean over ranks, DTensor(Replicate())     with reduce_first (one packed all_reduce)
-
-    and its updates come back as plain tensors (``Replicate``, ``Partial`` ones reduced first). Inside,
-    ``sharded_apply(optimizer, shard_over="dp")`` reduce-scatters the gradients (or slices them, when
-    already reduced), keeps state for 1/n of the rows (``Shard(0)`` DTensors: checkpointed sharded) and
-    all-gathers the updates. ``reduce_first`` is for chains that begin with a global transform such as
-    ``clip_by_global_norm``: its norm of ``Partial`` gradients would all-reduce them anyway, and a reduce-
-    scatter after that would move them a second time; one all_reduce, then slices, is cheaper.
-
-    Args:
-      tx: the transform (a chain with ``sharded_apply(..., shard_over=<the mesh's dim name>)`` entries).
-      mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks (:func:`world_mesh` with ``name="dp"``).
-      reduce_first: average the gradients over ranks before ``tx`` (see above).
-
-    Returns:
-      A transform on plain tensors whose state is ``tx``'s (with DTensor leaves).
-    """
-    inner = kernel(tx)
-    n = mesh.size()
-    grads = (Replicate(),) if reduce_first else (Partial("avg"),)
-
-    def view(t, placements):
-        return tree.map(lambda x: DTensor.from_local(x, mesh, placements, run_check=False), t)
-
-    def init_fn(params):
-        return tx.init(view(params, (Replicate(),)))
-
-    def update_fn(updates, state, params=None):
-        if reduce_first:
-            updates = tree.put(updates, updates, _all_reduce_mean_(tree.leaves(updates), n))
-        params = None if params is None else view(params, (Replicate(),))
-        updates, state = inner(view(updates, grads), state, params)
-        return tree.map(to_local, reduce_partials(updates)), state
-
-    return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,55 @@
+"""Everything that talks to torch.distributed lives in this package; meshes and groups are passed explicitly.
+
+The map, by concern (torchtitan-style: one module per parallelism, plus the shared engines):
+
+* ``_norms``: the norm engine. :func:`global_norm`, :func:`global_sum_sq` and :func:`global_count` of a
+  tree of plain tensors and DTensors on any number of meshes, exact and identical on every rank.
+* ``_collectives``: moving gradients between layouts. :func:`match_placements` (each gradient to its
+  param's placements: a slice, one bucketed reduce-scatter or all-reduce per process group),
+  :func:`reduce_partials` (``Partial`` -> ``Replicate``), :func:`reduce_scatter_flat` and
+  :func:`all_gather_flat` (ZeRO's packed buffers).
+* ``_data_parallel``: plain-tensor data parallelism (:func:`all_reduce_mean`) and ZeRO views on a dp
+  mesh (:func:`on_dp_mesh`).
+* ``_tensor_parallel``: torch's ``parallelize_module`` under the functional step, 1-D or dp x tp with
+  the dp bridge built in (:func:`tensor_parallel`).
+* ``_fully_sharded``: FSDP2 under the functional step. :func:`fully_sharded` (a ``fully_shard``-ed module's
+  sharded params and a function that runs it) and :func:`fully_sharded_step` (FSDP's backward and hooks,
+  then fxtrain's stack on the sharded ``.grad``; ``accumulate`` with FSDP's gradient-sync switch).
+* ``_pipeline``: :func:`pipeline_step`, a ``torch.distributed.pipelining`` schedule's forward/backward, then
+  the stack on this rank's stage params, in place (global transforms checked to span the pp group).
+* ``_runtime``: torchrun's world, the device, the run stamp, batch slices, metric averages.
+
+Example:
+    >>> import torch
+    >>> from fxtrain.distributed import global_norm
+    >>> float(global_norm({"a": torch.tensor([3.0]), "b": [torch.tensor([4.0]), None]}))
+    5.0
+"""
+
+from fxtrain.distributed._collectives import all_gather_flat, match_placements, reduce_partials, reduce_scatter_flat
+from fxtrain.distributed._data_parallel import all_reduce_mean, on_dp_mesh
+from fxtrain.distributed._fully_sharded import fully_sharded, fully_sharded_step
+from fxtrain.distributed._norms import GlobalSumSq, global_count, global_norm, global_sum_sq, local_leaves, to_local
+from fxtrain.distributed._tensor_parallel import tensor_parallel
+from fxtrain.distributed._pipeline import pipeline_step
+from fxtrain.distributed._runtime import (
+    device, init_from_env, local_batch, mean_across_ranks, rank_and_world, shared_stamp, shutdown, world_mesh,
+)
+
+__all__ = [
+    # norms
+    "global_norm", "global_sum_sq", "global_count", "GlobalSumSq", "to_local", "local_leaves",
+    # collectives
+    "match_placements", "reduce_partials", "reduce_scatter_flat", "all_gather_flat",
+    # data parallel
+    "all_reduce_mean", "on_dp_mesh",
+    # tensor parallel
+    "tensor_parallel",
+    # fully sharded (FSDP2)
+    "fully_sharded", "fully_sharded_step",
+    # pipeline parallel
+    "pipeline_step",
+    # runtime
+    "init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device", "local_batch",
+    "mean_across_ranks", "shutdown",
+]

@@ -1,0 +1,327 @@
+"""FSDP2 under the functional step: a ``fully_shard``-ed module driven by :func:`fxtrain.train_step`'s update half.
+
+``fully_shard`` owns the parameters of the modules it wraps: its pre-forward hook all-gathers the
+sharded parameters and puts the unsharded ones into the module, its post-backward hook reduce-scatters
+their gradients (bucketed, one collective per FSDP module) into the sharded parameters' ``.grad``. A
+pure function of a params tree cannot take part: whatever ``functional_call`` passes is replaced by
+FSDP's own all-gathered tensors, so no gradient reaches it (issue 16: step 0 learned nothing, step 1
+crashed). So the division of labour is torch's, as in torchtitan: FSDP computes the gradients of the
+module's own sharded parameters; fxtrain runs the stack on them and writes the update into them.
+
+* :func:`fully_sharded` is :func:`fxtrain.functional` for such a module: ``(apply_fn, params, buffers)``,
+  where ``params`` are the module's own sharded DTensor parameters (detached, same storage), so the
+  donated update writes in place where FSDP's next all-gather reads.
+* :func:`fully_sharded_step` is ``train_step(donate=True)`` with a gradient engine that runs
+  ``objective.backward()`` (FSDP's hooks do the communication), hands the ``.grad`` DTensors to the
+  shared update half (:func:`fxtrain.step.donated_step`) and clears them, as ``zero_grad(set_to_none=True)``.
+
+What each layer does with FSDP2, and what it must not:
+
+* **Clipping** (``clip_by_global_norm``) sees ``Shard(0)`` (FSDP) or ``(_StridedShard, Shard)`` (FSDP x TP)
+  gradients and sums their squares over every mesh dim they are sharded on: exact, one small all-reduce.
+* **Optimizers**: ``sharded_apply(adamw(...))`` runs on the local shards with state born sharded (no
+  DTensor dispatch, no communication); plain ``adamw`` works too, through DTensor dispatch.
+* **Mixed precision**: casting the parameters for the forward pass is FSDP's job
+  (``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))``:
+  it casts once per all-gather and reduces in ``reduce_dtype``). ``amp_cast`` keeps the rest: loss scaling,
+  unscaling, the overflow check across ranks and skipping. Its own param cast cannot act here (FSDP's
+  hooks would replace the cast params): give it a policy whose compute dtype is the params' dtype
+  (``amp_cast(tx, "p=f32,c=f32,o=f32", loss_scale="dynamic")``); a casting policy is refused by name.
+* **Accumulation**: with ``accumulate(tx, every=k)`` outermost, held micro-batches run with
+  ``set_requires_gradient_sync(False)`` (FSDP keeps the unsharded gradient sum locally, no
+  reduce-scatter) and the emitting call syncs the whole window's sum in one reduce-scatter per FSDP module,
+  torch's own recipe. ``accumulate`` then divides by ``k``: the same update as one batch of ``k`` micro-batches.
+
+Example (two ranks; not a doctest)::
+
+    import torch, torch.nn.functional as F, fxtrain as fx
+    from torch.distributed.fsdp import fully_shard
+
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    apply, params, buffers = fx.distributed.fully_sharded(model)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        logits, _ = apply(params, buffers, x, train=True)
+        return F.cross_entropy(logits, y)
+
+    tx = fx.accumulate(fx.chain(fx.clip_by_global_norm(1.0), fx.sharded_apply(fx.adamw(1e-3))), every=4)
+    step = fx.distributed.fully_sharded_step(loss_fn, tx, model)
+    opt_state = tx.init(params)
+    for batch in loader:
+        params, opt_state, metrics = step(params, opt_state, batch)
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.func import functional_call
+
+from fxtrain import tree
+
+__all__ = ["fully_sharded", "fully_sharded_step"]
+
+Params = Buffers = dict[str, torch.Tensor]
+
+
+def fully_sharded(module: nn.Module) -> tuple[Callable, Params, Buffers]:
+    """:func:`fxtrain.functional` for a ``fully_shard``-ed module: its sharded params, and a function that runs it.
+
+    ``apply_fn(params, buffers, *args, train, **kwargs) -> (output, new_buffers)`` runs ``module(*args,
+    **kwargs)`` through FSDP's hooks, which compute with the module's own (all-gathered) parameters;
+    ``params`` must therefore be the tree returned here (a donated step returns the same tree), and is
+    checked to be. Buffers (FSDP leaves them unsharded) are threaded as in :func:`fxtrain.functional`: copied
+    in train mode, the updated copies returned. Differentiating ``apply_fn`` with respect to ``params`` is
+    not possible (FSDP's gradients land in the parameters' ``.grad``): train with :func:`fully_sharded_step`.
+
+    Args:
+      module: a module on which ``torch.distributed.fsdp.fully_shard`` was called (on it or on submodules
+        that together hold every parameter), in its final dtype and device: ``module.to(...)`` afterwards
+        gives it new parameters and the returned tree would no longer be them.
+
+    Returns:
+      ``(apply_fn, params, buffers)``. ``params`` are the module's ``named_parameters()`` as detached
+      DTensors sharing storage with the sharded parameters (``Shard(0)`` on the FSDP mesh, composed with
+      the TP placements under FSDP x TP); calling ``fully_sharded`` again gives the same leaves.
+
+    Raises:
+      TypeError: ``module`` is not an ``nn.Module`` or nothing in it is ``fully_shard``-ed.
+      ValueError: naming the parameter, when one is not managed by ``fully_shard`` (its gradient would
+        never be reduced across ranks).
+
+    Example (two ranks; not a doctest)::
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        apply, params, buffers = fx.distributed.fully_sharded(model)
+        params["fc.weight"].placements       # (Shard(dim=0),)
+        logits, _ = apply(params, buffers, x, train=False)
+    """
+    owner = _owner(module)
+    label = owner.label
+
+    def apply_fn(params: Params, buffers: Buffers, *args: Any, train: bool, **kwargs: Any) -> tuple[Any, Buffers]:
+        if not isinstance(train, bool):
+            raise TypeError(f"fully_sharded({label}) apply_fn: train must be True or False, got {train!r}")
+        owner.check(params, "apply_fn")
+        if train and buffers:
+            buffers = tree.clone(buffers)  # as fx.functional: the forward pass may update them in place
+        was_training = module.training
+        module.train(train)
+        try:
+            # Buffers only: the parameters are FSDP's to place. strict=False: the params are not passed.
+            out = functional_call(module, buffers, args, kwargs, strict=False) if buffers else module(*args, **kwargs)
+        finally:
+            module.train(was_training)
+        return out, buffers
+
+    apply_fn.__name__ = apply_fn.__qualname__ = f"apply_{label}"
+    return apply_fn, dict(owner.tree), {n: b.detach() for n, b in module.named_buffers()}
+
+
+def fully_sharded_step(loss_fn: Callable, tx: Any, module: nn.Module, *, has_aux: bool = False) -> Callable:
+    """``train_step(loss_fn, tx, donate=True)`` for a ``fully_shard``-ed module: FSDP's backward, fxtrain's stack.
+
+    Each call runs ``tx.wrap_loss(loss_fn)`` (amp_cast's loss scale) and ``objective.backward()``, so FSDP's
+    hooks all-gather the parameters and reduce-scatter their gradients bucketed per FSDP module, exactly as
+    under ``torch.optim``; then it takes the sharded ``.grad`` of every parameter (clearing it), and the
+    update half of :func:`fxtrain.train_step` (the same code: ``update_``, ``apply_updates_``) writes the
+    new values into the sharded parameters in place. The collectives per step are FSDP2's plus those of the
+    stack (one all-reduce for ``clip_by_global_norm``, as ``clip_grad_norm_``). Where ``tx`` is an
+    outermost :func:`fxtrain.accumulate`, calls it holds run with ``set_requires_gradient_sync(False)``
+    (no reduce-scatter; FSDP sums the unsharded gradients locally) and the emitting call reduces the
+    window's sum once. See this module's docstring for what FSDP's ``MixedPrecisionPolicy`` and
+    ``amp_cast`` each do.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)`` returning a scalar loss (or ``(loss, aux)`` with ``has_aux``),
+        computing through the ``apply_fn`` of :func:`fully_sharded(module) <fully_sharded>` with the
+        ``params`` it is given.
+      tx: the gradient transformation, e.g. ``chain(clip_by_global_norm(1.0), sharded_apply(adamw(1e-3)))``.
+      module: the ``fully_shard``-ed module ``loss_fn`` runs.
+      has_aux: as :func:`fxtrain.train_step`: ``loss_fn`` returns ``(loss, aux)``; ``metrics["aux"]``.
+
+    Returns:
+      ``step(params, opt_state, batch) -> (params, opt_state, metrics)``, donated: ``params`` is the tree
+      from :func:`fully_sharded` and comes back as the same tree, updated in place.
+
+    Raises:
+      TypeError, ValueError: as :func:`fully_sharded` for ``module``; at call time, ``params`` that are not
+      the module's own (naming the first leaf that differs), an ``amp_cast`` that casts params, a loss
+      from which no gradient reaches any parameter.
+
+    Example (two ranks; not a doctest)::
+
+        apply, params, buffers = fx.distributed.fully_sharded(model)
+        tx = fx.chain(fx.clip_by_global_norm(1.0), fx.sharded_apply(fx.adamw(1e-3)))
+        step = fx.distributed.fully_sharded_step(lambda p, b: F.mse_loss(apply(p, buffers, b[0], train=True)[0], b[1]),
+                                                 tx, model)
+        params, opt_state, metrics = step(params, tx.init(params), batch)
+    """
+    from fxtrain.step import donated_step  # fxtrain.step imports this package
+
+    engine = _Engine(_owner(module))
+    inner = donated_step(loss_fn, tx, has_aux=has_aux, grads=engine)
+
+    def step(params: Params, opt_state: Any, batch: Any) -> tuple[Params, Any, dict]:
+        # Before the forward pass: whether FSDP's backward must reduce-scatter (read on the host from
+        # accumulate's CPU counters, so no sync), and whether this is a window's first held call.
+        engine.position = _window_position(tx, opt_state)
+        return inner(params, opt_state, batch)
+
+    step.__qualname__ = step.__name__ = f"fully_sharded_step({engine.owner.label})"
+    return step
+
+
+# --- the module's parameters --------------------------------------------------------------------------
+
+class _Owner:
+    """What fxtrain holds of one ``fully_shard``-ed module: its sharded parameters and the leaves handed out."""
+
+    def __init__(self, module: nn.Module):
+        self.label = module_label(module)
+        self.fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        managed = {id(fp.sharded_param) for m in self.fsdp for g in m._get_fsdp_state()._fsdp_param_groups
+                   for fp in g.fsdp_params}
+        named = list(module.named_parameters())
+        for name, p in named:
+            if id(p) not in managed:
+                raise ValueError(f"fully_sharded({self.label}): the parameter '{name}' is not managed by fully_shard "
+                                 f"(a {type(p).__name__} outside every FSDP module), so its gradient would never be "
+                                 f"reduced across ranks: call fully_shard on {self.label} itself too (after its "
+                                 "submodules), or on the submodule that holds it")
+        # Both in the tree's flatten order (optree sorts dict keys): the nn.Parameters whose .grad FSDP
+        # writes, and the leaves handed out (detached: same storage, no autograd identity).
+        self.tree = {n: p.detach() for n, p in named}
+        self.leaves, self.spec = tree.flatten(self.tree)
+        self.names = tree.paths(self.tree)
+        self.params = tree.flatten(dict(named))[0]
+
+    def check(self, params: Any, where: str) -> list:
+        """The leaves of ``params``, checked to be the ones handed out (identity: one C-level pass)."""
+        flat, spec = tree.flatten(params)
+        if spec == self.spec and all(map(operator.is_, flat, self.leaves)):
+            return flat
+        raise ValueError(self._why(params, flat, spec, where))
+
+    def _why(self, params: Any, flat: list, spec: Any, where: str) -> str:
+        head = f"fully_sharded({self.label}) {where}"
+        fix = (f"pass the params tree that fx.distributed.fully_sharded({self.label}) returned (the step returns "
+               "the same tree): FSDP computes with the module's own sharded parameters, and the update must be "
+               "written into them")
+        if spec != self.spec:
+            where_ = tree.first_mismatch(params, self.tree)
+            return f"{head}: params differ from {self.label}'s parameters at '{where_}'; {fix}"
+        path, x, mine = next((n, x, m) for n, x, m in zip(self.names, flat, self.leaves) if x is not m)
+        if isinstance(x, torch.Tensor) and x.dtype != mine.dtype:
+            return (f"{head}: params['{path}'] is {x.dtype} but {self.label}'s parameter is {mine.dtype}: amp_cast "
+                    "casts params for the forward pass, which FSDP's hooks would undo. Let FSDP cast "
+                    "(fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))) and keep amp_cast for loss "
+                    f"scaling only, with a policy whose compute dtype is {mine.dtype} (e.g. 'p=f32,c=f32,o=f32')")
+        if isinstance(x, torch.Tensor) and x.requires_grad and _same_storage(x, mine):
+            return (f"{head}: params['{path}'] requires grad: something differentiates apply_fn with respect to "
+                    "params (fx.train_step, torch.func), but FSDP's hooks replace them with their own all-gathered "
+                    "parameters, so no gradient would reach them. Build the step with "
+                    f"fx.distributed.fully_sharded_step(loss_fn, tx, module), which runs FSDP's backward")
+        return f"{head}: params['{path}'] is not {self.label}'s parameter '{path}'; {fix}"
+
+    def set_sync(self, sync: bool) -> None:
+        """``set_requires_gradient_sync(sync)`` on every FSDP module: set on every call (a flag per param group),
+        so a switch the user flipped between steps cannot leave a window unreduced."""
+        for m in self.fsdp:
+            m.set_requires_gradient_sync(sync, recurse=False)
+
+
+def _same_storage(x: torch.Tensor, y: torch.Tensor) -> bool:
+    a, b = (t._local_tensor if isinstance(t, DTensor) else t for t in (x, y))
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _owner(module: nn.Module) -> _Owner:
+    """The :class:`_Owner` of ``module``, built once: ``fully_sharded`` and the step must hand out one tree."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_sharded expects the fully_shard-ed nn.Module, got {type(module).__name__}")
+    if module not in _OWNERS:
+        if not fully_sharded_modules(module):
+            raise TypeError(f"fully_sharded({module_label(module)}): nothing in it is fully_shard-ed; call "
+                            "torch.distributed.fsdp.fully_shard on it first, or use fx.functional for a plain module")
+        _OWNERS[module] = _Owner(module)
+    return _OWNERS[module]
+
+
+def fully_sharded_modules(module: nn.Module) -> list[str]:
+    """The names of ``module``'s submodules (``''`` for itself) on which ``fully_shard`` was called.
+
+    >>> import torch
+    >>> fully_sharded_modules(torch.nn.Linear(2, 2))
+    []
+    """
+    return [name for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+
+
+def module_label(module: nn.Module) -> str:
+    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass named ``FSDP<Class>``."""
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next((c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule)), cls)
+    return cls.__name__
+
+
+# --- the gradient engine ------------------------------------------------------------------------------
+
+class _Engine:
+    """``grads(fn, params, batch, tx)`` for :func:`fxtrain.step.donated_step`: FSDP's backward, the ``.grad``s."""
+
+    def __init__(self, owner: _Owner):
+        self.owner = owner
+        self.position: tuple[int, int] | None = None  # (calls held so far, window length) of an accumulate
+
+    def __call__(self, fn: Callable, params: Params, batch: Any, tx: Any) -> tuple[Any, torch.Tensor, Any]:
+        from fxtrain.step import _call, _detach  # the step's own checks of the wrapped loss
+
+        owner = self.owner
+        owner.check(params, "step")
+        held = self.position is not None and self.position[0] + 1 < self.position[1]
+        owner.set_sync(not held)
+        with torch.enable_grad():
+            objective, (loss, aux) = _call(fn, params, batch, tx)
+        if not objective.requires_grad:
+            raise ValueError(self._no_gradient())
+        objective.backward()
+        grads = [p.grad for p in owner.params]
+        for p in owner.params:  # zero_grad(set_to_none=True): FSDP assigns a fresh .grad next time
+            p.grad = None
+        if held:
+            # FSDP keeps this micro-batch's gradients unsharded and unreduced until the window's last call,
+            # which hands accumulate the sum of the whole window. accumulate keeps the first held call's
+            # gradients as its accumulator: zeros there, nothing (None) on the other held calls.
+            grads = list(tree.zeros_like(owner.leaves)) if self.position[0] == 0 else [None] * len(grads)
+        elif all(g is None for g in grads):
+            raise ValueError(self._no_gradient())
+        else:  # a parameter the loss did not use: a zero gradient, as train_step's own engine gives
+            grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, owner.leaves)]
+        return tree.unflatten(owner.spec, grads), loss.detach(), _detach(aux)
+
+
+    def _no_gradient(self) -> str:
+        label = self.owner.label
+        return (f"fully_sharded_step({label}): no gradient reaches any parameter of {label}: loss_fn must run the "
+                f"apply_fn of fx.distributed.fully_sharded(module) for the module given to the step ({label})")
+
+
+def _window_position(tx: Any, state: Any) -> tuple[int, int] | None:
+    from fxtrain.transforms._accumulation import window_position  # transforms import this package
+
+    return window_position(tx, state)

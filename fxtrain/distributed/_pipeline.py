@@ -1,0 +1,321 @@
+"""Pipeline parallel: a ``torch.distributed.pipelining`` schedule's forward and backward, then the stack.
+
+:func:`pipeline_step` is :func:`fxtrain.train_step`'s sibling for a model split into stages. The user builds
+the stages and the schedule as torch's docs show (``PipelineStage(stage_module, stage_index, num_stages,
+device, group=pp_group)``, ``ScheduleGPipe(stage, n_microbatches, loss_fn=...)``, ``Schedule1F1B``, or a
+multi-stage schedule such as ``ScheduleInterleaved1F1B``); the schedule runs the micro-batches, the
+point-to-point sends between stages and the backward into the stage modules' ``.grad``, and fxtrain's
+donated update half (:func:`fxtrain.step.donated_step`, the one ``train_step`` uses) then runs the stack on
+this rank's stage params, in place.
+
+What the step decides, and why:
+
+* **The schedule owns the loss.** ``loss_fn`` is the schedule's (``loss_fn(output, target)`` on the last
+  stage); the step differentiates nothing itself. So a stack that acts on the forward pass
+  (``wrap_loss``: :func:`fxtrain.amp_cast` casts params and scales the loss) cannot reach it and is
+  refused when the step is built; cast inside the stage modules (``torch.autocast``) instead.
+* **Global transforms must span the stages.** Each rank holds a disjoint part of the model, as plain
+  tensors, so a norm over "the tree" is a norm over one stage unless the pp group is summed over: torch's
+  per-stage ``clip_grad_norm_`` makes exactly that mistake. The step does not rewrite the stack behind the
+  user's back (its transforms are closures; the groups they reduce over are their arguments, meshes are
+  passed explicitly); it *checks* it: on its first call, before anything is written, it runs the stack
+  once, pure, on a probe gradient (zeros, one ``inf`` on the first rank of the pp group) and requires
+  every value the stack reports (``grad_norm``, ``skipped``, ...) to be identical on every stage. A
+  ``clip_by_global_norm(m)`` without ``groups=(pp_group,)`` reports ``inf`` on one stage and ``0`` on
+  the others, and the step refuses it by name, with the fix. A global transform that reports nothing is
+  not seen by the probe.
+* **Params are the stage modules' own tensors** (``dict(stage_module.named_parameters())``, or the trees
+  of :func:`fxtrain.functional` of the stage module, which alias them): the schedule computes gradients
+  into those modules, so a leaf that aliases no stage parameter, or a stage parameter missing from
+  ``params`` (its gradient would be computed and never applied), is refused by name. The check runs on
+  the first call and again whenever the leaves passed change; all stages agree on the verdict before
+  any of them enters the schedule on the first call (a stage that refused alone would leave the others
+  waiting on its sends); a later change of leaves is checked on its rank alone.
+* **The loss** the step reports is the one whose gradient the stack sees: the mean of the last stage's
+  micro-batch losses (their sum with ``scale_grads=False``), summed over the pp group with zeros from
+  the other stages (one 0-dim float64 ``all_reduce``, in flight while the update runs), so ``metrics``
+  are identical on every rank like every other fxtrain metric; rank 0, the first stage, logs it.
+
+Data parallelism across pipeline replicas is the stage module's business, as in torchtitan: ``fully_shard``
+the stage module over the dp mesh before building its ``PipelineStage``; the schedule reduce-scatters the
+gradients after the last micro-batch, the params are then DTensors that the norm engine sums over dp, and
+``groups=(pp_group,)`` adds the stages (tests/test_pipeline.py checks 2 stages x 2 dp against one process).
+``DistributedDataParallel`` stage modules do not work under torch 2.13's schedules (measured: the reducer
+asserts on its second forward; with ``static_graph=True`` the last stage's gradients are wrong in torch's
+own loop too).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from fxtrain import tree
+from fxtrain._base import GradientTransformation, report
+
+__all__ = ["pipeline_step"]
+
+Step = Callable[[Any, Any, Any], tuple[Any, Any, dict]]
+
+# The probe reruns a host-deciding stack (accumulate(every=k)) until it emits; k above this is refused.
+_MAX_PROBE_CALLS = 1024
+
+
+def pipeline_step(schedule: Any, tx: GradientTransformation, *, pp_group: Any) -> Step:
+    """Builds ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` around a pipeline schedule.
+
+    One call runs ``schedule.step`` (forward and backward of every micro-batch, gradients into the stage
+    modules), then the stack on this rank's stage params, donated (in place, as ``train_step(donate=True)``:
+    the returned trees alias the ones given). See the module docstring for what is checked and why.
+
+    Args:
+      schedule: a ``torch.distributed.pipelining`` training schedule built with a ``loss_fn``
+        (``ScheduleGPipe``, ``Schedule1F1B``, or a multi-stage one: ``ScheduleInterleaved1F1B``...).
+      tx: the gradient transformation; ``opt_state`` is ``tx.init(params)``. Its global transforms must
+        sum over the pp group: ``clip_by_global_norm(max_norm, groups=(pp_group,))``.
+      pp_group: the process group (or 1-D ``DeviceMesh``) of the pipeline's stages, the one the stages were
+        built with (torch's default: the whole world).
+
+    Returns:
+      ``step``. ``params`` are this rank's stage parameters (any tree whose leaves are, or alias, every
+      parameter of the schedule's stage modules on this rank). ``batch`` is ``(inputs, targets)``: the
+      model's input (a tensor or a tuple of positional arguments) on the first stage and the loss target
+      on the last, ``None`` where a stage has no use for it (a stage may also be given the whole batch).
+      ``metrics`` hold ``loss`` (0-dim float64, identical on every rank) and what the stack reports.
+
+    Raises:
+      ValueError: a schedule without backward (no ``loss_fn``), a ``pp_group`` that is not the stages'
+        group, a stack with ``wrap_loss`` (``amp_cast``); at the first call (on every rank at once), params
+        that are not the stage modules' parameters, or a stack whose reported values differ across stages
+        (a global transform that sees only its own stage).
+
+    Example (2 ranks under torchrun; not a doctest)::
+
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+        pp = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+        rank = pp.get_local_rank()
+        module = full_model[:3] if rank == 0 else full_model[3:]           # the user's split
+        stage = PipelineStage(module, rank, 2, torch.device("cpu"), group=pp.get_group())
+        schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=cross_entropy)
+        tx = fx.chain(fx.clip_by_global_norm(1.0, groups=(pp,)), fx.adamw(1e-3))
+        step = fx.distributed.pipeline_step(schedule, tx, pp_group=pp)
+        params = dict(module.named_parameters())
+        opt_state = tx.init(params)
+        for x, y in batches:
+            params, opt_state, metrics = step(params, opt_state, (x, y))   # x used on stage 0, y on stage 1
+    """
+    from fxtrain.step import donated_step  # lazily: fxtrain.step imports this package
+
+    stages = _stages(schedule)
+    group = _group(pp_group, stages)
+    if tx.wrap_loss is not None:
+        raise ValueError(f"pipeline_step: {tx!r} acts on the forward pass (wrap_loss: amp_cast casts the params "
+                         "and scales the loss), but the schedule runs the forward with the stage modules' own "
+                         "params and its own loss_fn, which the stack cannot wrap. Compute in low precision "
+                         "inside the stage modules (torch.autocast; bf16 needs no loss scale) and pass the "
+                         "inner stack")
+    engine = _Engine(schedule, stages, group, tx)
+    update = donated_step(_schedule_owns_the_loss, tx, grads=engine)
+
+    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict]:
+        engine.check(params, opt_state)
+        out = update(params, opt_state, batch)
+        engine.pending.wait()  # metrics["loss"], summed over the stages
+        return out
+
+    return step
+
+
+class _Engine:
+    """The gradient engine handed to ``donated_step``: the schedule's backward, then the stages' ``.grad``."""
+
+    def __init__(self, schedule: Any, stages: list, group: Any, tx: GradientTransformation):
+        self.schedule, self.stages, self.group, self.tx = schedule, stages, group, tx
+        self.ranks = dist.get_process_group_ranks(group)
+        self.checked_leaves: tuple = ()  # ids of the leaves last checked: a cheap per-call test
+        self.sources: list[torch.Tensor] = []  # the stage parameter behind each leaf, in flatten order
+        self.stack_checked = False
+        self.pending: Any = None  # the loss's all_reduce, in flight during the update
+
+    def check(self, params: Any, opt_state: Any) -> None:
+        """Refuses params that are not the stages' own, or a stack that sees one stage; on every rank at once
+        on the first call."""
+        key = tuple(map(id, tree.leaves(params)))
+        if key == self.checked_leaves:
+            return
+        sources, error = _sources(params, self.stages)
+        if self.stack_checked:
+            # Leaves changed after the first call, maybe on this rank only (a reload): no collective here,
+            # since ranks that did not re-check would pair it with the schedule's next send.
+            if error is not None:
+                raise ValueError(error)
+        else:
+            self._agree(error, "its params")
+            reports, probe_error = _report_vector(self.tx, params, opt_state, dist.get_rank(self.group))
+            self._agree(probe_error, "the probe of the stack")
+            _check_reports(self.tx, reports, self.group, self.ranks)
+            self.stack_checked = True
+        self.sources, self.checked_leaves = sources, key
+
+    def _agree(self, error: str | None, what: str) -> None:
+        # Every stage raises if one does: one that raised alone would leave the others blocked in the
+        # schedule's point-to-point sends (or the probe's all_gather) until the process group times out.
+        flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)
+        dist.all_reduce(flag, group=self.group)
+        if error is not None:
+            raise ValueError(error)
+        if flag.item():
+            raise ValueError(f"pipeline_step: another stage of the pp group (ranks {self.ranks}) refused {what}; "
+                             "its error names the cause")
+
+    def __call__(self, fn: Callable, params: Any, batch: Any, tx: GradientTransformation):
+        del fn, tx  # the schedule runs its own loss_fn (pipeline_step refuses a stack that would wrap it)
+        inputs, targets = _split_batch(batch)
+        for stage in self.stages:  # torch accumulates into .grad; stale gradients would add in
+            stage.submod.zero_grad(set_to_none=True)
+        losses: list = []
+        with torch.enable_grad():
+            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
+        # Unused stage params get zeros, as train_step's autograd engine gives them (jax.grad's rule).
+        grads = iter([torch.zeros_like(p) if p.grad is None else p.grad for p in self.sources])
+        for stage in self.stages:  # the buffers are the step's now (they become the updates)
+            stage.submod.zero_grad(set_to_none=True)
+        flat, spec = tree.flatten(params)
+        return tree.unflatten(spec, [None if x is None else next(grads) for x in flat]), self._loss(losses), None
+
+    def _loss(self, losses: list) -> torch.Tensor:
+        # The objective the gradients are of: the schedule scales them by 1/n_microbatches (scale_grads).
+        if losses:
+            stacked = torch.stack([x.detach().to(torch.float64) for x in losses])
+            loss = stacked.mean() if self.schedule.scale_grads else stacked.sum()
+        else:
+            loss = torch.zeros((), dtype=torch.float64)
+        # Only the last stage has it; summed with the others' zeros, every rank reports it (rank 0 logs).
+        # In flight while the update runs (waited for by the step before it returns): measured ~3 ms of
+        # gloo latency per step on a loaded 2-core machine when waited for here.
+        self.pending = dist.all_reduce(loss, group=self.group, async_op=True)
+        return loss
+
+
+def _schedule_owns_the_loss(params: Any, batch: Any) -> torch.Tensor:
+    raise AssertionError("pipeline_step: the schedule computes the loss; this function is never called")
+
+
+def _stages(schedule: Any) -> list:
+    """The schedule's stages on this rank (``_stage`` / ``_stages``: torch keeps no public accessor)."""
+    stages = [schedule._stage] if hasattr(schedule, "_stage") else list(getattr(schedule, "_stages", ()))
+    if not stages:
+        raise ValueError(f"pipeline_step: {type(schedule).__name__} is not a torch.distributed.pipelining "
+                         "schedule with stages (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B...)")
+    if getattr(schedule, "_loss_fn", None) is None:
+        raise ValueError(f"pipeline_step: the {type(schedule).__name__} has no loss_fn, so it runs no backward: "
+                         f"build it with {type(schedule).__name__}(stage, n_microbatches, loss_fn=...)")
+    return stages
+
+
+def _group(pp_group: Any, stages: list) -> Any:
+    """``pp_group`` as a process group, checked to be the one the stages send over."""
+    group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
+    if group is None:
+        raise ValueError("pipeline_step: pass pp_group= explicitly (the process group or 1-D DeviceMesh the "
+                         "stages were built with; torch's default is the whole world: dist.group.WORLD)")
+    ranks = dist.get_process_group_ranks(group)
+    for stage in stages:
+        theirs = dist.get_process_group_ranks(stage.group or dist.group.WORLD)
+        if theirs != ranks:
+            raise ValueError(f"pipeline_step: pp_group ({_name(pp_group)}) has ranks {ranks}, but stage "
+                             f"{stage.stage_index} sends over ranks {theirs}: pass the group (or mesh) the "
+                             "PipelineStage was built with (its group=)")
+    return group
+
+
+def _sources(params: Any, stages: list) -> tuple[list[torch.Tensor], str | None]:
+    """The stage parameter each leaf of ``params`` is (or aliases), or the error naming the first misfit."""
+    owned = {}  # (data_ptr, shape, stride, dtype) of each stage parameter's local tensor -> (name, param)
+    for stage in stages:
+        for name, p in stage.submod.named_parameters():
+            owned[_alias_key(p)] = (f"stage {stage.stage_index} '{name}'", p)
+    sources, seen = [], set()
+    flat, _ = tree.flatten(params)
+    for path, x in zip(tree.paths(params), flat):
+        if x is None:
+            continue
+        hit = owned.get(_alias_key(x)) if isinstance(x, torch.Tensor) else None
+        if hit is None:
+            return [], (f"pipeline_step: params['{path}'] is not a parameter of the schedule's stage module(s) "
+                        "on this rank, nor a view of one, so the schedule computes no gradient for it: pass "
+                        "dict(stage_module.named_parameters()) (or fx.functional(stage_module)'s params)")
+        sources.append(hit[1])
+        seen.add(_alias_key(x))
+    for key, (name, p) in owned.items():
+        if key not in seen and p.requires_grad:
+            return [], (f"pipeline_step: the parameter {name} of the schedule's stage module is not in params: "
+                        "its gradient would be computed and never applied. Pass every parameter of the stage "
+                        "module (dict(stage_module.named_parameters())), or freeze it (requires_grad_(False))")
+    return sources, None
+
+
+def _alias_key(x: torch.Tensor) -> tuple:
+    local = tree.local(x)
+    return local.data_ptr(), tuple(local.shape), local.stride(), local.dtype
+
+
+def _split_batch(batch: Any) -> tuple[tuple, Any]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise TypeError("pipeline_step: batch must be (inputs, targets): the model's input on the first stage "
+                        "(a tensor or a tuple of arguments) and the loss target on the last, None elsewhere")
+    inputs, targets = batch
+    if inputs is None:
+        return (), targets
+    return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), targets
+
+
+def _report_vector(tx: GradientTransformation, params: Any, opt_state: Any, group_rank: int
+                   ) -> tuple[dict[str, float], str | None]:
+    """What the stack reports after one pure update of the probe gradient (``inf`` on group rank 0 only).
+
+    A stack that decides on the host (``accumulate``) runs until it emits, so its inner stack's reports
+    are of an update that saw the probe. Nothing is written: ``tx.update`` is pure.
+    """
+    probe = tree.zeros_like(params)
+    if group_rank == 0:
+        first = next(iter(tree.leaves(probe)), None)
+        if first is not None:
+            tree.local(first).view(-1)[:1] = math.inf
+    state, start = opt_state, report(opt_state).get("emitted")
+    with torch.no_grad():
+        for _ in range(_MAX_PROBE_CALLS):
+            _, state = tx.update(probe, state, params)
+            emitted = report(state).get("emitted")
+            if start is None or emitted is None or int(emitted) != int(start):
+                break
+        else:
+            return {}, (f"pipeline_step: {tx!r} emitted no update in {_MAX_PROBE_CALLS} calls, so the check "
+                        "that its global transforms span the stages could not run")
+    return {k: float(v) for k, v in report(state).items() if isinstance(v, torch.Tensor) and v.numel() == 1}, None
+
+
+def _check_reports(tx: GradientTransformation, reports: dict[str, float], group: Any, ranks: list) -> None:
+    keys = sorted(reports)
+    mine = torch.tensor([reports[k] for k in keys], dtype=torch.float64)
+    gathered = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered)
+    same = torch.isclose(table, table[:1], rtol=0.0, atol=0.0, equal_nan=True).all(dim=0)
+    if bool(same.all()):
+        return
+    k = int((~same).nonzero()[0])
+    values = ", ".join(f"rank {r}: {v:g}" for r, v in zip(ranks, table[:, k].tolist()))
+    raise ValueError(f"pipeline_step: {tx!r} reports '{keys[k]}' differently on the stages of the pp group "
+                     f"({values}) for one gradient spread over them (zeros, and one inf on rank {ranks[0]}): a "
+                     "global transform in it sees only its own stage. Build it with groups=(pp_group,), e.g. "
+                     "clip_by_global_norm(max_norm, groups=(pp_group,))")
+
+
+def _name(group: Any) -> str:
+    if hasattr(group, "mesh_dim_names"):
+        return f"DeviceMesh{tuple(group.mesh_dim_names or ())}"
+    return "a process group"

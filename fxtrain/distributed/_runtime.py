@@ -1,0 +1,83 @@
+"""Process runtime: joining torchrun's world, the device, one run stamp, batch slices and metric averages."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device", "local_batch",
+           "mean_across_ranks", "shutdown"]
+
+
+def init_from_env() -> tuple[int, int]:
+    """Joins the process group torchrun describes (``WORLD_SIZE`` > 1); returns ``(rank, world_size)``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        # gloo for CPU tensors always; NCCL for CUDA tensors when this build has it.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    return rank_and_world()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process; ``(0, 1)`` without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shared_stamp() -> str:
+    """A ``YYYY-MM-DD/HH-MM-SS`` stamp taken on rank 0 and given to every rank (one run directory for all)."""
+    stamp = [datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")]
+    if dist.is_initialized():
+        dist.broadcast_object_list(stamp, src=0)
+    return stamp[0]
+
+
+def world_mesh(device_type: str, name: str | None = None):
+    """A 1-D ``DeviceMesh`` over all ranks (its repr names the ranks, unlike a process group's).
+
+    ``name`` names its one dim (``"dp"``: what ``sharded_apply(..., shard_over="dp")`` looks for).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=(name,) if name else None)
+
+
+def device(name: str) -> torch.device:
+    """``auto``: this rank's CUDA device when there is one, else CPU; anything else as ``torch.device``."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def local_batch(batch: tuple, rank: int, world: int) -> tuple:
+    """This rank's contiguous 1/world slice of every tensor in a global batch (the batch itself for one rank)."""
+    if world == 1:
+        return batch
+    n = len(batch[0])
+    if n % world:
+        raise ValueError(f"data.batch_size={n} does not split evenly over {world} ranks (parallel=dp)")
+    return tuple(x.tensor_split(world)[rank] for x in batch)
+
+
+def mean_across_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:
+    """The average over ranks of each (float) metric; identical on every rank. For logs, not the hot path."""
+    if world == 1 or not metrics:
+        return metrics
+    values = torch.tensor(list(metrics.values()), dtype=torch.float64)
+    dist.all_reduce(values)
+    return dict(zip(metrics, (values / world).tolist()))
+
+
+def shutdown() -> None:
+    """Leaves the process group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
