@@ -303,6 +303,16 @@ def _num(s: Any, x: torch.Tensor) -> Any:
     return torch.tensor(s, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
 
 
+def _linear_pieces(xs: list, s: Any) -> list:
+    """The local pieces of DTensor ``xs`` for a product with one scalar (linear: right for every placement,
+    ``Partial`` included); ``xs`` itself otherwise. DTensor dispatch of a foreach op with a 0-dim tensor
+    scalar replicates the scalar onto one mesh and refuses leaves on several (FSDP2 x TP: norms on the dp
+    mesh, matrices on dp x tp); on the pieces it is one plain kernel."""
+    if isinstance(s, list) or not isinstance(xs[0], DTensor) and not any(isinstance(x, DTensor) for x in xs):
+        return xs
+    return [local(x) for x in xs]
+
+
 def scale_(xs: list[torch.Tensor], s: Any) -> list[torch.Tensor]:
     """``xs * s``; ``s`` a number, a 0-dim tensor (no host sync) or a list of tensors."""
     if not xs:
@@ -310,7 +320,7 @@ def scale_(xs: list[torch.Tensor], s: Any) -> list[torch.Tensor]:
     _in_place(s)
     if is_functional():
         return [_kept(x * y, x) for x, y in zip(xs, s)] if isinstance(s, list) else [_kept(x * _num(s, x), x) for x in xs]
-    torch._foreach_mul_(xs, s)
+    torch._foreach_mul_(_linear_pieces(xs, s), s)
     return xs
 
 
@@ -324,7 +334,7 @@ def div_(xs: list[torch.Tensor], s: Any) -> list[torch.Tensor]:
     _in_place(s)
     if is_functional():
         return [_kept(x / y, x) for x, y in zip(xs, s)] if isinstance(s, list) else [_kept(x / _num(s, x), x) for x in xs]
-    torch._foreach_div_(xs, s)
+    torch._foreach_div_(_linear_pieces(xs, s), s)
     return xs
 
 

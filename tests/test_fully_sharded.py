@@ -332,7 +332,10 @@ def case_fsdp_x_tp_strided_shards_match_single_process(world):
     plan = {f"blocks.{i}.{name}": style for i in range(2)
             for name, style in (("up", ColwiseParallel()), ("down", RowwiseParallel()))}
     full = batches(4, rows=4, seed=7)
-    for tx in (_stack, lambda: fx.accumulate(_stack(), every=2)):
+    # Plain adamw too: its leaves span two meshes (norms on dp, matrices on dp x tp), where DTensor's
+    # foreach dispatch of a tensor scalar refuses mixed meshes (the op layer scales local pieces).
+    plain = lambda: fx.chain(fx.clip_by_global_norm(0.05), fx.adamw(fx.constant_schedule(1e-2), weight_decay=0.1))  # noqa: E731
+    for tx in (_stack, lambda: fx.accumulate(_stack(), every=2), plain):
         torch.manual_seed(0)
         ref = Net().double()
         model = parallelize_module(copy.deepcopy(ref), mesh["tp"], plan)

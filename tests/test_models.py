@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import fxtrain as fx
-from fxtrain.models import MLP, ResNet, TransformerLM, count_params
+from fxtrain.models import MLP, MoE, ResNet, TransformerLM, count_params, experts_forward
 
 
 def test_mlp_flattens_and_counts():
@@ -37,6 +37,7 @@ def test_transformer_is_causal():
     (lambda: MLP((4,), activation="swish"), "unknown activation 'swish'"),
     (lambda: TransformerLM(d_model=10, n_heads=4), "d_model=10 is not divisible by n_heads=4"),
     (lambda: ResNet(input_shape=(64,)), r"input_shape must be \(channels, height, width\)"),
+    (lambda: MoE(8, 16, num_experts=4, top_k=5), "top_k=5 must be between 1 and num_experts=4"),
 ])
 def test_bad_arguments_are_named(build, match):
     with pytest.raises(ValueError, match=match):
@@ -49,11 +50,12 @@ def test_transformer_rejects_long_sequences():
         lm(torch.zeros(1, 5, dtype=torch.long))
 
 
-@pytest.mark.parametrize("name", ["mlp", "resnet", "transformer"])
+@pytest.mark.parametrize("name", ["mlp", "resnet", "transformer", "transformer_moe"])
 def test_each_model_learns_a_fixed_batch(name):
     torch.manual_seed(0)
-    if name == "transformer":
-        model = TransformerLM(vocab_size=16, context=8, d_model=16, n_layers=1, n_heads=2)
+    if name.startswith("transformer"):
+        experts = 4 if name == "transformer_moe" else 0
+        model = TransformerLM(vocab_size=16, context=8, d_model=16, n_layers=1, n_heads=2, experts=experts)
         x = torch.randint(0, 16, (8, 9))
         x, y = x[:, :-1], x[:, 1:]
     else:
@@ -76,3 +78,61 @@ def test_each_model_learns_a_fixed_batch(name):
         buffers = metrics["aux"]
         losses.append(float(metrics["loss"]))
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+# --- MoE ------------------------------------------------------------------------------------------------
+
+def _moe_by_token(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE's definition, one token and one chosen expert at a time (float64)."""
+    out = torch.zeros_like(x)
+    for t, token in enumerate(x):
+        logits = moe.router.weight @ token
+        top = logits.topk(moe.top_k).indices
+        gates = logits[top].softmax(0)
+        for g, e in zip(gates, top):
+            h = F.gelu(token @ moe.w_in[e] + moe.b_in[e])
+            out[t] += g * (h @ moe.w_out[e] + moe.b_out[e])
+    return out
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_moe_equals_its_definition_token_by_token(top_k):
+    torch.manual_seed(0)
+    moe = MoE(d_model=6, d_hidden=10, num_experts=4, top_k=top_k).double()
+    x = torch.randn(3, 7, 6, dtype=torch.float64)
+    torch.testing.assert_close(moe(x), _moe_by_token(moe, x.reshape(-1, 6)).reshape(3, 7, 6), rtol=1e-12, atol=1e-14)
+
+
+def test_moe_gradients_reach_the_router_and_only_the_chosen_experts():
+    torch.manual_seed(0)
+    moe = MoE(d_model=4, d_hidden=8, num_experts=6, top_k=2).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    moe(x).square().sum().backward()
+    chosen = set(moe.router(x).topk(2).indices.flatten().tolist())
+    assert len(chosen) < 6  # 3 tokens x 2 choices leave some of the 6 experts idle
+    for e in range(6):
+        assert (moe.w_in.grad[e].abs().sum() > 0) == (e in chosen), e
+    assert moe.router.weight.grad.abs().sum() > 0  # through the gates
+
+
+def test_experts_split_over_blocks_sum_to_all_experts():
+    """What expert parallelism relies on: each block of experts computed apart, the outputs added."""
+    torch.manual_seed(0)
+    moe = MoE(d_model=4, d_hidden=8, num_experts=6, top_k=3).double()
+    x = torch.randn(9, 4, dtype=torch.float64)
+    logits, chosen = moe.router(x).topk(3)
+    gates = logits.softmax(-1)
+    weights = (moe.w_in, moe.b_in, moe.w_out, moe.b_out)
+    parts = [experts_forward(x, gates, chosen, [w[i:i + 2] for w in weights], first=i) for i in (0, 2, 4)]
+    torch.testing.assert_close(sum(parts), moe(x), rtol=1e-12, atol=1e-14)
+    assert all(p.abs().sum() > 0 for p in parts)
+
+
+def test_transformer_experts_default_is_the_dense_model():
+    torch.manual_seed(0)
+    dense = TransformerLM(vocab_size=16, context=8, d_model=16, n_layers=2, n_heads=2)
+    torch.manual_seed(0)
+    same = TransformerLM(vocab_size=16, context=8, d_model=16, n_layers=2, n_heads=2, experts=0)
+    assert all(torch.equal(a, b) for a, b in zip(dense.state_dict().values(), same.state_dict().values()))
+    moe = TransformerLM(vocab_size=16, context=8, d_model=16, n_layers=2, n_heads=2, experts=4)
+    assert isinstance(moe.blocks[1].mlp, MoE) and moe.blocks[1].mlp.w_in.shape == (4, 16, 64)

@@ -17,6 +17,9 @@ The map, by concern (torchtitan-style: one module per parallelism, plus the shar
   then fxtrain's stack on the sharded ``.grad``; ``accumulate`` with FSDP's gradient-sync switch).
 * ``_pipeline``: :func:`pipeline_step`, a ``torch.distributed.pipelining`` schedule's forward/backward, then
   the stack on this rank's stage params, in place (global transforms checked to span the pp group).
+* ``_expert_parallel``: :func:`expert_parallel`, ``fx.functional`` for a module with
+  :class:`fxtrain.models.MoE` layers: experts ``Shard(0)`` over a mesh dim ``ep``, dense params on the dp
+  mesh, tokens dispatched by an autograd-aware all-gather / reduce-scatter.
 * ``_runtime``: torchrun's world, the device, the run stamp, batch slices, metric averages.
 
 Example:
@@ -28,6 +31,7 @@ Example:
 
 from fxtrain.distributed._collectives import all_gather_flat, match_placements, reduce_partials, reduce_scatter_flat
 from fxtrain.distributed._data_parallel import all_reduce_mean, on_dp_mesh
+from fxtrain.distributed._expert_parallel import expert_parallel
 from fxtrain.distributed._fully_sharded import fully_sharded, fully_sharded_step
 from fxtrain.distributed._norms import GlobalSumSq, global_count, global_norm, global_sum_sq, local_leaves, to_local
 from fxtrain.distributed._tensor_parallel import tensor_parallel
@@ -43,6 +47,8 @@ __all__ = [
     "match_placements", "reduce_partials", "reduce_scatter_flat", "all_gather_flat",
     # data parallel
     "all_reduce_mean", "on_dp_mesh",
+    # expert parallel
+    "expert_parallel",
     # tensor parallel
     "tensor_parallel",
     # fully sharded (FSDP2)

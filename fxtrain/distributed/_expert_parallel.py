@@ -1,0 +1,165 @@
+"""Expert parallelism: the experts of :class:`fxtrain.models.MoE` layers sharded over a mesh dim named ``ep``.
+
+Layout (torchtitan's and Megatron's)::
+
+    expert params  (w_in, b_in, w_out, b_out: [E, ...])   DTensor on mesh: Shard(0) on ep, Replicate elsewhere
+    dense params   (router, attention, norms, embedding)   DTensor on the dp mesh: all ranks of mesh, Replicate
+
+Every rank holds its own share of the batch. In a call, each MoE layer routes its rank's tokens, all-gathers
+tokens, gates and choices over the ep group, runs its ``E / ep`` experts on every gathered token routed to
+them, and reduce-scatters the gated sums back to the tokens' ranks (Megatron's all-gather token dispatcher).
+Both collectives are autograd-aware (their backward passes are each other), so one ``backward`` gives
+every gradient; expert gradients come out ``Shard(0)`` on ep and ``Partial("avg")`` on the other mesh dims,
+dense ones ``Partial("avg")`` on the dp mesh, and the step reduces them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from fxtrain.functional import ApplyFn, Buffers, Params, functional
+
+__all__ = ["expert_parallel"]
+
+
+def expert_parallel(module: nn.Module, mesh: Any, *, ep: str = "ep") -> tuple[ApplyFn, Params, Buffers]:
+    """``fx.functional`` for a module with :class:`fxtrain.models.MoE` layers, their experts sharded over ``ep``.
+
+    Each MoE layer's ``E`` experts are split into ``mesh[ep].size()`` contiguous blocks, one per ep rank
+    (``Shard(0)`` of the stacked ``[E, ...]`` weights; ``Replicate`` on the other dims of ``mesh``, which
+    are data parallel). Every other param is dense: a ``Replicate`` DTensor on the dp mesh, the 1-D mesh
+    of all ranks of ``mesh`` (``mesh`` itself when it is 1-D, else its flattened form). Each rank feeds
+    ``apply_fn`` its own equal share of the batch (every rank of an ep group the same number of tokens),
+    and its loss is that share's mean; the gradients are then those of the mean over all ranks: dense ones
+    ``Partial("avg")``, expert ones ``Shard(0)`` on ep and ``Partial("avg")`` elsewhere, reduced by the
+    step. Train with ``fx.train_step`` and ``chain(clip_by_global_norm(c), sharded_apply(adamw(...)))``:
+    the global norm sums dense and expert params over their own meshes.
+
+    Args:
+      module: an ``nn.Module`` holding at least one :class:`fxtrain.models.MoE`, built the same on every
+        rank (seed before building). Like :func:`fxtrain.functional`, the params share its storage (the
+        expert ones: this rank's rows).
+      mesh: a ``DeviceMesh`` over the ranks, with a dim named ``ep``: e.g. ``init_device_mesh("cpu",
+        (dp, ep), mesh_dim_names=("dp", "ep"))`` or ``("ep",)`` alone.
+      ep: the name of the expert-parallel mesh dim.
+
+    Returns:
+      ``(apply_fn, params, buffers)`` like :func:`fxtrain.functional`: ``apply_fn(params, buffers, *args,
+      train, **kwargs)`` runs ``module`` on this rank's share with the experts dispatched over ep;
+      ``params`` are DTensors as above (the expert ones this rank's ``E / ep`` rows), ``buffers`` plain.
+
+    Raises:
+      ValueError: ``mesh`` has no dim named ``ep``, ``module`` has no MoE layer, or a layer's number of
+        experts is not divisible by the ep size (naming the layer).
+
+    Example (on every rank of a 4-rank world, e.g. ``torchrun --nproc-per-node 4``)::
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        apply, params, buffers = fx.distributed.expert_parallel(TransformerLM(experts=4), mesh)
+        tx = fx.chain(fx.clip_by_global_norm(1.0), fx.sharded_apply(fx.adamw(1e-3)))
+        step = fx.train_step(lambda p, b: lm_loss(apply(p, buffers, b[0], train=True)[0], b[1]), tx)
+        params, state, metrics = step(params, tx.init(params), local_batch)   # this rank's share
+
+    >>> import torch
+    >>> from fxtrain.distributed import expert_parallel
+    >>> expert_parallel(torch.nn.Linear(2, 2), None)
+    Traceback (most recent call last):
+    ...
+    ValueError: expert_parallel: Linear has no fxtrain.models.MoE layer; ...
+    """
+    from fxtrain.models import MoE
+
+    layers = {name: m for name, m in module.named_modules() if isinstance(m, MoE)}
+    if not layers:
+        raise ValueError(f"expert_parallel: {type(module).__name__} has no fxtrain.models.MoE layer; use "
+                         "fx.functional for a dense module, or build its MLPs as MoE(...)")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if ep not in names:
+        raise ValueError(f"expert_parallel: the mesh has dims {names}, none named {ep!r}; pass "
+                         f"ep=<its expert dim> or build it with init_device_mesh(..., mesh_dim_names=(..., {ep!r}))")
+    n = mesh[ep].size()
+    for name, layer in layers.items():
+        if layer.num_experts % n:
+            raise ValueError(f"expert_parallel: MoE layer '{name}' has {layer.num_experts} experts, not "
+                             f"divisible by the {ep!r} mesh dim's size {n}; use a multiple of {n} experts or "
+                             "a smaller ep dim")
+    inner, full, buffers = functional(module)
+    # One process group over all of mesh's ranks, so a dense gradient is averaged in one all-reduce, not
+    # one per mesh dim. _flatten is torch's own way (private in 2.13; torchtitan relies on it) and is
+    # cached on the root mesh: a second call reuses the group.
+    dp_mesh = mesh if mesh.ndim == 1 else mesh._flatten()
+    axis = names.index(ep)
+    expert = tuple(Shard(0) if d == axis else Replicate() for d in range(mesh.ndim))
+    # The gradient of the mean loss over all ranks. A dense param's local gradient is its rank's share
+    # only: the mean over ranks (Partial "avg"). An expert's local gradient already sums the shares of its
+    # whole ep group (the dispatch's backward brings their token gradients here), so it is scaled by
+    # 1 / ep (_ScaleGrad) and averaged over the remaining (dp) dims.
+    expert_grad = tuple(Shard(0) if d == axis else Partial("avg") for d in range(mesh.ndim))
+    dense_grad = (Partial("avg"),)
+    expert_names = {f"{name}.{p}" if name else p for name, layer in layers.items() for p in layer.expert_params}
+    rank = mesh[ep].get_local_rank()
+    # No communication: every rank built the same module, so each takes its rows (a view, like
+    # fx.functional's params share the module's storage).
+    params = {k: DTensor.from_local(v.chunk(n)[rank], mesh, expert, run_check=False, shape=v.shape,
+                                    stride=v.stride()) if k in expert_names
+              else DTensor.from_local(v, dp_mesh, (Replicate(),), run_check=False) for k, v in full.items()}
+    dispatch = _AllGatherDispatch(mesh, axis, rank)
+    plan = [(k, expert_grad, 1.0 / n) if k in expert_names else (k, dense_grad, None) for k in params]
+
+    def apply_fn(params: Params, buffers: Buffers, *args: Any, train: bool, **kwargs: Any):
+        local = {k: _local(k, params[k], grads, scale) for k, grads, scale in plan}
+        for layer in layers.values():
+            layer.dispatch = dispatch
+        try:
+            return inner(local, buffers, *args, train=train, **kwargs)
+        finally:
+            for layer in layers.values():
+                layer.dispatch = None
+
+    return apply_fn, params, buffers
+
+
+def _local(name: str, p: Any, grad_placements: tuple, scale: float | None) -> torch.Tensor:
+    """This rank's piece of param ``p``, whose gradient comes back as a DTensor with ``grad_placements``."""
+    if not isinstance(p, DTensor):
+        raise ValueError(f"expert_parallel's apply_fn: param '{name}' is a plain tensor; pass the params tree "
+                         "that expert_parallel returned (DTensors), as the step updates it")
+    x = p.to_local(grad_placements=grad_placements)
+    return x if scale is None else _ScaleGrad.apply(x, scale)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class _AllGatherDispatch:
+    """Megatron's all-gather token dispatcher over one mesh dim: every rank of the group sees every token.
+
+    The tokens' gradients flow back through the collectives (all-gather's backward is a reduce-scatter and
+    the other way round). all_gather / reduce_scatter rather than all-to-all: no host sync for split sizes
+    and the same collectives on gloo, at the price of moving every token to every ep rank.
+    """
+
+    def __init__(self, mesh: Any, axis: int, rank: int):
+        self.group, self.rank = (mesh, axis), rank
+
+    def __call__(self, tokens, gates, chosen, weights):
+        from fxtrain.models import experts_forward
+
+        every = [all_gather_single(t, 0, self.group) for t in (tokens, gates, chosen)]
+        mine = experts_forward(*every, weights, first=self.rank * weights[0].shape[0])
+        return reduce_scatter_single(mine, "sum", 0, self.group)
