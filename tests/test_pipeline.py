@@ -111,8 +111,8 @@ def reference(tx, data, steps: int = 3):
 def stack(groups=()):
     import fxtrain as fx
 
-    # A tensor learning rate keeps both sides on the foreach kernels (a clip over groups has no fused
-    # kernel; the fused AdamW's float64 bias correction differs from fxtrain's float32 one by ~1e-6).
+    # A tensor learning rate keeps both sides on the foreach kernels (the fused AdamW's float64 bias
+    # correction differs from fxtrain's float32 one by ~1e-6; case_fused_clip_over_the_pp_group runs it).
     return fx.chain(fx.clip_by_global_norm(MAX_NORM, groups=groups), fx.adamw(torch.tensor(LR, dtype=torch.float64)))
 
 
@@ -182,6 +182,23 @@ def case_fused_adamw_and_functional_params(world):
     check_against_reference(params, metrics, ref_params, ref_metrics, grads0, pp["pp"].get_group(), clip=False)
     for name, p in module.named_parameters():  # the module trained
         assert_close(p.detach(), ref_params[name], f"module param {name}")
+
+
+@case(2)
+def case_fused_clip_over_the_pp_group(world):
+    import fxtrain as fx
+    from torch.distributed.pipelining import ScheduleGPipe
+    from fxtrain.transforms import _fused
+
+    # Plain-number hyperparameters: clip + AdamW is one fused kernel call with the clip in its grad_scale,
+    # the norm summed over the pp group; the single-process reference takes the same kernel.
+    pp, data = pp_mesh(world), batches()
+    tx = fx.chain(fx.clip_by_global_norm(MAX_NORM, groups=(pp["pp"],)), fx.adamw(LR))
+    assert _fused.spec(tx).groups == (pp["pp"],)
+    ref_params, ref_metrics, grads0 = reference(fx.chain(fx.clip_by_global_norm(MAX_NORM), fx.adamw(LR)), data)
+    module, schedule = build(ScheduleGPipe, world)
+    params, metrics = run_pipeline(schedule, module, tx, pp["pp"], data)
+    check_against_reference(params, metrics, ref_params, ref_metrics, grads0, pp["pp"].get_group())
 
 
 @case(2)

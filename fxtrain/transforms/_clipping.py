@@ -79,7 +79,7 @@ def clip_by_global_norm(max_norm: float, *, groups: Sequence[Any] = ()) -> Gradi
         coef = torch.where(g < max_norm, 1.0, bound / g)
         return tree.put(updates, updates, tree.scale_(local, coef)), ClipByGlobalNormState(g)
 
-    return _fused.declare(GradientTransformation(init_fn, update_fn), "clip_by_global_norm", covered=not groups,
+    return _fused.declare(GradientTransformation(init_fn, update_fn), "clip_by_global_norm", groups=groups,
                           max_norm=max_norm)
 
 

@@ -85,26 +85,29 @@ class FusedSpec(NamedTuple):
     """Which fused torch kernel computes a transform, with the numbers it needs (all Python numbers).
 
     ``name`` is a kernel (``"adam"``, ``"adamw"``, ``"sgd"``) or a prefix (``"clip_by_global_norm"``:
-    no kernel of its own, see :func:`combine`). A combined spec also carries the clip's ``max_norm``
-    and ``states_of``, which splits the combinator's state into (clip state, optimizer state).
+    no kernel of its own, see :func:`combine`). A combined spec also carries the clip's ``max_norm``,
+    its ``groups`` (process groups the norm is summed over: pipeline stages) and ``states_of``, which
+    splits the combinator's state into (clip state, optimizer state).
     """
 
     name: str
     hyperparams: dict
     max_norm: float | None = None
     states_of: Callable[[Any], Sequence[Any]] | None = None
+    groups: tuple = ()
 
 
-def declare(tx: GradientTransformation, name: str, *, covered: bool = True, **hyperparams: Any
-            ) -> GradientTransformation:
+def declare(tx: GradientTransformation, name: str, *, covered: bool = True, groups: Sequence[Any] = (),
+            **hyperparams: Any) -> GradientTransformation:
     """Marks ``tx`` as computed exactly by torch's fused ``name`` (a kernel, or the prefix ``clip_by_global_norm``).
 
     The mark is set only when ``covered`` (the caller's arguments are ones the kernel computes) and every
     hyperparameter is a plain number (the fused kernels take floats; tensors from ``inject_hyperparams``
-    and schedules stay on the foreach path; bools are flags). Returns ``tx``.
+    and schedules stay on the foreach path; bools are flags). ``groups``: a clip's process groups, passed
+    to the norm as they are. Returns ``tx``.
     """
     if covered and all(isinstance(v, (bool, int, float)) for v in hyperparams.values()):
-        return with_traits(tx, fused=FusedSpec(name, dict(hyperparams)))
+        return with_traits(tx, fused=FusedSpec(name, dict(hyperparams), groups=tuple(groups)))
     return tx
 
 
@@ -121,7 +124,7 @@ def combine(children: Sequence[GradientTransformation], states_of: Callable | No
     clip, opt = (traits(c).fused for c in children)
     if clip is None or opt is None or clip.name not in PREFIXES or opt.name not in KERNELS or opt.max_norm is not None:
         return None
-    return opt._replace(max_norm=clip.hyperparams["max_norm"], states_of=states_of)
+    return opt._replace(max_norm=clip.hyperparams["max_norm"], states_of=states_of, groups=clip.groups)
 
 
 def spec(tx: GradientTransformation) -> FusedSpec | None:
@@ -174,7 +177,7 @@ def _plan(tx, grads, state, params):
                 steps = [count.to(torch.float32)] * len(p)  # read, not written, by the kernel
                 fused(p, g, mu, nu, [], steps, lr=hp["learning_rate"], beta1=hp["b1"], beta2=hp["b2"],
                       weight_decay=hp.get("weight_decay", 0.0), eps=hp["eps"], amsgrad=False, maximize=False,
-                      grad_scale=_grad_scale(g, s.max_norm, clip_state))
+                      grad_scale=_grad_scale(g, s, clip_state))
         return run
     if isinstance(state[0], TraceState):  # sgd with momentum (never 0: sgd declares no kernel then)
         g, p, bufs = tree.align(grads, params, state[0].trace, what="params")
@@ -189,19 +192,21 @@ def _plan(tx, grads, state, params):
         if p:
             torch._fused_sgd_(p, g, bufs, weight_decay=0.0, momentum=hp["momentum"], lr=hp["learning_rate"],
                               dampening=0.0, nesterov=hp["nesterov"], maximize=False, is_first_step=False,
-                              grad_scale=_grad_scale(g, s.max_norm, clip_state))
+                              grad_scale=_grad_scale(g, s, clip_state))
     return run
 
 
-def _grad_scale(g: list, max_norm: float | None, clip_state: Any) -> torch.Tensor | None:
+def _grad_scale(g: list, s: FusedSpec, clip_state: Any) -> torch.Tensor | None:
     """``clip_by_global_norm``'s coefficient as the kernels' divisor, its state updated; ``None`` unclipped.
 
     Optax's rule ``coef = 1 if norm < max_norm else max_norm / norm`` inverted: NaN and inf norms give the
     foreach path's NaN and zero-times-inf updates.
     """
+    max_norm = s.max_norm
     if max_norm is None:
         return None
-    norm = distributed.global_norm(g)  # plain tensors: one packed/foreach pass, no collective
+    # Plain tensors: one packed/foreach pass; a collective only over the clip's groups (pipeline stages).
+    norm = distributed.global_norm(g, groups=s.groups)
     clip_state.grad_norm.copy_(norm)
     # max(1, norm / max_norm): exactly 1.0 below max_norm; NaN stays NaN (clamp propagates it).
     return (norm / max_norm).clamp_(min=1.0).to(torch.float32)  # the kernels read a float32 scale
