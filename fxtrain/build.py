@@ -7,7 +7,7 @@ that names what the user wrote: the config key, the transform, the argument, the
   against its target's signature first (``optim.chain.adamw: lerning_rate is not an argument of
   fxtrain.adamw (did you mean learning_rate?)``), not a ``TypeError`` from deep inside.
 * :func:`stack` builds the transform stack from ``optim.chain`` (order kept), the ``schedule`` group and
-  the wrapper groups (``amp``, ``accumulate``, ``parallel``).
+  the wrapper groups (``amp``, ``accumulate``, ``parallel``); :func:`parallel_dims` reads ``parallel``.
 * :func:`check_overrides` checks command-line group choices (``model=mlpp``,
   ``optim/transform@optim.chain=[adamz]``) before Hydra composes, and lists the options of the group.
 
@@ -40,8 +40,8 @@ from omegaconf.errors import OmegaConfBaseException
 import fxtrain as fx
 from fxtrain import distributed
 
-__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "cast_params", "constant_hyperparams",
-           "check_overrides", "ScaledSchedule"]
+__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
+           "constant_hyperparams", "check_overrides", "ScaledSchedule"]
 
 
 class ConfigError(ValueError, CompactHydraException):
@@ -215,21 +215,20 @@ class ScaledSchedule:
         return f"{peak}*{self.shape!r}{at}"
 
 
-def stack(cfg: DictConfig, world_size: int = 1, values: dict[str, Any] | None = None) -> fx.GradientTransformation:
-    """The gradient transformation a config describes:
-    ``accumulate(amp_cast(chain(all_reduce_mean, *optim.chain)))``, each part only when configured.
+def stack(cfg: DictConfig, dims: distributed.ParallelDims | None = None,
+          values: dict[str, Any] | None = None) -> fx.GradientTransformation:
+    """The gradient transformation a config describes: ``accumulate(amp_cast(chain(*optim.chain)))``, each
+    part only when configured.
 
     * ``fx.chain`` of the ``optim.chain`` entries in order. An entry whose target takes a
       ``learning_rate`` is built with :func:`fxtrain.inject_hyperparams` and ``learning_rate = value *
       schedule(batches)`` (the ``schedule`` group gives the shape, the entry the peak), so the step
       reports ``learning_rate``.
-    * ``parallel=dp`` with several ranks: a gradient all-reduce (mean) first in the chain, so it runs
-      once per optimizer update (inside ``accumulate``) on unscaled gradients (inside ``amp_cast``).
-    * ``parallel.shard_optimizer=true`` (with ``parallel=dp``, several ranks): ZeRO-1/2 instead of that
-      all-reduce: each run of consecutive elementwise entries (the optimizers) becomes one
-      ``fx.sharded_apply(..., shard_over="dp")``, global ones (``clip_by_global_norm``) stay as they are,
-      and the chain runs on DTensor views of the plain params and gradients
-      (:func:`fxtrain.distributed.on_dp_mesh`): every rank keeps 1/n of the optimizer state.
+    * With a parallel strategy (``dims``, several ranks) the params are DTensors: each run of consecutive
+      elementwise entries (the optimizers) becomes one ``fx.sharded_apply`` (plain local math, state
+      sharded like the params), with ``shard_over="dp"`` under ``parallel.shard_optimizer=true`` (ZeRO-1/2:
+      every rank keeps 1/dp of the state); global ones (``clip_by_global_norm``) stay as they are. The
+      gradients' data-parallel reduction is the step's (their ``Partial`` placements), not the chain's.
     * ``amp.policy``: :func:`fxtrain.amp_cast` around the chain (the DESIGN's recommended order).
     * ``accumulate.every > 1``: :func:`fxtrain.accumulate` outermost.
 
@@ -250,7 +249,10 @@ def stack(cfg: DictConfig, world_size: int = 1, values: dict[str, Any] | None = 
     values = values or {}
     shape = (instantiate(cfg.schedule, "schedule", **_values_under(values, "schedule"))
              if cfg.get("schedule") is not None else None)
-    txs = [_transform(node, f"optim.chain.{name}", shape, every, _values_under(values, f"optim.chain.{name}"))
+    # Pipeline stages hold disjoint params: a global transform (clip_by_global_norm) sums over the pp group.
+    stages = {"groups": (dims.mesh["pp"] if dims.mesh.ndim > 1 else dims.mesh,)} if dims and dims.strategy == "pp" else {}
+    txs = [_transform(node, f"optim.chain.{name}", shape, every,
+                      {**_values_under(values, f"optim.chain.{name}"), **_accepted(node, stages)})
            for name, node in chain_cfg.items()]
     shard = cfg.parallel.get("shard_optimizer", False)
     if shard not in (True, False):
@@ -258,26 +260,19 @@ def stack(cfg: DictConfig, world_size: int = 1, values: dict[str, Any] | None = 
     if shard and cfg.parallel.strategy != "dp":
         raise ConfigError(f"parallel.shard_optimizer=true needs parallel=dp (it shards the optimizer state over the "
                           f"data-parallel ranks), but parallel.strategy={cfg.parallel.strategy!r}")
-    dp = cfg.parallel.strategy == "dp" and world_size > 1
-    mesh = distributed.world_mesh(distributed.device(cfg.trainer.device).type, name="dp") if dp else None
-    if dp and shard:
-        # A global first entry (clip_by_global_norm) needs the averaged gradient: all-reduce it up front.
-        reduce_first = not fx.is_elementwise(txs[0])
-        tx = distributed.on_dp_mesh(fx.chain(*_shard_elementwise(txs, list(chain_cfg))), mesh,
-                                    reduce_first=reduce_first)
-    else:
-        if dp:
-            txs.insert(0, distributed.all_reduce_mean(world_size))
-        tx = fx.chain(*txs)
+    if dims is not None and dims.mesh is not None:
+        txs = _shard_elementwise(txs, list(chain_cfg), "dp" if shard else None)
+    tx = fx.chain(*txs)
     if cfg.amp.policy is not None:
         kwargs = {"policy": cfg.amp.policy}
+        if dims is not None and dims.strategy in FSDP_STRATEGIES:
+            # FSDP casts the params once per all-gather (MixedPrecisionPolicy, see fxtrain/strategies.py);
+            # amp_cast keeps loss scaling, the overflow check and skipping, computing in the params' dtype.
+            policy = _call(_wrapper("Policy", "amp.policy").parse, "amp.policy", cfg.amp.policy)
+            kwargs["policy"] = f"p={_short(policy.param_dtype)},c={_short(policy.param_dtype)},o={_short(policy.param_dtype)}"
         if cfg.amp.loss_scale is not None:
             loss_scale = cfg.amp.loss_scale
             kwargs["loss_scale"] = OmegaConf.to_container(loss_scale) if isinstance(loss_scale, DictConfig) else loss_scale
-        if dp:
-            # Gradients are still per-rank when amp_cast checks them (the all-reduce is inside): the
-            # overflow decision must be taken over all ranks.
-            kwargs["groups"] = (mesh,)
         tx = _call(_wrapper("amp_cast", "amp.policy"), "amp", tx, **kwargs)
     if every > 1:
         tx = _call(_wrapper("accumulate", "accumulate.every"), "accumulate", tx, every=every,
@@ -285,12 +280,65 @@ def stack(cfg: DictConfig, world_size: int = 1, values: dict[str, Any] | None = 
     return tx
 
 
-def _shard_elementwise(txs: list, names: list[str]) -> list:
-    """``txs`` with each run of consecutive elementwise transforms in one ``sharded_apply(..., shard_over="dp")``.
+FSDP_STRATEGIES = ("fsdp", "fsdp_tp")  # params cast by FSDP's MixedPrecisionPolicy, not by amp_cast
 
-    One wrapper per run: each costs a reduce-scatter (or slice) and an all-gather of the updates.
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}[dtype]
+
+
+def mixed_precision(cfg: DictConfig, dims: distributed.ParallelDims) -> Any:
+    """FSDP's ``MixedPrecisionPolicy`` for ``amp.policy`` under an FSDP strategy (compute dtype for the
+    all-gathered params, float32 gradient reduction), or ``None``."""
+    if cfg.amp.policy is None or dims.strategy not in FSDP_STRATEGIES:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = _call(_wrapper("Policy", "amp.policy").parse, "amp.policy", cfg.amp.policy)
+    if policy.compute_dtype == policy.param_dtype:
+        return None
+    # Blocks hand bf16 activations to each other; the root's output (the logits) gets the output dtype.
+    return MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=torch.float32,
+                                output_dtype=policy.output_dtype)
+
+
+def parallel_dims(cfg: DictConfig, world: int) -> distributed.ParallelDims:
+    """The run's :class:`fxtrain.distributed.ParallelDims` from ``cfg.parallel`` (not built), checked against
+    the world size; a mismatch names the ``parallel.*`` keys."""
+    node = cfg.parallel
+    strategy = node.strategy
+    if strategy not in distributed.STRATEGIES:
+        raise ConfigError(f"parallel.strategy={strategy}: expected one of {', '.join(distributed.STRATEGIES)}")
+    if world > 1 and strategy == "none":
+        raise ConfigError(f"parallel=none, but {world} processes run this script (torchrun): pick a strategy "
+                          f"(parallel=dp, fsdp, tp, fsdp_tp, pp or ep)")
+    if world == 1:
+        if strategy not in ("none", "dp"):
+            raise ConfigError(f"parallel={strategy} needs several processes: launch with torchrun (torchrun "
+                              f"--nproc_per_node=2 -m fxtrain.train parallel={strategy} ...), or use parallel=none")
+        return distributed.ParallelDims.of("none", world=1)  # data parallel over one rank: the plain run
+    sizes = {d: node.get(d) for d in ("dp", "tp", "pp", "ep") if node.get(d) is not None}
+    try:
+        dims = distributed.ParallelDims.of(strategy, world=world, **sizes)
+    except ValueError as e:
+        keys = " ".join(f"parallel.{d}={v}" for d, v in sizes.items())
+        raise ConfigError(f"parallel={strategy} {keys}: {e}") from None
+    batch = cfg.data.get("batch_size")
+    if isinstance(batch, int) and batch % dims.data_world:
+        raise ConfigError(f"data.batch_size={batch} does not split evenly over the {dims.data_world} ranks that read "
+                          f"different slices ({dims.describe()}): make it a multiple of {dims.data_world}")
+    if strategy == "pp" and isinstance(batch, int) and (batch // dims.data_world) % int(node.get("microbatches", 1)):
+        raise ConfigError(f"parallel.microbatches={node.microbatches} does not divide the per-rank batch of "
+                          f"{batch // dims.data_world} (data.batch_size={batch}): pick a divisor")
+    return dims
+
+
+def _shard_elementwise(txs: list, names: list[str], shard_over: str | None) -> list:
+    """``txs`` with each run of consecutive elementwise transforms in one ``sharded_apply(..., shard_over=...)``.
+
+    One wrapper per run: with ``shard_over`` each costs a reduce-scatter (or slice) and an all-gather.
     """
-    if not any(fx.is_elementwise(tx) for tx in txs):
+    if shard_over is not None and not any(fx.is_elementwise(tx) for tx in txs):
         raise ConfigError(f"parallel.shard_optimizer=true: no entry of optim.chain ({', '.join(names)}) is "
                           "elementwise, so there is no optimizer state to shard")
     out, run = [], []
@@ -299,7 +347,7 @@ def _shard_elementwise(txs: list, names: list[str]) -> list:
             run.append(tx)
             continue
         if run:
-            out.append(fx.sharded_apply(run[0] if len(run) == 1 else fx.chain(*run), shard_over="dp"))
+            out.append(fx.sharded_apply(run[0] if len(run) == 1 else fx.chain(*run), shard_over=shard_over))
             run = []
         if tx is not None:
             out.append(tx)
@@ -346,6 +394,18 @@ def constant_hyperparams(cfg: DictConfig) -> set[str]:
 def _values_under(values: dict[str, Any], key: str) -> dict[str, Any]:
     """The entries of ``values`` for the arguments of the node at ``key`` (``"schedule"``: its ``peak_value``...)."""
     return {k[len(key) + 1:]: v for k, v in values.items() if k.startswith(key + ".") and "." not in k[len(key) + 1:]}
+
+
+def _accepted(node: DictConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``extra`` that ``node``'s target takes as arguments (``groups`` for global transforms)."""
+    if not extra:
+        return {}
+    fn = _locate(_resolve(node, "optim.chain"), "optim.chain")
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {k: v for k, v in extra.items() if k in params}
 
 
 def _transform(node: DictConfig, key: str, shape: Callable | None, every: int,
@@ -398,7 +458,7 @@ def check_overrides(overrides: list[str], conf_dir: str | pathlib.Path) -> None:
     >>> check_overrides(["-m", "model=mlp,resnett"], conf)
     Traceback (most recent call last):
     ...
-    fxtrain.build.ConfigError: model=mlp,resnett: no option 'resnett' in conf/model (did you mean resnet?); available: mlp, resnet, transformer
+    fxtrain.build.ConfigError: model=mlp,resnett: no option 'resnett' in conf/model (did you mean resnet?); available: mlp, moe, resnet, transformer
     """
     conf_dir = pathlib.Path(conf_dir)
     for arg in overrides:

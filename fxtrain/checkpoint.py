@@ -175,6 +175,7 @@ def save(path: str | os.PathLike, state: Any) -> pathlib.Path:
         leaves.append(entry)
         if entry["kind"] == "tensor":
             tensors[p] = x.detach()
+    tensors = _reduced(tensors)
     rank, world = distributed.rank_and_world()
     tmp, _ = _siblings(path)
     _on_rank0(rank, path, "start saving", lambda: _start(path))
@@ -485,13 +486,15 @@ def load(path: str | os.PathLike, *, like: Any, verify: bool = True) -> Any:
     saved = manifest["leaves"]
     _check_like(path, saved, like_paths, flat)
     _check_dcp(path, manifest)
-    tensors = {e["path"]: _empty_like(x) for e, x in zip(saved, flat) if e["kind"] == "tensor"}
+    likes = {e["path"]: x for e, x in zip(saved, flat) if e["kind"] == "tensor"}
+    tensors = {k: _empty_like(x) for k, x in likes.items()}
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), no_dist=not _distributed())
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; say which checkpoint it was
         raise CheckpointError(f"checkpoint {path} could not be read: {str(e).splitlines()[0]}") from e
+    tensors = {k: _as_partial(v, likes[k]) for k, v in tensors.items()}
     out = [tensors[e["path"]] if e["kind"] == "tensor" else e.get("value") for e in saved]
     return tree.unflatten(spec, out)
 
@@ -660,8 +663,44 @@ def _kind(e: dict) -> str:
 
 
 def _empty_like(x: torch.Tensor) -> torch.Tensor:
-    # DCP loads in place; empty_like of a DTensor is a DTensor on the same mesh with the same placements.
+    # DCP loads in place; empty_like of a DTensor is a DTensor on the same mesh with the same placements
+    # (Partial ones as Replicate: the checkpoint holds their reduced value, see _reduced).
+    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+        return DTensor.from_local(torch.empty_like(x._local_tensor), x.device_mesh, _replicated(x.placements),
+                                  run_check=False, shape=x.shape, stride=x.stride())
     return torch.empty_like(x.detach(), memory_format=torch.contiguous_format)
+
+
+# --- Partial DTensors (accumulate's window sum under data parallelism) --------------------------------
+# DCP refuses Partial placements: each rank's piece is a term of a sum, not a part of a tensor. Saved, they
+# are reduced (their value, Replicate: one bucketed all-reduce); loaded, the value goes back as one term on
+# the first rank of each Partial dim and zeros elsewhere (avg: the value on every rank), so it sums to the
+# same value. Between accumulation windows the accumulator is never read (it is replaced), so a checkpoint
+# at a window boundary resumes bit for bit; inside a window, up to the summation order.
+
+def _replicated(placements: tuple) -> tuple:
+    from torch.distributed.tensor import Replicate
+
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def _reduced(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    partial = [k for k, x in tensors.items() if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)]
+    if not partial:
+        return tensors
+    reduced = distributed.reduce_partials([tensors[k] for k in partial])
+    return {**tensors, **dict(zip(partial, reduced))}
+
+
+def _as_partial(loaded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if not (isinstance(like, DTensor) and any(p.is_partial() for p in like.placements)):
+        return loaded
+    local = loaded._local_tensor
+    mesh = like.device_mesh
+    for d, p in enumerate(like.placements):
+        if p.is_partial() and p.reduce_op == "sum" and mesh.get_local_rank(d) != 0:
+            local = torch.zeros_like(local)
+    return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
 
 
 # --- a directory of step checkpoints (the training script's layout) ---------------------------------

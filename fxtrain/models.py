@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 from typing import Sequence
 
@@ -124,15 +126,19 @@ class _Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
         self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        # q, k and v are separate Linears (not one fused 3 * d_model one) so that tensor parallelism can split
+        # each by columns and hand every rank whole heads of all three (TransformerLM.tp_plan); built in this
+        # order they draw the same init as the fused weight did, rows [q; k; v].
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        head_dim = C // self.n_heads
+        # -1 heads: under tensor parallelism q/k/v come out with this rank's n_heads / tp heads (torchtitan's way).
+        q, k, v = (lin(x).view(B, T, -1, head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class _TransformerBlock(nn.Module):
@@ -255,6 +261,8 @@ class TransformerLM(nn.Module):
 
     Input ``(B, T)`` token ids with ``T <= context``; output ``(B, T, vocab_size)`` next-token logits.
     Initialised like GPT-2: normal(0, 0.02), residual projections scaled by ``1/sqrt(2 * n_layers)``.
+    Its parallel layouts: :meth:`tp_plan` (torch's tensor-parallel plan) and :meth:`pipeline_stage` (a
+    pipeline split); experts are sharded by :func:`fxtrain.distributed.expert_parallel`.
 
     Args:
       vocab_size: number of tokens (256 for bytes).
@@ -272,7 +280,7 @@ class TransformerLM(nn.Module):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"TransformerLM: d_model={d_model} is not divisible by n_heads={n_heads}")
-        self.context = context
+        self.context, self.n_layers, self.n_heads, self.experts = context, n_layers, n_heads, experts
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(context, d_model)
         self.blocks = nn.Sequential(*[_TransformerBlock(d_model, n_heads, experts, top_k) for _ in range(n_layers)])
@@ -294,11 +302,200 @@ class TransformerLM(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        if T > self.context:
-            raise ValueError(f"TransformerLM: sequence of {T} tokens is longer than context={self.context}")
-        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        x = _embed(self.tok, self.pos, self.context, idx)
         return self.head(self.ln_f(self.blocks(x)))
+
+    def tp_plan(self, *, sequence_parallel: bool = True) -> dict:
+        """torch's tensor-parallel plan for this model, ``{submodule path: ParallelStyle}`` (torchtitan's layout).
+
+        Megatron's split inside each block: ``q``, ``k``, ``v`` and the MLP's first Linear by columns (each
+        rank holds ``n_heads / tp`` whole heads and ``4 * d_model / tp`` hidden units), ``proj`` and the MLP's
+        second Linear by rows; the embeddings and the (tied) head split the vocabulary / positions, and the
+        logits come out whole (``Replicate``) for a plain cross-entropy. With ``sequence_parallel`` the
+        residual stream between blocks is split along the sequence (``Shard(1)``): the LayerNorms run on
+        ``T / tp`` tokens (``SequenceParallel``) and each block all-gathers its input once per half;
+        without it the LayerNorms stay plain params, identical on every rank.
+
+        Pass it to :func:`fxtrain.distributed.tensor_parallel` (or torch's ``parallelize_module``). Keys keep
+        their order: ``head`` shares ``tok.weight`` and takes it from ``tok``, parallelized first (both are
+        ``Shard(0)``, rows of the vocabulary, so the tie survives: one DTensor, both gradients summed into it).
+
+        Args:
+          sequence_parallel: split the LayerNorms and the residual stream along the sequence (torchtitan's
+            default); ``False`` gives Megatron's plan without it.
+
+        Returns:
+          The plan. Applying it raises ``ValueError`` when ``n_heads`` is not divisible by the tp mesh size.
+
+        Raises:
+          ValueError: the model has MoE blocks (``experts > 0``): shard those with ``parallel=ep``.
+
+        Example (on 2 ranks, ``torchrun --nproc-per-node 2``; not a doctest)::
+
+            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+            model = TransformerLM(vocab_size=256, context=64, d_model=64, n_layers=2, n_heads=4)
+            apply, params, buffers = fx.distributed.tensor_parallel(model, model.tp_plan(), mesh)
+
+        >>> sorted(TransformerLM(d_model=32, n_heads=2).tp_plan())[:4]
+        ['blocks.*.attn', 'blocks.*.attn.[qkv]', 'blocks.*.attn.proj', 'blocks.*.ln1']
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+        )
+
+        if self.experts:
+            raise ValueError(f"TransformerLM.tp_plan: model.experts={self.experts} (MoE blocks) has no tensor-"
+                             f"parallel plan; shard the experts with parallel=ep, or use model=transformer")
+        heads_colwise, tied_colwise = _tp_styles()
+        heads = heads_colwise(self.n_heads)
+        if not sequence_parallel:
+            return {
+                "tok": RowwiseParallel(input_layouts=Replicate()),
+                "pos": RowwiseParallel(input_layouts=Replicate()),
+                "blocks.*.attn.[qkv]": heads,
+                "blocks.*.attn.proj": RowwiseParallel(),
+                "blocks.*.mlp.0": ColwiseParallel(),
+                "blocks.*.mlp.2": RowwiseParallel(),
+                "head": tied_colwise(self.tok, output_layouts=Replicate()),
+            }
+        # Each block's attention and MLP read the whole sequence: gather the Shard(1) norm output once, as a
+        # plain tensor (x.shape inside the attention is then the full (B, T, C)).
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                    use_local_output=True)
+        return {
+            # Token rows and position rows split over tp; each lookup's partial sums are reduce-scattered
+            # along the sequence, so the residual stream starts as this rank's T / tp tokens, as plain
+            # tensors: (B, T/tp, C) + (T/tp, C) adds the right positions without DTensor.
+            "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "blocks.*.ln1": SequenceParallel(),
+            "blocks.*.attn": gather,
+            "blocks.*.attn.[qkv]": heads,
+            "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "blocks.*.ln2": SequenceParallel(),
+            "blocks.*.mlp": gather,
+            "blocks.*.mlp.0": ColwiseParallel(),
+            "blocks.*.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+            "ln_f": SequenceParallel(),
+            "head": tied_colwise(self.tok, input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+
+    def pipeline_stage(self, stage: int, num_stages: int) -> nn.Module:
+        """Stage ``stage`` of ``num_stages`` of this model, for ``torch.distributed.pipelining.PipelineStage``.
+
+        The blocks are split as evenly as possible, earlier stages taking one more when ``n_layers`` does not
+        divide: the first stage holds the embeddings and its blocks, the last its blocks, ``ln_f`` and the
+        head. The stage module shares this model's modules (no copy; build the same model on every rank,
+        same seed) and keeps their names (``blocks.3.attn.q.weight``), so the stages' params together are
+        exactly ``fx.functional(model)``'s.
+
+        The head is tied to ``tok.weight``, which lives on the first stage only: each stage passes it on
+        beside the activations, ``forward(x, tok_weight) -> (x, tok_weight)`` (the first stage takes the
+        token ids, ``forward(idx)``), and the last stage returns the logits ``(B, T, vocab_size)``. The
+        head's gradient thus comes back with the activations' and sums into ``tok.weight.grad`` on the
+        first stage, as in one process; no stage holds a copy that a clip would count twice.
+
+        Args:
+          stage: this stage's index, ``0 <= stage < num_stages``.
+          num_stages: the pipeline size (``parallel.pp``), at most ``n_layers``.
+
+        Returns:
+          The stage's ``nn.Module``.
+
+        Raises:
+          ValueError: more stages than blocks (a stage would have none), or ``stage`` out of range.
+
+        >>> lm = TransformerLM(vocab_size=16, context=8, d_model=8, n_layers=3, n_heads=2)
+        >>> first, last = lm.pipeline_stage(0, 2), lm.pipeline_stage(1, 2)
+        >>> [len(first.blocks), len(last.blocks)], list(last.blocks._modules)
+        ([2, 1], ['2'])
+        >>> idx = torch.randint(0, 16, (2, 8))
+        >>> torch.equal(last(*first(idx)), lm(idx))
+        True
+        >>> lm.pipeline_stage(0, 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: TransformerLM.pipeline_stage: parallel.pp=4 stages need at least one block each, but model.n_layers=3; lower parallel.pp or raise model.n_layers
+        """
+        if not 1 <= num_stages <= self.n_layers:
+            raise ValueError(f"TransformerLM.pipeline_stage: parallel.pp={num_stages} stages need at least one "
+                             f"block each, but model.n_layers={self.n_layers}; lower parallel.pp or raise "
+                             f"model.n_layers")
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"TransformerLM.pipeline_stage: stage={stage} is not in 0..{num_stages - 1}")
+        per, extra = divmod(self.n_layers, num_stages)
+        lo = stage * per + min(stage, extra)
+        hi = lo + per + (stage < extra)
+        return _LMStage(self, range(lo, hi), first=stage == 0, last=stage == num_stages - 1)
+
+
+def _embed(tok: nn.Embedding, pos: nn.Embedding, context: int, idx: torch.Tensor) -> torch.Tensor:
+    T = idx.shape[1]
+    if T > context:
+        raise ValueError(f"TransformerLM: sequence of {T} tokens is longer than context={context}")
+    return tok(idx) + pos(torch.arange(T, device=idx.device))
+
+
+class _LMStage(nn.Module):
+    """A pipeline stage of a :class:`TransformerLM` (see ``TransformerLM.pipeline_stage``)."""
+
+    def __init__(self, lm: TransformerLM, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.context, self.first, self.last = lm.context, first, last
+        if first:
+            self.tok, self.pos = lm.tok, lm.pos
+        # keyed by the model's own block indices, so params keep their names ("blocks.3.ln1.weight")
+        self.blocks = nn.Sequential(collections.OrderedDict((str(i), lm.blocks[i]) for i in blocks))
+        if last:
+            self.ln_f = lm.ln_f
+
+    def forward(self, x: torch.Tensor, tok_weight: torch.Tensor | None = None):
+        if self.first:
+            x, tok_weight = _embed(self.tok, self.pos, self.context, x), self.tok.weight
+        x = self.blocks(x)
+        if not self.last:
+            return x, tok_weight
+        return F.linear(self.ln_f(x), tok_weight)  # the tied head (bias-free), on the weight the first stage sent
+
+
+@functools.cache
+def _tp_styles() -> tuple[type, type]:
+    """TransformerLM.tp_plan's two ColwiseParallel variants, made on first use (torch.distributed loads lazily)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class HeadsColwise(ColwiseParallel):
+        """ColwiseParallel for q / k / v that first checks every rank gets whole heads."""
+
+        def __init__(self, n_heads: int):
+            super().__init__()
+            self.n_heads = n_heads
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            if self.n_heads % device_mesh.size():
+                raise ValueError(f"TransformerLM.tp_plan: model.n_heads={self.n_heads} is not divisible by the tp "
+                                 f"size {device_mesh.size()}; pick n_heads a multiple of parallel.tp")
+            return super()._apply(module, device_mesh)
+
+    class TiedColwise(ColwiseParallel):
+        """ColwiseParallel for a Linear whose weight is an embedding's, already sharded by rows (``Shard(0)``)."""
+
+        def __init__(self, embedding: nn.Module, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = embedding
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            shared = self.embedding.weight
+            if not (isinstance(shared, DTensor) and shared.placements == (Shard(0),)):
+                raise ValueError("TransformerLM.tp_plan: the head is tied to tok.weight, which must be parallelized "
+                                 "first (Shard(0)); keep 'tok' ahead of 'head' in the plan")
+            module.weight = shared  # already laid out as ColwiseParallel wants: distribute_tensor keeps it
+            out = super()._apply(module, device_mesh)
+            module.weight = shared  # ... but wraps it in a new nn.Parameter: tie the very same one again
+            return out
+
+    return HeadsColwise, TiedColwise
 
 
 def count_params(params) -> int:

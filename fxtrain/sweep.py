@@ -245,10 +245,10 @@ def _refuses_tensor(cfg: DictConfig, key: str, value: float) -> str | None:
     runs report it), not a reason to split them.
     """
     try:
-        build.stack(cfg, 1, values={key: torch.tensor(float(value), dtype=torch.float32)})
+        build.stack(cfg, values={key: torch.tensor(float(value), dtype=torch.float32)})
     except (TypeError, ValueError) as e:
         try:
-            build.stack(cfg, 1)
+            build.stack(cfg)
         except (TypeError, ValueError):
             return None
         return str(e).splitlines()[0]
@@ -355,7 +355,7 @@ def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool) -> Call
     _reuse_freed_memory()
 
     def steps(hp, params, opt_state, buffers, xs, ys):
-        tx = build.stack(cfg, 1, values=hp)
+        tx = build.stack(cfg, values=hp)
         step = fx.train_step(loss_fn, tx, has_aux=True, donate=False)
         for k in range(xs.shape[0]):  # under vmap: the Python loop runs once for all jobs
             params, opt_state, metrics = step(params, opt_state, (fx.amp.Uncast(buffers), xs[k], ys[k]))
@@ -450,7 +450,7 @@ def _train_group(group: Group) -> list[Result]:
         key = repr(OmegaConf.to_container(job.cfg.data))
         if key not in datasets:
             datasets[key] = _dataset_without_rng(job.cfg, device)
-        data, model, apply, params, buffers, tx, opt_state = runner.build_run(job.cfg, device, data=datasets[key])
+        data, model, apply, params, buffers, tx, opt_state, *_ = runner.build_run(job.cfg, device, data=datasets[key])
         rng, start = fx.rng_state(), 0
         if source is not None:
             state = fx.load(source, like=fx.TrainState(0, params, opt_state, rng, buffers))

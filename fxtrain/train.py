@@ -43,18 +43,16 @@ refused, and so is the same config with ``resume=null`` (use ``resume=auto``); o
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
 import pathlib
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import hydra
 import torch
-import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -63,8 +61,9 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fxtrain as fx
-from fxtrain import build, checkpoint, distributed, report, rundir, tree, validate
+from fxtrain import build, checkpoint, distributed, report, rundir, strategies, tree, validate
 from fxtrain.models import count_params
+from fxtrain.strategies import evaluate, loss_function  # noqa: F401 - the runner's loss and evaluation (fxtrain.sweep uses them)
 
 log = logging.getLogger("fxtrain")
 CONF_DIR = pathlib.Path(__file__).resolve().parent.parent / "conf"  # conf/ at the repository root
@@ -89,81 +88,143 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
 
 
 def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> float:
-    # --- config ---------------------------------------------------------------------------------
     t0 = time.perf_counter()
+    run = _setup(cfg, out_dir)
+    if run.source == "completed":  # resume=auto on a finished run: leave it as it is
+        run.say(f"resume=auto: {out_dir} completed {cfg.trainer.max_steps} steps already; nothing to do")
+        return float(rundir.read_summary(out_dir)["value"])
+    built = build_run(cfg, run.device, run.dims)
+    start, params, opt_state, buffers = _resume(cfg, run, built)
+    final = _loop(cfg, run, built, start, params, opt_state, buffers, t0)
+    return finish_run(cfg, run.out, final, time.perf_counter() - t0, run.say)
+
+
+class _Run(NamedTuple):
+    """Where and how this process runs: what :func:`_setup` reads from the config and the environment once."""
+
+    rank: int
+    dims: distributed.ParallelDims  # the run's mesh object, built: handed to the model, stack, data and checkpoints
+    device: torch.device
+    out: pathlib.Path | None  # the run directory on rank 0 (the only writer of files other than checkpoints)
+    ckpt_dir: pathlib.Path | None  # every rank writes its shards here
+    source: pathlib.Path | str | None  # the checkpoint to resume from, or "completed"
+    say: Callable[[str], Any]
+
+
+def _setup(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> _Run:
     rank, world = distributed.rank_and_world()
-    if world > 1 and cfg.parallel.strategy != "dp":
-        raise build.ConfigError(f"parallel.strategy={cfg.parallel.strategy!r}, but {world} processes run this "
-                                "script (torchrun): use parallel=dp")
+    dims = build.parallel_dims(cfg, world)  # checked before anything is written
     say = log.info if rank == 0 else (lambda *args: None)
     out = pathlib.Path(out_dir) if out_dir is not None and rank == 0 else None
-    ckpt_dir = pathlib.Path(out_dir) / "checkpoints" if out_dir is not None else None  # every rank writes its shards
+    ckpt_dir = pathlib.Path(out_dir) / "checkpoints" if out_dir is not None else None
     source = _resume_source(cfg, ckpt_dir)
-    if source == "completed":  # resume=auto on a finished run: leave it as it is
-        value = rundir.read_summary(out_dir)["value"]
-        say(f"resume=auto: {out_dir} completed {cfg.trainer.max_steps} steps already; nothing to do")
-        return float(value)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(_resolved_yaml(cfg))
-    trainer = cfg.trainer
-    device = distributed.device(trainer.device)
-    if device.type == "cpu" and trainer.cpu_threads:
-        torch.set_num_threads(trainer.cpu_threads)
+    device = distributed.device(cfg.trainer.device)
+    if source != "completed":
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(_resolved_yaml(cfg))
+        if device.type == "cpu" and cfg.trainer.cpu_threads:
+            torch.set_num_threads(cfg.trainer.cpu_threads)
+        dims = dims.build(device.type)
+    return _Run(rank, dims, device, out, ckpt_dir, source, say)
 
-    # --- build ----------------------------------------------------------------------------------
-    data, model, apply, params, buffers, tx, opt_state = build_run(cfg, device, world)
-    step = fx.train_step(loss_function(apply), tx, has_aux=True, donate=True)
-    constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
 
-    # --- resume ---------------------------------------------------------------------------------
-    start, resumed = 0, "from step 0"
-    if source is not None:
-        state = fx.load(source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers))
-        start, params, opt_state, buffers = state.step, state.params, state.opt_state, state.buffers
+class Built(NamedTuple):
+    """What :func:`build_run` builds: the data, the model on its mesh, the stack and its state, the step."""
+
+    data: Any
+    model: torch.nn.Module
+    apply: Callable
+    params: Any
+    buffers: Any
+    tx: fx.GradientTransformation
+    opt_state: Any
+    step: Callable  #: ``step(params, opt_state, buffers, batch) -> (params, opt_state, buffers, metrics)``
+    evaluate: Callable  #: ``evaluate(params, buffers, test, batch_size) -> metrics``
+
+
+def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelDims | None = None,
+              data: Any = None) -> Built:
+    """What :func:`train` builds from ``cfg`` before its loop, in this order after ``torch.manual_seed(cfg.seed)``:
+    the data, the model (placed on ``dims``' mesh by :func:`fxtrain.strategies.parallelize`), the stack
+    (:func:`fxtrain.build.stack`), its state and the step.
+
+    The sweep launcher (``hydra/launcher=vmap``) builds each job of a group with it, so every job starts from
+    exactly the params, state and RNG state its own run would. It passes ``data`` (built already, for the
+    same ``cfg.data``) to share one dataset between jobs, when building it draws no torch random numbers.
+    """
+    dims = dims or distributed.ParallelDims.of("none", world=1)
+    torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order): the same on every rank
+    data = build.instantiate(cfg.data, "data").to(device) if data is None else data
+    model = build.instantiate(cfg.model, "model").to(device)
+    tx = build.stack(cfg, dims)
+    try:
+        placed = strategies.parallelize(model, tx, dims, pipeline=_pipeline_options(cfg),
+                                        mp_policy=build.mixed_precision(cfg, dims))
+    except ValueError as e:
+        raise build.ConfigError(f"parallel={dims.strategy} model={_choice('model')}: {e}") from None
+    params = build.cast_params(cfg, placed.params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
+    return Built(data, model, placed.apply, params, placed.buffers, tx, tx.init(params), placed.step, placed.evaluate)
+
+
+def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, Any]:
+    """``(start, params, opt_state, buffers)``: the checkpoint's, or step 0's; says the run's first lines."""
+    start, params, opt_state, buffers, resumed = 0, built.params, built.opt_state, built.buffers, "from step 0"
+    if run.source is not None:
+        state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers))
+        # Into the built trees, in place: FSDP and pipeline stages compute with their modules' own tensors,
+        # which these leaves are (a new tree would train a copy the module never sees).
+        with torch.no_grad():
+            tree.copy_(tree.leaves(params), tree.leaves(state.params))
+            tree.copy_(tree.leaves(buffers), tree.leaves(state.buffers))
+        start, opt_state = state.step, state.opt_state
         fx.set_rng_state(state.rng)
-        if start > trainer.max_steps:
-            raise build.ConfigError(f"resume: the checkpoint {source} is at step {start}, beyond "
-                                    f"trainer.max_steps={trainer.max_steps}")
-        resumed = f"from {source} (step {start})"
+        if start > cfg.trainer.max_steps:
+            raise build.ConfigError(f"resume: the checkpoint {run.source} is at step {start}, beyond "
+                                    f"trainer.max_steps={cfg.trainer.max_steps}")
+        resumed = f"from {run.source} (step {start})"
     elif cfg.get("resume") == "auto":
-        resumed = f"from step 0 (resume=auto: no checkpoint in {ckpt_dir})"
-    rundir.rewind(out, start)  # no summary, no checkpoint or metrics.jsonl line after `start`: one timeline
-    logger = build.instantiate(cfg.logger, "logger", dir=out) if out is not None else None
-    where = str(out) if out is not None else "(not saved)"
-    sharded = world > 1 and bool(cfg.parallel.get("shard_optimizer", False))
-    say(f"run    {where}" + (f"  [{world} ranks, parallel=dp" + (", shard_optimizer" if sharded else "") + "]"
-                             if world > 1 else ""))
-    for line in describe_run(data, model, params, tx, opt_state, device, world if sharded else 1):
-        say(line)
-    say(f"start  {resumed}")
+        resumed = f"from step 0 (resume=auto: no checkpoint in {run.ckpt_dir})"
+    rundir.rewind(run.out, start)  # no summary, no checkpoint or metrics.jsonl line after `start`: one timeline
+    dims = run.dims
+    where = str(run.out) if run.out is not None else "(not saved)"
+    run.say(f"run    {where}" + (f"  [{dims.world} ranks, {dims.describe()}"
+                                 + (", shard_optimizer" if cfg.parallel.get("shard_optimizer") else "") + "]"
+                                 if dims.world > 1 else ""))
+    for line in describe_run(built.data, built.model, params, built.tx, opt_state, run.device):
+        run.say(line)
+    run.say(f"start  {resumed}")
+    return start, params, opt_state, buffers
 
-    # --- loop -----------------------------------------------------------------------------------
+
+def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt_state: Any, buffers: Any,
+          t0: float) -> dict[str, float]:
+    """Steps ``start + 1 .. max_steps``: step, log, evaluate, checkpoint. Returns the last train and eval metrics."""
+    trainer, dims = cfg.trainer, run.dims
+    constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
+    logger = build.instantiate(cfg.logger, "logger", dir=run.out) if run.out is not None else None
     max_steps = trainer.max_steps
     train_metrics: dict[str, float] = {}   # the last logged ones
     eval_metrics: dict[str, float] = {}
-    last_checkpoint: tuple[int, pathlib.Path] | None = (start, source) if source is not None else None  # (step, path)
-    bar = tqdm(total=max_steps, initial=start, desc="train", disable=rank != 0 or not trainer.progress,
+    last_checkpoint = (start, run.source) if run.source is not None else None  # (step, path)
+    bar = tqdm(total=max_steps, initial=start, desc="train", disable=run.rank != 0 or not trainer.progress,
                dynamic_ncols=True)
     with logging_redirect_tqdm(), bar, (logger or contextlib.nullcontext()):
         if start == max_steps:  # killed after its last checkpoint, before its summary: evaluate again
-            eval_metrics = evaluate(apply, params, buffers, data.test, trainer.eval_batch_size)
+            eval_metrics = built.evaluate(params, buffers, built.data.test, trainer.eval_batch_size)
         for i in range(start + 1, max_steps + 1):
-            batch = distributed.local_batch(data.train[i - 1], rank, world)
-            params, opt_state, metrics = step(params, opt_state, (fx.amp.Uncast(buffers), *batch))
-            aux = metrics.pop("aux")
-            buffers = aux.pop("buffers")  # in their own dtype: amp_cast passes Uncast state through
-            metrics.update(aux)  # 0-dim tensors; read on the host only on logging steps
+            batch = dims.local_batch(built.data.train[i - 1])
+            params, opt_state, buffers, metrics = built.step(params, opt_state, buffers, batch)
             bar.update()
             if i == start + 1:
                 _check_metric_name(cfg.optimized_metric, [*_logged(metrics, constants), "test_loss", "test_accuracy"])
 
             record: dict[str, float] = {}
             if i % trainer.log_every == 0 or i == max_steps:
-                train_metrics = distributed.mean_across_ranks(_floats(_logged(metrics, constants)), world)
+                train_metrics = distributed.mean_across_ranks(_floats(_logged(metrics, constants)), dims.world)
                 record.update(train_metrics)
             if i % trainer.eval_every == 0 or i == max_steps:
-                eval_metrics = evaluate(apply, params, buffers, data.test, trainer.eval_batch_size)
+                eval_metrics = built.evaluate(params, buffers, built.data.test, trainer.eval_batch_size)
                 record.update(eval_metrics)
             if record:
                 _stop_if_not_finite(record, i, last_checkpoint)
@@ -173,49 +234,25 @@ def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> float:
                 bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "learning_rate", "test_accuracy")
                                  if k in record})
 
-            if ckpt_dir is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0) or i == max_steps):
+            if run.ckpt_dir is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0)
+                                             or i == max_steps):
                 state = fx.TrainState(i, params, opt_state, fx.rng_state(), buffers)
-                last_checkpoint = (i, save_checkpoint(ckpt_dir, state, trainer.keep_last, last_checkpoint, rank))
-
-    # --- summary --------------------------------------------------------------------------------
-    elapsed = time.perf_counter() - t0
+                last_checkpoint = (i, save_checkpoint(run.ckpt_dir, state, trainer.keep_last, last_checkpoint, run.rank))
     final = {**train_metrics, **eval_metrics}
-    if cfg.optimized_metric not in final and out is not None:  # resumed at max_steps: the logged train metrics
-        final = {**_last_record(out / "metrics.jsonl", max_steps), **final}
-    return finish_run(cfg, out, final, elapsed, say)
+    if cfg.optimized_metric not in final and run.out is not None:  # resumed at max_steps: the logged train metrics
+        final = {**_last_record(run.out / "metrics.jsonl", max_steps), **final}
+    return final
 
 
-def build_run(cfg: DictConfig, device: torch.device, world: int = 1, data: Any = None) -> tuple:
-    """What :func:`train` builds from ``cfg`` before its loop, in this order after ``torch.manual_seed(cfg.seed)``:
-    ``(data, model, apply, params, buffers, tx, opt_state)`` (``tx`` is :func:`fxtrain.build.stack`'s).
-
-    The sweep launcher (``hydra/launcher=vmap``) builds each job of a group with it, so every job starts from
-    exactly the params, state and RNG state its own run would. It passes ``data`` (built already, for the
-    same ``cfg.data``) to share one dataset between jobs, when building it draws no torch random numbers.
-    """
-    torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order)
-    data = build.instantiate(cfg.data, "data").to(device) if data is None else data
-    model = build.instantiate(cfg.model, "model").to(device)
-    apply, params, buffers = fx.functional(model)
-    params = build.cast_params(cfg, params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
-    tx = build.stack(cfg, world)
-    return data, model, apply, params, buffers, tx, tx.init(params)
+def _pipeline_options(cfg: DictConfig) -> dict:
+    return {"schedule": cfg.parallel.get("schedule", "gpipe"), "microbatches": cfg.parallel.get("microbatches", 4)}
 
 
-def loss_function(apply: Callable) -> Callable:
-    """The loss :func:`train` differentiates: ``loss_fn(params, (buffers, x, y)) -> (loss, aux)``, where
-    ``aux`` holds the batch ``accuracy`` and the new ``buffers``."""
-
-    def loss_fn(params, batch):
-        # Classifier logits (B, C) or LM logits (B, T, V): one cross-entropy for both. BatchNorm statistics
-        # come back from apply as new buffers, carried out of the step in aux.
-        buffers, x, y = batch
-        logits, buffers = apply(_like_statistics(params, buffers), buffers, x, train=True)
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
-        accuracy = (logits.argmax(-1) == y).float().mean()
-        return loss, {"accuracy": accuracy, "buffers": buffers}
-
-    return loss_fn
+def _choice(group: str) -> str:
+    try:
+        return str(HydraConfig.get().runtime.choices.get(group))
+    except ValueError:  # composed outside a Hydra run (tests)
+        return "?"
 
 
 def describe_run(data: Any, model: torch.nn.Module, params: Any, tx: fx.GradientTransformation, opt_state: Any,
@@ -261,32 +298,6 @@ def write_failure(out: pathlib.Path, cfg: DictConfig, error: BaseException) -> N
 def state_bytes(opt_state: Any) -> int:
     """Bytes of ``opt_state`` this rank holds: local pieces of DTensor leaves (sharded state counts 1/n)."""
     return sum(x.numel() * x.element_size() for x in distributed.local_leaves(opt_state))
-
-
-def _like_statistics(params: dict, buffers: dict) -> dict:
-    """BatchNorm's weight and bias in its running statistics' dtype: CPU BatchNorm refuses a bf16/f16 weight
-    beside float32 statistics (amp keeps statistics float32, see ``fx.amp.Uncast``); the cast is
-    differentiable, as ``torch.autocast`` keeps those params."""
-    dtypes = {k.rpartition(".")[0]: b.dtype for k, b in buffers.items() if k.endswith("running_mean")}
-    if not dtypes:
-        return params
-    return {k: p.to(dtypes.get(k.rpartition(".")[0], p.dtype)) for k, p in params.items()}
-
-
-@torch.no_grad()
-def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], batch_size: int) -> dict[str, float]:
-    """Mean cross-entropy and accuracy on the whole held-out split, in eval mode (running BatchNorm stats)."""
-    x, y = test
-    if x.is_floating_point():  # in the params' dtype (pure half amp modes store bf16/fp16 params)
-        x = x.to(tree.leaves(params)[0].dtype)
-    loss = torch.zeros((), dtype=torch.float64, device=x.device)
-    correct = torch.zeros((), dtype=torch.long, device=x.device)
-    for j in range(0, len(x), batch_size):
-        logits, _ = apply(_like_statistics(params, buffers), buffers, x[j:j + batch_size], train=False)
-        yb = y[j:j + batch_size]
-        loss += F.cross_entropy(logits.flatten(0, -2).float(), yb.flatten(), reduction="sum")
-        correct += (logits.argmax(-1) == yb).sum()
-    return {"test_loss": float(loss / y.numel()), "test_accuracy": float(correct / y.numel())}
 
 
 def save_checkpoint(directory: pathlib.Path, state: fx.TrainState, keep_last: int,

@@ -38,11 +38,11 @@ def run_main(*argv: str):
     return 0
 
 
-def torchrun_train(cwd, *args: str, timeout: float = 240) -> tuple[str, pathlib.Path]:
-    """``torchrun --nproc_per_node=2 -m fxtrain.train *args`` in ``cwd``; returns (stdout, the run directory)."""
+def torchrun_train(cwd, *args: str, timeout: float = 240, nproc: int = 2) -> tuple[str, pathlib.Path]:
+    """``torchrun --nproc_per_node=<nproc> -m fxtrain.train *args`` in ``cwd``; returns (stdout, the run directory)."""
     pathlib.Path(cwd).mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            "-m", "fxtrain.train", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import sys
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -368,86 +367,6 @@ def case_clip_by_value_on_shards(world):
     torch.testing.assert_close(full(u["x"]), x.clamp(-0.3, 0.3))
     torch.testing.assert_close(full(u["y"]), y.clamp(-0.3, 0.3))
     assert comm_counts(lambda: fx.clip(0.3).update(t, fx.EmptyState())) == {}  # local and elementwise
-
-
-# --- the data-parallel transforms: results returned, pure and donated paths ------------------------------
-
-def _rank_grads(world: int, k: int) -> list[dict]:
-    """Every rank's gradient tree at step ``k`` (each rank builds all of them; rank r uses entry r)."""
-    return [{"w": randn(1000 * k + 10 * r, 2 * world + 1, 3), "b": randn(1000 * k + 10 * r + 1, 5), "frozen": None}
-            for r in range(world)]
-
-
-def _mean(trees: list[dict]) -> dict:
-    import fxtrain as fx
-
-    return fx.tree.map(lambda *xs: (sum(x.double() for x in xs) / len(xs)).to(xs[0].dtype), *trees)
-
-
-@case()
-def case_all_reduce_mean_returns_results_pure_and_donated(world):
-    import fxtrain as fx
-    from fxtrain import distributed
-    from fxtrain.testing import assert_trees_close
-
-    rank = dist.get_rank()
-    trees = _rank_grads(world, 0)
-    for t in trees:
-        t["half"] = t["b"].bfloat16()  # mixed dtypes: one buffer in the promoted dtype
-    mine, expected = trees[rank], _mean(trees)
-    tx = distributed.all_reduce_mean(world)
-    before = fx.tree.clone(mine)
-    u, _ = tx.update(mine, tx.init(None))  # grad mode on: out of place, new tensors
-    assert_trees_close(mine, before, rtol=0, atol=0)
-    assert u["frozen"] is None and u["half"].dtype == torch.bfloat16
-    assert_trees_close({k: v for k, v in u.items() if k != "half"}, {k: v for k, v in expected.items() if k != "half"},
-                       rtol=1e-6, atol=1e-7)
-    assert_trees_close(u["half"], expected["half"], rtol=1e-2, atol=1e-2)
-    donated = fx.tree.clone(mine)
-    du, _ = fx.update_(tx, donated, tx.init(None))
-    assert du["w"] is donated["w"]  # written into the gradient buffers
-    assert_trees_close(du, u, rtol=0, atol=0)  # the same collective, then a cast either way
-    with pytest.raises(ValueError, match="all_reduce_mean: cannot differentiate through its collectives"):
-        tx.update({"w": mine["w"].clone().requires_grad_()}, tx.init(None))
-    with pytest.raises(ValueError, match="all_reduce_mean: its collectives cannot run under a torch.func"):
-        torch.func.vmap(lambda w: tx.update({"w": w}, tx.init(None))[0]["w"])(mine["w"])
-
-
-@case()
-def case_on_dp_mesh_pure_and_donated_match_the_mean_gradient(world):
-    import fxtrain as fx
-    from fxtrain import distributed
-    from fxtrain.testing import assert_trees_close
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if "dp" not in _MESHES:
-        _MESHES["dp"] = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    rank = dist.get_rank()
-    ref = fx.sgd(0.1, momentum=0.9)
-    for reduce_first in (False, True):
-        tx = distributed.on_dp_mesh(fx.chain(fx.sharded_apply(fx.sgd(0.1, momentum=0.9), shard_over="dp")),
-                                    _MESHES["dp"], reduce_first=reduce_first)
-        params = {"w": randn(1, 2 * world + 1, 3), "b": randn(2, 5), "frozen": None}
-        state, rstate = tx.init(params), ref.init(params)
-        for k in range(3):
-            trees = _rank_grads(world, k + 1)
-            mine = trees[rank]
-            before, sbefore = fx.tree.clone(mine), fx.tree.clone(state)
-            u, new = tx.update(mine, state, params)  # out of place
-            with torch.no_grad():  # the in-place kernel on copies: the donated kernel's bits
-                nu, nnew = tx.update(mine, state, params)
-            du, dnew = fx.update_(tx, fx.tree.clone(mine), fx.tree.clone(state), params)
-            assert_trees_close(mine, before, rtol=0, atol=0)
-            assert_trees_close(state, sbefore, rtol=0, atol=0)
-            assert_trees_close(du, nu, rtol=0, atol=0)
-            assert_trees_close(dnew, nnew, rtol=0, atol=0)
-            assert_trees_close(u, nu, rtol=1e-6, atol=1e-7)
-            assert_trees_close(new, nnew, rtol=1e-6, atol=1e-7)
-            ru, rstate = ref.update(_mean(trees), rstate, params)
-            assert_trees_close(u, ru, rtol=1e-5, atol=1e-7)
-            assert all(not hasattr(x, "placements") for x in fx.tree.leaves(u))  # plain tensors back
-            state = new
-            params = fx.apply_updates(params, u)
 
 
 # --- single process: the same functions without a process group ----------------------------------------

@@ -122,3 +122,28 @@ def test_tiny_lm_one_rank_and_two_ranks(tmp_path):
     assert two["value"] == pytest.approx(one["value"], abs=2e-2)  # bf16 rounding differs with the local batch
     assert "| 8 | 2 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "val_loss.png").stat().st_size > 5_000
+
+
+# --- experiments/clip_parallel ----------------------------------------------------------------------------
+
+def test_clip_parallel_truth_is_the_one_process_norm_and_the_clip_is_active():
+    # The scale study's yardstick: float64 on one process; the float32 1-process run's own norm agrees with it.
+    ranks = study("clip_parallel/_scale_rank.py")
+    ref = ranks.reference_run(experts=0, steps=3)
+    assert all(abs(n / t - 1) < 1e-5 for (n,), t in zip(ref["reported"], ref["true_norm"])), ref
+    assert min(ref["true_norm"]) > ranks.CLIP  # every step clipped: a wrong norm would change the update
+
+
+@pytest.mark.slow
+def test_clip_parallel_scale_study_pipeline_layout(tmp_path):
+    # The README's command cut to one layout (2 torchrun ranks) and 3 steps, then its table and figure.
+    scale = study("clip_parallel/scale.py")
+    pp = scale.main(["--only", "pp", "--steps", "3", "--out", str(tmp_path)])["pp"]["variants"]
+    fx_, torch_ = pp["fxtrain"], pp["torch"]
+    assert all(abs(n / t - 1) < scale.TOL for (n,), t in zip(fx_["reported"], fx_["true_norm"]))
+    for stages, t in zip(torch_["reported"], torch_["true_norm"]):  # each stage's norm is its share of the truth
+        assert max(stages) < 0.999 * t and abs(sum(n * n for n in stages) / t**2 - 1) < 1e-4, (stages, t)
+    assert torch_["labels"] == ["stage 0 (rank 0)", "stage 1 (rank 1)"]
+    row = "| PP, 2 ranks | fxtrain `clip_by_global_norm` | grad_norm | 1.0000 |"
+    assert row in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "scale.png").stat().st_size > 5_000

@@ -119,7 +119,7 @@ def test_round_trip_is_exact(make, naming):
 def test_names_nested_scopes_tied_weights_and_batch_stats():
     lm = TransformerLM(64, 8, 16, 1, 2)
     names = {k: "/".join(v.path) for k, v in linen_names(lm).items()}
-    assert names["blocks.0.attn.qkv.weight"] == "params/_TransformerBlock_0/_Attention_0/Dense_0/kernel"
+    assert names["blocks.0.attn.q.weight"] == "params/_TransformerBlock_0/_Attention_0/Dense_0/kernel"
     assert names["blocks.0.mlp.2.bias"] == "params/_TransformerBlock_0/Dense_1/bias"
     assert "head.weight" not in names  # tied to tok.weight: once, under its first name
     attr = {k: "/".join(v.path) for k, v in linen_names(lm, naming="attribute").items()}

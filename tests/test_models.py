@@ -136,3 +136,32 @@ def test_transformer_experts_default_is_the_dense_model():
     assert all(torch.equal(a, b) for a, b in zip(dense.state_dict().values(), same.state_dict().values()))
     moe = TransformerLM(vocab_size=16, context=8, d_model=16, n_layers=2, n_heads=2, experts=4)
     assert isinstance(moe.blocks[1].mlp, MoE) and moe.blocks[1].mlp.w_in.shape == (4, 16, 64)
+
+
+def test_moe_config_composes_and_builds_the_tiny_lm():
+    from fxtrain import build
+    from tests._runner import cfg_of
+
+    cfg = cfg_of("experiment=tiny_lm", "model=moe")  # the command line's model=moe beats the experiment's
+    lm = build.instantiate(cfg.model, "model")
+    assert isinstance(lm, TransformerLM) and lm.n_heads == cfg.model.n_heads == 4
+    assert all(isinstance(b.mlp, MoE) and b.mlp.num_experts == 4 and b.mlp.top_k == 2 for b in lm.blocks)
+    assert lm(torch.zeros(2, cfg.data.context, dtype=torch.long)).shape == (2, cfg.data.context, cfg.data.vocab_size)
+
+
+def test_attention_splits_heads_from_separate_q_k_v():
+    # q, k, v are three Linears (tensor parallelism splits each by heads): with the rows of one fused
+    # (3 * d_model) Linear, [q; k; v], they compute exactly what it computed.
+    torch.manual_seed(0)
+    lm = TransformerLM(vocab_size=16, context=8, d_model=16, n_layers=1, n_heads=4)
+    torch.manual_seed(0)
+    fused = torch.nn.Linear(16, 48)
+    attn = lm.blocks[0].attn
+    x = torch.randn(2, 8, 16)
+    q, k, v = (t.view(2, 8, 4, 4).transpose(1, 2) for t in fused(x).split(16, dim=2))
+    with torch.no_grad():
+        for lin, w, b in zip((attn.q, attn.k, attn.v), fused.weight.chunk(3), fused.bias.chunk(3)):
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 8, 16)
+        assert torch.equal(attn(x), attn.proj(y))

@@ -42,8 +42,8 @@ def test_every_group_option_composes_and_builds(group, option, tmp_path):
         overrides = [f"optim/transform@optim.chain=[{option}]"]
     else:
         overrides = [f"{group}={option}"]
-    if (group, option) in (("model", "transformer"), ("data", "stdlib_text")):
-        overrides = ["model=transformer", "data=stdlib_text", "data.max_bytes=20000"]
+    if (group, option) in (("model", "transformer"), ("model", "moe"), ("data", "stdlib_text")):
+        overrides = [f"model={option if group == 'model' else 'transformer'}", "data=stdlib_text", "data.max_bytes=20000"]
     cfg = cfg_of(*overrides)
 
     data = build.instantiate(cfg.data, "data")
@@ -51,7 +51,7 @@ def test_every_group_option_composes_and_builds(group, option, tmp_path):
     logits = model(data.train[0][0])
     assert logits.shape[-1] == cfg.data.get("num_classes", cfg.data.get("vocab_size"))
     build.instantiate(cfg.logger, "logger", dir=tmp_path).close()
-    tx = build.stack(cfg)  # one process: parallel=dp adds its all-reduce only with several ranks (torchrun test)
+    tx = build.stack(cfg)  # one process: every strategy's stack is the plain one (torchrun tests: test_train_parallel.py)
     params = build.cast_params(cfg, small_params())      # half-precision storage for amp=pure_*
     updates, _ = tx.update(fx.tree.map(torch.ones_like, params), tx.init(params), params)
     assert fx.tree.structure(updates) == fx.tree.structure(params)
@@ -167,7 +167,7 @@ def test_unknown_override_key_fails_at_start(capsys):
     ("optim/transform@optim.chain=[clip_by_global_norm,adamz]",
      "no transform 'adamz' in conf/optim/transform (did you mean adam?); available: adagrad, adam, adamw, "
      "add_decayed_weights, clip, clip_by_global_norm, lion, rmsprop, sgd, trace"),
-    ("model=mlpp", "no option 'mlpp' in conf/model (did you mean mlp?); available: mlp, resnet, transformer"),
+    ("model=mlpp", "no option 'mlpp' in conf/model (did you mean mlp?); available: mlp, moe, resnet, transformer"),
 ])
 def test_unknown_group_option_lists_the_available_ones(arg, listed):
     assert run_main(arg) == f"Error: {arg}: {listed}"
@@ -189,10 +189,32 @@ def test_shard_optimizer_needs_parallel_dp():
     build.stack(cfg_of("parallel=dp", "parallel.shard_optimizer=true"))  # one process: nothing to shard over
 
 
-def test_several_ranks_need_parallel_dp(monkeypatch):
+def test_several_ranks_need_a_strategy(monkeypatch):
     monkeypatch.setattr(runner.distributed, "rank_and_world", lambda: (0, 2))
-    with pytest.raises(build.ConfigError, match="parallel.strategy='none', but 2 processes run this script"):
+    with pytest.raises(build.ConfigError, match=r"^parallel=none, but 2 processes run this script .*parallel=dp"):
         runner.train(cfg_of("experiment=smoke"))
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel=tp"], 1, r"^parallel=tp needs several processes: launch with torchrun .*or use parallel=none"),
+    (["parallel=fsdp_tp", "parallel.tp=3"], 4, r"^parallel=fsdp_tp parallel.dp=-1 parallel.tp=3: tp=3 = 3 ranks "
+                                               r"does not divide the world of 4"),
+    (["parallel=tp", "parallel.dp=3", "parallel.tp=2"], 4, r"^parallel=tp parallel.dp=3 parallel.tp=2: dp=3 x tp=2 = 6 "
+                                                           r"ranks, but the world has 4"),
+    (["parallel=dp", "data.batch_size=30"], 4, r"^data.batch_size=30 does not split evenly over the 4 ranks"),
+    (["parallel=pp", "parallel.microbatches=3"], 2, r"^parallel.microbatches=3 does not divide the per-rank batch"),
+    (["parallel=dp", "+parallel.tp=2"], 2, r"^parallel=dp .*tp=2: strategy dp has no tp dim"),
+])
+def test_parallel_sizes_are_checked_against_the_world(overrides, world, message):
+    with pytest.raises(build.ConfigError, match=message):
+        build.parallel_dims(cfg_of("experiment=smoke", *overrides), world)
+
+
+def test_parallel_sizes_resolve_the_rest_of_the_world():
+    dims = build.parallel_dims(cfg_of("experiment=smoke", "parallel=fsdp_tp"), 4)
+    assert (dims.strategy, dims.sizes, dims.data_world) == ("fsdp_tp", {"dp": 2, "tp": 2}, 2)
+    assert build.parallel_dims(cfg_of("experiment=smoke", "parallel=dp"), 1).strategy == "none"  # one rank: plain
+    assert build.parallel_dims(cfg_of("experiment=smoke", "parallel=ep"), 2).sizes == {"dp": 1, "ep": 2}
 
 
 # --- a run ----------------------------------------------------------------------------------------
@@ -300,7 +322,8 @@ def test_torchrun_two_ranks_data_parallel(tmp_path):
     args = ["experiment=smoke", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=6"]
     stdout, run = torchrun_train(tmp_path, "parallel=dp", *args)    # one summary.json: one run directory
     assert len(list((tmp_path / "outputs").glob("*/*"))) == 1                    # one directory, all ranks
-    assert stdout.count("stack  chain(all_reduce_mean(2), clip_by_global_norm(1.0)") == 1    # rank 0 prints
+    assert stdout.count("stack  chain(clip_by_global_norm(1.0), sharded_apply(") == 1    # rank 0 prints
+    assert "[2 ranks, parallel=dp [dp=2]]" in stdout
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [2, 4, 6]               # rank 0 writes
     assert (run / "train.log").read_text().count("stack  ") == 1
     # Same numbers as one process on the whole batch (the mean of two half-batch gradients).
@@ -322,7 +345,7 @@ def test_torchrun_sharded_optimizer_state_matches_plain_dp_with_half_the_state(t
     args = ["experiment=smoke", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=6", "parallel=dp"]
     plain_out, plain = torchrun_train(tmp_path / "plain", *args)
     zero_out, zero = torchrun_train(tmp_path / "zero", *args, "parallel.shard_optimizer=true")
-    assert "stack  on_dp_mesh(" in zero_out and "sharded_apply(shard_over='dp', inject_hyperparams(adamw)" in zero_out
+    assert "sharded_apply(shard_over='dp', inject_hyperparams(adamw)" in zero_out
     # adamw's mu and nu are split in two; the step count and injected hyperparameters (a few bytes) are not.
     full, half = state_bytes_line(plain_out), state_bytes_line(zero_out)
     assert full / 2 <= half <= full / 2 + 64, (full, half)

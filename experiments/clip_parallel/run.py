@@ -7,7 +7,7 @@ batch sharded over dp. Autograd then hands back gradients that are ``Partial`` o
 the same model on one device (plain tensors, the whole batch) alongside and prints both norms per step,
 with the norm a per-rank clip (``clip_grad_norm_`` on the local shards) would have used.
 
-    .venv/bin/python experiments/clip_parallel/run.py            # prints the table, writes results.md
+    .venv/bin/python experiments/clip_parallel/run.py            # prints the table, writes results_mlp.md
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
     p.add_argument("--max-norm", type=float, default=5.0, help="clip_by_global_norm bound")
     p.add_argument("--batch", type=int, default=32, help="global batch (split over dp)")
-    p.add_argument("--out", default=os.path.join(HERE, "results.md"), help="table written by rank 0")
+    p.add_argument("--out", default=os.path.join(HERE, "results_mlp.md"), help="table written by rank 0")
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args()

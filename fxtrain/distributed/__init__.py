@@ -8,8 +8,10 @@ The map, by concern (torchtitan-style: one module per parallelism, plus the shar
   param's placements: a slice, one bucketed reduce-scatter or all-reduce per process group),
   :func:`reduce_partials` (``Partial`` -> ``Replicate``), :func:`reduce_scatter_flat` and
   :func:`all_gather_flat` (ZeRO's packed buffers).
-* ``_data_parallel``: plain-tensor data parallelism (:func:`all_reduce_mean`) and ZeRO views on a dp
-  mesh (:func:`on_dp_mesh`).
+* ``_mesh``: :class:`ParallelDims`, the one mesh object of a run (sizes per dim, the ``DeviceMesh``, which
+  slice of a batch this rank reads).
+* ``_data_parallel``: :func:`data_parallel`, replicated DTensor params whose gradients come out
+  ``Partial("avg")`` over dp (reduced by the step, bucketed; ZeRO through ``sharded_apply(shard_over="dp")``).
 * ``_tensor_parallel``: torch's ``parallelize_module`` under the functional step, 1-D or dp x tp with
   the dp bridge built in (:func:`tensor_parallel`).
 * ``_fully_sharded``: FSDP2 under the functional step. :func:`fully_sharded` (a ``fully_shard``-ed module's
@@ -30,14 +32,15 @@ Example:
 """
 
 from fxtrain.distributed._collectives import all_gather_flat, match_placements, reduce_partials, reduce_scatter_flat
-from fxtrain.distributed._data_parallel import all_reduce_mean, on_dp_mesh
+from fxtrain.distributed._data_parallel import data_parallel
 from fxtrain.distributed._expert_parallel import expert_parallel
+from fxtrain.distributed._mesh import STRATEGIES, ParallelDims
 from fxtrain.distributed._fully_sharded import fully_sharded, fully_sharded_step
 from fxtrain.distributed._norms import GlobalSumSq, global_count, global_norm, global_sum_sq, local_leaves, to_local
 from fxtrain.distributed._tensor_parallel import tensor_parallel
 from fxtrain.distributed._pipeline import pipeline_step
 from fxtrain.distributed._runtime import (
-    device, init_from_env, local_batch, mean_across_ranks, rank_and_world, shared_stamp, shutdown, world_mesh,
+    device, init_from_env, mean_across_ranks, rank_and_world, shared_stamp, shutdown, world_mesh,
 )
 
 __all__ = [
@@ -45,8 +48,10 @@ __all__ = [
     "global_norm", "global_sum_sq", "global_count", "GlobalSumSq", "to_local", "local_leaves",
     # collectives
     "match_placements", "reduce_partials", "reduce_scatter_flat", "all_gather_flat",
+    # the mesh of a run
+    "ParallelDims", "STRATEGIES",
     # data parallel
-    "all_reduce_mean", "on_dp_mesh",
+    "data_parallel",
     # expert parallel
     "expert_parallel",
     # tensor parallel
@@ -56,6 +61,5 @@ __all__ = [
     # pipeline parallel
     "pipeline_step",
     # runtime
-    "init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device", "local_batch",
-    "mean_across_ranks", "shutdown",
+    "init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device", "mean_across_ranks", "shutdown",
 ]

@@ -1,100 +1,84 @@
-"""Data parallelism on plain tensors: a gradient all-reduce transform, and ZeRO views on a dp mesh.
+"""Data parallelism on torch's DTensor: replicated params, each rank its slice of the batch.
 
-``parallel=dp`` keeps plain params and batches; :func:`all_reduce_mean` averages gradients in one packed
-all-reduce, and :func:`on_dp_mesh` shows an optimizer the same tensors as DTensors on a 1-D ``dp`` mesh
-so ``sharded_apply(..., shard_over="dp")`` can shard its state (ZeRO-1/2).
+:func:`data_parallel` is :func:`fxtrain.functional` for a data-parallel module: the params are
+``Replicate`` DTensors on the dp mesh (views of the module's own storage), and ``apply_fn`` computes with
+their local tensors through a view whose backward marks each gradient ``Partial("avg")`` over dp. The
+step's :func:`fxtrain.distributed.match_placements` then averages every gradient in one bucketed all-reduce
+per dp group; ``accumulate`` outermost sums micro-batches locally and reduces once per window (the
+functional ``no_sync``); ``sharded_apply(..., shard_over="dp")`` reduce-scatters instead (ZeRO-1/2). One
+mechanism serves plain dp and the dp dim of every 2-D layout (:func:`fxtrain.distributed.tensor_parallel`
+uses the same kind of view).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from fxtrain import tree
-from fxtrain._base import EmptyState, GradientTransformation, kernel, transform
-from fxtrain.distributed._collectives import _refuse_autodiff, reduce_partials
-from fxtrain.distributed._norms import _all_reduce_flat, _unflat, to_local
-
-__all__ = ["all_reduce_mean", "on_dp_mesh"]
+__all__ = ["data_parallel"]
 
 
-@transform(elementwise=False)
-def all_reduce_mean(world_size: int) -> GradientTransformation:
-    """Averages the gradients across all ranks of the default process group (one all_reduce per update).
+def data_parallel(module: nn.Module, mesh: Any) -> tuple[Callable, dict, dict]:
+    """``module`` as ``(apply_fn, params, buffers)`` with its params replicated over the 1-D ``mesh``.
 
-    Data parallelism on plain tensors: every rank computes the gradient of its share of the batch, and
-    after this transform every rank holds the gradient of the whole batch (equal shares assumed).
-    """
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None):
-        del params
-        return tree.put(updates, updates, _all_reduce_mean_(tree.leaves(updates), world_size)), state
-
-    return GradientTransformation(init_fn, update_fn)
-
-
-def _all_reduce_mean_(leaves: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
-    """Every plain tensor in ``leaves`` averaged over all ranks: written into ``leaves`` (op layer: in place
-    when donated, new tensors inside :func:`fxtrain.tree.functional`); returns the results."""
-    if not leaves:
-        return leaves
-    _refuse_autodiff("all_reduce_mean", leaves)
-    # One flat buffer (in the leaves' promoted dtype), one collective: per-leaf all_reduces cost a
-    # round trip each.
-    dtype = functools.reduce(torch.promote_types, (g.dtype for g in leaves))
-    mixed = any(g.dtype != dtype for g in leaves)
-    flat = _all_reduce_flat(leaves, dtype, [(None, dist.ReduceOp.SUM, world_size)], mixed)
-    return tree.copy_(leaves, list(_unflat(flat, leaves)))
-
-
-@transform(elementwise=False)
-def on_dp_mesh(tx: GradientTransformation, mesh: Any, *, reduce_first: bool = False) -> GradientTransformation:
-    """Runs ``tx`` on DTensor views of data-parallel params and gradients: ZeRO-1/2 for ``parallel=dp``.
-
-    Under plain data parallelism every rank holds all params as plain tensors and the gradient of its
-    share of the batch. ``tx`` sees them on the 1-D ``mesh`` (one dim, named ``"dp"``), with no copy::
-
-        params  -> DTensor(Replicate())                      the same on every rank
-        updates -> DTensor(Partial("avg"))                   their mean is the whole batch's gradient
-        updates -> mean over ranks, DTensor(Replicate())     with reduce_first (one packed all_reduce)
-
-    and its updates come back as plain tensors (``Replicate``, ``Partial`` ones reduced first). Inside,
-    ``sharded_apply(optimizer, shard_over="dp")`` reduce-scatters the gradients (or slices them, when
-    already reduced), keeps state for 1/n of the rows (``Shard(0)`` DTensors: checkpointed sharded) and
-    all-gathers the updates. ``reduce_first`` is for chains that begin with a global transform such as
-    ``clip_by_global_norm``: its norm of ``Partial`` gradients would all-reduce them anyway, and a reduce-
-    scatter after that would move them a second time; one all_reduce, then slices, is cheaper.
+    Each rank feeds ``apply_fn`` its own slice of the batch (equal slices, a loss that is a mean over the
+    slice); the gradient of a param is then ``Partial("avg")``: its reduced value is the gradient of the
+    whole batch. Buffers stay plain tensors, one per rank (BatchNorm statistics follow each rank's slice,
+    as in DDP without SyncBatchNorm).
 
     Args:
-      tx: the transform (a chain with ``sharded_apply(..., shard_over=<the mesh's dim name>)`` entries).
-      mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks (:func:`world_mesh` with ``name="dp"``).
-      reduce_first: average the gradients over ranks before ``tx`` (see above).
+      module: the model, on the mesh's device.
+      mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks.
 
     Returns:
-      A transform on plain tensors whose state is ``tx``'s (with DTensor leaves).
+      ``(apply_fn, params, buffers)`` as from :func:`fxtrain.functional`; ``params`` are ``Replicate``
+      DTensors sharing storage with the module.
+
+    Raises:
+      ValueError: ``mesh`` is not 1-D, or (at call time) a param is not a DTensor on ``mesh``.
+
+    Example (2 ranks under torchrun; not a doctest)::
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        apply, params, buffers = fx.distributed.data_parallel(model, mesh)
+        step = fx.train_step(lambda p, b: loss(apply(p, buffers, b[0], train=True)[0], b[1]), tx)
+        params, opt_state, metrics = step(params, tx.init(params), my_slice_of_the_batch)
     """
-    inner = kernel(tx)
-    n = mesh.size()
-    grads = (Replicate(),) if reduce_first else (Partial("avg"),)
+    from fxtrain.functional import functional  # lazily: fxtrain.functional imports this package's modules
 
-    def view(t, placements):
-        return tree.map(lambda x: DTensor.from_local(x, mesh, placements, run_check=False), t)
+    if getattr(mesh, "ndim", None) != 1:
+        raise ValueError(f"data_parallel: expected a 1-D DeviceMesh over the data-parallel ranks, got {mesh}")
+    inner, local, buffers = functional(module)
+    params = {k: DTensor.from_local(p, mesh, (Replicate(),), run_check=False, shape=p.shape, stride=p.stride())
+              for k, p in local.items()}
 
-    def init_fn(params):
-        return tx.init(view(params, (Replicate(),)))
+    def apply_fn(params: dict, buffers: dict, *args: Any, train: bool, **kwargs: Any):
+        for k, p in params.items():
+            if not (isinstance(p, DTensor) and p.device_mesh == mesh):
+                raise ValueError(f"data_parallel apply_fn: the param '{k}' is not a DTensor on {mesh}; pass the "
+                                 "params data_parallel returned, or what the step made of them")
+        return inner({k: _Local.apply(p) for k, p in params.items()}, buffers, *args, train=train, **kwargs)
 
-    def update_fn(updates, state, params=None):
-        if reduce_first:
-            updates = tree.put(updates, updates, _all_reduce_mean_(tree.leaves(updates), n))
-        params = None if params is None else view(params, (Replicate(),))
-        updates, state = inner(view(updates, grads), state, params)
-        return tree.map(to_local, reduce_partials(updates)), state
+    apply_fn.__name__ = apply_fn.__qualname__ = inner.__name__
+    return apply_fn, params, buffers
 
-    return GradientTransformation(init_fn, update_fn)
+
+class _Local(torch.autograd.Function):
+    """A replicated param's local tensor, no communication; the backward returns the local gradient as
+    ``Partial("avg")`` over the mesh, left to the step to reduce with every other leaf in one bucket."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> torch.Tensor:
+        ctx.mesh, ctx.shape, ctx.stride = x.device_mesh, x.shape, x.stride()
+        local = x._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None
+        return DTensor.from_local(grad, ctx.mesh, (Partial("avg"),), run_check=False, shape=ctx.shape,
+                                  stride=ctx.stride)

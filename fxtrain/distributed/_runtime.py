@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device", "local_batch",
+__all__ = ["init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device",
            "mean_across_ranks", "shutdown"]
 
 
@@ -56,16 +56,6 @@ def device(name: str) -> torch.device:
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
     return torch.device(name)
-
-
-def local_batch(batch: tuple, rank: int, world: int) -> tuple:
-    """This rank's contiguous 1/world slice of every tensor in a global batch (the batch itself for one rank)."""
-    if world == 1:
-        return batch
-    n = len(batch[0])
-    if n % world:
-        raise ValueError(f"data.batch_size={n} does not split evenly over {world} ranks (parallel=dp)")
-    return tuple(x.tensor_split(world)[rank] for x in batch)
 
 
 def mean_across_ranks(metrics: dict[str, float], world: int) -> dict[str, float]:

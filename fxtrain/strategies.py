@@ -1,0 +1,257 @@
+"""From ``cfg.parallel`` to a model on the run's mesh and a step: one short function per ``conf/parallel`` file.
+
+Every strategy gives the runner the same :class:`Parallel`: ``(apply, params, buffers)`` as
+:func:`fxtrain.functional` gives them, ``step(params, opt_state, buffers, batch) -> (params, opt_state,
+buffers, metrics)`` on this rank's slice of a batch, and ``evaluate(params, buffers, test)``. The mesh
+comes in once, as a :class:`fxtrain.distributed.ParallelDims`; the parallel machinery is torch's own
+(``parallelize_module``, ``fully_shard``, ``torch.distributed.pipelining``), driven through
+:mod:`fxtrain.distributed`.
+
+======== ============================================================ =====================================
+strategy model                                                        step
+======== ============================================================ =====================================
+none     ``fx.functional``                                            ``fx.train_step``
+dp       ``fx.distributed.data_parallel`` (Replicate params)          ``fx.train_step`` (Partial grads)
+fsdp     ``fully_shard`` per block and root, ``fully_sharded``        ``fx.distributed.fully_sharded_step``
+tp       ``fx.distributed.tensor_parallel(model, model.tp_plan())``   ``fx.train_step``
+fsdp_tp  ``parallelize_module`` on tp, then ``fully_shard`` on dp     ``fx.distributed.fully_sharded_step``
+pp       ``model.pipeline_stage(stage, n)``, ``PipelineStage``        ``fx.distributed.pipeline_step``
+ep       ``fx.distributed.expert_parallel`` (MoE experts over ep)     ``fx.train_step``
+======== ============================================================ =====================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxtrain as fx
+from fxtrain import tree
+from fxtrain.distributed import ParallelDims
+
+__all__ = ["Parallel", "parallelize", "loss_function", "evaluate"]
+
+
+class Parallel(NamedTuple):
+    """A model placed on the run's mesh, with the step and evaluation that drive it."""
+
+    apply: Callable  #: ``apply(params, buffers, x, train) -> (output, new_buffers)``
+    params: Any
+    buffers: Any
+    step: Callable  #: ``step(params, opt_state, buffers, batch) -> (params, opt_state, buffers, metrics)``
+    evaluate: Callable  #: ``evaluate(params, buffers, test, batch_size) -> {"test_loss": ..., ...}``
+
+
+def parallelize(model: nn.Module, tx: fx.GradientTransformation, dims: ParallelDims, *,
+                pipeline: dict | None = None, mp_policy: Any = None) -> Parallel:
+    """``model`` on ``dims.mesh`` as ``dims.strategy`` says, and its step with ``tx`` (see the module table).
+
+    Args:
+      model: the built model (on the run's device).
+      tx: the transform stack.
+      dims: the run's mesh object (built).
+      pipeline: for ``pp``: ``{"schedule": "gpipe" | "1f1b", "microbatches": int}``.
+      mp_policy: for ``fsdp`` and ``fsdp_tp``: FSDP's ``MixedPrecisionPolicy`` (the amp group's compute dtype).
+
+    Raises:
+      ValueError: the model cannot take the strategy (no TP plan, no pipeline split, no MoE layer),
+        naming the model class and the fix.
+    """
+    build = _BUILDERS[dims.strategy]
+    options = {"pp": {"pipeline": pipeline}, "fsdp": {"mp_policy": mp_policy}, "fsdp_tp": {"mp_policy": mp_policy}}
+    return build(model, tx, dims, **options.get(dims.strategy, {}))
+
+
+# --- one function per strategy -------------------------------------------------------------------------
+
+def _none(model: nn.Module, tx, dims: ParallelDims) -> Parallel:
+    apply, params, buffers = fx.functional(model)
+    return _autograd(apply, params, buffers, tx)
+
+
+def _dp(model: nn.Module, tx, dims: ParallelDims) -> Parallel:
+    apply, params, buffers = fx.distributed.data_parallel(model, dims.mesh)
+    return _autograd(apply, params, buffers, tx)
+
+
+def _tp(model: nn.Module, tx, dims: ParallelDims) -> Parallel:
+    apply, params, buffers = fx.distributed.tensor_parallel(model, _plan(model, dims), dims.mesh)
+    return _autograd(apply, params, buffers, tx)
+
+
+def _ep(model: nn.Module, tx, dims: ParallelDims) -> Parallel:
+    apply, params, buffers = fx.distributed.expert_parallel(model, dims.mesh, ep="ep")
+    return _autograd(apply, params, buffers, tx)
+
+
+def _fsdp(model: nn.Module, tx, dims: ParallelDims, mp_policy: Any = None) -> Parallel:
+    _fully_shard(model, dims.mesh["dp"] if dims.mesh.ndim > 1 else dims.mesh, mp_policy)
+    return _fully_sharded(model, tx)
+
+
+def _fsdp_tp(model: nn.Module, tx, dims: ParallelDims, mp_policy: Any = None) -> Parallel:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, dims.mesh["tp"], _plan(model, dims))
+    _fully_shard(model, dims.mesh["dp"], mp_policy)
+    return _fully_sharded(model, tx)
+
+
+def _pp(model: nn.Module, tx, dims: ParallelDims, pipeline: dict | None = None) -> Parallel:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    pipeline = pipeline or {}
+    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    name = pipeline.get("schedule", "gpipe")
+    if name not in schedules:
+        raise ValueError(f"parallel.schedule={name}: expected one of {', '.join(schedules)}")
+    if not hasattr(model, "pipeline_stage"):
+        raise ValueError(f"parallel=pp: {type(model).__name__} has no pipeline split (pipeline_stage); use "
+                         "model=transformer or model=moe")
+    pp = dims.mesh["pp"] if dims.mesh.ndim > 1 else dims.mesh
+    n, stage_index = pp.size(), pp.get_local_rank()
+    module = model.pipeline_stage(stage_index, n)
+    if dims.sizes.get("dp", 1) > 1:
+        _fully_shard(module, dims.mesh["dp"])
+    device = next(module.parameters()).device
+    stage = PipelineStage(module, stage_index, n, device, group=pp.get_group())
+    microbatches = int(pipeline.get("microbatches", 4))
+    schedule = schedules[name](stage, n_microbatches=microbatches, loss_fn=_lm_loss)
+    eval_schedule = schedules[name](stage, n_microbatches=microbatches, loss_fn=_lm_loss)
+    apply, params, buffers = (fx.distributed.fully_sharded(module) if dims.sizes.get("dp", 1) > 1
+                              else fx.functional(module))
+    train = fx.distributed.pipeline_step(schedule, tx, pp_group=pp)
+    first, last = stage_index == 0, stage_index == n - 1
+
+    def step(params, opt_state, buffers, batch):
+        x, y = batch
+        params, opt_state, metrics = train(params, opt_state, (x if first else None, y if last else None))
+        return params, opt_state, buffers, metrics
+
+    def evaluate_pp(params, buffers, test, batch_size):
+        del params, buffers  # the stage modules hold them (the step wrote into their storage)
+        x, y = test
+        total = torch.zeros((), dtype=torch.float64)
+        for j in range(0, len(x), batch_size):
+            xb, yb = x[j:j + batch_size], y[j:j + batch_size]
+            losses: list = []
+            eval_schedule.eval(xb if first else None, target=yb if last else None, losses=losses)
+            if losses:  # the mean loss of each equal micro-batch: their mean is the batch's
+                total += torch.stack([v.double() for v in losses]).mean() * yb.numel()
+        torch.distributed.all_reduce(total, group=pp.get_group())  # the last stage has it; every rank logs
+        return {"test_loss": float(total / y.numel())}
+
+    return Parallel(apply, params, buffers, step, evaluate_pp)
+
+
+_BUILDERS = {"none": _none, "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "pp": _pp, "ep": _ep}
+
+
+# --- shared pieces -----------------------------------------------------------------------------------
+
+def _autograd(apply: Callable, params: Any, buffers: Any, tx) -> Parallel:
+    """The strategies whose params are a pure function's (plain tensors or DTensors): ``fx.train_step``."""
+    train = fx.train_step(loss_function(apply), tx, has_aux=True)
+    return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply))
+
+
+def _fully_sharded(model: nn.Module, tx) -> Parallel:
+    apply, params, buffers = fx.distributed.fully_sharded(model)
+    train = fx.distributed.fully_sharded_step(loss_function(apply), tx, model, has_aux=True)
+    return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply))
+
+
+def _with_buffers(train: Callable) -> Callable:
+    def step(params, opt_state, buffers, batch):
+        # Buffers (BatchNorm statistics) ride as fx.amp.Uncast: amp_cast leaves them in their own dtype.
+        params, opt_state, metrics = train(params, opt_state, (fx.amp.Uncast(buffers), *batch))
+        aux = metrics.pop("aux")
+        buffers = aux.pop("buffers")
+        metrics.update(aux)
+        return params, opt_state, buffers, metrics
+
+    return step
+
+
+def _fully_shard(model: nn.Module, mesh: Any, mp_policy: Any = None) -> None:
+    """torchtitan's wrapping: each transformer block its own FSDP unit (its all-gather overlaps the previous
+    block's compute), then the root for the rest (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    # Blocks keep their compute dtype between them (torchtitan's); only the root casts its output.
+    inner = dataclasses.replace(mp_policy, output_dtype=None)
+    for block in getattr(model, "blocks", ()):
+        fully_shard(block, mesh=mesh, mp_policy=inner)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+
+def _plan(model: nn.Module, dims: ParallelDims) -> dict:
+    if not hasattr(model, "tp_plan"):
+        raise ValueError(f"parallel={dims.strategy}: {type(model).__name__} has no tensor-parallel plan (tp_plan); "
+                         "use model=transformer or model=moe")
+    return model.tp_plan()
+
+
+def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
+
+
+def loss_function(apply: Callable) -> Callable:
+    """The loss the runner differentiates: ``loss_fn(params, (buffers, x, y)) -> (loss, aux)``, where ``aux``
+    holds the batch ``accuracy`` and the new ``buffers``."""
+
+    def loss_fn(params, batch):
+        # Classifier logits (B, C) or LM logits (B, T, V): one cross-entropy for both. BatchNorm statistics
+        # come back from apply as new buffers, carried out of the step in aux.
+        buffers, x, y = batch
+        logits, buffers = apply(_like_statistics(params, buffers), buffers, x, train=True)
+        logits = _full(logits)
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
+        accuracy = (logits.argmax(-1) == y).float().mean()
+        return loss, {"accuracy": accuracy, "buffers": buffers}
+
+    return loss_fn
+
+
+def _full(x: torch.Tensor) -> torch.Tensor:
+    """Logits as a plain tensor (a tensor-parallel head may hand back a DTensor)."""
+    return x.full_tensor() if isinstance(x, torch.distributed.tensor.DTensor) else x
+
+
+def _like_statistics(params: dict, buffers: dict) -> dict:
+    """BatchNorm's weight and bias in its running statistics' dtype: CPU BatchNorm refuses a bf16/f16 weight
+    beside float32 statistics (amp keeps statistics float32, see ``fx.amp.Uncast``); the cast is
+    differentiable, as ``torch.autocast`` keeps those params."""
+    dtypes = {k.rpartition(".")[0]: b.dtype for k, b in buffers.items() if k.endswith("running_mean")}
+    if not dtypes:
+        return params
+    return {k: p.to(dtypes.get(k.rpartition(".")[0], p.dtype)) for k, p in params.items()}
+
+
+def _evaluator(apply: Callable) -> Callable:
+    def run(params, buffers, test, batch_size):
+        return evaluate(apply, params, buffers, test, batch_size)
+
+    return run
+
+
+@torch.no_grad()
+def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], batch_size: int) -> dict[str, float]:
+    """Mean cross-entropy and accuracy on the whole held-out split, in eval mode (running BatchNorm stats)."""
+    x, y = test
+    if x.is_floating_point():  # in the params' dtype (pure half amp modes store bf16/fp16 params)
+        x = x.to(tree.leaves(params)[0].dtype)
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    correct = torch.zeros((), dtype=torch.long, device=x.device)
+    for j in range(0, len(x), batch_size):
+        logits, _ = apply(_like_statistics(params, buffers), buffers, x[j:j + batch_size], train=False)
+        logits = _full(logits)
+        yb = y[j:j + batch_size]
+        loss += F.cross_entropy(logits.flatten(0, -2).float(), yb.flatten(), reduction="sum")
+        correct += (logits.argmax(-1) == yb).sum()
+    return {"test_loss": float(loss / y.numel()), "test_accuracy": float(correct / y.numel())}
