@@ -67,12 +67,12 @@ def test_expert_parallel_trains_the_moe_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_amp_and_accumulate_compose_with_tp_and_fsdp(tmp_path, single):
-    # tiny_lm's own stack: bf16 amp_cast and accumulate(every=4); FSDP casts through its MixedPrecisionPolicy.
-    for strategy in ("tp", "fsdp"):
-        stdout, run = torchrun_train(tmp_path / strategy, f"parallel={strategy}", *SMALL)
-        assert "accumulate(every=4, amp_cast(" in stdout
-        close(summary(run), single["default"], rel=2e-2)  # bf16 forward passes: rounding, not an error
+def test_amp_and_accumulate_compose_with_fsdp(tmp_path, single):
+    # tiny_lm's own stack: bf16 amp_cast and accumulate(every=4). FSDP casts through its MixedPrecisionPolicy
+    # and amp_cast keeps the loss scaling (the other strategies cast in amp_cast, as one process does).
+    stdout, run = torchrun_train(tmp_path, "parallel=fsdp", *SMALL)
+    assert "accumulate(every=4, amp_cast(policy='p=f32,c=f32,o=f32'" in stdout
+    close(summary(run), single["default"], rel=2e-2)  # bf16 forward passes: rounding, not an error
 
 
 @pytest.mark.slow

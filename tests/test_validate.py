@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fxtrain as fx
-from fxtrain import build, train as runner, validate
+from fxtrain import build, strategies, train as runner, validate
 from fxtrain.report import read_jsonl
 from tests._runner import cfg_of, isolate, run_main  # noqa: F401 - isolate: autouse
 
@@ -84,7 +84,7 @@ def test_unexpected_exception_keeps_its_traceback(monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug, not a setting")
 
-    monkeypatch.setattr(runner, "evaluate", broken)
+    monkeypatch.setattr(strategies, "evaluate", broken)  # the runner's evaluation
     assert run_main(*FAST, "trainer.max_steps=2", "hydra.run.dir=run") == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "RuntimeError: a bug, not a setting" in err
