@@ -96,7 +96,8 @@ def _fsdp(model: nn.Module, tx, dims: ParallelDims, mp_policy: Any = None) -> Pa
 def _fsdp_tp(model: nn.Module, tx, dims: ParallelDims, mp_policy: Any = None) -> Parallel:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, dims.mesh["tp"], _plan(model, dims))
+    plan = _plan(model, dims)
+    parallelize_module(model, dims.mesh["tp"], plan)
     _fully_shard(model, dims.mesh["dp"], mp_policy)
     return _fully_sharded(model, tx)
 
@@ -121,25 +122,33 @@ def _pp(model: nn.Module, tx, dims: ParallelDims, pipeline: dict | None = None) 
     stage = PipelineStage(module, stage_index, n, device, group=pp.get_group())
     microbatches = int(pipeline.get("microbatches", 4))
     schedule = schedules[name](stage, n_microbatches=microbatches, loss_fn=_lm_loss)
-    eval_schedule = schedules[name](stage, n_microbatches=microbatches, loss_fn=_lm_loss)
     apply, params, buffers = (fx.distributed.fully_sharded(module) if dims.sizes.get("dp", 1) > 1
                               else fx.functional(module))
     train = fx.distributed.pipeline_step(schedule, tx, pp_group=pp)
     first, last = stage_index == 0, stage_index == n - 1
+    seen: list[int] = []  # the per-rank batch size: a stage's buffers are shaped by its first micro-batches
 
     def step(params, opt_state, buffers, batch):
         x, y = batch
+        seen[:] = [len(y)]
         params, opt_state, metrics = train(params, opt_state, (x if first else None, y if last else None))
         return params, opt_state, buffers, metrics
 
     def evaluate_pp(params, buffers, test, batch_size):
         del params, buffers  # the stage modules hold them (the step wrote into their storage)
         x, y = test
+        # The stages exchange activations in buffers shaped at the first step: evaluate in batches of that size.
+        batch_size = seen[0] if seen else batch_size
+        if len(x) % batch_size:
+            raise ValueError(f"parallel=pp evaluates in batches of the training batch ({batch_size} per rank), "
+                             f"but the test split has {len(x)} examples: make data.eval_windows a multiple of it")
         total = torch.zeros((), dtype=torch.float64)
         for j in range(0, len(x), batch_size):
             xb, yb = x[j:j + batch_size], y[j:j + batch_size]
             losses: list = []
-            eval_schedule.eval(xb if first else None, target=yb if last else None, losses=losses)
+            # The training schedule's own eval (forward only): a second schedule over the same stage
+            # left it in a state that changed the next training steps (1.8% of the loss after 100).
+            schedule.eval(xb if first else None, target=yb if last else None, losses=losses)
             if losses:  # the mean loss of each equal micro-batch: their mean is the batch's
                 total += torch.stack([v.double() for v in losses]).mean() * yb.numel()
         torch.distributed.all_reduce(total, group=pp.get_group())  # the last stage has it; every rank logs

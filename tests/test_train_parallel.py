@@ -19,7 +19,7 @@ from fxtrain.report import read_jsonl
 from tests._runner import cfg_of, isolate, torchrun_train  # noqa: F401 - isolate: the autouse fixture
 
 SMALL = ["experiment=tiny_lm", "data.max_bytes=30000", "data.eval_windows=16", "model.d_model=32",
-         "model.n_heads=2", "trainer.max_steps=8", "trainer.log_every=4", "trainer.eval_every=8",
+         "model.n_heads=2", "trainer.max_steps=8", "trainer.log_every=4", "trainer.eval_every=4",
          "schedule.warmup_steps=2", "trainer.checkpoint_every=4"]
 EXACT = [*SMALL, "amp=off", "accumulate=off"]
 
@@ -87,3 +87,7 @@ def test_resume_on_the_same_layout_is_bit_exact(tmp_path):
     stdout, run = torchrun_train(tmp_path, *args, "resume=auto")
     assert "start  from " in stdout and "(step 4)" in stdout
     assert summary(run) == full
+    # On another layout: one process resumes from FSDP's sharded checkpoint (DCP reshards into full tensors).
+    one = tmp_path / "one"
+    runner.train(cfg_of(*EXACT, f"resume={run / 'checkpoints' / 'step_0000004'}"), one)
+    close(summary(one), full, rel=1e-4)
