@@ -151,7 +151,8 @@ def _pp(model: nn.Module, tx, dims: ParallelDims, pipeline: dict | None = None) 
             schedule.eval(xb if first else None, target=yb if last else None, losses=losses)
             if losses:  # the mean loss of each equal micro-batch: their mean is the batch's
                 total += torch.stack([v.double() for v in losses]).mean() * yb.numel()
-        torch.distributed.all_reduce(total, group=pp.get_group())  # the last stage has it; every rank logs
+        # The last stage has it: summed over the pp group (its zeros elsewhere), every rank logs it.
+        total = fx.distributed.global_count(total, {}, groups=(pp,))
         return {"test_loss": float(total / y.numel())}
 
     return Parallel(apply, params, buffers, step, evaluate_pp)

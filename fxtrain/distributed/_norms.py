@@ -299,7 +299,7 @@ def _unflat(buf: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.Tensor, 
 
 def _all_reduce_flat(xs: list[torch.Tensor], acc: torch.dtype, reductions: list, mixed: bool = False) -> torch.Tensor:
     """``xs`` packed into one new buffer of dtype ``acc`` and all-reduced in place, one collective per
-    ``(process group, ReduceOp, divisor)`` of ``reductions`` (``reduce_partials`` and ``all_reduce_mean``)."""
+    ``(process group, ReduceOp, divisor)`` of ``reductions`` (the norm of ``Partial`` leaves)."""
     buf = _flat(xs, acc, mixed)
     for pg, op, div in reductions:
         dist.all_reduce(buf, op=op, group=pg)
