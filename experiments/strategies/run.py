@@ -30,8 +30,8 @@ RUNS = [  # (label, torchrun ranks or 0 for one process, overrides)
     ("parallel=tp", 2, ["parallel=tp"]),
     ("parallel=pp", 2, ["parallel=pp"]),
     ("parallel=fsdp_tp", 4, ["parallel=fsdp_tp"]),
-    ("parallel=ep model=moe", 2, ["parallel=ep", "model=moe"]),
     ("model=moe (one process)", 0, ["model=moe"]),
+    ("parallel=ep model=moe", 2, ["parallel=ep", "model=moe"]),
 ]
 
 
