@@ -3,7 +3,7 @@
 The one hard question this module answers: the L2 norm (and the finiteness) of a gradient tree whose
 leaves are plain tensors and DTensors on any number of device meshes, with any placements, identical on
 every rank and without gathering a gradient. The answer, used by :func:`global_norm`,
-:func:`global_sum_sq` (for ``clip_by_global_norm`` and ``amp_cast``) and :func:`reduce_partials`:
+:func:`global_sum_sq` (for ``clip_by_global_norm`` and ``amp_cast``) and :func:`global_count`:
 
 1. **Plan** (once per leaf signature: DTensor specs, plain dtypes and shapes; cached). Each leaf goes to a
    *bucket* named by the process groups its squared sum must be summed over: the mesh dims whose
@@ -164,7 +164,6 @@ class _Partial:
     positions: list[int]  # indices into the list of present leaves
     reductions: list[tuple[Any, Any, int]]  # (process group, ReduceOp, divisor) per Partial mesh dim
     acc: torch.dtype
-    reduced_placements: tuple  # the placements once reduced: Partial -> Replicate
     mixed: bool = False  # leaves of several dtypes (bf16 and float32 under one accumulation dtype)
 
 
@@ -235,11 +234,11 @@ def _build_plan(leaves: list) -> _Plan:
                 else:  # Shard, _StridedShard: disjoint pieces along d
                     summed.append(gk)
             bucket = tuple(sorted(set(summed)))
-            if reduced != tuple(x.placements):  # Partial (on a dim of size 1 too: reduce_partials marks it)
+            if reduced != tuple(x.placements):  # Partial (on a dim of size 1 too)
                 pkey = (id(mesh), x.placements, _acc(x.dtype))
                 if pkey not in partials:
                     partials[pkey] = _Partial([], [(groups[g], op, div) for g, op, div in reductions],
-                                              _acc(x.dtype), reduced)
+                                              _acc(x.dtype))
                     partial_bucket[pkey] = bucket
                 partials[pkey].positions.append(i)
                 partials[pkey].mixed |= leaves[partials[pkey].positions[0]].dtype != x.dtype
