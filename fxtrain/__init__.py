@@ -94,4 +94,23 @@ from fxtrain import interop
 # --- sharded optimizer math (fxtrain/transforms/_sharding.py)
 from fxtrain.transforms._sharding import sharded_apply
 
+# --- issue 18's catalogue (explicit lists once it has landed)
+from fxtrain.transforms._adaptive import *  # noqa: F401,F403
+from fxtrain.transforms._factored import *  # noqa: F401,F403
+from fxtrain.transforms._trust import *  # noqa: F401,F403
+from fxtrain.transforms._sign import *  # noqa: F401,F403
+from fxtrain.transforms._noise import *  # noqa: F401,F403
+from fxtrain.transforms._linesearch import *  # noqa: F401,F403
+from fxtrain.transforms._lbfgs import *  # noqa: F401,F403
+from fxtrain.transforms._polyak import *  # noqa: F401,F403
+from fxtrain.transforms._normalizing import *  # noqa: F401,F403
+from fxtrain.transforms._simple import *  # noqa: F401,F403
+from fxtrain.transforms._lookahead import *  # noqa: F401,F403
+from fxtrain.transforms._flatten import *  # noqa: F401,F403
+from fxtrain.transforms._monitoring import *  # noqa: F401,F403
+from fxtrain.transforms._periodic import *  # noqa: F401,F403
+
+# --- Optax's contrib (fxtrain/contrib/): fx.contrib.muon, fx.contrib.schedule_free_adamw...
+from fxtrain import contrib
+
 __version__ = "0.1.0"

@@ -55,6 +55,7 @@ class Traits(NamedTuple):
     host: bool = False  #: decides on the host between calls (``accumulate``): compiled steps keep it eager
     fused: Any = None  #: a :class:`fxtrain.transforms._fused.FusedSpec`: a torch kernel computes update + apply
     wrap_loss: Callable[[LossFn, State], LossFn] | None = None  #: acts on the forward pass (``amp_cast``)
+    extra_args: bool = False  #: its update reads keyword arguments such as ``value=`` (Optax's ``...ExtraArgs``)
 
 
 class GradientTransformation(NamedTuple):
@@ -107,7 +108,8 @@ class _Update:
             self._label = self._label()
         return self._label
 
-    def __call__(self, updates: Updates, state: State, params: Params = None) -> tuple[Updates, State]:
+    def __call__(self, updates: Updates, state: State, params: Params = None, **extra_args: Any
+                 ) -> tuple[Updates, State]:
         # Out of place whenever something may differentiate or batch through the update: a torch.func
         # transform, or autograd recording (a hyperparameter tensor in a closure can require grad
         # without any input showing it). Under no_grad: the donated kernel on copies, the same bits.
@@ -115,13 +117,18 @@ class _Update:
         try:
             if composable:
                 with tree.functional():
-                    return self.kernel(updates, state, params)
+                    return self._run(updates, state, params, extra_args)
             with tree.functional(False):  # not donated: the copies are ours, the results the caller's
-                return self.kernel(tree.clone(updates), tree.clone(state), params)
+                return self._run(tree.clone(updates), tree.clone(state), params, extra_args)
         except ValueError as e:  # name the transform the user built, not only the inner one
             if str(e).startswith(self.label.split("(")[0] + "("):  # named already (e.g. by an inner call)
                 raise
             raise ValueError(f"{self.label}: {e}") from None
+
+    def _run(self, updates: Updates, state: State, params: Params, extra_args: dict) -> tuple[Updates, State]:
+        if extra_args and self.traits.extra_args:
+            return self.kernel(updates, state, params, **extra_args)
+        return self.kernel(updates, state, params)  # extra arguments it does not read are dropped, as in Optax
 
     def __repr__(self) -> str:
         return f"<update of {self.label}>"
@@ -130,6 +137,18 @@ class _Update:
 def kernel(tx: GradientTransformation) -> Callable:
     """The kernel of ``tx`` (its pure ``update`` for hand-written transforms); runs in the caller's op mode."""
     return tx.update.kernel if isinstance(tx.update, _Update) else tx.update
+
+
+def call(tx: GradientTransformation, updates: Updates, state: State, params: Params = None,
+         extra_args: dict | None = None) -> tuple[Updates, State]:
+    """Runs the kernel of ``tx`` in the caller's op mode, passing ``extra_args`` only if ``tx`` reads them.
+
+    How combinators run their children: ``value=``, ``grad=``, ``value_fn=`` (Optax's extra arguments)
+    reach the transforms that declare ``extra_args`` (:func:`transform`) and are dropped for the others.
+    """
+    if extra_args and traits(tx).extra_args:
+        return kernel(tx)(updates, state, params, **extra_args)
+    return kernel(tx)(updates, state, params)
 
 
 def traits(tx: GradientTransformation) -> Traits:
@@ -160,7 +179,7 @@ def with_traits(tx: GradientTransformation, **changes: Any) -> GradientTransform
 def merge_traits(children: Sequence[GradientTransformation], states_of: Callable | None = None) -> Traits:
     """The traits of a combinator that runs ``children`` in sequence on the same updates (``chain``...).
 
-    Elementwise if all children are; takes ``Partial`` gradients and decides on the host as its first
+    Elementwise if all children are; reads extra arguments if any child does; takes ``Partial`` gradients and decides on the host as its first
     child does (the first child is the one that sees the gradients); fused as
     :func:`fxtrain.transforms._fused.combine` decides (its one place). ``wrap_loss`` composes
     the children's (the first one outermost) when ``states_of(state)`` gives their states in order;
@@ -178,10 +197,11 @@ def merge_traits(children: Sequence[GradientTransformation], states_of: Callable
     from fxtrain.transforms import _fused  # lazily: _fused imports this module
 
     return Traits(elementwise=all(t.elementwise for t in ts), partial_grads=first.partial_grads,
-                  host=first.host, fused=_fused.combine(children, states_of), wrap_loss=wrap)
+                  host=first.host, fused=_fused.combine(children, states_of), wrap_loss=wrap,
+                  extra_args=any(t.extra_args for t in ts))
 
 
-def update_(tx: GradientTransformation, updates: Updates, state: State, params: Params = None):
+def update_(tx: GradientTransformation, updates: Updates, state: State, params: Params = None, **extra_args: Any):
     """Runs ``tx`` donating ``updates`` and ``state``: their buffers may be overwritten and must not be reused.
 
     The in-place twin of ``tx.update`` (like ``jax.jit(..., donate_argnums=(0, 1))``). Same numbers. Not
@@ -203,7 +223,7 @@ def update_(tx: GradientTransformation, updates: Updates, state: State, params: 
                          f"use {tx!r}.update (pure, composable) to differentiate through the update")
     with torch.no_grad(), tree.donated():
         try:
-            return kernel(tx)(updates, state, params)
+            return call(tx, updates, state, params, extra_args)
         except tree.DonatedGradError as e:
             raise ValueError(f"{tx!r}: {e}") from None
 
@@ -274,7 +294,7 @@ def factories() -> dict[str, Callable]:
 
 
 def transform(factory: Callable | None = None, *, elementwise: bool | None = True,
-              partial_grads: bool | None = None, host: bool | None = None):
+              partial_grads: bool | None = None, host: bool | None = None, extra_args: bool | None = None):
     """Decorator for transform factories: pure ``update`` around the kernel, declared traits, a readable repr.
 
     Args:
@@ -286,6 +306,9 @@ def transform(factory: Callable | None = None, *, elementwise: bool | None = Tru
         (for optimizers, which are chains).
       partial_grads: takes data-parallel ``Partial`` gradients unreduced; ``None`` inherits.
       host: decides on the host between calls; ``None`` inherits.
+      extra_args: the kernel reads keyword arguments (``update_fn(updates, state, params=None, *, value,
+        **extra_args)``: Optax's ``GradientTransformationExtraArgs``); ``None`` inherits (combinators
+        that run their children with :func:`call` read them when a child does).
 
     Other traits (``wrap_loss``, ``fused``) come from the transform the factory returns
     (:func:`with_traits`).
@@ -308,7 +331,7 @@ def transform(factory: Callable | None = None, *, elementwise: bool | None = Tru
         sig = inspect.signature(factory)
 
         declared = {k: v for k, v in (("elementwise", elementwise), ("partial_grads", partial_grads),
-                                      ("host", host)) if v is not None}
+                                      ("host", host), ("extra_args", extra_args)) if v is not None}
 
         @functools.wraps(factory)
         def build(*args, **kwargs) -> GradientTransformation:
@@ -382,12 +405,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init_fn(params):
         return tuple(t.init(params) for t in txs)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         if len(state) != len(txs):
             raise ValueError(f"chain of {len(txs)} transforms got a state of {len(state)} entries")
         new_state = []
         for t, s in zip(txs, state):
-            updates, s = kernel(t)(updates, s, params)
+            updates, s = call(t, updates, s, params, extra_args)
             new_state.append(s)
         return updates, tuple(new_state)
 
@@ -411,12 +434,12 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
     def init_fn(params):
         return {n: t.init(params) for n, t in transforms}
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         if list(state) != names:
             raise ValueError(f"named_chain expects state entries {names}, got {list(state)}")
         new_state = {}
         for n, t in transforms:
-            updates, new_state[n] = kernel(t)(updates, state[n], params)
+            updates, new_state[n] = call(t, updates, state[n], params, extra_args)
         return updates, new_state
 
     return _combined(init_fn, update_fn, txs, lambda s: [s[n] for n in names])

@@ -38,6 +38,7 @@ from torch.func import grad, jacrev, jvp, vmap
 import fxtrain as fx
 from fxtrain import tree
 from fxtrain.testing import assert_trees_close, from_jnp, nested_params, to_jnp
+from tests import cases
 from tests._parity import state_leaves_close
 
 ENSEMBLE = 4  # models vmapped together
@@ -141,6 +142,7 @@ for _name, (_ours, _theirs) in SCHEDULES.items():
         continue
     CASES[f"scale_by_schedule[{_name}]"] = (
         lambda s=_ours: fx.scale_by_schedule(s), lambda o, s=_theirs: o.scale_by_schedule(s(o)))
+CASES.update(cases.merged("COMPOSABLE"))  # issue 18's catalogue, one module per family (tests/cases/)
 
 OPTAX_CASES = {k: v for k, v in CASES.items() if v[1] is not None}
 

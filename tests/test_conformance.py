@@ -10,6 +10,7 @@ import torch
 
 import fxtrain as fx
 from fxtrain.testing import assert_trees_close, nested_params
+from tests import cases
 
 
 def _sched(count):
@@ -52,18 +53,12 @@ CASES = {
     "sharded_apply": lambda: fx.sharded_apply(fx.adamw(1e-2, weight_decay=1e-2)),  # plain leaves: the inner
 }
 
-
-def _available():
-    out = {}
-    for name, build in CASES.items():
-        if hasattr(fx, name):
-            out[name] = build
-    return out
+CASES.update(cases.merged("CONFORMANCE"))  # issue 18's catalogue, one module per family (tests/cases/)
 
 
 def test_every_public_transform_has_a_case():
     registered = {id(f) for f in fx._base.factories().values()}
-    public = {n for n in dir(fx) if id(getattr(fx, n)) in registered}
+    public = {n for ns in (fx, fx.contrib) for n in dir(ns) if id(getattr(ns, n)) in registered}
     missing = public - set(CASES)
     assert not missing, f"public transforms without a conformance case: {sorted(missing)}"
 
@@ -78,8 +73,6 @@ def _grads(dtype, with_none):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_conformance(name, dtype):
-    if not hasattr(fx, name):
-        pytest.skip(f"fx.{name} not built yet")
     tx = CASES[name]()
     r = repr(tx)
     assert r.startswith(name + "("), r
