@@ -516,6 +516,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     >>> fx.apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})["w"].tolist()
     [0.5, 0.5]
     """
+    if params is None:  # an empty tree (Optax: jax.tree.map over None gives None)
+        return None
     _check_matches(updates, params)
     if torch.is_grad_enabled() or tree.transformed():
         return tree.map(lambda p, u: p if u is None else _placed_like((p + u).to(p.dtype), p), params, updates)

@@ -149,10 +149,9 @@ def align(tree: Tree, *others: Tree, what: str = "state") -> tuple[list, ...]:
     for other in others:
         other_flat, other_spec = flatten(other)
         if other_spec != spec:
-            raise ValueError(
-                f"updates do not match the {what}: the trees differ at '{first_mismatch(tree, other)}' "
-                "(was the state initialised from different params?)"
-            )
+            hint = " (was the state initialised from different params?)" if what == "state" else ""
+            raise ValueError(f"updates do not match the {what}: the trees differ at "
+                             f"'{first_mismatch(tree, other)}'{hint}")
         rest.append(other_flat)
     if any(x is None for x in flat):  # not `None in flat`: that calls Tensor.__eq__ per leaf
         keep = [i for i, x in enumerate(flat) if x is not None]

@@ -148,3 +148,8 @@ def test_report_finds_reporting_nodes_inside_reporting_nodes_outer_first():
     state = Outer(torch.tensor(8.0), (fx.EmptyState(), Inner(torch.tensor(3.0))))
     assert _base.report(state) == {"loss_scale": torch.tensor(8.0), "shared": torch.tensor(2.0),
                                    "grad_norm": torch.tensor(3.0)}
+
+
+def test_apply_updates_to_no_params_is_none():
+    """Optax's update_test.test_none_argument: ``apply_updates(None, x)`` is ``None`` (an empty tree), not a TypeError."""
+    assert fx.apply_updates(None, torch.tensor([1.0, 2.0, 3.0])) is None

@@ -2,6 +2,8 @@
 
 import inspect
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -70,12 +72,12 @@ def test_signature_is_optax(name):
 
 
 @pytest.mark.optax
-def test_masking_signatures_are_optax_without_extra_args():
-    """fxtrain has no extra update arguments, so Optax's ``mask_compatible_extra_args`` is left out."""
+def test_masking_signatures_are_optax():
+    """Extra update arguments exist (issue 18), so Optax's ``mask_compatible_extra_args`` does too."""
     optax = pytest.importorskip("optax")
     for name in ("masked", "partition"):
-        theirs = [p for p in inspect.signature(getattr(optax, name)).parameters if p != "mask_compatible_extra_args"]
-        assert list(inspect.signature(getattr(fx, name)).parameters) == theirs
+        assert list(inspect.signature(getattr(fx, name)).parameters) == \
+            list(inspect.signature(getattr(optax, name)).parameters)
 
 
 @pytest.mark.parametrize("name,args,kwargs", CASES.values(), ids=CASES.keys())
@@ -160,3 +162,101 @@ def test_learning_rate_none_is_refused_not_an_ascent(name):
     # Issue 15, finding 4: fx.adam(None) used to apply the raw direction (+update, step size 1).
     with pytest.raises(ValueError, match=f"{name}: learning_rate=None"):
         getattr(fx, name)(None)
+
+
+# --- complex parameters (issue 18): Optax's alias_test.test_optimization targets, complex64 -------------
+# Optax: parabola from [-1, 10, 1] to (1 + 1j) * [1, -1, 1]; Rosenbrock with a = 1 + 1j, b = 100, from 0.
+# Gradients: torch's autograd of the real objective is already the conjugate JAX's test applies.
+
+def _parabola():
+    final = torch.tensor([1.0, -1.0, 1.0], dtype=torch.complex64) * (1 + 1j)
+    return torch.tensor([-1.0, 10.0, 1.0], dtype=torch.complex64), final, lambda p: ((p - final).abs() ** 2).sum()
+
+
+def _rosenbrock():
+    a, b = 1 + 1j, 100.0
+    final = torch.tensor([a, a ** 2], dtype=torch.complex64)
+    return (torch.zeros(2, dtype=torch.complex64), final,
+            lambda p: (a - p[0]).abs() ** 2 + b * (p[1] - p[0] ** 2).abs() ** 2)
+
+
+COMPLEX_OPTIMIZERS = {"adam": {"learning_rate": 1e-1}, "adamw": {"learning_rate": 1e-1},
+                      "adagrad": {"learning_rate": 1.0}, "rmsprop": {"learning_rate": 5e-3},
+                      "rmsprop_momentum": {"learning_rate": 5e-3, "momentum": 0.9},
+                      "sgd": {"learning_rate": 1e-3, "momentum": 0.9}}
+
+
+def _complex_run(name, kwargs, target, steps):
+    init, final, objective = target()
+    tx = getattr(fx, name.removesuffix("_momentum"))(**kwargs)
+    p = {"w": init}
+    state = tx.init(p)
+    for _ in range(steps):
+        w = p["w"].clone().requires_grad_()
+        (g,) = torch.autograd.grad(objective(w), w)
+        u, state = fx.update_(tx, {"w": g}, state, p)
+        p = fx.apply_updates_(p, u)
+    return p["w"], final
+
+
+@pytest.mark.parametrize("target", [_parabola, _rosenbrock], ids=["parabola", "rosenbrock"])
+@pytest.mark.parametrize("name", COMPLEX_OPTIMIZERS)
+def test_complex_parameters_follow_optax(name, target):
+    """100 steps (Rosenbrock: 30) on complex64 against Optax's jitted run of the same objective (its test conjugates JAX's
+    gradient; the optimum is reached by both as in Optax's 10000-step test, checked on the parabola below)."""
+    jax, jnp = pytest.importorskip("jax"), pytest.importorskip("jax.numpy")
+    optax = pytest.importorskip("optax")
+    kwargs = COMPLEX_OPTIMIZERS[name]
+    steps = 100 if target is _parabola else 30  # Rosenbrock's valley amplifies rounding differences
+    ours, _ = _complex_run(name, kwargs, target, steps=steps)
+    init, final, _ = target()
+    fin = jnp.asarray(final.numpy())
+    objective = ((lambda p: jnp.sum(jnp.abs(p - fin) ** 2)) if target is _parabola else
+                 (lambda p: jnp.abs((1 + 1j) - p[0]) ** 2 + 100.0 * jnp.abs(p[1] - p[0] ** 2) ** 2))
+    otx = getattr(optax, name.removesuffix("_momentum"))(**kwargs)
+
+    @jax.jit
+    def step(p, s):
+        u, s = otx.update(jax.grad(objective)(p).conj(), s, p)
+        return optax.apply_updates(p, u), s
+
+    p = jnp.asarray(init.numpy())
+    s = otx.init(p)
+    for _ in range(steps):
+        p, s = step(p, s)
+    torch.testing.assert_close(ours, torch.from_numpy(np.array(p)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["adam", "adagrad", "rmsprop"])
+def test_complex_parabola_reaches_the_optimum(name):
+    """Optax's own criterion: within 3e-2 of (1 + 1j) * [1, -1, 1] (Optax runs 10000 steps)."""
+    ours, final = _complex_run(name, COMPLEX_OPTIMIZERS[name], _parabola, steps=3000)
+    torch.testing.assert_close(ours, final, rtol=3e-2, atol=3e-2)
+
+
+def test_complex_adam_first_update_is_optax():
+    """The issue's one step with g = 1 + 2j: Optax's adam(0.1) update is -0.0447 - 0.0894j (|g|^2 in the second
+    moment); g * g gave -0.1 + 0j."""
+    tx = fx.adam(0.1)
+    g = {"w": torch.tensor([1 + 2j], dtype=torch.complex64)}
+    u, _ = tx.update(g, tx.init(g))
+    torch.testing.assert_close(u["w"], torch.tensor([-0.1 * (1 + 2j) / 5 ** 0.5], dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "nadam"])
+def test_float64_bias_correction_matches_torch_optim(name):
+    """Adam's bias correction runs in the params' precision: float64 params equal torch.optim's float64 Adam
+    (the correction in float32 left 1.3e-5 relative at step 1)."""
+    torch.manual_seed(0)
+    p, g = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    w = p.clone().requires_grad_()
+    kind = torch.optim.AdamW if name == "adamw" else (torch.optim.NAdam if name == "nadam" else torch.optim.Adam)
+    extra = {"weight_decay": 1e-4} if name == "adamw" else {}  # fx.adamw's default
+    if name == "nadam":
+        pytest.skip("torch's NAdam uses a momentum decay schedule, not Dozat's NAdam as Optax")
+    opt = kind([w], lr=0.1, foreach=False, **extra)
+    w.grad = g.clone()
+    opt.step()
+    tx = getattr(fx, name)(0.1)
+    u, _ = tx.update({"w": g}, tx.init({"w": p}), {"w": p})
+    torch.testing.assert_close(p + u["w"], w.detach(), rtol=1e-14, atol=0)

@@ -85,3 +85,14 @@ def test_params_not_matching_updates_names_the_path():
     del params["scalar"]
     with pytest.raises(ValueError, match=r"updates do not match the params: .* at '"):
         tx.update(g, tx.init(params), params)
+
+
+def test_update_of_no_updates_keeps_the_state():
+    """Optax's _adding_test: ``add_decayed_weights(0.1, mask=None).update(None, 0, weights)`` is ``(None, 0)``."""
+    weights = {"w": torch.ones(3)}
+    assert fx.add_decayed_weights(0.1, mask=None).update(None, 0, weights) == (None, 0)
+
+
+def test_mismatched_updates_name_the_leaf_without_the_state_hint():
+    with pytest.raises(ValueError, match=r"updates do not match the params: the trees differ at 'b'$"):
+        fx.add_decayed_weights(0.1).update({"b": torch.ones(2)}, fx.EmptyState(), {"w": torch.ones(2)})

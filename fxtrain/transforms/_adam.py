@@ -86,14 +86,19 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8, eps_
             return updates, state._replace(count=count)
         mu, m = ema_(mu, g, b1)  # m: the new first moment at full precision (mu itself unless mu_dtype)
         nu, v = ema_sq_(nu, g, b2)
-        bc1, bc2 = bias_correction(b1, count), bias_correction(b2, count)
+        bc1, bc2 = bias_correction(b1, count, g), bias_correction(b2, count, g)
         if nesterov:
             # g <- bc1 * m_hat = (1 - b1) g + b1 bc1 / (1 - b1^(t+1)) m; the denominator needs a buffer.
             g = tree.scale_(g, 1 - b1)
-            g = tree.add_(g, m, b1 * bc1 / bias_correction(b1, count + 1))
+            g = tree.add_(g, m, b1 * bc1 / bias_correction(b1, count + 1, g))
             with tree.functional():
                 d = tree.scale_(v, 1.0)
             g = tree.div_(g, denominator_(d, bc1, bc2))
+        elif any(x.is_complex() for x in g):
+            # 1 / (d / m) below divides by m: complex division by a zero m is NaN, not the real path's inf -> 0.
+            with tree.functional():
+                d = denominator_(tree.scale_(v, 1.0), bc1, bc2)
+            g = tree.div_(tree.copy_(g, m), d)
         else:
             # The gradient is no longer needed: build bc1 * (sqrt(v_hat) + eps) in its buffer, then
             # u = 1 / (that / m) = m_hat / (sqrt(v_hat) + eps) without a temporary.

@@ -72,9 +72,15 @@ def full_like(params: Any, value: Scalar, dtype: torch.dtype | None = None) -> A
     return tree.map(lambda x: (torch.zeros_like(x, dtype=dtype) + value).to(dtype or x.dtype), params)
 
 
-def bias_correction(decay: Scalar, count: torch.Tensor) -> torch.Tensor:
-    """``1 - decay ** count`` as a 0-dim float tensor (computed on device, never rounded to bfloat16)."""
-    return 1 - decay ** count
+def bias_correction(decay: Scalar, count: torch.Tensor, like: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """``1 - decay ** count`` as a 0-dim tensor, computed on device in the precision of the leaves ``like``
+    (float64 params get a float64 correction, as Optax's under x64; float32 at least: never rounded to
+    bfloat16)."""
+    dtype = torch.float32
+    if like:
+        real = like[0].real.dtype if like[0].is_complex() else like[0].dtype
+        dtype = torch.promote_types(dtype, real)
+    return 1 - decay ** count.to(dtype)
 
 
 def mixed_dtypes(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
@@ -97,6 +103,14 @@ def weak(c: Scalar, xs: list[torch.Tensor]) -> Scalar | list[float]:
 @functools.lru_cache(maxsize=256)
 def _rounded(c: float, dtype: torch.dtype) -> float:
     return torch.tensor(c, dtype=dtype).item()  # a host-side constant: no device is involved
+
+
+def conj(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``xs`` with complex leaves conjugated (lazy views), so ``x * conj(x) = |x|^2`` (Optax's ``abs_sq``);
+    real leaves are returned as they are (the same list when none is complex: free)."""
+    if not any(x.is_complex() for x in xs):
+        return xs
+    return [x.conj() if x.is_complex() else x for x in xs]
 
 
 def ema(mu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> list[torch.Tensor]:
@@ -124,9 +138,9 @@ def ema_sq_(nu: list[torch.Tensor], g: list[torch.Tensor], decay: Scalar) -> tup
         return nu, nu
     if mixed_dtypes(nu, g):
         with tree.functional():
-            sq = tree.scale_(g, g)
+            sq = tree.scale_(g, conj(g))
         new = ema(nu, sq, decay)
         return tree.copy_(nu, new), new
     # as torch.optim: mul_ then addcmul_ (a tensor decay folds into g's copy inside addcmul_)
-    nu = tree.addcmul_(tree.scale_(nu, decay), g, g, 1 - decay)
+    nu = tree.addcmul_(tree.scale_(nu, decay), g, conj(g), 1 - decay)
     return nu, nu

@@ -10,7 +10,7 @@ import torch
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Updates, check_nonnegative, transform
 from fxtrain.transforms import _moments
-from fxtrain.transforms._moments import Scalar, counter, ema_, ema_sq_, full_like, is_number
+from fxtrain.transforms._moments import Scalar, conj, counter, ema_, ema_sq_, full_like, is_number
 
 
 class ScaleByRmsState(NamedTuple):
@@ -59,7 +59,7 @@ def _divide_by_root_(g, v, eps, eps_in_sqrt, *, scratch=False):
 def _debiased(v, decay, count):
     """New tensors ``v / (1 - decay ** count)``."""
     with tree.functional():
-        return tree.div_(v, _moments.bias_correction(decay, count))
+        return tree.div_(v, _moments.bias_correction(decay, count, v))
 
 
 @transform
@@ -172,10 +172,10 @@ def scale_by_stddev(decay: Scalar = 0.9, eps: Scalar = 1e-8, initial_scale: Scal
             (mu, m), (nu, v) = ema_(mu, g, decay), ema_sq_(nu, g, decay)
             if debias:
                 m, d = _debiased(m, decay, count), _debiased(v, decay, count)
-                d = tree.addcmul_(d, m, m, -1)
+                d = tree.addcmul_(d, m, conj(m), -1)
             else:
                 with tree.functional():
-                    d = tree.addcmul_(v, m, m, -1)
+                    d = tree.addcmul_(v, m, conj(m), -1)
             g = _divide_by_root_(g, d, eps, eps_in_sqrt, scratch=True)
         mu, nu = tree.put(state.mu, updates, mu), tree.put(state.nu, updates, nu)
         new = ScaleByRStdDevWithCountState(count, mu, nu) if debias else ScaleByRStdDevState(mu, nu)
@@ -220,7 +220,7 @@ def scale_by_rss(initial_accumulator_value: Scalar = 0.1, eps: Scalar = 1e-7) ->
         del params
         g, s = tree.align(updates, state.sum_of_squares)
         if g:
-            s = tree.addcmul_(s, g, g)
+            s = tree.addcmul_(s, g, conj(g))
             with tree.functional():
                 d = tree.add_(s, eps)
             d = tree.sqrt_(d)

@@ -56,6 +56,8 @@ def add_decayed_weights(weight_decay: Scalar | Callable = 0.0, mask: Mask | None
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError("add_decayed_weights needs the params: call update(updates, state, params)")
+        if updates is None:  # an empty tree of updates (Optax's test: update(None, 0, params) -> (None, 0))
+            return None, WeightDecaySchedule(tree.inc_(state.count)) if scheduled else state
         g, p = tree.align(updates, params, what="params")
         if scheduled:
             g = tree.add_(g, p, weight_decay(state.count))
