@@ -7,6 +7,8 @@ CONFORMANCE: dict = {
     "schedule_free": lambda: fx.contrib.schedule_free(fx.adam(1e-2, b1=0.0), 1e-2, b1=0.8),
     "schedule_free_sgd": lambda: fx.contrib.schedule_free_sgd(0.1, warmup_steps=2, weight_decay=1e-2),
     "schedule_free_adamw": lambda: fx.contrib.schedule_free_adamw(1e-2, weight_decay=1e-2),
+    "normalize": lambda: fx.contrib.normalize(),
+    "sam": lambda: fx.contrib.sam(fx.adam(1e-2), fx.chain(fx.contrib.normalize(), fx.sgd(1e-2)), sync_period=3),
 }
 COMPOSABLE: dict = {
     "schedule_free": (lambda: fx.contrib.schedule_free(fx.sgd(0.1), 0.1, b1=0.8),
@@ -15,9 +17,14 @@ COMPOSABLE: dict = {
                           lambda o: o.contrib.schedule_free_sgd(0.1, warmup_steps=3, weight_decay=0.1)),
     "schedule_free_adamw": (lambda: fx.contrib.schedule_free_adamw(1e-2, weight_decay=0.1),
                             lambda o: o.contrib.schedule_free_adamw(1e-2, weight_decay=0.1)),
+    "normalize": (lambda: fx.chain(fx.contrib.normalize(), fx.scale(-0.1)),
+                  lambda o: o.chain(o.contrib.normalize(), o.scale(-0.1))),
+    "sam": (lambda: fx.contrib.sam(fx.sgd(0.1, momentum=0.5), fx.chain(fx.contrib.normalize(), fx.adam(1e-2))),
+            lambda o: o.contrib.sam(o.sgd(0.1, momentum=0.5), o.chain(o.contrib.normalize(), o.adam(1e-2)))),
 }
 OPTIMIZERS: dict = {
     "schedule_free_sgd": lambda: fx.contrib.schedule_free_sgd(0.1),
     "schedule_free_adamw": lambda: fx.contrib.schedule_free_adamw(1e-2),
+    "sam": lambda: fx.contrib.sam(fx.sgd(0.1), fx.sgd(1e-2)),
 }
 DTENSOR: dict = {}
