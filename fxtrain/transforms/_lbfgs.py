@@ -1,3 +1,230 @@
-"""(being written: issue 18's catalogue)."""
+"""L-BFGS: ``scale_by_lbfgs`` and the optimizer ``lbfgs`` (Optax's math, state and defaults)."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from fxtrain import tree
+from fxtrain._base import GradientTransformation, Updates, chain, identity, transform
+from fxtrain.transforms._linesearch import scale_by_zoom_linesearch, vdot
+from fxtrain.transforms._moments import Scalar, counter, param_device, safe_increment_
+from fxtrain.transforms._scaling import scale, scale_by_learning_rate
+
+__all__ = ["ScaleByLBFGSState", "lbfgs", "scale_by_lbfgs"]
+
+
+class ScaleByLBFGSState(NamedTuple):
+    """State of :func:`scale_by_lbfgs` (Optax's field names and leaf order)."""
+
+    count: torch.Tensor  # 0-dim int32: iterations
+    params: Updates  # the params of the last update
+    updates: Updates  # the updates (gradients) of the last update
+    diff_params_memory: Updates  # leaves (memory_size, *shape): past params differences, a circular buffer
+    diff_updates_memory: Updates  # leaves (memory_size, *shape): past updates differences
+    weights_memory: torch.Tensor  # (memory_size,) float32: 1 / <diff_updates, diff_params>
+
+
+@transform(elementwise=False)
+def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> GradientTransformation:
+    r"""Multiplies updates by L-BFGS's approximation of the inverse Hessian (Optax's ``scale_by_lbfgs``).
+
+    Returns :math:`P_k u_k` with
+
+    .. math::
+        P_{k, j+1} = V_j^\top P_{k, j} V_j + \rho_j\, \delta w_j \delta w_j^\top, \quad
+        V_j = I - \rho_j\, \delta u_j \delta w_j^\top, \quad \rho_j = 1 / \langle \delta u_j, \delta w_j\rangle,
+
+    over the last ``memory_size`` differences :math:`\delta w_j = w_{j+1} - w_j` of params and
+    :math:`\delta u_j = u_{j+1} - u_j` of updates, starting from :math:`P_{k, k-m} = \gamma_k I`,
+    :math:`\gamma_k = \langle \delta w_{k-1}, \delta u_{k-1}\rangle / \|\delta u_{k-1}\|^2` if
+    ``scale_init_precond`` (1 otherwise; at the first step :math:`\min(1, 1/\|u_0\|)`), computed by the
+    two-loop recursion. The memory is updated with the new params before the product, so a line search
+    chained after it changes the memory only through the params it accepts. Inner products are global
+    over leaves (a DTensor leaf counts all its shards); complex leaves use :math:`\mathrm{Re}\langle\cdot,
+    \cdot\rangle`.
+
+    Args:
+      memory_size: how many past differences to keep (:math:`m`).
+      scale_init_precond: scale the initial inverse Hessian by :math:`\gamma_k`.
+
+    Returns:
+      A transform with state :class:`ScaleByLBFGSState` (``memory_size`` copies of params in each memory).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.scale_by_lbfgs()
+        >>> params = {"w": torch.tensor([1.0, 2.0])}
+        >>> u, state = tx.update({"w": torch.tensor([3.0, 4.0])}, tx.init(params), params)
+        >>> u["w"].tolist()   # first step: the gradient over its norm
+        [0.6..., 0.8...]
+
+    References:
+      Nocedal and Wright, `Numerical Optimization
+      <https://www.math.uci.edu/~qnie/Publications/NumericalOptimization.pdf>`_, 1999 (Algorithms 7.4, 7.5).
+
+      Liu and Nocedal, `On the limited memory BFGS method for large scale optimization
+      <https://users.iems.northwestern.edu/~nocedal/PDFfiles/limited-memory.pdf>`_, 1989.
+    """
+    if not isinstance(memory_size, int) or memory_size < 1:
+        raise ValueError(f"scale_by_lbfgs: memory_size={memory_size!r} must be an int >= 1")
+
+    def init_fn(params):
+        return ScaleByLBFGSState(
+            count=counter(params), params=tree.zeros_like(params), updates=tree.zeros_like(params),
+            diff_params_memory=tree.map(lambda x: _stacked_zeros(x, memory_size), params),
+            diff_updates_memory=tree.map(lambda x: _stacked_zeros(x, memory_size), params),
+            weights_memory=torch.zeros(memory_size, dtype=_weights_dtype(params), device=param_device(params)))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("update needs params: tx.update(grads, state, params)")
+        u, p, old_p, old_u, dw_mem, du_mem = tree.align(updates, params, state.params, state.updates,
+                                                        state.diff_params_memory, state.diff_updates_memory)
+        first = state.count == 0
+        idx = (state.count % memory_size).long()
+        prev = ((state.count - 1) % memory_size).long()  # the slot of the newest difference
+        # 1. The newest differences (zero at the first step, when there is no previous point).
+        with tree.functional():
+            dw = tree.zero_where_(first, tree.add_(list(p), old_p, -1.0))
+            du = tree.zero_where_(first, tree.add_(list(u), old_u, -1.0))
+        curvature = vdot(du, dw)
+        weight = torch.where(first | (curvature == 0.0), torch.zeros_like(curvature), 1.0 / curvature)
+        dw_mem = [_write_row(m, prev, x) for m, x in zip(dw_mem, dw)]
+        du_mem = [_write_row(m, prev, x) for m, x in zip(du_mem, du)]
+        weights = state.weights_memory.index_put((prev.reshape(1),), weight.to(state.weights_memory.dtype).reshape(1))
+        # 2. The scale of the initial inverse Hessian.
+        gamma = torch.ones((), dtype=weights.dtype, device=weights.device)
+        if scale_init_precond:
+            du_sq = vdot(du, du)
+            gamma = torch.where(du_sq > 0.0, curvature / du_sq, 1.0)
+            gamma = torch.where(first, torch.clamp_max(1.0 / vdot(u, u).sqrt().detach(), 1.0), gamma)
+        # 3. The two-loop recursion, newest to oldest then back.
+        direction = _two_loop(u, dw_mem, du_mem, weights, gamma, idx, memory_size)
+        old_p, old_u = tree.copy_(old_p, p), tree.copy_(old_u, u)
+        u = tree.copy_(u, direction)
+        return tree.put(updates, updates, u), ScaleByLBFGSState(
+            count=safe_increment_(state.count), params=tree.put(state.params, updates, old_p),
+            updates=tree.put(state.updates, updates, old_u),
+            diff_params_memory=tree.put(state.diff_params_memory, updates, dw_mem),
+            diff_updates_memory=tree.put(state.diff_updates_memory, updates, du_mem), weights_memory=weights)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _weights_dtype(params) -> torch.dtype:
+    """float32, or float64 for float64 params (JAX's default float, as Optax's ``jnp.zeros`` gives it)."""
+    leaves = tree.leaves(params)
+    real = leaves[0].real.dtype if leaves else torch.float32
+    return torch.promote_types(real, torch.float32)
+
+
+def _two_loop(u, dw_mem, du_mem, rho, gamma, idx, m) -> list[torch.Tensor]:
+    """:math:`P_k u` by Nocedal and Wright's Algorithm 7.4 over the circular memory starting at slot ``idx``
+    (oldest) and ending at ``idx - 1`` (newest); new tensors, in the dtypes of ``u``."""
+    order = [(idx + j) % m for j in range(m)]  # 0-dim tensors: no host sync on the slot
+    alphas = [None] * m
+    with tree.functional():
+        q = list(u)
+        for j in reversed(range(m)):
+            dw = [_read_row(x, order[j]) for x in dw_mem]
+            alphas[j] = rho[order[j]] * vdot(dw, q)
+            q = tree.add_(q, [_read_row(x, order[j]) for x in du_mem], -alphas[j])
+        q = tree.scale_(q, gamma)
+        for j in range(m):
+            du = [_read_row(x, order[j]) for x in du_mem]
+            beta = rho[order[j]] * vdot(du, q)
+            q = tree.add_(q, [_read_row(x, order[j]) for x in dw_mem], alphas[j] - beta)
+    return q
+
+
+def _stacked_zeros(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Zeros of shape ``(m, *x.shape)`` in ``x``'s dtype; a DTensor leaf sharded on dim d gives one sharded on d + 1."""
+    if not isinstance(x, DTensor):
+        return torch.zeros((m, *x.shape), dtype=x.dtype, device=x.device)
+    placements = [Shard(p.dim + 1) if isinstance(p, Shard) else p for p in x.placements]
+    piece = torch.zeros((m, *tree.local(x).shape), dtype=x.dtype, device=tree.local(x).device)
+    return DTensor.from_local(piece, x.device_mesh, placements, run_check=False, shape=(m, *x.shape),
+                              stride=_contiguous_stride((m, *x.shape)))
+
+
+def _read_row(mem: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """``mem[i]`` for a 0-dim index tensor (no host sync); a DTensor memory gives a DTensor row."""
+    if not isinstance(mem, DTensor):
+        return mem.index_select(0, i.reshape(1)).squeeze(0)
+    row = tree.local(mem).index_select(0, i.reshape(1)).squeeze(0)
+    placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p for p in mem.placements]
+    return DTensor.from_local(row, mem.device_mesh, placements, run_check=False, shape=mem.shape[1:],
+                              stride=_contiguous_stride(mem.shape[1:]))
+
+
+def _write_row(mem: torch.Tensor, i: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """``mem`` with ``mem[i] = row`` (in place unless :func:`fxtrain.tree.functional`); ``i`` a 0-dim tensor."""
+    piece, new = tree.local(mem), tree.local(row).to(mem.dtype).unsqueeze(0)
+    if not tree.is_functional():
+        piece.index_copy_(0, i.reshape(1), new)
+        return mem
+    piece = piece.index_copy(0, i.reshape(1), new)
+    if not isinstance(mem, DTensor):
+        return piece
+    return DTensor.from_local(piece, mem.device_mesh, mem.placements, run_check=False, shape=mem.shape,
+                              stride=mem.stride())
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+@transform(elementwise=None)
+def lbfgs(learning_rate: Scalar | Callable | None = None, memory_size: int = 10, scale_init_precond: bool = True,
+          linesearch: GradientTransformation | None = scale_by_zoom_linesearch(
+              max_linesearch_steps=20, initial_guess_strategy="one")) -> GradientTransformation:
+    r"""L-BFGS with a line search (Optax's ``lbfgs``).
+
+    .. math:: x_{k+1} = x_k - \eta_k P_k \nabla f(x_k)
+
+    with :math:`P_k` from :func:`scale_by_lbfgs` and :math:`\eta_k` from the line search (by default
+    ``scale_by_zoom_linesearch(max_linesearch_steps=20, initial_guess_strategy="one")``, Optax's default,
+    which evaluates the objective and its gradient 20 times per update: see
+    :mod:`fxtrain.transforms._linesearch`), times ``learning_rate`` if given. Its ``update`` takes
+    ``value=``, ``grad=`` and ``value_fn=`` for the line search; :func:`value_and_grad_from_state` reuses
+    the value and gradient the line search computed at the new params.
+
+    Args:
+      learning_rate: a fixed scale of the direction (number, 0-dim tensor or schedule); ``None``: -1.
+      memory_size: past differences kept (see :func:`scale_by_lbfgs`).
+      scale_init_precond: scale the initial inverse Hessian (see :func:`scale_by_lbfgs`).
+      linesearch: a line search transform, or ``None`` for none (then ``learning_rate`` is the step);
+        default: the zoom line search above.
+
+    Returns:
+      ``chain(scale_by_lbfgs(memory_size, scale_init_precond), scale(-1.0) or
+      scale_by_learning_rate(learning_rate), linesearch or identity())``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> f = lambda p: ((p["x"] - torch.tensor([1.0, 2.0])) ** 2 * torch.tensor([1.0, 10.0])).sum()
+        >>> params = {"x": torch.zeros(2)}
+        >>> tx = fx.lbfgs()
+        >>> state = tx.init(params)
+        >>> value_and_grad = fx.value_and_grad_from_state(f)
+        >>> for _ in range(5):
+        ...     value, grad = value_and_grad(params, state=state)
+        ...     u, state = tx.update(grad, state, params, value=value, grad=grad, value_fn=f)
+        ...     params = fx.apply_updates(params, u)
+        >>> [round(x, 4) for x in params["x"].tolist()]
+        [1.0, 2.0]
+
+    References:
+      Liu and Nocedal, `On the limited memory BFGS method for large scale optimization
+      <https://users.iems.northwestern.edu/~nocedal/PDFfiles/limited-memory.pdf>`_, 1989.
+    """
+    return chain(scale_by_lbfgs(memory_size=memory_size, scale_init_precond=scale_init_precond),
+                 scale(-1.0) if learning_rate is None else scale_by_learning_rate(learning_rate),
+                 linesearch if linesearch is not None else identity())

@@ -1,3 +1,129 @@
-"""(being written: issue 18's catalogue)."""
+"""Polyak's step size: ``scale_by_polyak`` and the optimizer ``polyak_sgd`` (Optax's math).
 
-__all__: list[str] = []
+Both read the objective's value at the current params, passed as ``tx.update(g, state, params,
+value=loss)`` (Optax's ``GradientTransformationExtraArgs``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from fxtrain import tree
+from fxtrain._base import EmptyState, GradientTransformation, chain, check_nonnegative, transform
+from fxtrain.optimizers import LearningRate, sgd
+from fxtrain.transforms._linesearch import vdot
+from fxtrain.transforms._moments import Scalar
+
+__all__ = ["polyak_sgd", "scale_by_polyak"]
+
+_VARIANTS = ("sps", "sps+")
+# Optax compares the denominator with float64's machine epsilon (``jnp.finfo(float).eps``).
+_TINY = torch.finfo(torch.float64).eps
+
+
+@transform(elementwise=False, extra_args=True)
+def scale_by_polyak(f_min: Scalar = 0.0, max_learning_rate: Scalar = 1.0, eps: Scalar = 0.0,
+                    variant: Literal["sps", "sps+"] = "sps") -> GradientTransformation:
+    r"""Scales updates by Polyak's step size (Optax's ``scale_by_polyak``).
+
+    .. math::
+        u_t = \min\left\{\frac{f(x_t) - f^\star}{\|g_t\|^2 + \epsilon}, \gamma_{\max}\right\} g_t
+
+    with the gap :math:`f(x_t) - f^\star` replaced by its positive part for ``variant="sps+"``, and a
+    step of 0 when :math:`\|g_t\|^2 + \epsilon` is below float64's machine epsilon. The norm is global
+    over all leaves (a DTensor leaf counts all its shards).
+
+    Args:
+      f_min: :math:`f^\star`, a lower bound on the objective.
+      max_learning_rate: :math:`\gamma_{\max}`, the largest step size.
+      eps: :math:`\epsilon`, added to the denominator.
+      variant: ``"sps"`` or ``"sps+"``.
+
+    Returns:
+      A stateless transform (:class:`fxtrain.EmptyState`) whose ``update`` requires ``value=``, the
+      objective at ``params``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.scale_by_polyak()
+        >>> g = {"w": torch.tensor([3.0, 4.0])}
+        >>> u, _ = tx.update(g, tx.init(g), value=torch.tensor(5.0))   # 5 / 25 of g
+        >>> u["w"].tolist()
+        [0.6..., 0.8...]
+
+    References:
+      Loizou et al., `Stochastic Polyak step-size for SGD: An adaptive learning rate for fast convergence
+      <https://arxiv.org/abs/2002.10542>`_, 2021.
+    """
+    check_nonnegative("scale_by_polyak", max_learning_rate=max_learning_rate, eps=eps)
+    if variant not in _VARIANTS:
+        raise ValueError(f"scale_by_polyak: variant={variant!r} must be one of {_VARIANTS}")
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, value=None, **extra_args):
+        del params, extra_args  # Optax ignores the other extra arguments too
+        if value is None:
+            raise ValueError("update needs value= (the objective at params): "
+                             "tx.update(grads, state, params, value=loss)")
+        g = tree.align(updates)[0]
+        if not g:
+            return updates, state
+        sq = vdot(g, g)  # global: a DTensor leaf counts all its shards
+        gap = torch.as_tensor(value, device=sq.device) - f_min
+        gap = gap.to(sq.dtype)
+        if variant == "sps+":
+            gap = gap.clamp_min(0)
+        denom = sq + eps
+        step = torch.where(denom <= _TINY, torch.zeros_like(sq), torch.minimum(gap / denom, torch.as_tensor(
+            max_learning_rate, dtype=sq.dtype, device=sq.device)))
+        return tree.put(updates, updates, tree.scale_(g, step)), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+@transform(elementwise=None)
+def polyak_sgd(max_learning_rate: Scalar = 1.0, scaling: LearningRate = 1.0, f_min: Scalar = 0.0,
+               eps: Scalar = 0.0, variant: Literal["sps", "sps+"] = "sps") -> GradientTransformation:
+    r"""SGD with Polyak's step size (Optax's ``polyak_sgd``).
+
+    .. math::
+        x_{t+1} = x_t - s_t \min\left\{\frac{f(x_t) - f^\star}{\|\nabla f(x_t)\|^2 + \epsilon},
+        \gamma_{\max}\right\} \nabla f(x_t)
+
+    Args:
+      max_learning_rate: :math:`\gamma_{\max}`, the largest step size.
+      scaling: :math:`s_t`, a number, a 0-dim tensor or a schedule.
+      f_min: :math:`f^\star`, a lower bound on the objective (0 for models that interpolate the data).
+      eps: :math:`\epsilon`, added to the denominator.
+      variant: ``"sps"``, or ``"sps+"`` (the gap's positive part).
+
+    Returns:
+      ``chain(sgd(learning_rate=scaling), scale_by_polyak(...))``; its ``update`` requires ``value=``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> f = lambda p: (p["x"] ** 2).sum()
+        >>> params = {"x": torch.tensor([1.0, 2.0, 3.0])}
+        >>> tx = fx.polyak_sgd()
+        >>> state = tx.init(params)
+        >>> for _ in range(3):
+        ...     value, grads = f(params), {"x": 2 * params["x"]}
+        ...     u, state = tx.update(grads, state, params, value=value)
+        ...     params = fx.apply_updates(params, u)
+        >>> round(f(params).item(), 4)   # each step halves x: 14 / 4**3
+        0.2188
+
+    References:
+      Loizou et al., `Stochastic Polyak step-size for SGD: An adaptive learning rate for fast convergence
+      <https://arxiv.org/abs/2002.10542>`_, 2021.
+
+      Berrada et al., `Training neural networks for and by interpolation
+      <https://arxiv.org/abs/1906.05661>`_, 2020.
+    """
+    return chain(sgd(learning_rate=scaling),
+                 scale_by_polyak(f_min=f_min, max_learning_rate=max_learning_rate, eps=eps, variant=variant))
