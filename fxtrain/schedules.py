@@ -25,7 +25,7 @@ import functools
 import inspect
 import math
 import numbers
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -35,8 +35,9 @@ Count = int | torch.Tensor
 Value = float | torch.Tensor
 
 __all__ = [
-    "Schedule", "constant_schedule", "linear_schedule", "cosine_decay_schedule",
-    "warmup_cosine_decay_schedule", "exponential_decay", "piecewise_constant_schedule", "join_schedules",
+    "Schedule", "constant_schedule", "polynomial_schedule", "linear_schedule", "cosine_decay_schedule",
+    "warmup_cosine_decay_schedule", "sgdr_schedule", "exponential_decay", "piecewise_constant_schedule",
+    "piecewise_interpolate_schedule", "linear_onecycle_schedule", "cosine_onecycle_schedule", "join_schedules",
 ]
 
 
@@ -180,9 +181,60 @@ def constant_schedule(value: Value) -> Schedule:
 
 
 @_schedule
+def polynomial_schedule(init_value: Value, end_value: Value, power: Value, transition_steps: int,
+                        transition_begin: int = 0) -> Schedule:
+    r"""Polynomial transition from ``init_value`` to ``end_value`` (Optax's ``polynomial_schedule``).
+
+    .. math::
+      v(t) = (I - E) \left(1 - \mathrm{clip}\!\left(\frac{t - B}{T}, 0, 1\right)\right)^P + E
+
+    with :math:`I` = ``init_value``, :math:`E` = ``end_value``, :math:`P` = ``power``,
+    :math:`T` = ``transition_steps``, :math:`B` = ``transition_begin``. ``transition_steps=0`` holds
+    ``init_value`` forever (as in Optax). Optax also reads a negative ``transition_steps`` as 0 and a
+    negative ``transition_begin`` as 0 (with a log line); here both are errors.
+
+    Args:
+      init_value: value before and at ``transition_begin``.
+      end_value: value from ``transition_begin + transition_steps`` on.
+      power: exponent of the transition (1: linear, 2: quadratic...).
+      transition_steps: length of the transition, >= 0.
+      transition_begin: steps to hold ``init_value`` before the transition starts, >= 0.
+
+    Returns:
+      A :class:`Schedule`.
+
+    >>> import fxtrain as fx
+    >>> s = fx.schedules.polynomial_schedule(init_value=1.0, end_value=0.0, power=2, transition_steps=4)
+    >>> [float(s(t)) for t in (0, 1, 2, 4, 9)]
+    [1.0, 0.5625, 0.25, 0.0, 0.0]
+    """
+    return _polynomial("polynomial_schedule", init_value, end_value, power, transition_steps, transition_begin)
+
+
+def _polynomial(name: str, init_value: Value, end_value: Value, power: Value, transition_steps: int,
+                transition_begin: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The one code path of :func:`polynomial_schedule` and :func:`linear_schedule` (``power=1``)."""
+    init_value, end_value = _value(name, "init_value", init_value), _value(name, "end_value", end_value)
+    power = _value(name, "power", power)
+    transition_steps = _steps(name, "transition_steps", transition_steps)
+    transition_begin = _steps(name, "transition_begin", transition_begin)
+    if transition_steps == 0:
+        return lambda count: _full(count, init_value)
+
+    def fn(count):
+        done = (count - transition_begin).clamp(0, transition_steps)
+        frac = 1 - done.to(torch.float32) / transition_steps
+        return (init_value - end_value) * frac ** power + end_value
+
+    return fn
+
+
+@_schedule
 def linear_schedule(init_value: Value, end_value: Value, transition_steps: int,
                     transition_begin: int = 0) -> Schedule:
     r"""Linear transition from ``init_value`` to ``end_value`` (Optax's ``linear_schedule``).
+
+    :func:`polynomial_schedule` with ``power=1``:
 
     .. math::
       v(t) = I + (E - I) \, \mathrm{clip}\!\left(\frac{t - B}{T}, 0, 1\right)
@@ -204,19 +256,7 @@ def linear_schedule(init_value: Value, end_value: Value, transition_steps: int,
     >>> [float(s(t)) for t in (0, 1, 4, 9)]
     [1.0, 0.75, 0.0, 0.0]
     """
-    name = "linear_schedule"
-    init_value, end_value = _value(name, "init_value", init_value), _value(name, "end_value", end_value)
-    transition_steps = _steps(name, "transition_steps", transition_steps)
-    transition_begin = _steps(name, "transition_begin", transition_begin)
-    if transition_steps == 0:
-        return lambda count: _full(count, init_value)
-
-    def fn(count):
-        done = (count - transition_begin).clamp(0, transition_steps)
-        frac = 1 - done.to(torch.float32) / transition_steps
-        return (init_value - end_value) * frac + end_value
-
-    return fn
+    return _polynomial("linear_schedule", init_value, end_value, 1.0, transition_steps, transition_begin)
 
 
 @_schedule
@@ -310,6 +350,48 @@ def warmup_cosine_decay_schedule(init_value: Value, peak_value: Value, warmup_st
 
 
 @_schedule
+def sgdr_schedule(cosine_kwargs: Iterable[Mapping[str, Any]]) -> Schedule:
+    r"""Warm restarts: warmup-cosine cycles one after another (Optax's ``sgdr_schedule``).
+
+    Cycle :math:`k` is ``warmup_cosine_decay_schedule(**cosine_kwargs[k])``; it starts when the previous
+    one's ``decay_steps`` (its total length, warmup included) are over and sees the steps since then.
+
+    Args:
+      cosine_kwargs: one dict of :func:`warmup_cosine_decay_schedule` arguments per cycle
+        (``init_value``, ``peak_value``, ``warmup_steps``, ``decay_steps``, optionally ``end_value`` and
+        ``exponent``).
+
+    Returns:
+      A :class:`Schedule`.
+
+    References:
+      Loshchilov & Hutter, `SGDR: Stochastic Gradient Descent with Warm Restarts
+      <https://arxiv.org/abs/1608.03983>`_, 2017.
+
+    >>> import fxtrain as fx
+    >>> cycle = dict(init_value=0.0, peak_value=1.0, warmup_steps=1, decay_steps=3)
+    >>> s = fx.schedules.sgdr_schedule([cycle, {**cycle, "peak_value": 0.5}])
+    >>> [float(s(t)) for t in range(7)]
+    [0.0, 1.0, 0.5, 0.0, 0.5, 0.25, 0.0]
+    """
+    name = "sgdr_schedule"
+    cycles, boundaries, step = [], [], 0
+    for i, kwargs in enumerate(cosine_kwargs):
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"{name}: cosine_kwargs[{i}] must be a dict of warmup_cosine_decay_schedule "
+                            f"arguments, got {type(kwargs).__name__}")
+        try:
+            cycles.append(warmup_cosine_decay_schedule(**kwargs))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: cosine_kwargs[{i}]: {e}") from None
+        step += _steps(name, f"cosine_kwargs[{i}]['decay_steps']", kwargs["decay_steps"])
+        boundaries.append(step)
+    if not cycles:
+        raise ValueError(f"{name}: cosine_kwargs is empty; give one dict per cycle")
+    return join_schedules(cycles, boundaries[:-1]).fn
+
+
+@_schedule
 def exponential_decay(init_value: Value, transition_steps: int, decay_rate: Value, transition_begin: int = 0,
                       staircase: bool = False, end_value: Value | None = None) -> Schedule:
     r"""Decays ``init_value`` by ``decay_rate`` every ``transition_steps`` (Optax's ``exponential_decay``).
@@ -396,6 +478,81 @@ def piecewise_constant_schedule(init_value: Value,
     """
     name = "piecewise_constant_schedule"
     init_value = _value(name, "init_value", init_value)
+    pieces = _boundaries_and_scales(name, boundaries_and_scales)
+
+    def fn(count):
+        value = _full(count, init_value)
+        for boundary, s in pieces:
+            value = torch.where(count < boundary, value, s * value)
+        return value
+
+    return fn
+
+
+def _linear_between(start: torch.Tensor, end: torch.Tensor, pct: torch.Tensor) -> torch.Tensor:
+    return (end - start) * pct + start
+
+
+def _cosine_between(start: torch.Tensor, end: torch.Tensor, pct: torch.Tensor) -> torch.Tensor:
+    return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
+
+
+_INTERPOLATIONS = {"linear": _linear_between, "cosine": _cosine_between}
+
+
+@_schedule
+def piecewise_interpolate_schedule(interpolate_type: str, init_value: Value,
+                                   boundaries_and_scales: Mapping[int, float] | None = None) -> Schedule:
+    r"""Interpolates, linearly or by a half cosine, between values scaled at boundaries (Optax's schedule).
+
+    With boundaries :math:`0 = b_0 < b_1 < \dots < b_n` and values :math:`v_0 = I`,
+    :math:`v_k = v_{k-1} s_k` (the scales multiply up, as in :func:`piecewise_constant_schedule`):
+
+    .. math::
+      v(t) = f\!\left(v_{k}, v_{k+1}, \frac{t - b_k}{b_{k+1} - b_k}\right) \text{ for } b_k \le t < b_{k+1},
+      \qquad v(t) = v_n \text{ for } t \ge b_n
+
+    where :math:`f(a, b, p) = a + (b - a) p` (``"linear"``) or :math:`b + \tfrac{a - b}{2}(1 + \cos \pi p)`
+    (``"cosine"``). The schedule moves between the accumulated values, not between the scales.
+
+    Args:
+      interpolate_type: ``"linear"`` or ``"cosine"``.
+      init_value: value at step 0.
+      boundaries_and_scales: ``{step: scale}``; the value reached at ``step`` is the previous one times
+        ``scale`` (scales >= 0).
+
+    Returns:
+      A :class:`Schedule`.
+
+    >>> import fxtrain as fx
+    >>> s = fx.schedules.piecewise_interpolate_schedule("linear", 1.0, {4: 0.1, 8: 0.01})
+    >>> [round(float(s(t)), 6) for t in range(0, 11, 2)]
+    [1.0, 0.55, 0.1, 0.0505, 0.001, 0.001]
+    """
+    name = "piecewise_interpolate_schedule"
+    if interpolate_type not in _INTERPOLATIONS:
+        raise ValueError(f"{name}: interpolate_type={interpolate_type!r} must be 'linear' or 'cosine'")
+    between = _INTERPOLATIONS[interpolate_type]
+    init_value = _value(name, "init_value", init_value)
+    pieces = _boundaries_and_scales(name, boundaries_and_scales)
+    bounds = [0] + [b for b, _ in pieces]
+
+    def fn(count):
+        values = [_full(count, init_value)]  # the cumulative products, rounded to float32 at each step as Optax's
+        for _, s in pieces:
+            values.append(values[-1] * (s.to(torch.float32) if isinstance(s, torch.Tensor) else s))
+        value = torch.where(count >= bounds[-1], values[-1], 0.0)
+        for k in range(len(pieces)):
+            pct = (count - bounds[k]).to(torch.float32) / max(bounds[k + 1] - bounds[k], 1)
+            inside = (count >= bounds[k]) & (count < bounds[k + 1])
+            value = torch.where(inside, between(values[k], values[k + 1], pct), value)
+        return value
+
+    return fn
+
+
+def _boundaries_and_scales(name: str, boundaries_and_scales: Any) -> list[tuple[int, Value]]:
+    """``{step: scale}`` checked (integer steps, scales >= 0) and sorted by step."""
     if boundaries_and_scales is not None and not isinstance(boundaries_and_scales, Mapping):
         raise TypeError(f"{name}: boundaries_and_scales must be a dict {{step: scale}}, "
                         f"got {type(boundaries_and_scales).__name__}")
@@ -406,15 +563,95 @@ def piecewise_constant_schedule(init_value: Value,
         if _is_negative(s):
             raise ValueError(f"{name}: boundaries_and_scales[{b}]={s!r}: scales must be >= 0")
         pieces.append((b, s))
-    pieces.sort(key=lambda bs: bs[0])
+    return sorted(pieces, key=lambda bs: bs[0])
 
-    def fn(count):
-        value = _full(count, init_value)
-        for boundary, s in pieces:
-            value = torch.where(count < boundary, value, s * value)
-        return value
 
-    return fn
+def _onecycle_steps(name: str, transition_steps: Any, **fractions: Any) -> int:
+    transition_steps = _steps(name, "transition_steps", transition_steps, minimum=1)
+    for arg, pct in fractions.items():
+        if isinstance(pct, bool) or not isinstance(pct, numbers.Real):
+            raise TypeError(f"{name}: {arg} must be a number (a fraction of transition_steps), got {pct!r}")
+    return transition_steps
+
+
+@_schedule
+def linear_onecycle_schedule(transition_steps: int, peak_value: Value, pct_start: float = 0.3,
+                             pct_final: float = 0.85, div_factor: Value = 25.0,
+                             final_div_factor: Value = 1e4) -> Schedule:
+    r"""One cycle in three linear phases (Optax's ``linear_onecycle_schedule``).
+
+    From ``peak_value / div_factor`` up to ``peak_value`` at ``int(pct_start * transition_steps)``, back
+    down to ``peak_value / div_factor`` at ``int(pct_final * transition_steps)``, then on to
+    ``peak_value / div_factor / final_div_factor`` at ``transition_steps``, held after. It is
+    :func:`piecewise_interpolate_schedule` ``("linear", P / d, {int(p_s T): d, int(p_f T): 1 / d,
+    T: 1 / f})``.
+
+    Args:
+      transition_steps: length of the cycle, >= 1.
+      peak_value: the highest value.
+      pct_start: fraction of the cycle spent rising.
+      pct_final: fraction of the cycle at whose end the value is back to the initial one.
+      div_factor: the initial value is ``peak_value / div_factor``.
+      final_div_factor: the final value is the initial value over ``final_div_factor``.
+
+    Returns:
+      A :class:`Schedule`.
+
+    References:
+      Smith & Topin, `Super-Convergence: Very Fast Training of Neural Networks Using Large Learning Rates
+      <https://arxiv.org/abs/1708.07120>`_, 2017.
+
+    >>> import fxtrain as fx
+    >>> s = fx.schedules.linear_onecycle_schedule(10, 1.0, pct_start=0.2, pct_final=0.6, div_factor=10.0,
+    ...                                           final_div_factor=10.0)
+    >>> [round(float(s(t)), 4) for t in (0, 1, 2, 4, 6, 8, 10, 12)]
+    [0.1, 0.55, 1.0, 0.55, 0.1, 0.055, 0.01, 0.01]
+    """
+    name = "linear_onecycle_schedule"
+    steps = _onecycle_steps(name, transition_steps, pct_start=pct_start, pct_final=pct_final)
+    peak_value = _value(name, "peak_value", peak_value)
+    div_factor = _value(name, "div_factor", div_factor)
+    final_div_factor = _value(name, "final_div_factor", final_div_factor)
+    return piecewise_interpolate_schedule("linear", peak_value / div_factor, {
+        int(pct_start * steps): div_factor, int(pct_final * steps): 1.0 / div_factor,
+        steps: 1.0 / final_div_factor}).fn
+
+
+@_schedule
+def cosine_onecycle_schedule(transition_steps: int, peak_value: Value, pct_start: float = 0.3,
+                             div_factor: Value = 25.0, final_div_factor: Value = 1e4) -> Schedule:
+    r"""One cycle in two half-cosine phases (Optax's ``cosine_onecycle_schedule``).
+
+    From ``peak_value / div_factor`` up to ``peak_value`` at ``int(pct_start * transition_steps)``, then
+    down to ``peak_value / div_factor / final_div_factor`` at ``transition_steps``, held after. It is
+    :func:`piecewise_interpolate_schedule` ``("cosine", P / d, {int(p_s T): d, T: 1 / (d f)})``.
+
+    Args:
+      transition_steps: length of the cycle, >= 1.
+      peak_value: the highest value.
+      pct_start: fraction of the cycle spent rising.
+      div_factor: the initial value is ``peak_value / div_factor``.
+      final_div_factor: the final value is the initial value over ``final_div_factor``.
+
+    Returns:
+      A :class:`Schedule`.
+
+    References:
+      Smith & Topin, `Super-Convergence: Very Fast Training of Neural Networks Using Large Learning Rates
+      <https://arxiv.org/abs/1708.07120>`_, 2017.
+
+    >>> import fxtrain as fx
+    >>> s = fx.schedules.cosine_onecycle_schedule(4, 1.0, pct_start=0.5, div_factor=10.0, final_div_factor=10.0)
+    >>> [round(float(s(t)), 4) for t in range(6)]
+    [0.1, 0.55, 1.0, 0.505, 0.01, 0.01]
+    """
+    name = "cosine_onecycle_schedule"
+    steps = _onecycle_steps(name, transition_steps, pct_start=pct_start)
+    peak_value = _value(name, "peak_value", peak_value)
+    div_factor = _value(name, "div_factor", div_factor)
+    final_div_factor = _value(name, "final_div_factor", final_div_factor)
+    return piecewise_interpolate_schedule("cosine", peak_value / div_factor, {
+        int(pct_start * steps): div_factor, steps: 1.0 / (div_factor * final_div_factor)}).fn
 
 
 @_schedule

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fxtrain as fx
+from fxtrain import schedules
 
 # (name, kwargs, last step worth checking): the kwargs are passed unchanged to Optax.
 CASES = [
@@ -33,6 +34,30 @@ CASES = [
     ("piecewise_constant_schedule", dict(init_value=0.1, boundaries_and_scales={20: 0.1, 50: 0.3, 10: 2.0}), 60),
     ("piecewise_constant_schedule", dict(init_value=0.1), 5),
     ("piecewise_constant_schedule", dict(init_value=0.1, boundaries_and_scales={0: 0.5, 3: 0.0}), 6),
+    ("polynomial_schedule", dict(init_value=25.0, end_value=10.0, power=2, transition_steps=10), 12),
+    ("polynomial_schedule", dict(init_value=30.0, end_value=10.0, power=2, transition_steps=10,
+                                 transition_begin=4), 16),
+    ("polynomial_schedule", dict(init_value=1e-3, end_value=1e-5, power=0.5, transition_steps=37,
+                                 transition_begin=3), 40),
+    ("polynomial_schedule", dict(init_value=0.1, end_value=0.0, power=3, transition_steps=20), 20),
+    ("polynomial_schedule", dict(init_value=10.0, end_value=20.0, power=1, transition_steps=0), 5),
+    ("sgdr_schedule", dict(cosine_kwargs=[
+        dict(init_value=0.0, peak_value=1.6, warmup_steps=5, decay_steps=20),
+        dict(init_value=0.1, peak_value=0.8, warmup_steps=5, decay_steps=30, end_value=0.01),
+        dict(init_value=0.0, peak_value=0.4, warmup_steps=0, decay_steps=25, exponent=2.0)]), 75),
+    ("piecewise_interpolate_schedule", dict(interpolate_type="linear", init_value=200.0,
+                                            boundaries_and_scales={5: 1.5, 10: 0.25}), 12),
+    ("piecewise_interpolate_schedule", dict(interpolate_type="cosine", init_value=400.0,
+                                            boundaries_and_scales={5: 1.2, 3: 0.6, 7: 1.0}), 9),
+    ("piecewise_interpolate_schedule", dict(interpolate_type="linear", init_value=13.0,
+                                            boundaries_and_scales={0: 2.0, 5: 3.0, 6: 0.1}), 8),
+    ("piecewise_interpolate_schedule", dict(interpolate_type="cosine", init_value=17.0), 3),
+    ("linear_onecycle_schedule", dict(transition_steps=10, peak_value=1000, pct_start=0.3, pct_final=0.7,
+                                      div_factor=10.0, final_div_factor=100.0), 12),
+    ("linear_onecycle_schedule", dict(transition_steps=97, peak_value=0.1), 97),
+    ("cosine_onecycle_schedule", dict(transition_steps=5, peak_value=1000.0, pct_start=0.4, div_factor=10.0,
+                                      final_div_factor=100.0), 7),
+    ("cosine_onecycle_schedule", dict(transition_steps=97, peak_value=0.1), 97),
 ]
 
 
@@ -52,7 +77,7 @@ def _close(actual, expected, scale):
 @pytest.mark.parametrize("name, kwargs, last", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_matches_optax(name, kwargs, last):
     optax = pytest.importorskip("optax")
-    ours, ref = getattr(fx, name)(**kwargs), getattr(optax, name)(**kwargs)
+    ours, ref = getattr(schedules, name)(**kwargs), getattr(optax, name)(**kwargs)
     steps = _steps(last)
     expected = np.array([np.float32(ref(t)) for t in steps], np.float64)
     scale = np.abs(expected).max() or 1.0
@@ -83,11 +108,87 @@ def test_join_accepts_plain_functions():
     assert [s(t).item() for t in range(5)] == [1.0, 1.0, 1.0, 2.0, 3.0]
 
 
+# Optax's own cases (optax/schedules/_schedule_test.py): (schedule, kwargs, steps 0.., expected values)
+OPTAX_EXPECTED = [
+    ("polynomial_schedule", dict(init_value=10.0, end_value=20.0, power=1, transition_steps=10),
+     list(range(10, 20)) + [20] * 5),
+    ("polynomial_schedule", dict(init_value=10.0, end_value=20.0, power=1, transition_steps=0), [10.0] * 15),
+    ("polynomial_schedule", dict(init_value=25.0, end_value=10.0, power=2, transition_steps=10),
+     [10.0 + 15.0 * (1.0 - n / 10) ** 2 for n in range(10)] + [10] * 5),
+    ("polynomial_schedule", dict(init_value=30.0, end_value=10.0, power=2, transition_steps=10, transition_begin=4),
+     [30.0] * 4 + [10.0 + 20.0 * (1.0 - n / 10) ** 2 for n in range(10)] + [10] * 6),
+    ("piecewise_interpolate_schedule", dict(interpolate_type="linear", init_value=200.0,
+                                            boundaries_and_scales={5: 1.5, 10: 0.25}),
+     [200.0, 220.0, 240.0, 260.0, 280.0, 300.0, 255.0, 210.0, 165.0, 120.0, 75.0, 75.0, 75.0]),
+    ("piecewise_interpolate_schedule", dict(interpolate_type="cosine", init_value=400.0,
+                                            boundaries_and_scales={5: 1.2, 3: 0.6, 7: 1.0}),
+     [400.0, 360.0, 280.0, 240.0, 264.0, 288.0, 288.0, 288.0, 288.0]),
+    ("piecewise_interpolate_schedule", dict(interpolate_type="linear", init_value=13.0, boundaries_and_scales={}),
+     [13.0] * 5),
+    ("piecewise_interpolate_schedule", dict(interpolate_type="cosine", init_value=17.0), [17.0] * 3),
+    ("linear_onecycle_schedule", dict(transition_steps=10, peak_value=1000, pct_start=0.3, pct_final=0.7,
+                                      div_factor=10.0, final_div_factor=100.0),
+     [100.0, 400.0, 700.0, 1000.0, 775.0, 550.0, 325.0, 100.0, 67.0, 34.0, 1.0, 1.0]),
+    ("cosine_onecycle_schedule", dict(transition_steps=5, peak_value=1000.0, pct_start=0.4, div_factor=10.0,
+                                      final_div_factor=100.0),
+     [100.0, 550.0, 1000.0, 750.25, 250.75, 1.0, 1.0]),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, expected", OPTAX_EXPECTED,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(OPTAX_EXPECTED)])
+def test_optax_expected_values(name, kwargs, expected):
+    s = getattr(schedules, name)(**kwargs)
+    np.testing.assert_allclose(s(torch.arange(len(expected))).numpy(), expected, atol=1e-3)
+
+
+def test_piecewise_interpolate_zero_length_interval():
+    # a boundary at 0 applies its scale at once (Optax's test_zero_interval_size): finite, no 0/0
+    s = schedules.piecewise_interpolate_schedule("linear", 13.0, {0: 2.0, 5: 3.0})
+    values = s(torch.arange(6))
+    assert values.isfinite().all()
+    assert values[0].item() == 26.0 and values[5].item() == 78.0
+
+
+@pytest.mark.parametrize("lrs", [(1.6, 0.8, 0.4), (1.6, 1.6, 1.6)], ids=["step_decay", "no_step_decay"])
+def test_sgdr_peaks_after_each_warmup(lrs):
+    # Optax's SGDRTest.test_limits: cycles of 2000, 3000 and 5000 steps, each with a 500-step warmup
+    kwargs = [dict(decay_steps=steps, peak_value=lr, init_value=0, end_value=0.0, warmup_steps=500)
+              for steps, lr in zip((2000, 3000, 5000), lrs)]
+    s = schedules.sgdr_schedule(kwargs)
+    np.testing.assert_allclose(s(torch.tensor([500, 2500, 5500])).numpy(), lrs, rtol=1e-6)
+
+
+@pytest.mark.optax
+def test_sgdr_derivative_wrt_a_cycle_peak_matches_optax():
+    import jax
+    import jax.numpy as jnp
+
+    optax = pytest.importorskip("optax")
+
+    def kwargs(peak):
+        return [dict(init_value=0.0, peak_value=1.0, warmup_steps=2, decay_steps=6),
+                dict(init_value=0.1, peak_value=peak, warmup_steps=2, decay_steps=8, end_value=0.05)]
+
+    counts = torch.arange(16)
+    ours = torch.func.jacrev(lambda h: schedules.sgdr_schedule(kwargs(h))(counts))(torch.tensor(0.5))
+    theirs = jax.jacrev(lambda h: jax.vmap(optax.sgdr_schedule(kwargs(h)))(jnp.arange(16)))(jnp.float32(0.5))
+    assert np.abs(np.asarray(theirs)).max() > 0
+    np.testing.assert_allclose(ours.numpy(), np.asarray(theirs), rtol=1e-5, atol=1e-7)
+
+
+def test_linear_schedule_is_polynomial_of_power_one():
+    counts = torch.arange(30)
+    args = dict(init_value=0.3, end_value=1e-3, transition_steps=17, transition_begin=4)
+    assert torch.equal(fx.linear_schedule(**args)(counts),
+                       schedules.polynomial_schedule(power=1, **args)(counts))
+
+
 # --- what a schedule returns --------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, kwargs, last", CASES[::3], ids=[c[0] for c in CASES[::3]])
 def test_float32_scalar_on_count_device_without_host_sync(name, kwargs, last):
-    s = getattr(fx, name)(**kwargs)
+    s = getattr(schedules, name)(**kwargs)
     for count in (3, torch.tensor(3, dtype=torch.int32), torch.tensor(3)):
         v = s(count)
         assert isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.shape == ()
@@ -113,6 +214,10 @@ def test_reprs():
         "linear_schedule(init_value=1.0, end_value=0.0, transition_steps=5)], boundaries=[3])")
     assert repr(fx.piecewise_constant_schedule(1.0, {10: 0.1})) == \
         "piecewise_constant_schedule(init_value=1.0, boundaries_and_scales={10: 0.1})"
+    assert repr(schedules.linear_onecycle_schedule(100, 0.1)) == \
+        "linear_onecycle_schedule(transition_steps=100, peak_value=0.1)"
+    assert repr(schedules.sgdr_schedule([dict(init_value=0.0, peak_value=1.0, warmup_steps=1, decay_steps=3)])) == \
+        "sgdr_schedule(cosine_kwargs=[{'init_value': 0.0, 'peak_value': 1.0, 'warmup_steps': 1, 'decay_steps': 3}])"
 
 
 def test_integral_float_steps_accepted():
@@ -126,6 +231,8 @@ def test_integral_float_steps_accepted():
 
 _WARMUP = dict(init_value=0.01, peak_value=0.1, warmup_steps=3, decay_steps=10, end_value=1e-3, exponent=1.5)
 _EXPONENTIAL = dict(init_value=0.1, transition_steps=3, decay_rate=0.5, transition_begin=2, end_value=0.02)
+_POLY = dict(init_value=0.1, end_value=1e-3, power=1.5, transition_steps=10, transition_begin=2)
+_INTERP_LINEAR = dict(interpolate_type="linear", init_value=0.1, boundaries_and_scales={3: 2.0, 6: 0.1, 9: 0.5})
 # (schedule, kwargs, the argument passed as a tensor): every numeric argument Optax lets jax.grad trace
 TENSOR_ARGS = [
     ("constant_schedule", dict(value=0.3), "value"),
@@ -142,11 +249,16 @@ TENSOR_ARGS = [
     ("exponential_decay", _EXPONENTIAL, "end_value"),
     ("exponential_decay", {**_EXPONENTIAL, "staircase": True, "end_value": None}, "init_value"),
     ("piecewise_constant_schedule", dict(init_value=0.1, boundaries_and_scales={3: 0.5, 6: 0.2}), "init_value"),
+    ("polynomial_schedule", _POLY, "init_value"),
+    ("polynomial_schedule", _POLY, "power"),
+    ("piecewise_interpolate_schedule", _INTERP_LINEAR, "init_value"),
+    ("linear_onecycle_schedule", dict(transition_steps=10, peak_value=0.1, pct_final=0.7), "peak_value"),
+    ("cosine_onecycle_schedule", dict(transition_steps=11, peak_value=0.1, final_div_factor=10.0), "peak_value"),
 ]
 _COUNTS = list(range(14))
 
 
-def _with(name, kwargs, arg, h, module=fx):
+def _with(name, kwargs, arg, h, module=schedules):
     return getattr(module, name)(**{**kwargs, arg: h})
 
 
@@ -164,8 +276,9 @@ def test_derivative_wrt_tensor_argument_matches_optax(name, kwargs, arg):
     leaf = torch.tensor(h, requires_grad=True)
     by_autograd = torch.stack([torch.autograd.grad(v, leaf, retain_graph=True)[0]
                                for v in _with(name, kwargs, arg, leaf)(counts)])
-    expected = np.asarray(jax.jacrev(lambda h: _with(name, kwargs, arg, h, optax)(jnp.asarray(_COUNTS)))(
-        jnp.float32(h)))
+    # Optax's schedules of one count, vmapped over the counts (piecewise_interpolate takes scalars only)
+    expected = np.asarray(jax.jacrev(lambda h: jax.vmap(_with(name, kwargs, arg, h, optax))(
+        jnp.asarray(_COUNTS)))(jnp.float32(h)))
     assert np.abs(expected).max() > 0, "a test of nothing"
     for d in (rev, fwd, by_autograd):
         np.testing.assert_allclose(d.numpy(), expected, rtol=1e-5, atol=1e-7)
@@ -182,7 +295,8 @@ def test_vmap_over_tensor_argument_matches_optax(name, kwargs, arg):
     counts = torch.tensor(_COUNTS)
     ours = torch.func.vmap(lambda h: _with(name, kwargs, arg, h)(counts))(torch.tensor(hs))
     if name != "warmup_cosine_decay_schedule":  # Optax branches on peak_value in Python: no jax.vmap
-        theirs = jax.vmap(lambda h: _with(name, kwargs, arg, h, optax)(jnp.asarray(_COUNTS)))(jnp.asarray(hs))
+        theirs = jax.vmap(lambda h: jax.vmap(_with(name, kwargs, arg, h, optax))(jnp.asarray(_COUNTS)))(
+            jnp.asarray(hs))
         theirs = np.asarray(theirs, np.float64).reshape(len(hs), -1)  # Optax's constant ignores the count's shape
         _close(ours.numpy(), np.broadcast_to(theirs, ours.shape), 1.0)
     one_by_one = torch.stack([_with(name, kwargs, arg, h)(counts) for h in hs])  # Python-number arguments
@@ -198,7 +312,7 @@ def test_vmap_over_counts_matches_optax(name, kwargs, last):
 
     optax = pytest.importorskip("optax")
     steps = _steps(last)[:-1]  # int32 counts
-    ours = torch.func.vmap(getattr(fx, name)(**kwargs))(torch.tensor(steps, dtype=torch.int32))
+    ours = torch.func.vmap(getattr(schedules, name)(**kwargs))(torch.tensor(steps, dtype=torch.int32))
     theirs = jax.vmap(getattr(optax, name)(**kwargs))(jnp.asarray(steps, jnp.int32))
     expected = np.asarray(theirs, np.float64)
     _close(ours.numpy(), expected, np.abs(expected).max() or 1.0)
@@ -262,6 +376,20 @@ def test_missing_argument_named():
     (lambda: fx.join_schedules([fx.constant_schedule(1.0)] * 2, [1, 2]), r"2 schedules need 1 boundaries, got 2"),
     (lambda: fx.join_schedules([fx.constant_schedule(1.0)] * 3, [5, 2]), r"must be non-decreasing"),
     (lambda: fx.join_schedules([fx.constant_schedule(1.0)] * 2, [-1]), r"boundaries\[0\]=-1 must be >= 0"),
+    (lambda: schedules.polynomial_schedule(1.0, 0.0, 2, -1), r"polynomial_schedule: transition_steps=-1 must be >= 0"),
+    (lambda: schedules.piecewise_interpolate_schedule("linar", 13.0),
+     r"piecewise_interpolate_schedule: interpolate_type='linar' must be 'linear' or 'cosine'"),
+    (lambda: schedules.piecewise_interpolate_schedule("", 13.0, {5: 3.0}), r"interpolate_type='' must be"),
+    (lambda: schedules.piecewise_interpolate_schedule(None, 13.0, {}), r"interpolate_type=None must be"),
+    (lambda: schedules.piecewise_interpolate_schedule("linear", 13.0, {5: -3}),
+     r"piecewise_interpolate_schedule: boundaries_and_scales\[5\]=-3.0: scales must be >= 0"),
+    (lambda: schedules.linear_onecycle_schedule(transition_steps=0, peak_value=5.0),
+     r"linear_onecycle_schedule: transition_steps=0 must be >= 1"),
+    (lambda: schedules.cosine_onecycle_schedule(transition_steps=0, peak_value=5.0),
+     r"cosine_onecycle_schedule: transition_steps=0 must be >= 1"),
+    (lambda: schedules.sgdr_schedule([]), r"sgdr_schedule: cosine_kwargs is empty"),
+    (lambda: schedules.sgdr_schedule([dict(init_value=0.0, peak_value=1.0, warmup_steps=3, decay_steps=3)]),
+     r"sgdr_schedule: cosine_kwargs\[0\]: .*decay_steps=3 must be greater than warmup_steps=3"),
 ])
 def test_invalid_values_raise_value_error(build, match):
     with pytest.raises(ValueError, match=match):
@@ -276,6 +404,10 @@ def test_invalid_values_raise_value_error(build, match):
     (lambda: fx.join_schedules([1.0, 2.0], [3]), r"schedules\[0\] is not callable"),
     (lambda: fx.constant_schedule(torch.ones(2)), r"constant_schedule: value must be a number or a 0-dim"),
     (lambda: fx.constant_schedule(1.0)("3"), r"constant_schedule\(value=1.0\): the step count must be an int"),
+    (lambda: schedules.sgdr_schedule([dict(init_value=0.0, peak_value=1.0, warmup_steps=1, decay_step=3)]),
+     r"sgdr_schedule: cosine_kwargs\[0\]: .*decay_step is not an argument of warmup_cosine_decay_schedule"),
+    (lambda: schedules.sgdr_schedule([(0.0, 1.0, 1, 3)]), r"sgdr_schedule: cosine_kwargs\[0\] must be a dict"),
+    (lambda: schedules.cosine_onecycle_schedule(10, 1.0, pct_start="0.3"), r"pct_start must be a number"),
 ])
 def test_wrong_types_raise_type_error(build, match):
     with pytest.raises(TypeError, match=match):
