@@ -9,6 +9,10 @@ CONFORMANCE: dict = {
     "schedule_free_adamw": lambda: fx.contrib.schedule_free_adamw(1e-2, weight_decay=1e-2),
     "normalize": lambda: fx.contrib.normalize(),
     "sam": lambda: fx.contrib.sam(fx.adam(1e-2), fx.chain(fx.contrib.normalize(), fx.sgd(1e-2)), sync_period=3),
+    "scale_by_dog": lambda: fx.contrib.scale_by_dog(("learning_rate", 0.1)),
+    "dog": lambda: fx.contrib.dog(weight_decay=1e-2),
+    "scale_by_dowg": lambda: fx.contrib.scale_by_dowg(),
+    "dowg": lambda: fx.contrib.dowg(0.5, init_estim_sq_dist=0.1),
 }
 COMPOSABLE: dict = {
     "schedule_free": (lambda: fx.contrib.schedule_free(fx.sgd(0.1), 0.1, b1=0.8),
@@ -21,10 +25,16 @@ COMPOSABLE: dict = {
                   lambda o: o.chain(o.contrib.normalize(), o.scale(-0.1))),
     "sam": (lambda: fx.contrib.sam(fx.sgd(0.1, momentum=0.5), fx.chain(fx.contrib.normalize(), fx.adam(1e-2))),
             lambda o: o.contrib.sam(o.sgd(0.1, momentum=0.5), o.chain(o.contrib.normalize(), o.adam(1e-2)))),
+    # No Optax reference: a gradient through dog's first update is NaN in Optax (the sqrt of the distance 0),
+    # 0 here; test_contrib_more.py checks the values against Optax.
+    "dog": (lambda: fx.contrib.dog(init_step=("distance", 0.1), weight_decay=0.1), None),
+    "dowg": (lambda: fx.contrib.dowg(0.5, init_estim_sq_dist=0.01), lambda o: o.contrib.dowg(0.5, init_estim_sq_dist=0.01)),
 }
 OPTIMIZERS: dict = {
     "schedule_free_sgd": lambda: fx.contrib.schedule_free_sgd(0.1),
     "schedule_free_adamw": lambda: fx.contrib.schedule_free_adamw(1e-2),
     "sam": lambda: fx.contrib.sam(fx.sgd(0.1), fx.sgd(1e-2)),
+    "dog": lambda: fx.contrib.dog(),
+    "dowg": lambda: fx.contrib.dowg(),
 }
 DTENSOR: dict = {}

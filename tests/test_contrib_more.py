@@ -1,0 +1,108 @@
+"""The smaller contrib optimizers (fxtrain/contrib/_more.py): Optax parity with default and other arguments,
+Optax's examples, dtypes, errors."""
+
+import pytest
+import torch
+
+import fxtrain as fx
+from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, ndim_mask
+
+C = fx.contrib
+
+# name -> {variant: kwargs}; "sched" is replaced by a linear schedule on each side.
+PARITY = {
+    "dog": {
+        "default": {},
+        "distance": {"learning_rate": 0.5, "init_step": ("distance", 0.1), "eps": 1e-4},
+        "learning_rate": {"init_step": ("learning_rate", 0.01), "weight_decay": 0.1, "mask": ndim_mask},
+        "heuristic_sched": {"learning_rate": "sched", "init_step": ("heuristic", 1e-3), "weight_decay": 0.01},
+    },
+    "dowg": {
+        "default": {},
+        "guess": {"learning_rate": 0.5, "init_estim_sq_dist": 0.01, "eps": 1e-6},
+        "decay_sched": {"learning_rate": "sched", "weight_decay": 0.1, "mask": ndim_mask},
+    },
+    "scale_by_dog": {"learning_rate": {"init_step": ("learning_rate", 0.05)}},
+    "scale_by_dowg": {"default": {}},
+}
+CASES = [(name, variant) for name, variants in PARITY.items() for variant in variants]
+
+
+def _args(lib, kwargs):
+    return {k: (lib.linear_schedule(1.0, 0.2, 15) if v == "sched" else v) for k, v in kwargs.items()}
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("name,variant", CASES, ids=[f"{n}-{v}" for n, v in CASES])
+def test_matches_optax(name, variant):
+    optax = pytest.importorskip("optax")
+    kwargs = PARITY[name][variant]
+    from optax.contrib import _dog  # scale_by_dog and scale_by_dowg are not exported by optax.contrib
+    theirs_factory = getattr(optax.contrib, name, None) or getattr(_dog, name)
+    ours, theirs = getattr(C, name)(**_args(fx, kwargs)), theirs_factory(**_args(optax, kwargs))
+    if name.startswith("scale_by"):
+        ours, theirs = fx.chain(ours, fx.scale(-1.0)), optax.chain(theirs, optax.scale(-1.0))
+    assert_parity(ours, theirs)
+
+
+def _quadratic(tx, steps):
+    params = torch.tensor([1.0, 2.0, 3.0])
+    state, values = tx.init(params), []
+    for _ in range(steps):
+        u, state = tx.update(2 * params, state, params, value=(params ** 2).sum())  # extra args are ignored
+        params = fx.apply_updates(params, u)
+        values.append(float((params ** 2).sum()))
+    return values
+
+
+def test_optax_examples():  # the examples of Optax's dog and dowg docstrings
+    assert _quadratic(C.dowg(), 5) == pytest.approx([13.925367, 13.872763, 13.775433, 13.596172, 13.268837],
+                                                    rel=1e-6)
+    assert all(13.99 < v < 14.0 for v in _quadratic(C.dog(), 5))
+
+
+@pytest.mark.parametrize("build", [lambda: C.dog(init_step=("learning_rate", 0.1)), lambda: C.dowg()],
+                         ids=["dog", "dowg"])
+def test_reaches_the_minimum(build):  # Optax's common test, on the parabola, with fewer steps
+    target = torch.tensor([1.0, -1.0, 1.0])
+    params, tx = torch.tensor([-1.0, 10.0, 1.0]), build()
+    state = tx.init(params)
+    for _ in range(500):
+        u, state = tx.update(2 * (params - target), state, params)
+        params = fx.apply_updates(params, u)
+    torch.testing.assert_close(params, target, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("build", [lambda: C.dog(weight_decay=1e-2), lambda: C.dowg(weight_decay=1e-2)],
+                         ids=["dog", "dowg"])
+def test_pure_dtypes_and_none_leaves(build):
+    tx = build()
+    assert_pure(tx)
+    assert_none_passthrough(tx)
+    assert_dtypes(tx)
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"scale_by_dog: init_step=\('lr', \.\.\.\) must start with one of"):
+        C.dog(init_step=("lr", 0.1))
+    with pytest.raises(ValueError, match=r"scale_by_dowg: eps=-1.0 must be >= 0"):
+        C.dowg(eps=-1.0)
+    with pytest.raises(ValueError, match=r"dog: learning_rate=-1.0 must be >= 0"):
+        C.dog(-1.0)
+    tx = C.scale_by_dog(("distance", 1.0))
+    with pytest.raises(ValueError, match=r"scale_by_dog needs params at update"):
+        tx.update(torch.ones(2), tx.init(torch.ones(2)))
+
+
+def test_gradient_through_dog_updates_is_finite():
+    # Optax's is NaN: the first update's distance |x_0 - x_0| = 0 goes through a sqrt.
+    tx = C.dog(init_step=("distance", 0.1))
+
+    def loss(p):
+        state = tx.init(p)
+        for _ in range(2):
+            u, state = tx.update(2 * p, state, p)
+            p = fx.apply_updates(p, u)
+        return (p ** 2).sum()
+
+    assert torch.isfinite(torch.func.grad(loss)(torch.tensor([1.0, 2.0]))).all()
