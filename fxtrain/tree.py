@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
@@ -35,6 +35,8 @@ __all__ = [
     "functional", "is_functional", "donated", "is_donated", "transformed", "scale_", "mul_", "div_", "add_", "lerp_", "addcmul_",
     "addcdiv_", "sqrt_", "reciprocal_", "sign_", "tanh_", "abs_", "neg_", "clamp_", "maximum_", "copy_",
     "inc_", "where_", "zero_where_",
+    # values by name (Optax's tree_get / tree_set)
+    "get", "set", "get_all_with_path", "NamedTupleKey", "keystr",
 ]
 
 Tree = Any
@@ -576,3 +578,232 @@ def all_finite(xs: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.stack([x.isfinite().all() for x in xs]).all()
     # The inf-norm of finite values is finite (a sum of squares could overflow); NaN propagates through amax.
     return torch.stack(torch._foreach_norm(xs, float("inf"))).isfinite().all()
+
+
+# --- values by name: get / set (Optax's tree_get / tree_set) ----------------------------------------
+#
+# Optimizer states are nests of NamedTuples, dicts and tuples (chain, accumulate, amp_cast...); these
+# find a value by its name (a NamedTuple field, a dict key, or a NamedTuple's type name) wherever it
+# sits, so `set(state, learning_rate=lr)` reaches `state.inner_state.inner_state[3].hyperparams`.
+# Written out here rather than with optree's paths: a path entry must tell a NamedTuple field (and the
+# NamedTuple's type, which filters use) from a dict key.
+
+
+class NamedTupleKey(NamedTuple):
+    """A path entry of :func:`get_all_with_path`: field ``name`` of a NamedTuple of type ``tuple_name``.
+
+    Filters tell apart same-named fields of different states with it (Optax's ``NamedTupleKey``):
+    ``lambda path, value: path[-1] == NamedTupleKey("ScaleByAdamState", "count")``. Other entries are
+    the dict key or the sequence index itself.
+    """
+
+    tuple_name: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.tuple_name}.{self.name}"
+
+
+KeyPath = tuple  # of NamedTupleKey, dict keys and sequence indices, root first
+Filter = Callable[[KeyPath, Any], bool]
+
+
+def keystr(path: KeyPath) -> str:
+    """``path`` as the Python accessor it stands for, e.g. ``[1].inner_state.hyperparams['learning_rate']``.
+
+    >>> keystr((1, NamedTupleKey("InjectHyperparamsState", "hyperparams"), "learning_rate"))
+    "[1].hyperparams['learning_rate']"
+    """
+    return "".join(f".{e.name}" if isinstance(e, NamedTupleKey) else f"[{e!r}]" for e in path) or "<root>"
+
+
+def _is_named_tuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _children(node: Any) -> tuple[list, list, Callable[[list], Any]] | None:
+    """``(entries, children, rebuild)`` of a container (``rebuild(new_children)`` gives a node of the same
+    type), or ``None`` for a leaf. Any node the fxtrain optree namespace knows is entered."""
+    if node is None or isinstance(node, torch.Tensor):
+        return None
+    try:
+        children, meta, entries, unflatten_one = optree.tree_flatten_one_level(node, **_kw())
+    except ValueError:  # a leaf type
+        return None
+    if _is_named_tuple(node):
+        entries = [NamedTupleKey(type(node).__name__, f) for f in node._fields]
+    return list(entries), list(children), lambda new: unflatten_one(meta, new)
+
+
+def _name_of(node: Any, entry: Any) -> Any:
+    """The name a child of ``node`` answers to: its field for a NamedTuple, its key for a dict; none else."""
+    if isinstance(entry, NamedTupleKey):
+        return entry.name
+    return entry if isinstance(node, dict) else _NO_NAME
+
+
+_NO_NAME = object()
+
+
+def _found(tree: Tree, key: Any, path: KeyPath = ()):
+    """(path, value) of every value named ``key``, depth first: a node's own matches before its subtrees'."""
+    if _is_named_tuple(tree) and type(tree).__name__ == key:
+        yield path, tree
+    kids = _children(tree)
+    if kids is None:
+        return
+    entries, children, _ = kids
+    for e, c in zip(entries, children):
+        if _name_of(tree, e) == key:
+            yield (*path, e), c
+    for e, c in zip(entries, children):
+        yield from _found(c, key, (*path, e))
+
+
+def get_all_with_path(tree: Tree, key: Any, filtering: Filter | None = None) -> list[tuple[KeyPath, Any]]:
+    """Every value of ``tree`` named ``key``, with its path (Optax's ``tree_utils.tree_get_all_with_path``).
+
+    A value is named by a NamedTuple field, a dict key (``InjectHyperparamsState.hyperparams`` holds the
+    hyperparameters of :func:`fxtrain.inject_hyperparams`), or, for a whole NamedTuple, its type name
+    (``"ScaleByAdamState"``). Paths are tuples of :class:`NamedTupleKey` (for NamedTuple fields), dict
+    keys and sequence indices; :func:`keystr` prints them. Values inside a found value are found too.
+
+    Args:
+      tree: the tree to search, typically an optimizer state.
+      key: the name to look for.
+      filtering: optional ``filtering(path, value) -> bool`` keeping only some of the values found.
+
+    Returns:
+      ``[(path, value), ...]``, depth first (a node's own fields before those of its subtrees).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.chain(fx.inject_hyperparams(fx.sgd)(learning_rate=0.1), fx.adam(1e-3))
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> [fx.tree.keystr(path) for path, _ in fx.tree.get_all_with_path(state, "count")]
+        ['[0].count', '[1][0].count']
+        >>> adam_only = lambda path, value: path[-1].tuple_name == "ScaleByAdamState"
+        >>> [fx.tree.keystr(path) for path, _ in fx.tree.get_all_with_path(state, "count", adam_only)]
+        ['[1][0].count']
+    """
+    found = list(_found(tree, key))
+    return found if filtering is None else [(p, v) for p, v in found if filtering(p, v)]
+
+
+def get(tree: Tree, key: Any, default: Any = None, filtering: Filter | None = None) -> Any:
+    """The one value of ``tree`` named ``key``, or ``default`` if there is none (Optax's ``tree_get``).
+
+    Names are NamedTuple fields, dict keys and NamedTuple type names, found at any depth (see
+    :func:`get_all_with_path`).
+
+    Args:
+      tree: the tree to search, typically an optimizer state.
+      key: the name to look for.
+      default: what to return when no value is named ``key``.
+      filtering: optional ``filtering(path, value) -> bool`` keeping only some of the values found.
+
+    Returns:
+      The value.
+
+    Raises:
+      KeyError: several values are named ``key`` (after ``filtering``); the message gives their paths.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.accumulate(fx.inject_hyperparams(fx.adamw)(learning_rate=1e-3), every=4)
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> float(fx.tree.get(state, "learning_rate"))
+        0.001
+        >>> fx.tree.get(state, "ScaleByAdamState").count
+        tensor(0, dtype=torch.int32)
+        >>> fx.tree.get(state, "momentum", default="none")
+        'none'
+    """
+    found = get_all_with_path(tree, key, filtering)
+    if len(found) > 1:
+        where = ", ".join(keystr(p) for p, _ in found)
+        raise KeyError(f"fxtrain.tree.get: {len(found)} values are named {key!r}, at {where}; pass "
+                       "filtering=lambda path, value: ... to pick one (path entries: NamedTupleKey(tuple_name, "
+                       "name), dict keys, indices)")
+    return found[0][1] if found else default
+
+
+def _set(tree: Tree, filtering: Filter | None = None, /, **kwargs: Any) -> Tree:
+    """A copy of ``tree`` with the values named by ``kwargs`` replaced (Optax's ``tree_set``).
+
+    Every value named by a key of ``kwargs`` (a NamedTuple field, a dict key or a NamedTuple type name,
+    at any depth, as :func:`get_all_with_path` finds them) that passes ``filtering`` is replaced by the
+    given value, used as it is. The containers on the way are rebuilt; other leaves are shared, not
+    copied. With :func:`fxtrain.inject_hyperparams` anywhere in a stack, this changes a hyperparameter
+    from the next update on: give a 0-dim tensor of the hyperparameter's dtype (see its docstring).
+
+    Args:
+      tree: the tree, typically an optimizer state.
+      filtering: optional ``filtering(path, value) -> bool``: only values passing it are replaced.
+      **kwargs: name = new value.
+
+    Returns:
+      The new tree, of the same structure where the replaced values have the structure of the old ones.
+
+    Raises:
+      KeyError: no value (passing ``filtering``) is named by one of the keys; the message names it.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.amp_cast(fx.accumulate(fx.inject_hyperparams(fx.adamw)(learning_rate=1e-3), every=2))
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> state = fx.tree.set(state, learning_rate=torch.tensor(1e-4))
+        >>> float(state.inner_state.inner_state.hyperparams["learning_rate"])
+        0.0001...
+    """
+    for key in kwargs:
+        if not get_all_with_path(tree, key, filtering):
+            raise KeyError(_missing(tree, key, filtering))
+    return _replaced(tree, (), filtering, kwargs)
+
+
+_set.__name__ = _set.__qualname__ = "set"
+
+
+def _replaced(node: Any, path: KeyPath, filtering: Filter | None, new: dict) -> Any:
+    if _is_named_tuple(node) and type(node).__name__ in new and (filtering is None or filtering(path, node)):
+        return new[type(node).__name__]
+    kids = _children(node)
+    if kids is None:
+        return node
+    entries, children, rebuild = kids
+    out = []
+    for e, c in zip(entries, children):
+        name, p = _name_of(node, e), (*path, e)
+        hit = name is not _NO_NAME and name in new and (filtering is None or filtering(p, c))
+        out.append(new[name] if hit else _replaced(c, p, filtering, new))
+    return rebuild(out)
+
+
+def _missing(tree: Tree, key: Any, filtering: Filter | None) -> str:
+    """Why ``set`` found nothing for ``key``, with the closest names the tree has."""
+    import difflib  # only on this error path
+
+    names: dict = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if _is_named_tuple(node):
+            names[type(node).__name__] = None
+        kids = _children(node)
+        if kids is not None:
+            names.update((_name_of(node, e), None) for e in kids[0])
+            stack.extend(kids[1])
+    names.pop(_NO_NAME, None)
+    if filtering is not None and key in names:
+        return f"fxtrain.tree.set: no value named {key!r} passes the filtering given"
+    close = difflib.get_close_matches(str(key), [str(n) for n in names], n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return f"fxtrain.tree.set: no value is named {key!r} in the tree{hint}"
+
+
+def __getattr__(name: str) -> Any:
+    # `tree.set`: the module's own code calls the builtin `set`, which a global of that name would shadow.
+    if name == "set":
+        return _set
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
