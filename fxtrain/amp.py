@@ -66,7 +66,8 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, kernel, public_factory, report, transform, with_traits, wrap_loss
+from fxtrain._base import (GradientTransformation, call, public_factory, report, traits, transform, with_traits,
+                           wrap_loss)
 from fxtrain.transforms._conditionality import seen_grad_norm, select, skip_where_
 from fxtrain.transforms._hyperparams import param_device
 
@@ -506,8 +507,6 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
     dynamic = isinstance(scaler, DynamicLossScale)
     if dynamic and not allow_fp16 and policy.param_dtype == torch.float16:
         raise ValueError("amp_cast: " + _FP16_REFUSAL.format(where=f" (policy '{policy}')"))
-    inner_kernel = kernel(inner)
-
     def init_fn(params):
         if dynamic and not allow_fp16:
             for path, x in zip(tree.paths(params), tree.flatten(params)[0]):
@@ -516,9 +515,9 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
         device = param_device(params)
         return AmpCastState(scaler.init(device), _scalar(0, device, torch.int32), inner.init(params))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         if not scaler.scaled:
-            updates, inner_state = inner_kernel(updates, state.inner_state, params)
+            updates, inner_state = call(inner, updates, state.inner_state, params, extra_args)
             return updates, AmpCastState(state.loss_scale, state.skipped, inner_state)
         local = distributed.local_leaves(updates)
         if tree.is_functional():  # out of place: the same math with ordinary ops (vmap, grad see it all)
@@ -536,7 +535,7 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
             updates = tree.put(updates, updates, tree.zero_where_(overflow, local))
         else:  # the inner kernel writes into its state: keep a copy to restore
             before = tree.clone(state.inner_state)
-        updates, inner_state = inner_kernel(updates, state.inner_state, params)
+        updates, inner_state = call(inner, updates, state.inner_state, params, extra_args)
         # The norm of what was skipped (out of place the inner stack saw zeros on overflow).
         seen = seen_grad_norm(report(inner_state), overflow, local, fed_zeros=tree.is_functional())
         inner_state = select(~overflow, inner_state, before, what="inner state", seen=seen)
@@ -560,7 +559,7 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
 
         return amp_loss
 
-    return with_traits(GradientTransformation(init_fn, update_fn), wrap_loss=wrap)
+    return with_traits(GradientTransformation(init_fn, update_fn), wrap_loss=wrap, extra_args=traits(inner).extra_args)
 
 
 _factory.__name__ = _factory.__qualname__ = "amp_cast"  # the name the decorator prints

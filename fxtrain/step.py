@@ -224,6 +224,7 @@ def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool
                   compiled: _CompiledUpdate | None, grad: Callable) -> Step:
     """The in-place step: autograd on detached views (or ``grad``), then the fused, compiled or foreach kernels."""
     fused = _fused.spec(tx) is not None  # decided once; whether the leaves allow it, per call (metadata)
+    extra = _extra_args(tx)
 
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
         if tree.transformed():
@@ -242,9 +243,9 @@ def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool
             if fused and _fused.step_(tx, grads, opt_state, params):
                 pass
             elif compiled is not None:
-                params, opt_state = compiled(sync(_owned(grads), params), opt_state, params)
+                params, opt_state = compiled(sync(_owned(grads), params), opt_state, params, **extra(loss))
             else:
-                updates, opt_state = update_(tx, sync(_owned(grads), params), opt_state, params)
+                updates, opt_state = update_(tx, sync(_owned(grads), params), opt_state, params, **extra(loss))
                 params = apply_updates_(params, updates)
         return params, opt_state, _metrics(loss, aux, opt_state, has_aux)
 
@@ -260,6 +261,7 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
     copies (the fused one where it applies), the same bits as ``donate=True``.
     """
     fused = _fused.spec(tx) is not None
+    extra = _extra_args(tx)
 
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
         fn = wrap_loss(tx, canonical, opt_state)
@@ -269,11 +271,19 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
             params, opt_state = tree.clone(params), tree.clone(opt_state)
             _fused.step_(tx, grads, opt_state, params)  # grads are this step's own
         else:
-            updates, opt_state = tx.update(sync(grads, params), opt_state, params)
+            updates, opt_state = tx.update(sync(grads, params), opt_state, params, **extra(loss))
             params = apply_updates(params, updates)  # keeps each DTensor param's placements
         return params, opt_state, _metrics(loss, aux, opt_state, has_aux)
 
     return step
+
+
+def _extra_args(tx: GradientTransformation) -> Callable[[torch.Tensor], dict]:
+    """The extra update arguments the step passes: ``value=loss`` to a stack that reads extra arguments
+    (``reduce_on_plateau``, ``polyak_sgd``: Optax's ``value``), nothing otherwise; decided when the step is built."""
+    if traits(tx).extra_args:
+        return lambda loss: {"value": loss}
+    return lambda loss: {}
 
 
 def _metrics(loss: torch.Tensor, aux: Any, opt_state: State, has_aux: bool) -> Metrics:
@@ -304,24 +314,24 @@ class _CompiledUpdate:
     def __init__(self, tx: GradientTransformation):
         self.tx, self.fn = tx, None
 
-    def __call__(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+    def __call__(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> tuple[Any, Any]:
         if self.fn is None:
             self.fn = self._build(state)
         with torch._dynamo.config.patch(capture_scalar_outputs=True):
-            return self.fn(grads, state, params)
+            return self.fn(grads, state, params, **extra_args)
 
     def _build(self, state: Any) -> Callable:
         from torch._dynamo.eval_frame import skip_code
 
         tx, top = self.tx, kernel(self.tx)
         if not traits(tx).host:
-            def traced(grads, state, params):
-                updates, state = update_(tx, grads, state, params)
+            def traced(grads, state, params, **extra_args):
+                updates, state = update_(tx, grads, state, params, **extra_args)
                 return apply_updates_(params, updates), state
             return torch.compile(_own_code(traced), dynamic=False)
 
-        def hosted(grads, state, params):
-            updates, state = top(grads, state, params)
+        def hosted(grads, state, params, **extra_args):
+            updates, state = top(grads, state, params, **extra_args)  # non-empty only if tx reads them
             if all(u is None for u in tree.flatten(updates)[0]):  # a held micro-batch: nothing to apply
                 return params, state
             return apply_updates_(params, updates), state

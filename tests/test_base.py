@@ -153,3 +153,69 @@ def test_report_finds_reporting_nodes_inside_reporting_nodes_outer_first():
 def test_apply_updates_to_no_params_is_none():
     """Optax's update_test.test_none_argument: ``apply_updates(None, x)`` is ``None`` (an empty tree), not a TypeError."""
     assert fx.apply_updates(None, torch.tensor([1.0, 2.0, 3.0])) is None
+
+
+# --- extra update arguments (Optax's GradientTransformationExtraArgs) ------------------------------------
+
+@fx.transform(elementwise=True, extra_args=True)
+def _scale_by_value():
+    """Multiplies updates by the ``value=`` passed to update (a transform that reads an extra argument)."""
+    def init_fn(params):
+        del params
+        return fx.EmptyState()
+
+    def update_fn(updates, state, params=None, *, value=None, **extra_args):
+        del params, extra_args
+        if value is None:
+            raise ValueError("_scale_by_value needs value=")
+        return fx.tree.put(updates, updates, fx.tree.scale_(fx.tree.leaves(updates), value)), state
+
+    return fx.GradientTransformation(init_fn, update_fn)
+
+
+@pytest.mark.parametrize("wrap", ["chain", "named_chain", "amp_cast", "sharded_apply", "inject_hyperparams"])
+def test_extra_args_reach_the_transform_that_reads_them(wrap):
+    inner = fx.chain(fx.scale(2.0), _scale_by_value())
+    tx = {"chain": lambda: fx.chain(fx.identity(), inner),
+          "named_chain": lambda: fx.named_chain(("a", fx.identity()), ("b", inner)),
+          "amp_cast": lambda: fx.amp_cast(inner, policy="p=f32,c=f32,o=f32", loss_scale="dynamic"),
+          "sharded_apply": lambda: fx.sharded_apply(inner),
+          "inject_hyperparams": lambda: fx.chain(fx.inject_hyperparams(fx.sgd)(learning_rate=0.5), inner)}[wrap]()
+    assert fx.traits(tx).extra_args
+    g = {"w": torch.ones(2)}
+    state = tx.init(g)
+    if wrap == "amp_cast":  # gradients of the scaled loss
+        g = {"w": torch.ones(2) * state.loss_scale.scale}
+    u, _ = tx.update(g, state, g, value=torch.tensor(3.0), grad=g)  # grad=: read by nobody, dropped
+    expected = 6.0 * (-0.5 if wrap == "inject_hyperparams" else 1.0)
+    assert u["w"].tolist() == [expected, expected]
+    with pytest.raises(ValueError, match="needs value="):
+        tx.update(g, tx.init(g), g)
+
+
+def test_extra_args_are_dropped_by_transforms_that_do_not_read_them():
+    tx = fx.adam(0.1)
+    assert not fx.traits(tx).extra_args
+    g = {"w": torch.ones(2)}
+    u, _ = tx.update(g, tx.init(g), g, value=torch.tensor(1.0))
+    v, _ = fx.update_(tx, fx.tree.clone(g), tx.init(g), g, value=torch.tensor(1.0))
+    assert u["w"].tolist() == v["w"].tolist()
+    torch.testing.assert_close(u["w"], torch.full((2,), -0.1))
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_train_step_passes_the_loss_as_value(donate):
+    seen = []
+
+    @fx.transform(elementwise=True, extra_args=True)
+    def record():
+        def update_fn(updates, state, params=None, *, value=None, **extra_args):
+            seen.append(float(value))
+            return updates, state
+        return fx.GradientTransformation(lambda p: fx.EmptyState(), update_fn)
+
+    tx = fx.chain(record(), fx.sgd(0.1))
+    step = fx.train_step(lambda p, b: (p["w"] * b).sum(), tx, donate=donate)
+    params = {"w": torch.ones(2)}
+    params, state, metrics = step(params, tx.init(params), torch.full((2,), 2.0))
+    assert seen == [4.0] and float(metrics["loss"]) == 4.0

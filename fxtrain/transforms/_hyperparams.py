@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, _name, _Update, kernel, public_factory, traits
+from fxtrain._base import GradientTransformation, _name, _Update, call, public_factory, traits
 from fxtrain.schedules import bind
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
@@ -160,10 +160,10 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
             inner_state = inner_factory(**other, **hps).init(params)
             return InjectHyperparamsState(count, hps, inner_state)
 
-        def update_fn(updates, state, params=None):
+        def update_fn(updates, state, params=None, **extra_args):
             hps = current(state, params)
             inner = inner_factory(**other, **hps)  # cheap: factories are closures over the 0-dim tensors
-            updates, inner_state = kernel(inner)(updates, state.inner_state, params)
+            updates, inner_state = call(inner, updates, state.inner_state, params, extra_args)
             return updates, InjectHyperparamsState(safe_increment_(state.count), hps, inner_state)
 
         wrap_loss = None

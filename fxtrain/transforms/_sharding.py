@@ -51,7 +51,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, is_elementwise, kernel, public_factory, transform, with_traits
+from fxtrain._base import GradientTransformation, call, is_elementwise, public_factory, traits, transform, with_traits
 from fxtrain.distributed._collectives import check_same_mesh, redistribute
 
 __all__ = ["sharded_apply"]
@@ -133,7 +133,9 @@ def _refuse(tx: GradientTransformation) -> None:
 
 def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> GradientTransformation:
     _refuse(tx)
-    inner = kernel(tx)
+
+    def inner(updates, state, params, extra_args):
+        return call(tx, updates, state, params, extra_args)
 
     def init_fn(params):
         flat_p, pspec = tree.flatten(params)
@@ -141,12 +143,12 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
         local = tree.unflatten(pspec, [_local_param(x, role) for x, role in zip(flat_p, roles)])
         return _wrap_state(tx.init(local), flat_p, pspec, roles)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         flat_u, uspec = tree.flatten(updates)
         flat_p, pspec = tree.flatten(params) if params is not None else ([None] * len(flat_u), None)
         flat_s, sspec = tree.flatten(state)
         if not any(isinstance(x, DTensor) for x in (*flat_u, *flat_p, *flat_s)):
-            return inner(updates, state, params)  # plain leaves: tx itself (composes with torch.func as it does)
+            return inner(updates, state, params, extra_args)  # plain leaves: tx itself (composes with torch.func as it does)
         if tree.transformed():
             raise ValueError("DTensor leaves cannot go through a torch.func transform (vmap, grad, jvp): "
                              "torch.func does not support DTensor; use plain tensors there")
@@ -164,7 +166,7 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
         local_s = [tree.local(x) for x in flat_s]
 
         new_u, new_s = inner(tree.unflatten(uspec, local_u), tree.unflatten(sspec, local_s),
-                             None if params is None else tree.unflatten(pspec, local_p))
+                             None if params is None else tree.unflatten(pspec, local_p), extra_args)
 
         out_u, out_uspec = tree.flatten(new_u)
         if zero is not None:
@@ -179,7 +181,8 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
     # Partial gradients come in unreduced (train_step skips its reduce_partials): ZeRO leaves are
     # reduce-scattered, the rest reduced here, packed.
     # ZeRO leaves need collectives: not nestable in a local map, hence not elementwise with shard_over.
-    return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=True, elementwise=shard_over is None)
+    return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=True, elementwise=shard_over is None,
+                       extra_args=traits(tx).extra_args)
 
 
 _factory.__name__ = _factory.__qualname__ = "sharded_apply"
