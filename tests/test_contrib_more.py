@@ -22,6 +22,10 @@ PARITY = {
         "guess": {"learning_rate": 0.5, "init_estim_sq_dist": 0.01, "eps": 1e-6},
         "decay_sched": {"learning_rate": "sched", "weight_decay": 0.1, "mask": ndim_mask},
     },
+    "cocob": {
+        "default": {},
+        "all": {"learning_rate": "sched", "alpha": 20.0, "eps": 1e-4, "weight_decay": 1e-2, "mask": ndim_mask},
+    },
     "scale_by_dog": {"learning_rate": {"init_step": ("learning_rate", 0.05)}},
     "scale_by_dowg": {"default": {}},
 }
@@ -61,8 +65,9 @@ def test_optax_examples():  # the examples of Optax's dog and dowg docstrings
     assert all(13.99 < v < 14.0 for v in _quadratic(C.dog(), 5))
 
 
-@pytest.mark.parametrize("build", [lambda: C.dog(init_step=("learning_rate", 0.1)), lambda: C.dowg()],
-                         ids=["dog", "dowg"])
+@pytest.mark.parametrize("build", [lambda: C.dog(init_step=("learning_rate", 0.1)), lambda: C.dowg(),
+                                   lambda: C.cocob(), lambda: C.cocob(weight_decay=1e-2)],
+                         ids=["dog", "dowg", "cocob", "cocob_decay"])
 def test_reaches_the_minimum(build):  # Optax's common test, on the parabola, with fewer steps
     target = torch.tensor([1.0, -1.0, 1.0])
     params, tx = torch.tensor([-1.0, 10.0, 1.0]), build()
@@ -73,8 +78,9 @@ def test_reaches_the_minimum(build):  # Optax's common test, on the parabola, wi
     torch.testing.assert_close(params, target, rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.parametrize("build", [lambda: C.dog(weight_decay=1e-2), lambda: C.dowg(weight_decay=1e-2)],
-                         ids=["dog", "dowg"])
+@pytest.mark.parametrize("build", [lambda: C.dog(weight_decay=1e-2), lambda: C.dowg(weight_decay=1e-2),
+                                   lambda: C.cocob(weight_decay=1e-2)],
+                         ids=["dog", "dowg", "cocob"])
 def test_pure_dtypes_and_none_leaves(build):
     tx = build()
     assert_pure(tx)
@@ -89,9 +95,11 @@ def test_errors_name_the_argument():
         C.dowg(eps=-1.0)
     with pytest.raises(ValueError, match=r"dog: learning_rate=-1.0 must be >= 0"):
         C.dog(-1.0)
-    tx = C.scale_by_dog(("distance", 1.0))
-    with pytest.raises(ValueError, match=r"scale_by_dog needs params at update"):
-        tx.update(torch.ones(2), tx.init(torch.ones(2)))
+    for tx, name in [(C.scale_by_dog(("distance", 1.0)), "scale_by_dog"), (C.cocob(), "scale_by_cocob")]:
+        with pytest.raises(ValueError, match=rf"{name} needs params at update"):
+            tx.update(torch.ones(2), tx.init(torch.ones(2)))
+    with pytest.raises(ValueError, match=r"scale_by_cocob: alpha=-1.0 must be >= 0"):
+        C.cocob(alpha=-1.0)
 
 
 def test_gradient_through_dog_updates_is_finite():

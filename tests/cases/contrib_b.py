@@ -13,6 +13,8 @@ CONFORMANCE: dict = {
     "dog": lambda: fx.contrib.dog(weight_decay=1e-2),
     "scale_by_dowg": lambda: fx.contrib.scale_by_dowg(),
     "dowg": lambda: fx.contrib.dowg(0.5, init_estim_sq_dist=0.1),
+    "scale_by_cocob": lambda: fx.contrib.scale_by_cocob(alpha=10.0),
+    "cocob": lambda: fx.contrib.cocob(weight_decay=1e-2),
 }
 COMPOSABLE: dict = {
     "schedule_free": (lambda: fx.contrib.schedule_free(fx.sgd(0.1), 0.1, b1=0.8),
@@ -29,6 +31,7 @@ COMPOSABLE: dict = {
     # 0 here; test_contrib_more.py checks the values against Optax.
     "dog": (lambda: fx.contrib.dog(init_step=("distance", 0.1), weight_decay=0.1), None),
     "dowg": (lambda: fx.contrib.dowg(0.5, init_estim_sq_dist=0.01), lambda o: o.contrib.dowg(0.5, init_estim_sq_dist=0.01)),
+    "cocob": (lambda: fx.contrib.cocob(alpha=20.0, weight_decay=0.1), lambda o: o.contrib.cocob(alpha=20.0, weight_decay=0.1)),
 }
 OPTIMIZERS: dict = {
     "schedule_free_sgd": lambda: fx.contrib.schedule_free_sgd(0.1),
@@ -36,5 +39,6 @@ OPTIMIZERS: dict = {
     "sam": lambda: fx.contrib.sam(fx.sgd(0.1), fx.sgd(1e-2)),
     "dog": lambda: fx.contrib.dog(),
     "dowg": lambda: fx.contrib.dowg(),
+    "cocob": lambda: fx.contrib.cocob(),
 }
 DTENSOR: dict = {}
