@@ -62,9 +62,11 @@ import optree
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, _name, kernel, transform, with_traits
+from fxtrain._base import GradientTransformation, _name, call, kernel, traits, transform, with_traits
 from fxtrain.transforms._hyperparams import safe_increment_
-from fxtrain.transforms._moments import as_dtype
+from fxtrain.transforms._moments import as_dtype, param_device
+
+__all__ = ["AccumulateState", "accumulate", "microbatch", "skip_not_finite", "skip_large_updates"]
 
 _NS = "fxtrain"
 _SCHEDULE_ON_DEVICE = (
@@ -83,12 +85,14 @@ class AccumulateState(NamedTuple):
       acc: the running sum of this window's gradients, in the gradient dtype or ``accumulator_dtype``;
         ``Partial`` DTensors stay ``Partial``. Meaningless while ``mini_step`` is 0.
       inner_state: the state of the wrapped transform, changed only by emitting calls.
+      skip_state: what ``should_skip_update_fn`` returned last (Optax's ``skip_state``); ``()`` without one.
     """
 
     mini_step: torch.Tensor
     emitted: torch.Tensor
     acc: Any
     inner_state: Any
+    skip_state: Any = ()
 
     def report(self) -> dict[str, torch.Tensor]:
         """``emitted`` (the inner state's reports are found by the step's walk)."""
@@ -97,7 +101,8 @@ class AccumulateState(NamedTuple):
 
 @transform(elementwise=False)
 def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool = True,
-               accumulator_dtype: torch.dtype | str | None = None) -> GradientTransformation:
+               accumulator_dtype: torch.dtype | str | None = None,
+               should_skip_update_fn: Callable | None = None) -> GradientTransformation:
     r"""Accumulates gradients over ``every`` calls and runs ``tx`` once on them (Optax's ``MultiSteps``).
 
     With :math:`g_1 \dots g_k` the gradients of one window of :math:`k` = ``every(emitted)`` calls::
@@ -117,6 +122,21 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
     as Optax does under ``jax.vmap``: ``tx`` then runs on every call, and ``torch.where`` keeps its results
     only where a member emits. Same numbers; an integer ``every`` only.
 
+    **Optax's** ``MultiSteps(opt, every_k_schedule, use_grad_mean, should_skip_update_fn,
+    accumulator_dtype)`` **is** ``accumulate(opt, every, mean=..., should_skip_update_fn=...,
+    accumulator_dtype=...)``: the same updates (zeros between emissions) and the same state fields under
+    fxtrain's names (``gradient_step`` is ``emitted``, ``acc_grads`` is ``acc``: a running sum where Optax
+    keeps a running mean, ``inner_opt_state`` is ``inner_state``). ``MultiSteps.has_updated(state)`` is
+    ``state.mini_step == 0 and state.emitted > 0``. Optax's default ``accumulator_dtype`` is float32;
+    here ``None`` keeps the gradient dtype.
+
+    With ``should_skip_update_fn`` (Optax's: :func:`skip_not_finite`, :func:`skip_large_updates`, or your
+    own ``f(updates, gradient_step, params) -> (skip, skip_state)``), a call whose gradients it rejects is
+    as if it never happened: zero updates, counters, accumulator and inner state unchanged, only
+    ``skip_state`` written. ``skip`` is a 0-dim bool tensor decided on device, so that decision is taken
+    as under ``vmap`` above (the counters live on the params' device, ``tx`` runs on every call and
+    ``torch.where`` selects): no host sync, an integer ``every`` only.
+
     Args:
       tx: the transform to run on the accumulated gradients, e.g. ``chain(clip_by_global_norm(1.0),
         adamw(1e-3))``: clipping acts on the accumulated gradient, as on one big batch.
@@ -126,14 +146,17 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
         micro-batches is the gradient of their union). ``False`` passes the sum.
       accumulator_dtype: dtype of the accumulator (a ``torch.dtype`` or its name); ``None``: the gradient
         dtype. The updates handed to ``tx`` have the gradient dtype.
+      should_skip_update_fn: ``f(updates, gradient_step, params) -> (skip, skip_state)``: a 0-dim bool
+        tensor, true to ignore this call's gradients, and a tree kept in the state as ``skip_state``.
 
     Returns:
       A transform with an :class:`AccumulateState`; ``emitted`` shows in :func:`fxtrain.train_step`'s
-      metrics.
+      metrics. Extra arguments (``value=``...) reach ``tx`` when ``tx`` reads them.
 
     Raises:
       ValueError: ``every`` is not an int >= 1 or a callable (or the schedule returns a value < 1); or, at
-        an update, ``every`` is a schedule and the counters are batched or traced.
+        an update, ``every`` is a schedule and the counters are batched or traced (or a
+        ``should_skip_update_fn`` is given); or ``should_skip_update_fn`` does not return a 0-dim bool.
 
     Example:
         >>> import torch, fxtrain as fx
@@ -155,18 +178,39 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
     """
     window = _window_length(every)
     dtype = as_dtype(accumulator_dtype, "accumulate: accumulator_dtype")
-    inner_kernel = kernel(tx)
+    if should_skip_update_fn is not None:
+        if not callable(should_skip_update_fn):
+            raise ValueError(f"accumulate: should_skip_update_fn must be a callable (updates, gradient_step, "
+                             f"params) -> (skip, skip_state), got {should_skip_update_fn!r}")
+        if not isinstance(every, numbers.Integral):
+            raise ValueError(f"accumulate: every={_name(every)} is a schedule, evaluated on the host, but with a "
+                             "should_skip_update_fn the window is decided on device: pass an integer every")
+
+    def inner_kernel(extra_args):
+        return lambda u, s, p: call(tx, u, s, p, extra_args)
 
     def init_fn(params):
         held = every != 1  # every=1 never holds a gradient: no accumulator memory
+        # With a skip test the counters follow its device-side answer: they live with the params.
+        where = "cpu" if should_skip_update_fn is None else param_device(params)
+        emitted = torch.zeros((), dtype=torch.int32, device=where)
+        skip_state = ()
+        if should_skip_update_fn is not None:  # its state's structure, as Optax: asked about zero updates
+            _, skip_state = _skip_test(should_skip_update_fn, tree.zeros_like(params), emitted, params)
         return AccumulateState(
-            mini_step=torch.zeros((), dtype=torch.int32, device="cpu"),
-            emitted=torch.zeros((), dtype=torch.int32, device="cpu"),
+            mini_step=torch.zeros((), dtype=torch.int32, device=where),
+            emitted=emitted,
             acc=tree.zeros_like(params, dtype=dtype) if held else _none_like(params),
             inner_state=tx.init(params),
+            skip_state=skip_state,
         )
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        if should_skip_update_fn is not None:  # decided on device, like batched counters below
+            skip, skip_state = _skip_test(should_skip_update_fn, updates, state.emitted, params)
+            with tree.functional():
+                return _update_on_device(inner_kernel(extra_args), int(every), mean, updates, state, params,
+                                         skip=skip, skip_state=skip_state)
         # Host reads of CPU counters (no device sync): the decision that lets held calls skip the inner tx.
         try:
             m, n = int(state.mini_step), int(state.emitted)
@@ -177,7 +221,7 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
             if not isinstance(every, numbers.Integral):
                 raise ValueError(_SCHEDULE_ON_DEVICE.format(_name(every))) from None
             with tree.functional():
-                return _update_on_device(inner_kernel, int(every), mean, updates, state, params)
+                return _update_on_device(inner_kernel(extra_args), int(every), mean, updates, state, params)
         k = window(n)
         if m + 1 < k:  # hold
             if m == 0:
@@ -186,7 +230,7 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
                 xs, ys = tree.align(updates, state.acc)
                 acc = tree.put(state.acc, updates,
                                tree.add_(distributed.local_leaves(ys), distributed.local_leaves(xs)))
-            state = AccumulateState(tree.inc_(state.mini_step), state.emitted, acc, state.inner_state)
+            state = AccumulateState(tree.inc_(state.mini_step), state.emitted, acc, state.inner_state, state.skip_state)
             # Zeros when pure (Optax; what vmap and grad see); None when donated: the step skips the add.
             return (_none_like(updates) if tree.is_donated() else tree.map(torch.zeros_like, updates)), state
 
@@ -195,19 +239,19 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
             updates, acc = _window_sum(acc, updates, m + 1 if mean else 1, same_dtype=dtype is None)
         # Data parallel: Partial sums become Replicate here, once per emitted update (one packed all-reduce).
         updates = distributed.reduce_partials(updates)
-        updates, inner_state = inner_kernel(updates, state.inner_state, params)
+        updates, inner_state = call(tx, updates, state.inner_state, params, extra_args)
         mini_step = torch.zeros_like(state.mini_step) if tree.is_functional() else state.mini_step.zero_()
-        return updates, AccumulateState(mini_step, safe_increment_(state.emitted), acc, inner_state)
+        return updates, AccumulateState(mini_step, safe_increment_(state.emitted), acc, inner_state, state.skip_state)
 
-    wrap_loss = None
-    if tx.wrap_loss is not None:
-        def wrap_loss(loss_fn, state):
-            return tx.wrap_loss(loss_fn, state.inner_state)
+    def wrap_loss(loss_fn, state):  # the inner transform's forward-pass wrapper sees its own state
+        return tx.wrap_loss(loss_fn, state.inner_state)
 
     _WINDOWS[update_fn] = window  # for window_position: a gradient engine that must know before the backward
-    # partial_grads: train_step leaves Partial gradients unreduced for this kernel (see fxtrain/step.py).
-    return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=True, host=True,
-                       wrap_loss=wrap_loss)
+    # partial_grads: train_step leaves Partial gradients unreduced for this kernel (see fxtrain/step.py), unless
+    # a skip test must see the reduced gradients.
+    return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=should_skip_update_fn is None,
+                       host=True,
+                       wrap_loss=None if tx.wrap_loss is None else wrap_loss, extra_args=traits(tx).extra_args)
 
 
 _WINDOWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # accumulate's kernel -> its window length
@@ -233,6 +277,73 @@ def window_position(tx: GradientTransformation, state: Any) -> tuple[int, int] |
     except (RuntimeError, ValueError):
         return None
     return m, window(n)
+
+
+def _skip_test(fn: Callable, updates: Any, gradient_step: torch.Tensor, params: Any) -> tuple[torch.Tensor, Any]:
+    """``fn(updates, gradient_step, params)``, checked: a 0-dim bool tensor and the skip state."""
+    skip, skip_state = fn(updates, gradient_step, params)
+    skip = torch.as_tensor(skip)
+    if skip.dtype != torch.bool or skip.ndim:
+        raise ValueError(f"accumulate: should_skip_update_fn must return a 0-dim bool tensor first, got dtype "
+                         f"{skip.dtype} and shape {tuple(skip.shape)}")
+    return skip, skip_state
+
+
+def skip_not_finite(updates: Any, gradient_step: torch.Tensor, params: Any) -> tuple[torch.Tensor, dict]:
+    """Whether ``updates`` hold an Inf or a NaN: a ``should_skip_update_fn`` for :func:`accumulate` (Optax's).
+
+    Args:
+      updates: the gradients of this call.
+      gradient_step: the updates emitted so far (unused).
+      params: the params (unused).
+
+    Returns:
+      ``(should_skip, {"should_skip": should_skip, "num_not_finite": n})``: a 0-dim bool tensor and the
+      number of non-finite elements (0-dim int32), computed on device.
+
+    Example:
+        >>> import torch
+        >>> from fxtrain.transforms._accumulation import skip_not_finite
+        >>> skip, info = skip_not_finite([torch.tensor(float("inf")), torch.zeros(())], torch.tensor(0), None)
+        >>> bool(skip), int(info["num_not_finite"])
+        (True, 1)
+    """
+    del gradient_step, params
+    xs = tree.leaves(updates)
+    counts = [(~torch.isfinite(x)).sum(dtype=torch.int32) for x in xs]  # one reduction per leaf: no foreach op
+    num = torch.stack(counts).sum(dtype=torch.int32) if counts else torch.zeros((), dtype=torch.int32)
+    should_skip = num > 0
+    return should_skip, {"should_skip": should_skip, "num_not_finite": num}
+
+
+def skip_large_updates(updates: Any, gradient_step: torch.Tensor, params: Any, max_squared_norm: Any
+                       ) -> tuple[torch.Tensor, dict]:
+    """Whether the squared global norm of ``updates`` reaches ``max_squared_norm`` (or is NaN): a
+    ``should_skip_update_fn`` for :func:`accumulate` once ``max_squared_norm`` is bound (Optax's).
+
+    Args:
+      updates: the gradients of this call.
+      gradient_step: the updates emitted so far (unused).
+      params: the params (unused).
+      max_squared_norm: the largest squared norm accepted (a number or a 0-dim tensor).
+
+    Returns:
+      ``(should_skip, {"should_skip": should_skip, "norm_squared": s})``, 0-dim tensors, on device.
+
+    Example:
+        >>> import functools, torch, fxtrain as fx
+        >>> from fxtrain.transforms._accumulation import skip_large_updates
+        >>> skip, info = skip_large_updates([torch.tensor(11.0), torch.zeros(())], torch.tensor(0), None, 100.0)
+        >>> bool(skip), float(info["norm_squared"])
+        (True, 121.0)
+        >>> tx = fx.accumulate(fx.sgd(1.0), every=2,
+        ...                    should_skip_update_fn=functools.partial(skip_large_updates, max_squared_norm=42.0))
+    """
+    del gradient_step, params
+    xs = tree.leaves(updates)
+    norm_sq = tree.sum_sq(xs, xs[0].dtype if xs and xs[0].is_floating_point() else torch.float32)
+    should_skip = ~(norm_sq < max_squared_norm)  # NaN is not < anything: skipped
+    return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
 
 
 def _window_length(every: Any) -> Callable[[int], int]:
@@ -261,18 +372,35 @@ def _window_length(every: Any) -> Callable[[int], int]:
 
 
 def _update_on_device(inner_kernel: Callable, k: int, mean: bool, updates: Any, state: AccumulateState,
-              params: Any) -> tuple[Any, AccumulateState]:
+                      params: Any, skip: torch.Tensor | None = None, skip_state: Any = ()
+                      ) -> tuple[Any, AccumulateState]:
     """One call whose counters cannot be read on the host (batched or traced), as Optax's ``MultiSteps``
     under ``jax.vmap``: both branches out of place, selected leaf by leaf on ``mini_step + 1 >= k``.
 
     Runs inside :func:`fxtrain.tree.functional`. The window sum is ``acc + g`` (``g`` alone when
     ``mini_step`` is 0, whatever ``acc`` holds then, as on the host path), rounded and divided as there.
+    ``skip`` (a 0-dim bool, from ``should_skip_update_fn``): where true, zero updates and the state as it
+    was, but for ``skip_state``.
     """
     m, n = state.mini_step, state.emitted
-    if k == 1:  # every call emits: nothing to select, no accumulator
+    if skip is None:
+        skip_state = state.skip_state
+    else:
+        skip = skip.to(m.device)
+    if k == 1 and skip is None:  # every call emits: nothing to select, no accumulator
         updates, inner_state = inner_kernel(distributed.reduce_partials(updates), state.inner_state, params)
-        return updates, AccumulateState(torch.zeros_like(m), safe_increment_(n), state.acc, inner_state)
-    emit, held = _placed(m + 1 >= k), _placed(m > 0)  # CPU bools, batched like the counters
+        return updates, AccumulateState(torch.zeros_like(m), safe_increment_(n), state.acc, inner_state, skip_state)
+    go = m + 1 >= k
+    keep = m + 1 if skip is None else torch.where(skip, m, m + 1)  # mini_step after a held call
+    if skip is not None:
+        go = go & ~skip
+    emit, held = _placed(go), _placed(m > 0)  # bools with the counters (batched like them), per leaf device
+    if k == 1:  # no accumulator: the gradients themselves
+        new_updates, inner_state = inner_kernel(distributed.reduce_partials(updates), state.inner_state, params)
+        new_updates = tree.map(lambda u: torch.where(emit(u), u, u.new_zeros(())), new_updates)
+        return new_updates, AccumulateState(
+            mini_step=torch.zeros_like(m), emitted=torch.where(go, safe_increment_(n), n), acc=state.acc,
+            inner_state=_select(emit, inner_state, state.inner_state), skip_state=skip_state)
     xs, ys = tree.align(updates, state.acc)
     g_local, acc_local = distributed.local_leaves(xs), distributed.local_leaves(ys)
     total = [torch.where(held(g), a + g, g).to(a.dtype) for g, a in zip(g_local, acc_local)]
@@ -283,12 +411,16 @@ def _update_on_device(inner_kernel: Callable, k: int, mean: bool, updates: Any, 
     grads = tree.put(updates, updates, [w.to(g.dtype) for w, g in zip(window, g_local)])
     new_updates, inner_state = inner_kernel(distributed.reduce_partials(grads), state.inner_state, params)
     new_updates = tree.map(lambda u: torch.where(emit(u), u, u.new_zeros(())), new_updates)  # held: zeros
-    acc = tree.put(state.acc, updates, [torch.where(emit(t), t.new_zeros(()), t) for t in total])
+    acc_new = [torch.where(emit(t), t.new_zeros(()), t) for t in total]
+    if skip is not None:  # a skipped call leaves the accumulator as it was
+        acc_new = [torch.where(_placed(skip)(a), a, t) for a, t in zip(acc_local, acc_new)]
+    acc = tree.put(state.acc, updates, acc_new)
     return new_updates, AccumulateState(
-        mini_step=torch.where(emit(m), torch.zeros_like(m), m + 1),
+        mini_step=torch.where(emit(m), torch.zeros_like(m), keep),
         emitted=torch.where(emit(n), safe_increment_(n), n),
         acc=acc,
         inner_state=_select(emit, inner_state, state.inner_state),
+        skip_state=skip_state,
     )
 
 

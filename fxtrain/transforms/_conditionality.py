@@ -1,15 +1,25 @@
-"""Transforms applied conditionally: ``apply_if_finite`` (Optax's, decided on device)."""
+"""Transforms applied conditionally, decided on device: ``apply_if_finite``, ``conditionally_transform`` and
+``conditionally_mask`` (Optax's semantics and states).
+
+Optax decides with ``lax.cond`` and runs one branch. Here the decision is a 0-dim tensor that is never
+read on the host (no device sync): the inner transform runs on every call and ``torch.where`` keeps its
+results or the old ones (:func:`select`), so the inner state and the updates come out exactly as with
+``lax.cond``. In place, the wrapper keeps a copy of what a rejected call must restore.
+"""
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, kernel, report, transform, with_traits
+from fxtrain._base import GradientTransformation, _combined, call, report, traits, transform, with_traits
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
+
+__all__ = ["ApplyIfFiniteState", "apply_if_finite", "ConditionallyTransformState", "conditionally_transform",
+           "ConditionallyMaskState", "conditionally_mask"]
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -55,7 +65,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
       max_consecutive_errors: how many non-finite updates in a row to skip before accepting one, >= 0.
 
     Returns:
-      A transform with an :class:`ApplyIfFiniteState`.
+      A transform with an :class:`ApplyIfFiniteState`; it passes extra arguments (``value=``...) to
+      ``inner`` when ``inner`` reads them.
 
     Example:
         >>> import torch, fxtrain as fx
@@ -69,8 +80,6 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         raise TypeError(f"apply_if_finite: max_consecutive_errors must be an int, got {max_consecutive_errors!r}")
     if max_consecutive_errors < 0:
         raise ValueError(f"apply_if_finite: max_consecutive_errors={max_consecutive_errors} must be >= 0")
-    inner_kernel = kernel(inner)
-
     def init_fn(params):
         return ApplyIfFiniteState(
             notfinite_count=counter(params),
@@ -79,7 +88,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
             inner_state=inner.init(params),
         )
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         raw = tree.leaves(updates)
         finite = tree.all_finite(raw).to(state.last_finite.device)
         notfinite = tree.scale_([safe_increment_(state.notfinite_count)], ~finite)[0]  # reset by a finite update
@@ -95,7 +104,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
                 updates, fed_zeros = tree.put(updates, updates, tree.zero_where_(~accept, raw)), True
         else:  # the inner kernel writes into its state: keep a copy to restore
             before = tree.clone(state.inner_state)
-        updates, inner_state = inner_kernel(updates, state.inner_state, params)
+        updates, inner_state = call(inner, updates, state.inner_state, params, extra_args)
         reports = report(inner_state)
         # What an inner stack did on its own skip (loss scale backoff, skipped=1) is kept, not restored.
         accept_state = accept | (reports["skipped"] > 0) if "skipped" in reports else accept
@@ -106,12 +115,173 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         last_finite = tree.copy_([state.last_finite], [finite])[0]
         return updates, ApplyIfFiniteState(notfinite, last_finite, total, inner_state)
 
-    wrap_loss = None
-    if inner.wrap_loss is not None:
-        def wrap_loss(loss_fn, state):
-            return inner.wrap_loss(loss_fn, state.inner_state)
+    def wrap_loss(loss_fn, state):  # the inner transform's forward-pass wrapper sees its own state
+        return inner.wrap_loss(loss_fn, state.inner_state)
 
-    return with_traits(GradientTransformation(init_fn, update_fn), wrap_loss=wrap_loss)
+    return with_traits(GradientTransformation(init_fn, update_fn),
+                       wrap_loss=None if inner.wrap_loss is None else wrap_loss, extra_args=traits(inner).extra_args)
+
+
+class ConditionallyTransformState(NamedTuple):
+    """State of :func:`conditionally_transform` (Optax's, same fields in the same order).
+
+    Attributes:
+      inner_state: the state of the wrapped transform, changed only by calls where it runs.
+      step: calls so far (0-dim int32), what ``should_transform_fn`` is given.
+    """
+
+    inner_state: Any
+    step: torch.Tensor
+
+
+class ConditionallyMaskState(NamedTuple):
+    """State of :func:`conditionally_mask` (Optax's, same fields in the same order).
+
+    Attributes:
+      step: calls so far (0-dim int32), what ``should_transform_fn`` is given.
+      inner_state: the state of the wrapped transform, changed only by calls where it runs.
+    """
+
+    step: torch.Tensor
+    inner_state: Any
+
+
+def _run_if(inner: GradientTransformation, should_transform_fn: Callable, forward_extra_args: bool, updates: Any,
+            inner_state: Any, step: torch.Tensor, params: Any, extra_args: dict, *, rejected: str
+            ) -> tuple[Any, Any]:
+    """``inner``'s update where ``should_transform_fn(step)`` holds; else the updates as they came
+    (``rejected="pass"``) or zeros (``rejected="zero"``), and ``inner_state`` kept. See the module docstring."""
+    run = should_transform_fn(step, **(extra_args if forward_extra_args else {}))
+    if isinstance(run, (bool, numbers.Integral)):  # decided on the host already (no tensor involved)
+        if run:
+            return call(inner, updates, inner_state, params, extra_args)
+        return (updates if rejected == "pass" else tree.map(torch.zeros_like, updates)), inner_state
+    run = torch.as_tensor(run).to(torch.bool)
+    if run.ndim:
+        raise ValueError(f"should_transform_fn must return a bool or a 0-dim tensor, got shape {tuple(run.shape)}")
+    functional = tree.is_functional()
+    before = inner_state if functional else tree.clone(inner_state)  # in place the inner kernel writes into it
+    kept = updates if functional or rejected == "zero" else tree.clone(updates)
+    new, new_state = call(inner, updates, inner_state, params, extra_args)
+    us, olds = tree.align(new, kept, what="updates")
+    if rejected == "pass":
+        picked = tree.where_(run.to(us[0].device) if us else run, us, olds)
+    else:
+        picked = tree.zero_where_(~run.to(us[0].device) if us else ~run, us)
+    return tree.put(new, new, picked), select(run, new_state, before)
+
+
+@transform(elementwise=None)
+def conditionally_transform(inner: GradientTransformation, should_transform_fn: Callable,
+                            forward_extra_args: bool = False) -> GradientTransformation:
+    r"""Runs ``inner`` only at the steps where ``should_transform_fn(step)`` is true; at the others the updates
+    pass through unchanged and the inner state is kept (Optax's ``conditionally_transform``).
+
+    With :math:`t` the number of earlier calls::
+
+        should_transform_fn(t):      updates, inner_state = inner.update(updates, inner_state, params)
+        otherwise:                   updates, inner_state unchanged
+
+    The condition may be a Python bool or a 0-dim tensor; a tensor is never read on the host: ``inner``
+    runs and ``torch.where`` keeps its results or the old ones (see the module docstring).
+
+    Args:
+      inner: the transform to run conditionally.
+      should_transform_fn: ``should_transform_fn(step) -> bool`` with ``step`` a 0-dim int32 tensor (the
+        calls before this one); with ``forward_extra_args`` it also gets the extra arguments
+        (``should_transform_fn(step, value=loss)``).
+      forward_extra_args: pass the extra arguments of ``update`` to ``should_transform_fn``.
+
+    Returns:
+      A transform with a :class:`ConditionallyTransformState`; extra arguments reach ``inner`` if it reads
+      them.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> from fxtrain.transforms._conditionality import conditionally_transform
+        >>> tx = conditionally_transform(fx.scale(2.0), lambda step: step < 2)
+        >>> state = tx.init(torch.zeros(()))
+        >>> out = []
+        >>> for _ in range(4):
+        ...     u, state = tx.update(torch.ones(()), state)
+        ...     out.append(u.item())
+        >>> out
+        [2.0, 2.0, 1.0, 1.0]
+
+    References:
+      Optax, `conditionally_transform <https://optax.readthedocs.io/en/latest/api/transformations.html>`_.
+    """
+    if not callable(should_transform_fn):
+        raise ValueError(f"conditionally_transform: should_transform_fn must be a callable of the step, got "
+                         f"{should_transform_fn!r}")
+
+    def init_fn(params):
+        return ConditionallyTransformState(inner_state=inner.init(params), step=counter(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        updates, inner_state = _run_if(inner, should_transform_fn, forward_extra_args, updates, state.inner_state,
+                                       state.step, params, extra_args, rejected="pass")
+        return updates, ConditionallyTransformState(inner_state, safe_increment_(state.step))
+
+    return _conditional(init_fn, update_fn, inner, forward_extra_args)
+
+
+@transform(elementwise=None)
+def conditionally_mask(inner: GradientTransformation, should_transform_fn: Callable,
+                       forward_extra_args: bool = False) -> GradientTransformation:
+    r"""Runs ``inner`` only at the steps where ``should_transform_fn(step)`` is true; at the others the updates
+    are zeros and the inner state is kept (Optax's ``conditionally_mask``).
+
+    With :math:`t` the number of earlier calls::
+
+        should_transform_fn(t):      updates, inner_state = inner.update(updates, inner_state, params)
+        otherwise:                   updates = 0, inner_state unchanged
+
+    Decided as in :func:`conditionally_transform` (a tensor condition is never read on the host).
+
+    Args:
+      inner: the transform to run conditionally.
+      should_transform_fn: ``should_transform_fn(step) -> bool`` with ``step`` a 0-dim int32 tensor; with
+        ``forward_extra_args`` it also gets the extra arguments (``should_transform_fn(step, loss=...)``).
+      forward_extra_args: pass the extra arguments of ``update`` to ``should_transform_fn``.
+
+    Returns:
+      A transform with a :class:`ConditionallyMaskState`; extra arguments reach ``inner`` if it reads them.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> from fxtrain.transforms._conditionality import conditionally_mask
+        >>> tx = conditionally_mask(fx.scale(2.0), lambda step, loss: loss > 0.1, forward_extra_args=True)
+        >>> state = tx.init(torch.zeros(()))
+        >>> u, state = tx.update(torch.ones(()), state, loss=torch.tensor(0.2))
+        >>> v, state = tx.update(torch.ones(()), state, loss=torch.tensor(0.0))
+        >>> u.item(), v.item(), int(state.step)
+        (2.0, 0.0, 2)
+
+    References:
+      Optax, `conditionally_mask <https://optax.readthedocs.io/en/latest/api/transformations.html>`_.
+    """
+    if not callable(should_transform_fn):
+        raise ValueError(f"conditionally_mask: should_transform_fn must be a callable of the step, got "
+                         f"{should_transform_fn!r}")
+
+    def init_fn(params):
+        return ConditionallyMaskState(step=counter(params), inner_state=inner.init(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        updates, inner_state = _run_if(inner, should_transform_fn, forward_extra_args, updates, state.inner_state,
+                                       state.step, params, extra_args, rejected="zero")
+        return updates, ConditionallyMaskState(safe_increment_(state.step), inner_state)
+
+    return _conditional(init_fn, update_fn, inner, forward_extra_args)
+
+
+def _conditional(init_fn: Callable, update_fn: Callable, inner: GradientTransformation,
+                 forward_extra_args: bool) -> GradientTransformation:
+    """A conditional wrapper's transform: ``inner``'s traits (merged), reading extra arguments itself when its
+    condition does; ``Partial`` gradients are reduced before it (a pass-through must return real updates)."""
+    tx = _combined(init_fn, update_fn, (inner,))
+    return with_traits(tx, partial_grads=False, extra_args=traits(tx).extra_args or forward_extra_args)
 
 
 def select(pred: torch.Tensor, new: Any, old: Any, what: str = "inner state",

@@ -1,19 +1,26 @@
-"""Applying transforms to part of the params: ``masked`` and ``partition`` (Optax's semantics and states).
+"""Applying transforms to part of the params: ``masked``, ``partition`` (alias ``multi_transform``),
+``freeze`` and ``selective_transform`` (Optax's semantics and states).
 
 A mask is a tree of bools with the structure of the params or a prefix of it (a bool then covers a whole
 subtree), or a function of the params returning one. Masked-out subtrees are replaced by
 :class:`MaskedNode` (a node with no leaves) before the inner transform sees them, so the inner state
-holds nothing for them, exactly as in Optax.
+holds nothing for them, exactly as in Optax. A mask that is a tree whose node happens to be callable (an
+Equinox-style module holding bools) is a tree, not a function (Optax's issue #913): only a callable
+*leaf* is called.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Mapping, NamedTuple
+from typing import Any, Hashable, Mapping, NamedTuple
 
 import optree
+import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, _combined, kernel, transform
+from fxtrain._base import EmptyState, GradientTransformation, _combined, call, transform
+
+__all__ = ["MaskedNode", "MaskedState", "PartitionState", "masked", "partition", "multi_transform", "freeze",
+           "selective_transform"]
 
 Mask = Any  # a tree of bools (prefix of the params) or a callable returning one
 _KW = tree._kw()  # fxtrain's optree conventions: None is a leaf, fxtrain's node namespace
@@ -67,6 +74,29 @@ def mask_tree(t: Any, mask: Mask) -> Any:
         raise
 
 
+def is_mask_fn(mask: Any) -> bool:
+    """Whether ``mask`` is a function of the params (a callable leaf), not a tree that happens to be callable.
+
+    >>> class Module(NamedTuple):   # a pytree node with a __call__, as an Equinox module
+    ...     w: Any
+    ...     def __call__(self, x):
+    ...         return self.w * x
+    >>> is_mask_fn(lambda p: p), is_mask_fn(Module(False)), is_mask_fn({"w": True})
+    (True, False, False)
+    """
+    return callable(mask) and optree.treespec_is_leaf(optree.tree_structure(mask, **_KW))
+
+
+def _resolve(mask: Any, t: Any) -> Any:
+    return mask(t) if is_mask_fn(mask) else mask
+
+
+def _masked_extra_args(extra_args: dict, like: Any, mask: Any) -> dict:
+    """``extra_args`` with the values shaped like the updates masked as they are (``mask_compatible_extra_args``)."""
+    spec = tree.structure(like)
+    return {k: mask_tree(v, mask) if tree.structure(v) == spec else v for k, v in extra_args.items()}
+
+
 def _unmask(mask: Any, new: Any, old: Any) -> Any:
     return optree.tree_map(lambda m, n, o: n if m else o, mask, new, old, **_KW)
 
@@ -79,7 +109,8 @@ def _check_no_wrap_loss(inner: GradientTransformation) -> None:
 
 
 @transform(elementwise=None)
-def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
+def masked(inner: GradientTransformation, mask: Mask, *, mask_compatible_extra_args: bool = False
+           ) -> GradientTransformation:
     """Applies ``inner`` to the params where ``mask`` is True; the other updates pass through (Optax's).
 
     The inner state covers only the masked-in params. Donated, ``inner`` runs in place on the masked-in
@@ -90,10 +121,13 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
       inner: the transform to apply.
       mask: a tree of bools with the structure of the params, or a prefix of it (a bool covers a
         subtree), or a function of the params that returns one (called on the updates when ``update``
-        gets no params, as Optax always does).
+        gets no params, as Optax always does). A tree whose node is callable is used as a tree.
+      mask_compatible_extra_args: extra arguments (``value=``...) shaped like the updates are masked
+        the same way before ``inner`` sees them; others are passed as they are.
 
     Returns:
-      A transform with state :class:`MaskedState`.
+      A transform with state :class:`MaskedState`; it passes extra arguments to ``inner`` when ``inner``
+      reads them.
 
     Raises:
       ValueError: the mask's structure is not a prefix of the params' (naming the path), or ``inner``
@@ -109,24 +143,23 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     """
     _check_no_wrap_loss(inner)
 
-    def resolve(t):
-        return mask(t) if callable(mask) else mask
-
     def init_fn(params):
-        return MaskedState(inner_state=inner.init(mask_tree(params, resolve(params))))
+        return MaskedState(inner_state=inner.init(mask_tree(params, _resolve(mask, params))))
 
-    def update_fn(updates, state, params=None):
-        m = resolve(updates if params is None else params)  # params: a frozen (None) gradient keeps its mask
+    def update_fn(updates, state, params=None, **extra_args):
+        m = _resolve(mask, updates if params is None else params)  # params: a frozen (None) gradient keeps its mask
         masked_params = None if params is None else mask_tree(params, m)
-        new, inner_state = kernel(inner)(mask_tree(updates, m), state.inner_state, masked_params)
+        if mask_compatible_extra_args:
+            extra_args = _masked_extra_args(extra_args, updates, m)
+        new, inner_state = call(inner, mask_tree(updates, m), state.inner_state, masked_params, extra_args)
         return _unmask(m, new, updates), MaskedState(inner_state)
 
     return _combined(init_fn, update_fn, (inner,))
 
 
 @transform(elementwise=None)
-def partition(transforms: Mapping[Hashable, GradientTransformation], param_labels: Any
-              ) -> GradientTransformation:
+def partition(transforms: Mapping[Hashable, GradientTransformation], param_labels: Any, *,
+              mask_compatible_extra_args: bool = False) -> GradientTransformation:
     """Applies a different transform to each group of params, groups given by labels (Optax's).
 
     Each transform runs as ``masked(tx, labels == label)``: it sees, and keeps state for, its group only.
@@ -136,9 +169,11 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
       param_labels: a tree of labels with the structure of the params (or a prefix of it), or a function
         of the params returning one (called on the updates when ``update`` gets no params, as Optax
         always does). Every label must be a key of ``transforms``.
+      mask_compatible_extra_args: extra arguments shaped like the updates are masked per group (see
+        :func:`masked`).
 
     Returns:
-      A transform with state :class:`PartitionState`.
+      A transform with state :class:`PartitionState`; extra arguments reach the transforms that read them.
 
     Example:
         >>> import torch, fxtrain as fx
@@ -153,7 +188,7 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
         _check_no_wrap_loss(t)
 
     def resolve(t):
-        return param_labels(t) if callable(param_labels) else param_labels
+        return _resolve(param_labels, t)
 
     def group_mask(labels, group):
         return optree.tree_map(lambda label: label == group, labels, **_KW)
@@ -167,15 +202,106 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
                              f"transforms are for {sorted(map(str, txs))}")
         return PartitionState({k: masked(t, group_mask(labels, k)).init(params) for k, t in txs.items()})
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         if set(state.inner_states) != set(txs):
             raise ValueError(f"partition: the state holds labels {sorted(map(str, state.inner_states))}, "
                              f"the transforms are for {sorted(map(str, txs))}")
         labels = resolve(updates if params is None else params)
         new_states = {}
         for k, t in txs.items():
-            updates, new_states[k] = kernel(masked(t, group_mask(labels, k)))(
-                updates, state.inner_states[k], params)
+            group = masked(t, group_mask(labels, k), mask_compatible_extra_args=mask_compatible_extra_args)
+            updates, new_states[k] = call(group, updates, state.inner_states[k], params, extra_args)
         return updates, PartitionState(new_states)
 
     return _combined(init_fn, update_fn, tuple(txs.values()))
+
+
+@transform(elementwise=None)
+def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param_labels: Any, *,
+                    mask_compatible_extra_args: bool = False) -> GradientTransformation:
+    """Optax's older name of :func:`partition` (same arguments, same state: :class:`PartitionState`).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> from fxtrain.transforms._masking import multi_transform
+        >>> params = {"w": torch.ones(2), "b": torch.ones(1)}
+        >>> tx = multi_transform({"w": fx.sgd(1.0), "b": fx.scale(0.0)}, {"w": "w", "b": "b"})
+        >>> u, _ = tx.update(params, tx.init(params), params)
+        >>> u["w"].tolist(), u["b"].tolist()
+        ([-1.0, -1.0], [0.0])
+    """
+    return partition(transforms, param_labels, mask_compatible_extra_args=mask_compatible_extra_args)
+
+
+@transform
+def _set_to_zero() -> GradientTransformation:
+    """Zeros every update (Optax's ``set_to_zero``: its state is the empty state)."""
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        us = tree.leaves(updates)
+        if tree.is_functional():
+            zeros = [torch.zeros_like(u) for u in us]
+        else:  # in place on the local pieces: no allocation, any DTensor placement kept
+            torch._foreach_zero_([tree.local(u) for u in us])
+            zeros = us
+        return tree.put(updates, updates, zeros), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+@transform(elementwise=None)
+def freeze(mask: Any) -> GradientTransformation:
+    """Zeros the updates where ``mask`` is True: those params stay as they are (Optax's ``freeze``).
+
+    ``masked(set_to_zero(), mask)``: its state is a :class:`MaskedState` holding nothing.
+
+    Args:
+      mask: a bool (True: freeze every param) or a tree of bools with the structure of the params (or a
+        prefix of it), True where the param is frozen. Static: not a function of the params.
+
+    Returns:
+      A transform with state :class:`MaskedState`.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> from fxtrain.transforms._masking import freeze
+        >>> params = {"a": torch.ones(1), "b": torch.ones(2)}
+        >>> tx = freeze({"a": True, "b": False})
+        >>> u, _ = tx.update(params, tx.init(params))
+        >>> u["a"].tolist(), u["b"].tolist()
+        ([0.0], [1.0, 1.0])
+    """
+    return masked(_set_to_zero(), mask)
+
+
+@transform(elementwise=None)
+def selective_transform(optimizer: GradientTransformation, *, freeze_mask: Any) -> GradientTransformation:
+    """Runs ``optimizer`` on the params not frozen by ``freeze_mask``; frozen ones get zero updates
+    (Optax's ``selective_transform``).
+
+    ``partition({"train": optimizer, "freeze": set_to_zero()}, labels)``: the optimizer's state covers the
+    trained params only.
+
+    Args:
+      optimizer: the transform for the params where ``freeze_mask`` is False.
+      freeze_mask: a bool (True: freeze everything) or a tree of bools with the structure of the params
+        (or a prefix of it), True where frozen. Static.
+
+    Returns:
+      A transform with state :class:`PartitionState` (labels ``"freeze"`` and ``"train"``).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> from fxtrain.transforms._masking import selective_transform
+        >>> params = {"a": torch.ones(1), "b": torch.ones(2)}
+        >>> tx = selective_transform(fx.sgd(0.5), freeze_mask={"a": True, "b": False})
+        >>> u, state = tx.update(params, tx.init(params), params)
+        >>> u["a"].tolist(), u["b"].tolist(), sorted(state.inner_states)
+        ([0.0], [-0.5, -0.5], ['freeze', 'train'])
+    """
+    labels = optree.tree_map(lambda frozen: "freeze" if frozen else "train", freeze_mask, **_KW)
+    return partition({"train": optimizer, "freeze": _set_to_zero()}, lambda params: labels)

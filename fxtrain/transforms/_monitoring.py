@@ -1,3 +1,131 @@
-"""(being written: issue 18's catalogue)."""
+"""Measuring updates inside a chain: ``snapshot`` and ``monitor`` (Optax's), which pass the updates through
+unchanged and keep what they measured in their state (``fx.tree`` paths or attribute access read it)."""
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+
+from fxtrain import tree
+from fxtrain._base import GradientTransformation, _combined, call, stateless, transform
+
+__all__ = ["SnapshotState", "snapshot", "MonitorState", "monitor"]
+
+
+class SnapshotState(NamedTuple):
+    """State of :func:`snapshot` (Optax's): ``{measure_name: measurement}``."""
+
+    measurement: dict
+
+
+class MonitorState(NamedTuple):
+    """State of :func:`monitor` (Optax's).
+
+    Attributes:
+      measurements: ``{name: measurement}`` of the last update.
+      measure_states: the measuring transforms' states, in the order of the names.
+    """
+
+    measurements: dict
+    measure_states: tuple
+
+
+@transform(elementwise=False)
+def snapshot(measure_name: str, measure: Callable[[Any], Any]) -> GradientTransformation:
+    """Keeps ``measure(updates)`` in the state under ``measure_name``; updates pass unchanged (Optax's).
+
+    ``init`` stores ``measure(params)``, so the state has its final structure from the start. The
+    measurement is computed when the transform runs: in a chain, on the updates transformed so far.
+    ``measure`` should return new tensors (a norm, a copy), not views of the updates, which later
+    transforms of a donated chain overwrite.
+
+    Args:
+      measure_name: the key of the measurement in the state.
+      measure: ``measure(updates) -> tree of tensors``.
+
+    Returns:
+      A transform with a :class:`SnapshotState`.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.chain(fx.sgd(0.1), fx.snapshot("norm_before_clip", fx.tree.norm), fx.clip_by_global_norm(0.05))
+        >>> params = torch.tensor([1.0, 2.0, 3.0])
+        >>> state = tx.init(params)
+        >>> u, state = tx.update(2 * params, state)
+        >>> round(state[1].measurement["norm_before_clip"].item(), 4)
+        0.7483
+    """
+    if not callable(measure):
+        raise ValueError(f"snapshot: measure must be a callable of the updates, got {measure!r}")
+
+    def init_fn(params):
+        return SnapshotState({measure_name: measure(params)})
+
+    def update_fn(updates, state, params=None):
+        del params, state
+        return updates, SnapshotState({measure_name: measure(updates)})
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+@transform(elementwise=False)
+def monitor(measures: Mapping[str, GradientTransformation | Callable[[Any], Any]]) -> GradientTransformation:
+    """Keeps measurements of the updates, possibly stateful, in the state; updates pass unchanged (Optax's).
+
+    Each measure is a function of the updates (as in :func:`snapshot`) or a transform whose *output* is
+    the measurement (e.g. an exponential moving average of a norm): it runs on the updates and its state
+    is kept in ``measure_states``. In place, a transform measure gets a copy of the updates, so the
+    updates passed on are never written.
+
+    One difference with Optax: Optax's ``init`` leaves ``measurements`` empty (``{}``), so its state
+    changes structure at the first update; here ``init`` fills it with zeros shaped like the first
+    measurements (each measure run once on zero updates), so the state keeps one structure. From the
+    first update on, the two states hold the same leaves.
+
+    Args:
+      measures: name -> a function of the updates or a transform.
+
+    Returns:
+      A transform with a :class:`MonitorState`; extra arguments reach the measuring transforms that read
+      them.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.chain(fx.sgd(0.1), fx.monitor({"norm": fx.tree.norm, "trace": fx.trace(0.5)}))
+        >>> params = torch.tensor([1.0, 2.0, 3.0])
+        >>> state = tx.init(params)
+        >>> for _ in range(2):
+        ...     u, state = tx.update(2 * params, state)
+        >>> round(state[1].measurements["norm"].item(), 4), state[1].measurements["trace"].tolist()
+        (0.7483, [-0.30000001192092896, -0.6000000238418579, -0.9000000357627869])
+    """
+    names = tuple(measures)
+    txs = {n: m if isinstance(m, GradientTransformation) else _measuring(m) for n, m in measures.items()}
+    for n, m in measures.items():
+        if not isinstance(m, GradientTransformation) and not callable(m):
+            raise ValueError(f"monitor: measures[{n!r}] must be a transform or a callable of the updates, got {m!r}")
+
+    def init_fn(params):
+        states = tuple(txs[n].init(params) for n in names)
+        zeros = tree.zeros_like(params)
+        with torch.no_grad():
+            first = {n: txs[n].update(zeros, s, params)[0] for n, s in zip(names, states)}
+        return MonitorState({n: tree.map(torch.zeros_like, first[n]) for n in names}, states)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        measurements, states = {}, []
+        for n, s in zip(names, state.measure_states):
+            given = updates
+            if not tree.is_functional() and isinstance(measures[n], GradientTransformation):
+                given = tree.clone(updates)  # a transform measure may write into its input in place
+            measurements[n], s = call(txs[n], given, s, params, extra_args)
+            states.append(s)
+        return updates, MonitorState(measurements, tuple(states))
+
+    return _combined(init_fn, update_fn, tuple(txs.values()))
+
+
+def _measuring(measure: Callable[[Any], Any]) -> GradientTransformation:
+    """A function of the updates as a stateless transform whose output is the measurement."""
+    return stateless(lambda updates, params: measure(updates))
