@@ -95,7 +95,7 @@ def test_errors_name_the_argument():
         C.dowg(eps=-1.0)
     with pytest.raises(ValueError, match=r"dog: learning_rate=-1.0 must be >= 0"):
         C.dog(-1.0)
-    for tx, name in [(C.scale_by_dog(("distance", 1.0)), "scale_by_dog"), (C.cocob(), "scale_by_cocob")]:
+    for tx, name in [(C.scale_by_dog(("distance", 1.0)), "scale_by_dog"), (C.scale_by_cocob(), "scale_by_cocob")]:
         with pytest.raises(ValueError, match=rf"{name} needs params at update"):
             tx.update(torch.ones(2), tx.init(torch.ones(2)))
     with pytest.raises(ValueError, match=r"scale_by_cocob: alpha=-1.0 must be >= 0"):
