@@ -26,6 +26,10 @@ PARITY = {
         "default": {},
         "all": {"learning_rate": "sched", "alpha": 20.0, "eps": 1e-4, "weight_decay": 1e-2, "mask": ndim_mask},
     },
+    "madgrad": {
+        "default": {"learning_rate": 1e-2},
+        "all": {"learning_rate": "sched", "momentum": 0.5, "weight_decay": 1e-2, "eps": 1e-4},
+    },
     "scale_by_dog": {"learning_rate": {"init_step": ("learning_rate", 0.05)}},
     "scale_by_dowg": {"default": {}},
 }
@@ -66,8 +70,8 @@ def test_optax_examples():  # the examples of Optax's dog and dowg docstrings
 
 
 @pytest.mark.parametrize("build", [lambda: C.dog(init_step=("learning_rate", 0.1)), lambda: C.dowg(),
-                                   lambda: C.cocob(), lambda: C.cocob(weight_decay=1e-2)],
-                         ids=["dog", "dowg", "cocob", "cocob_decay"])
+                                   lambda: C.cocob(), lambda: C.cocob(weight_decay=1e-2), lambda: C.madgrad(0.1)],
+                         ids=["dog", "dowg", "cocob", "cocob_decay", "madgrad"])
 def test_reaches_the_minimum(build):  # Optax's common test, on the parabola, with fewer steps
     target = torch.tensor([1.0, -1.0, 1.0])
     params, tx = torch.tensor([-1.0, 10.0, 1.0]), build()
@@ -79,8 +83,8 @@ def test_reaches_the_minimum(build):  # Optax's common test, on the parabola, wi
 
 
 @pytest.mark.parametrize("build", [lambda: C.dog(weight_decay=1e-2), lambda: C.dowg(weight_decay=1e-2),
-                                   lambda: C.cocob(weight_decay=1e-2)],
-                         ids=["dog", "dowg", "cocob"])
+                                   lambda: C.cocob(weight_decay=1e-2), lambda: C.madgrad(1e-2, weight_decay=1e-2)],
+                         ids=["dog", "dowg", "cocob", "madgrad"])
 def test_pure_dtypes_and_none_leaves(build):
     tx = build()
     assert_pure(tx)
@@ -95,7 +99,8 @@ def test_errors_name_the_argument():
         C.dowg(eps=-1.0)
     with pytest.raises(ValueError, match=r"dog: learning_rate=-1.0 must be >= 0"):
         C.dog(-1.0)
-    for tx, name in [(C.scale_by_dog(("distance", 1.0)), "scale_by_dog"), (C.scale_by_cocob(), "scale_by_cocob")]:
+    for tx, name in [(C.scale_by_dog(("distance", 1.0)), "scale_by_dog"), (C.scale_by_cocob(), "scale_by_cocob"),
+                     (C.scale_by_madgrad(0.1), "scale_by_madgrad")]:
         with pytest.raises(ValueError, match=rf"{name} needs params at update"):
             tx.update(torch.ones(2), tx.init(torch.ones(2)))
     with pytest.raises(ValueError, match=r"scale_by_cocob: alpha=-1.0 must be >= 0"):

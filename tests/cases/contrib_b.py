@@ -15,6 +15,8 @@ CONFORMANCE: dict = {
     "dowg": lambda: fx.contrib.dowg(0.5, init_estim_sq_dist=0.1),
     "scale_by_cocob": lambda: fx.contrib.scale_by_cocob(alpha=10.0),
     "cocob": lambda: fx.contrib.cocob(weight_decay=1e-2),
+    "scale_by_madgrad": lambda: fx.contrib.scale_by_madgrad(1e-2, momentum=0.5),
+    "madgrad": lambda: fx.contrib.madgrad(1e-2, weight_decay=1e-2),
 }
 COMPOSABLE: dict = {
     "schedule_free": (lambda: fx.contrib.schedule_free(fx.sgd(0.1), 0.1, b1=0.8),
@@ -32,6 +34,8 @@ COMPOSABLE: dict = {
     "dog": (lambda: fx.contrib.dog(init_step=("distance", 0.1), weight_decay=0.1), None),
     "dowg": (lambda: fx.contrib.dowg(0.5, init_estim_sq_dist=0.01), lambda o: o.contrib.dowg(0.5, init_estim_sq_dist=0.01)),
     "cocob": (lambda: fx.contrib.cocob(alpha=20.0, weight_decay=0.1), lambda o: o.contrib.cocob(alpha=20.0, weight_decay=0.1)),
+    "madgrad": (lambda: fx.contrib.madgrad(1e-2, momentum=0.5, weight_decay=0.1),
+                lambda o: o.contrib.madgrad(1e-2, momentum=0.5, weight_decay=0.1)),
 }
 OPTIMIZERS: dict = {
     "schedule_free_sgd": lambda: fx.contrib.schedule_free_sgd(0.1),
@@ -40,5 +44,6 @@ OPTIMIZERS: dict = {
     "dog": lambda: fx.contrib.dog(),
     "dowg": lambda: fx.contrib.dowg(),
     "cocob": lambda: fx.contrib.cocob(),
+    "madgrad": lambda: fx.contrib.madgrad(1e-2),
 }
 DTENSOR: dict = {}
