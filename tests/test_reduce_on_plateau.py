@@ -228,3 +228,16 @@ def test_update_without_value_says_how():
 def test_invalid_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fx.contrib.reduce_on_plateau(**kwargs)
+
+
+def test_hyperparameters_injected_and_set_mid_run():
+    # tensor hyperparameters (inject_hyperparams), one of them changed between updates with fx.tree.set
+    tx = fx.inject_hyperparams(fx.contrib.reduce_on_plateau)(factor=0.5, patience=1)
+    p = {"w": torch.ones(2)}
+    state = tx.init(p)
+    for _ in range(3):  # an improvement, then two plateaus
+        u, state = tx.update(p, state, p, value=torch.tensor(1.0))
+    assert u["w"].tolist() == [0.25, 0.25]
+    state = fx.tree.set(state, factor=torch.tensor(0.1))
+    u, state = tx.update(p, state, p, value=torch.tensor(1.0))
+    assert u["w"].tolist() == pytest.approx([0.025, 0.025])

@@ -177,6 +177,18 @@ def test_sgdr_derivative_wrt_a_cycle_peak_matches_optax():
     np.testing.assert_allclose(ours.numpy(), np.asarray(theirs), rtol=1e-5, atol=1e-7)
 
 
+def test_sgdr_vmap_over_a_cycle_peak():
+    # Optax's warmup cosine branches on peak_value in Python (no jax.vmap); against one schedule per peak
+    def values(peak):
+        return schedules.sgdr_schedule([dict(init_value=0.0, peak_value=1.0, warmup_steps=2, decay_steps=6),
+                                        dict(init_value=0.1, peak_value=peak, warmup_steps=2, decay_steps=8,
+                                             end_value=0.05)])(torch.arange(16))
+
+    peaks = [0.0, 0.5, 2.0]
+    batched = torch.func.vmap(values)(torch.tensor(peaks))
+    _close(batched.numpy(), torch.stack([values(p) for p in peaks]).numpy(), 1.0)
+
+
 def test_linear_schedule_is_polynomial_of_power_one():
     counts = torch.arange(30)
     args = dict(init_value=0.3, end_value=1e-3, transition_steps=17, transition_begin=4)
