@@ -19,7 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtrain as fx
 from fxtrain.testing import assert_trees_close
+from fxtrain.transforms import _accumulation as fx_acc
 from tests import _worlds
+from tests.cases import wrappers as wrappers_cases
 
 
 def mlp_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
@@ -799,3 +801,185 @@ test_case = _worlds.tests(__file__, CASES, TIMEOUT_S)
 
 if __name__ == "__main__":
     _worlds.worker(CASES, *sys.argv[1:])
+
+
+# --- Optax's MultiSteps cases (optax/transforms/_accumulation_test.py), inputs and expected numbers ------------
+
+def _reads_value_tx():
+    return wrappers_cases.reads_value()
+
+
+def test_optax_multi_steps_computes_mean():
+    # Optax: MultiSteps(scale(1.0), 4) on gradients 1, 2, 3, 4 emits 2.5; the held calls return zeros.
+    tx = fx.accumulate(fx.scale(1.0), every=4)
+    params = {"a": torch.zeros(())}
+    state = tx.init(params)
+    for i in (1.0, 2.0, 3.0):
+        u, state = tx.update({"a": torch.tensor(i)}, state, params)
+        assert isinstance(u["a"], torch.Tensor) and u["a"].item() == 0.0  # zeros, never None (parity bug 2)
+        assert not (int(state.mini_step) == 0 and int(state.emitted) > 0)  # MultiSteps.has_updated
+    u, state = tx.update({"a": torch.tensor(4.0)}, state, params)
+    assert u["a"].item() == 2.5 and int(state.mini_step) == 0 and int(state.emitted) == 1
+
+
+def test_optax_multi_steps_every_k_schedule():
+    # Optax: every_k_schedule = 1 for the first two updates, 3 after; has_updated after each emission.
+    tx = fx.accumulate(fx.sgd(1e-4), every=lambda step: torch.where(torch.tensor(step) < 2, 1, 3))
+    params, grad = {"a": torch.zeros(())}, {"a": torch.zeros(())}
+    state = tx.init(params)
+
+    def has_updated(s):
+        return int(s.mini_step) == 0 and int(s.emitted) > 0
+
+    for _ in range(2):
+        _, state = tx.update(grad, state, params)
+        assert has_updated(state)
+    for _ in range(5):
+        for _ in range(2):
+            _, state = tx.update(grad, state, params)
+            assert not has_updated(state)
+        _, state = tx.update(grad, state, params)
+        assert has_updated(state)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_optax_multi_steps_mixed_precision_zeros_of_the_updates_dtype(grad_dtype, param_dtype):
+    # Optax: MultiSteps(adam(0.1), 4) returns updates of the inner optimizer's dtype on every call, held
+    # ones included (fxtrain's updates keep the gradients' dtype); parity bug 2: zeros, not None.
+    inner = fx.adam(0.1)
+    tx = fx.accumulate(inner, every=4)
+    params = fx.tree.map(lambda p: p.to(param_dtype), mlp_params())
+    state, inner_state = tx.init(params), inner.init(params)
+    for _ in range(5):
+        g = fx.tree.map(lambda p: torch.ones_like(p, dtype=grad_dtype), params)
+        u, state = tx.update(g, state, params)
+        ref, inner_state = inner.update(g, inner_state, params)
+        for a, b in zip(fx.tree.flatten(u)[0], fx.tree.flatten(ref)[0]):
+            assert (a is None) == (b is None) and (a is None or a.dtype == b.dtype == grad_dtype)
+        assert all(x.dtype == param_dtype for x in fx.tree.leaves(fx.apply_updates(params, u)))
+
+
+def test_pure_update_returns_zeros_where_the_donated_kernel_returns_none():
+    # The donated kernel skips the add between emissions (train_step writes nothing into the params); the pure
+    # update, as Optax's, returns zeros there (parity bug 2).
+    tx = fx.accumulate(fx.sgd(0.1), every=2)
+    params = mlp_params()
+    g = fx.tree.map(torch.ones_like, params)
+    u, _ = tx.update(g, tx.init(params), params)
+    with torch.no_grad():
+        u_ng, _ = tx.update(g, tx.init(params), params)
+    d, _ = fx.update_(tx, fx.tree.clone(g), tx.init(params), params)
+    for x in (u, u_ng):
+        assert all(isinstance(t, torch.Tensor) and not t.any() for t in fx.tree.leaves(x))
+        assert x["frozen"] is None
+    assert all(t is None for t in fx.tree.flatten(d)[0])
+
+
+def test_optax_skip_not_finite_and_skip_large_updates():
+    step = torch.zeros((), dtype=torch.int32)
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        skip, info = fx_acc.skip_not_finite([torch.tensor(bad), torch.zeros(())], step, None)
+        assert bool(skip) and bool(info["should_skip"]) and int(info["num_not_finite"]) == 1
+    skip, info = fx_acc.skip_not_finite([torch.tensor(11.0), torch.zeros(())], step, None)
+    assert not bool(skip) and int(info["num_not_finite"]) == 0 and info["num_not_finite"].dtype == torch.int32
+
+    def large(x):
+        return fx_acc.skip_large_updates([torch.tensor(x), torch.zeros(())], step, None, 100.0)
+
+    skip, info = large(float("inf"))
+    assert bool(skip) and float(info["norm_squared"]) == float("inf")
+    skip, info = large(float("nan"))
+    assert bool(skip) and math.isnan(float(info["norm_squared"]))
+    skip, info = large(11.0)
+    assert bool(skip) and float(info["norm_squared"]) == 121.0
+    skip, info = large(0.0)
+    assert not bool(skip) and float(info["norm_squared"]) == 0.0
+
+
+@pytest.mark.parametrize("path", ["pure", "donated"])
+def test_optax_multi_steps_skip_not_finite(path):
+    # Optax: MultiSteps(sgd(1.0), 2, should_skip_update_fn=skip_not_finite): inf and NaN calls change nothing.
+    tx = fx.accumulate(fx.sgd(1.0), every=2, should_skip_update_fn=fx_acc.skip_not_finite)
+    params = {"a": torch.zeros(())}
+    state = tx.init(params)
+    assert state.skip_state["num_not_finite"].item() == 0
+
+    def step(x):
+        nonlocal params, state
+        g = {"a": torch.tensor(x)}
+        u, state = fx.update_(tx, g, state, params) if path == "donated" else tx.update(g, state, params)
+        params = fx.apply_updates(params, u)
+
+    step(1.0)
+    assert int(state.mini_step) == 1
+    step(1.0)
+    assert int(state.mini_step) == 0 and params["a"].item() == -1.0
+    for bad in (float("inf"), float("nan")):
+        step(bad)
+        assert int(state.mini_step) == 0 and params["a"].item() == -1.0
+        assert bool(state.skip_state["should_skip"]) and int(state.skip_state["num_not_finite"]) == 1
+    step(1.0)
+    assert int(state.mini_step) == 1
+    step(1.0)
+    assert int(state.mini_step) == 0 and params["a"].item() == -2.0 and int(state.emitted) == 2
+
+
+def test_should_skip_update_fn_errors():
+    with pytest.raises(ValueError, match="accumulate: should_skip_update_fn must return a 0-dim bool tensor"):
+        tx = fx.accumulate(fx.sgd(1.0), every=2, should_skip_update_fn=lambda u, n, p: (torch.zeros(2), ()))
+        tx.init({"a": torch.zeros(())})
+    with pytest.raises(ValueError, match=r"accumulate: every=<lambda> is a schedule.* pass an integer every"):
+        fx.accumulate(fx.sgd(1.0), every=lambda n: 2, should_skip_update_fn=fx_acc.skip_not_finite)
+
+
+@pytest.mark.optax
+def test_should_skip_update_fn_matches_optax_multisteps_over_20_steps():
+    import functools
+
+    import jax
+    import optax
+
+    from fxtrain.testing import from_jnp, nested_params, to_jnp
+    from tests._parity import STEPS, grads as parity_grads, noise, run_fx
+
+    params = nested_params()
+    norms = [float(fx.tree.norm(parity_grads(params, k))) ** 2 for k in range(6)]
+    limit = sorted(norms)[3]  # some calls are skipped, some are not
+    skip = functools.partial(fx_acc.skip_large_updates, max_squared_norm=limit)
+    oskip = functools.partial(optax.skip_large_updates, max_squared_norm=limit)
+    tx = fx.accumulate(fx.sgd(0.1, momentum=0.9), every=3, should_skip_update_fn=skip)
+    otx = optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=3, should_skip_update_fn=oskip)
+    ours, p_ours, state = run_fx(tx, params)
+    donated, _, _ = run_fx(tx, params, donate=True)
+
+    @jax.jit  # one compile: op by op, MultiSteps' lax.cond compiles on every call
+    def ostep(p, s, n):
+        u, s = otx.update(jax.tree.map(lambda x, y: 0.5 * x + y, p, n), s, p)
+        return optax.apply_updates(p, u), s, u
+
+    p, ostate = to_jnp(params), jax.jit(otx.init)(to_jnp(params))
+    for k in range(STEPS):
+        p, ostate, u = ostep(p, ostate, to_jnp(noise(k)))
+        assert_trees_close(ours[k], from_jnp(u), rtol=1e-5, atol=1e-6)
+        assert_trees_close(donated[k], ours[k], rtol=1e-6, atol=1e-7)
+    assert_trees_close(p_ours, from_jnp(p), rtol=1e-5, atol=1e-6)
+    assert int(state.emitted) == int(ostate.gradient_step) and int(state.mini_step) == int(ostate.mini_step)
+    assert 0 < int(state.emitted) < 6  # calls were skipped
+    assert float(state.skip_state["norm_squared"]) == pytest.approx(float(ostate.skip_state["norm_squared"]), rel=1e-5)
+
+
+def test_extra_args_reach_the_inner_transform():
+    inner = _reads_value_tx()
+    assert fx.traits(fx.accumulate(inner, every=1)).extra_args
+    assert not fx.traits(fx.accumulate(fx.sgd(0.1), every=1)).extra_args
+    params = {"a": torch.zeros(2)}
+    for every in (1, 2):
+        tx = fx.accumulate(fx.chain(fx.scale(1.0), inner), every=every)
+        state = tx.init(params)
+        for _ in range(every):
+            u, state = tx.update({"a": torch.ones(2)}, state, params, value=torch.tensor(3.0))
+        assert u["a"].tolist() == [4.0, 4.0]
+        u, _ = fx.update_(tx, {"a": torch.ones(2)}, tx.init(params), params, value=torch.tensor(3.0))
+        if every == 1:
+            assert u["a"].tolist() == [4.0, 4.0]

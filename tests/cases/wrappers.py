@@ -92,3 +92,17 @@ OPTIMIZERS: dict = {}
 # flatten concatenates every leaf into one plain vector (DTensor leaves of different placements cannot
 # be concatenated); its parity with the unflattened transform is tested on plain tensors.
 DTENSOR: dict = {"flatten": "concatenates all leaves into one vector: no DTensor layout for it"}
+
+
+@fx.transform(elementwise=False, extra_args=True)
+def reads_value():
+    """Adds the ``value=`` extra argument to every update (tests that wrappers forward extra arguments)."""
+    def init_fn(params):
+        del params
+        return fx.EmptyState()
+
+    def update_fn(updates, state, params=None, *, value=None, **extra_args):
+        del params, extra_args
+        return fx.tree.map(lambda u: u + value, updates), state
+
+    return fx.GradientTransformation(init_fn, update_fn)
