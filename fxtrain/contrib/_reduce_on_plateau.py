@@ -115,21 +115,19 @@ def reduce_on_plateau(factor: Scalar = 0.1, patience: Scalar = 10, rtol: Scalar 
         if value is None:
             raise TypeError(f"{name}: update needs value=, the loss or metric to watch: "
                             "tx.update(grads, state, params, value=loss)")
-        with tree.functional():  # the new state from the old one (a few scalars), written below
-            new = _step(state, value)
-        new = ReduceLROnPlateauState(*tree.copy_(list(state), list(new)))
+        # a few scalars computed out of place, then written into the state (in place when donated)
+        new = ReduceLROnPlateauState(*tree.copy_(list(state), list(_step(state, value))))
         (g,) = tree.align(updates)
         return tree.put(updates, updates, tree.scale_(g, new.scale)), new
 
     def _step(state: ReduceLROnPlateauState, value: Any) -> ReduceLROnPlateauState:
-        count = torch.where(state.count < torch.iinfo(torch.int32).max, state.count + 1, state.count)
+        count = _incremented(state.count)
         value = torch.as_tensor(value, device=state.avg_value.device).to(state.avg_value.dtype)
         avg = ((state.count * state.avg_value + value) / count).to(state.avg_value.dtype)
         best = state.best_value  # Python numbers meet it rounded to its dtype, as in JAX
         improved = avg < _like(1 - rtol, best) * best - _like(atol, best)
         best = torch.where(improved, avg, best)
-        plateau = torch.where(improved, 0, torch.where(state.plateau_count < torch.iinfo(torch.int32).max,
-                                                       state.plateau_count + 1, state.plateau_count))
+        plateau = torch.where(improved, 0, _incremented(state.plateau_count))
         cooling = state.cooldown_count > 0
         reduce = ~cooling & (plateau == patience)
         reduced = torch.where(reduce, state.scale * _like(factor, state.scale), state.scale)
@@ -145,6 +143,11 @@ def reduce_on_plateau(factor: Scalar = 0.1, patience: Scalar = 10, rtol: Scalar 
         return ReduceLROnPlateauState(*(torch.where(ready, d, a).to(a.dtype) for d, a in zip(decided, accumulated)))
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _incremented(count: torch.Tensor) -> torch.Tensor:
+    """``count + 1``, saturating at the dtype's maximum (Optax's ``safe_increment``), out of place."""
+    return torch.where(count < torch.iinfo(count.dtype).max, count + 1, count)
 
 
 def _like(c: Scalar, x: torch.Tensor) -> Scalar:
