@@ -1,10 +1,14 @@
 """masked and partition (fxtrain/transforms/_masking.py): Optax semantics, states, errors."""
 
+from typing import Any, NamedTuple
+
 import pytest
 import torch
 
 import fxtrain as fx
-from fxtrain.testing import nested_params
+from fxtrain.testing import assert_trees_close, nested_params
+from fxtrain.transforms._masking import freeze, is_mask_fn, multi_transform, selective_transform
+from tests.cases.wrappers import reads_value
 from tests._parity import TREE_MASK, assert_none_passthrough, assert_parity, assert_pure, grads, ndim_mask
 
 PREFIX_MASK = {"dense": True, "blocks": [False, True], "scalar": False}
@@ -212,3 +216,202 @@ def test_grad_through_updates_matches_optax_under_jax_grad(name):
     leaves = fx.tree.map(lambda x: x.clone().requires_grad_(), params)
     loss(leaves).backward()
     assert_trees_close(fx.tree.map(lambda x: x.grad, leaves), got, rtol=1e-5, atol=1e-6)
+
+
+# --- Optax's masked cases (optax/transforms/_masking_test.py), inputs and expected numbers ------------------
+
+def _sgd():
+    return fx.sgd(1.0)
+
+
+def _stateful_sgd():
+    return fx.sgd(1.0, momentum=0.0)
+
+
+def _t(tree):
+    return fx.tree.map(lambda x: torch.tensor(x), tree)
+
+
+OPTAX_MASK = {"a": True, "b": [False, True], "c": {"d": True, "e": (False, True)}}
+OPTAX_PARAMS = {"a": 1.0, "b": [2.0, 3.0], "c": {"d": 4.0, "e": (5.0, 6.0)}}
+
+
+@pytest.mark.parametrize("use_fn", [False, True], ids=["tree", "fn"])
+@pytest.mark.parametrize("build", [_sgd, _stateful_sgd], ids=["sgd", "stateful_sgd"])
+def test_optax_masked(build, use_fn):
+    params = _t(OPTAX_PARAMS)
+    updates = fx.tree.map(lambda x: x / 10.0, params)
+
+    def negate(u):
+        return fx.tree.map(lambda x, m: -x if m else x, u, OPTAX_MASK)
+
+    tx = fx.masked(build(), (lambda _: OPTAX_MASK) if use_fn else OPTAX_MASK)
+    state = tx.init(params)
+    u, state = tx.update(updates, state, params)
+    assert_trees_close(u, negate(updates))
+    u2, _ = tx.update(u, state)  # again, without params
+    assert_trees_close(u2, negate(negate(updates)))
+
+
+@pytest.mark.parametrize("build", [_sgd, _stateful_sgd], ids=["sgd", "stateful_sgd"])
+def test_optax_prefix_mask(build):
+    mask = {"a": True, "b": False, "c": {"d": False, "e": True}}
+    params = _t({"a": 1.0, "b": {"f": 2.0}, "c": {"d": 3.0, "e": ([4.0, 5.0], 6.0)}})
+    updates = fx.tree.map(lambda x: x / 10.0, params)
+    expected = {"a": -updates["a"], "b": updates["b"],
+                "c": {"d": updates["c"]["d"], "e": fx.tree.map(torch.neg, updates["c"]["e"])}}
+    tx = fx.masked(build(), mask)
+    u, _ = tx.update(updates, tx.init(params), params)
+    assert_trees_close(u, expected)
+
+
+def test_optax_update_requires_params():
+    params = _t(OPTAX_PARAMS)
+    updates = fx.tree.map(lambda x: x / 10.0, params)
+    tx = fx.masked(fx.add_decayed_weights(0.1), OPTAX_MASK)
+    state = tx.init(params)
+    u, state = tx.update(updates, state, params)
+    expected = fx.tree.map(lambda g, p, m: g + 0.1 * p if m else g, updates, params, OPTAX_MASK)
+    assert_trees_close(u, expected)
+    params = fx.apply_updates(params, u)
+    u2, _ = tx.update(u, state, params)
+    assert_trees_close(u2, fx.tree.map(lambda g, p, m: g + 0.1 * p if m else g, u, params, OPTAX_MASK))
+
+
+@pytest.mark.parametrize("container", [list, tuple, dict])
+def test_optax_empty(container):
+    tx = fx.masked(_sgd(), container())
+    tx.update(container(), tx.init(container()))
+
+
+@pytest.mark.parametrize("use_fn", [False, True])
+@pytest.mark.parametrize("extra_key_in_mask", [False, True])
+def test_optax_tree_mismatch_fails(extra_key_in_mask, use_fn):
+    mask = {"a": True, "b": [False, True], "c": {"d": True, "e": (False, True)}}
+    params = _t(OPTAX_PARAMS)
+    if extra_key_in_mask:
+        mask["c"]["extra"] = True
+    else:
+        params["c"]["extra"] = torch.tensor(7.0)
+    with pytest.raises(ValueError, match="the mask does not match the params"):
+        fx.masked(_sgd(), (lambda _: mask) if use_fn else mask).init(params)
+
+
+def test_optax_mask_fn():
+    params = {"a": torch.ones(1, 2), "b": (torch.ones(1), torch.ones(1, 2, 3))}
+    tx = fx.masked(fx.add_decayed_weights(0.1), lambda p: fx.tree.map(lambda x: x.ndim > 1, p))
+    grads = fx.tree.map(lambda x: 2 * x, params)
+    u, _ = tx.update(grads, tx.init(params), params)
+    assert_trees_close(u, {"a": grads["a"] + 0.1 * params["a"],
+                           "b": (grads["b"][0], grads["b"][1] + 0.1 * params["b"][1])})
+
+
+@pytest.mark.parametrize("build", [_sgd, _stateful_sgd], ids=["sgd", "stateful_sgd"])
+def test_optax_nested_mask(build):
+    # Optax's issue #271
+    params = {"linear_1": {"w": torch.zeros(1, 1), "b": torch.zeros(1)},
+              "linear_2": {"w": torch.zeros(1, 2), "b": torch.zeros(2)},
+              "linear_3": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}}
+    inner_mask = fx.tree.map(lambda _: True, params)
+    inner_mask["linear_2"] = False
+    tx = fx.masked(fx.masked(build(), inner_mask), lambda p: fx.tree.map(lambda x: x.ndim > 1, p))
+    u, _ = tx.update(fx.tree.map(torch.ones_like, params), tx.init(params), params)
+    expected = fx.tree.map(torch.ones_like, params)
+    expected["linear_1"]["w"] = -expected["linear_1"]["w"]
+    expected["linear_3"]["w"] = -expected["linear_3"]["w"]
+    assert_trees_close(u, expected)
+
+
+def test_optax_masked_state_structure():
+    params = {"a": [torch.ones(1), (torch.ones(2), torch.ones(3))], "b": {"c": torch.ones(4), "d": torch.ones(5)}}
+    trace = fx.masked(_stateful_sgd(), {"a": [True, (True, False)], "b": False}).init(params).inner_state[0].trace
+    assert fx.tree.structure(trace) == fx.tree.structure(
+        {"a": [torch.zeros(1), (torch.zeros(2), fx.MaskedNode())], "b": fx.MaskedNode()})
+
+
+class CallableModule(NamedTuple):
+    """A pytree node that is callable, as an Equinox module."""
+
+    w: Any
+
+    def __call__(self, x):
+        return self.w @ x
+
+
+def test_optax_mask_compatible_callable_pytree():
+    # Optax's issue #913 (parity bug 4): a mask that is a callable pytree is a tree, not a function.
+    module = CallableModule(torch.tensor([1.0, 2.0, 3.0]))
+    assert callable(module) and not is_mask_fn(module)
+    tx = fx.masked(_sgd(), CallableModule(False))
+    u, _ = tx.update(module, tx.init(module))
+    assert_trees_close(u, module, rtol=0, atol=0)
+    tx = fx.masked(_sgd(), CallableModule(True))
+    u, _ = tx.update(module, tx.init(module))
+    assert_trees_close(u, CallableModule(-module.w))
+    labels = multi_transform({"a": _sgd(), "b": fx.identity()}, CallableModule("b"))
+    u, _ = labels.update(module, labels.init(module))
+    assert_trees_close(u, module, rtol=0, atol=0)
+
+
+@fx.transform(elementwise=False, extra_args=True)
+def _adds_tree_value():
+    """Adds ``value``, a tree shaped like the updates, to them."""
+    def update_fn(updates, state, params=None, *, value=None, **extra_args):
+        return fx.tree.map(lambda u, v: u + v, updates, value), state
+
+    return fx.GradientTransformation(lambda params: fx.EmptyState(), update_fn)
+
+
+def test_extra_args_reach_masked_and_partitioned_transforms():
+    inner = reads_value()
+    params = {"w": torch.ones(2), "b": torch.ones(1)}
+    mask = {"w": True, "b": False}
+    for tx in (fx.masked(inner, mask), fx.partition({"x": inner, "y": fx.identity()}, {"w": "x", "b": "y"}),
+               multi_transform({"x": inner, "y": fx.identity()}, {"w": "x", "b": "y"})):
+        assert fx.traits(tx).extra_args
+        u, _ = tx.update(params, tx.init(params), params, value=torch.tensor(2.0))
+        assert u["w"].tolist() == [3.0, 3.0] and u["b"].tolist() == [1.0]
+        u, _ = fx.update_(tx, fx.tree.clone(params), tx.init(params), params, value=torch.tensor(2.0))
+        assert u["w"].tolist() == [3.0, 3.0]
+    assert not fx.traits(fx.masked(fx.sgd(0.1), mask)).extra_args
+    # mask_compatible_extra_args: an argument shaped like the updates is masked as they are
+    tx = fx.masked(_adds_tree_value(), mask, mask_compatible_extra_args=True)
+    u, _ = tx.update(params, tx.init(params), params, value={"w": torch.tensor(5.0), "b": torch.tensor(7.0)})
+    assert u["w"].tolist() == [6.0, 6.0] and u["b"].tolist() == [1.0]
+
+
+# --- freeze, selective_transform, multi_transform: Optax's numbers over 20 steps --------------------------
+
+@pytest.mark.optax
+def test_freeze_matches_optax():
+    optax = pytest.importorskip("optax")
+    mask = {"dense": {"w": False, "b": True}, "blocks": True, "scalar": False}
+    assert_parity(fx.chain(freeze(mask), fx.adam(0.1)), optax.chain(optax.freeze(mask), optax.adam(0.1)))
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("freeze_mask", [PREFIX_MASK, False], ids=["tree", "bool"])
+def test_selective_transform_matches_optax(freeze_mask):
+    optax = pytest.importorskip("optax")
+    assert_parity(selective_transform(fx.adamw(0.1, weight_decay=0.1), freeze_mask=freeze_mask),
+                  optax.selective_transform(optax.adamw(0.1, weight_decay=0.1), freeze_mask=freeze_mask))
+
+
+@pytest.mark.optax
+def test_multi_transform_matches_optax():
+    optax = pytest.importorskip("optax")
+    assert_parity(multi_transform({"adam": fx.adam(0.1), "sgd": fx.sgd(0.1, momentum=0.9)}, _labels),
+                  optax.multi_transform({"adam": optax.adam(0.1), "sgd": optax.sgd(0.1, momentum=0.9)}, _labels))
+
+
+def test_freeze_examples_and_states():
+    params = {"a": torch.zeros(1), "b": torch.zeros(2)}
+    state = freeze({"a": True, "b": False}).init(params)
+    assert isinstance(state, fx.MaskedState) and state.inner_state == fx.EmptyState()
+    u, _ = freeze(True).update(params, freeze(True).init(params))
+    assert all(not x.any() for x in fx.tree.leaves(u))
+    tx = selective_transform(fx.adam(1e-3), freeze_mask={"a": True, "b": False})
+    state = tx.init(params)
+    assert sorted(state.inner_states) == ["freeze", "train"]
+    assert fx.tree.leaves(state.inner_states["train"].inner_state[0].mu) != []
+    assert repr(freeze(True)) == "freeze(True)"

@@ -246,7 +246,8 @@ def _set_to_zero() -> GradientTransformation:
         if tree.is_functional():
             zeros = [torch.zeros_like(u) for u in us]
         else:  # in place on the local pieces: no allocation, any DTensor placement kept
-            torch._foreach_zero_([tree.local(u) for u in us])
+            if us:
+                torch._foreach_zero_([tree.local(u) for u in us])
             zeros = us
         return tree.put(updates, updates, zeros), state
 
