@@ -81,6 +81,8 @@ def _plain(x: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def _split_kwargs(name: str, value_fn: Callable, extra_args: dict) -> dict:
     """The extra arguments ``value_fn`` takes by name; any other is an error (Optax's rule)."""
+    if not extra_args:
+        return {}
     names = set(inspect.signature(value_fn).parameters)
     unused = sorted(k for k in extra_args if k not in names)
     if unused:
@@ -283,6 +285,14 @@ def _report_backtracking(error, atol, value, slope, lr) -> None:
 
 # --- zoom ----------------------------------------------------------------------------------------------
 
+# What verbose=True prints when the search fails (Optax's messages).
+FLAG_INTERVAL_NOT_FOUND = ("No interval satisfying curvature condition. Consider increasing maximal possible "
+                           "stepsize of the linesearch.")
+FLAG_INTERVAL_TOO_SMALL = "Length of searched interval has been reduced below threshold."
+FLAG_CURVATURE_COND_NOT_SATISFIED = "Returning stepsize with sufficient decrease but curvature condition not satisfied."
+FLAG_NO_STEPSIZE_FOUND = "Linesearch failed, no stepsize satisfying sufficient decrease found."
+FLAG_NOT_A_DESCENT_DIRECTION = "The linesearch failed because the provided direction is not a descent direction. "
+
 class ZoomLinesearchInfo(NamedTuple):
     """How the last zoom search went (Optax's fields)."""
 
@@ -388,7 +398,7 @@ def scale_by_zoom_linesearch(max_linesearch_steps: int, max_learning_rate: Scala
     if initial_guess_strategy not in ("keep", "one"):
         raise ValueError(f"{name}: initial_guess_strategy={initial_guess_strategy!r} must be 'keep' or 'one'")
     rules = _ZoomRules(int(max_linesearch_steps), max_learning_rate, tol, increase_factor, slope_rtol, curv_rtol,
-                       approx_dec_rtol, stepsize_precision)
+                       approx_dec_rtol, stepsize_precision, verbose)
 
     def init_fn(params):
         dtype, device = _value_dtype(params), param_device(params)
@@ -405,8 +415,6 @@ def scale_by_zoom_linesearch(max_linesearch_steps: int, max_learning_rate: Scala
                      torch.promote_types(state.learning_rate.dtype, torch.float32))
         guess = state.learning_rate.to(line.acc) if initial_guess_strategy == "keep" else line._scalar(1.0)
         s = rules.search(line, line._scalar(value), tree.align(params, grad)[1], guess)
-        if verbose:
-            _report_zoom(s)
         u = tree.scale_(tree.align(updates)[0], s.stepsize)
         g_state = tree.copy_(tree.align(params, state.grad)[1], s.grad)
         dtype, info_dtype = state.learning_rate.dtype, state.info.decrease_error.dtype
@@ -429,6 +437,7 @@ class _ZoomRules(NamedTuple):
     curv_rtol: Scalar
     approx_dec_rtol: Scalar | None
     interval_threshold: Scalar
+    verbose: bool
 
     def search(self, line: _Line, value: torch.Tensor, grad: list, guess: torch.Tensor) -> _Search:
         """Runs every trial (masked once done or failed) and returns the final search state."""
@@ -442,7 +451,35 @@ class _ZoomRules(NamedTuple):
                     grad=list(grad), safe_grad=list(grad))
         for _ in range(max(self.max_steps, 1)):  # Optax's while loop runs at least once
             s = self.step(line, s, value, slope, guess)
+        if self.verbose:
+            self.report(s, value, slope)
         return s
+
+    def report(self, s: _Search, value_init: torch.Tensor, slope_init: torch.Tensor) -> None:
+        """Optax's diagnostics, printed when the search did not satisfy both criteria (reads the outcome on the
+        host: a sync, opt in with ``verbose=True``)."""
+        say = []
+        if bool(s.done & ~s.interval_found & (torch.maximum(s.decrease_error, s.curvature_error) > self.tol)):
+            say += [FLAG_INTERVAL_NOT_FOUND, FLAG_CURVATURE_COND_NOT_SATISFIED]
+        if bool(s.failed):
+            if bool((s.low - s.high).abs() <= self.interval_threshold):
+                say.append(f"{FLAG_INTERVAL_TOO_SMALL} Interval length: {float((s.low - s.high).abs()):.6g}.")
+            if bool(s.safe_stepsize > 0):
+                say.append(f"{FLAG_CURVATURE_COND_NOT_SATISFIED} Stepsize ensuring sufficient decrease: "
+                           f"{float(s.safe_stepsize):.6g}.")
+            else:
+                say.append(FLAG_NO_STEPSIZE_FOUND)
+                say.append(f"{FLAG_NOT_A_DESCENT_DIRECTION}The slope (={float(slope_init):.6g}) at stepsize=0 "
+                           "should be negative" if bool(slope_init >= 0) else
+                           "Consider augmenting the maximal number of linesearch iterations.")
+                if bool(torch.isinf(s.decrease_error)):
+                    say.append("Cannot even make a step without getting Inf or Nan. The linesearch won't make a "
+                               "step and the optimizer is stuck.")
+        if say:
+            print(f"INFO: scale_by_zoom_linesearch:\nValue at current params: {float(value_init):.6g}\n"
+                  f"Slope along update direction: {float(slope_init):.6g}\nStepsize reached: "
+                  f"{float(s.stepsize):.6g}\nDecrease Error: {float(s.decrease_error):.6g}\nCurvature Error: "
+                  f"{float(s.curvature_error):.6g}\n" + "\n".join(say))
 
     def step(self, line: _Line, s: _Search, value_init, slope_init, guess) -> _Search:
         active = ~(s.done | s.failed)
@@ -546,13 +583,6 @@ def _quadmin(a, fa, fpa, b, fb) -> torch.Tensor:
     """The minimizer of the quadratic through (a, fa) with slope fpa at a, and (b, fb)."""
     db = b - a
     return a - fpa / (2.0 * ((fb - fa - fpa * db) / db ** 2))
-
-
-def _report_zoom(s: _Search) -> None:
-    if bool(s.failed | ~s.done):  # opt-in host sync (verbose=True)
-        print(f"INFO: scale_by_zoom_linesearch: no step size satisfied both criteria; step size "
-              f"{s.stepsize.item():.6g}, decrease error {s.decrease_error.item():.6g}, curvature error "
-              f"{s.curvature_error.item():.6g}, slope at 0 {s.slope.item():.6g}")
 
 
 # --- reusing the line search's value and gradient ------------------------------------------------------
