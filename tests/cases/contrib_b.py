@@ -1,7 +1,23 @@
 """Catalogue cases of this family (see tests/cases/__init__.py): Optax contrib part B (schedule-free, SAM,
 differential privacy and the smaller contrib optimizers)."""
 
-import fxtrain as fx  # noqa: F401
+import fxtrain as fx
+from fxtrain._base import _Update, kernel
+
+LOSS = 1.5  # the loss value given to transforms that read one (momo...): the suite-wide checks pass none
+
+
+def _with_value(tx):
+    """``tx`` (which reads ``value=``) with the loss bound to :data:`LOSS`; same repr and traits."""
+    k = kernel(tx)
+    return fx.GradientTransformation(tx.init, _Update(lambda u, s, p=None, **_: k(u, s, p, value=LOSS), repr(tx),
+                                                      fx.traits(tx)))
+
+
+def _with_value_optax(otx):
+    import optax
+    return optax.GradientTransformation(otx.init, lambda u, s, p=None: otx.update(u, s, p, value=LOSS))
+
 
 CONFORMANCE: dict = {
     "schedule_free": lambda: fx.contrib.schedule_free(fx.adam(1e-2, b1=0.0), 1e-2, b1=0.8),
@@ -17,6 +33,8 @@ CONFORMANCE: dict = {
     "cocob": lambda: fx.contrib.cocob(weight_decay=1e-2),
     "scale_by_madgrad": lambda: fx.contrib.scale_by_madgrad(1e-2, momentum=0.5),
     "madgrad": lambda: fx.contrib.madgrad(1e-2, weight_decay=1e-2),
+    "momo": lambda: _with_value(fx.contrib.momo(0.5, weight_decay=1e-2, adapt_lower_bound=True)),
+    "momo_adam": lambda: _with_value(fx.contrib.momo_adam(1e-2, weight_decay=1e-2)),
 }
 COMPOSABLE: dict = {
     "schedule_free": (lambda: fx.contrib.schedule_free(fx.sgd(0.1), 0.1, b1=0.8),
@@ -36,6 +54,12 @@ COMPOSABLE: dict = {
     "cocob": (lambda: fx.contrib.cocob(alpha=20.0, weight_decay=0.1), lambda o: o.contrib.cocob(alpha=20.0, weight_decay=0.1)),
     "madgrad": (lambda: fx.contrib.madgrad(1e-2, momentum=0.5, weight_decay=0.1),
                 lambda o: o.contrib.madgrad(1e-2, momentum=0.5, weight_decay=0.1)),
+    "momo": (lambda: _with_value(fx.contrib.momo(0.1, weight_decay=0.1)),
+             lambda o: _with_value_optax(o.contrib.momo(0.1, weight_decay=0.1))),
+    # A small rate, so that the step-size cap binds: where the Polyak ratio binds, the batched and unbatched
+    # kernels' rounding differences (1 ulp) grow past 1e-6 in 20 steps (8e-6 at step 19 with rate 0.1).
+    "momo_adam": (lambda: _with_value(fx.contrib.momo_adam(1e-3, weight_decay=0.1)),
+                  lambda o: _with_value_optax(o.contrib.momo_adam(1e-3, weight_decay=0.1))),
 }
 OPTIMIZERS: dict = {
     "schedule_free_sgd": lambda: fx.contrib.schedule_free_sgd(0.1),
