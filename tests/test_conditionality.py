@@ -8,7 +8,9 @@ import torch
 import fxtrain as fx
 from fxtrain import _base
 from fxtrain.testing import assert_trees_close, from_jnp, nested_params, to_jnp
+from fxtrain.transforms._conditionality import conditionally_mask, conditionally_transform
 from tests._parity import assert_pure_and_donated_agree, growing_grads, reference_trace
+from tests.cases.wrappers import reads_value
 
 
 # Steps whose gradients hold a NaN or an Inf: single ones, then a run of 4 (> max_consecutive_errors=2,
@@ -228,3 +230,150 @@ def test_grad_through_skipped_updates_matches_optax():
     assert_trees_close(d_grads, from_jnp(o_grads), rtol=1e-5, atol=1e-6)
     assert all(float(x.abs().max()) == 0 for x in fx.tree.leaves(d_grads[2]))  # the skipped step's
     assert math.isfinite(float(d_lr)) and math.isclose(float(d_lr), float(o_lr), rel_tol=1e-5)
+
+
+# --- Optax's cases (optax/transforms/_conditionality_test.py), inputs and expected numbers -----------------
+
+def _with_python_number_state():
+    # Optax's _build_sgd_extra_args: an inner state {'foo': 1} (a Python number; parity bug 3) and a
+    # transform reading an extra argument.
+    def update_fn(grads, state, params=None, *, foo=None, **extra_args):
+        return grads, state
+
+    return fx.chain(fx.sgd(1.0), fx.GradientTransformation(lambda params: {"foo": 1}, update_fn))
+
+
+@pytest.mark.parametrize("path", ["pure", "donated"])
+@pytest.mark.parametrize("build", [lambda: fx.sgd(1.0), lambda: fx.sgd(1.0, momentum=0.0), _with_python_number_state],
+                         ids=["sgd", "stateful_sgd", "sgd_extra_args"])
+def test_optax_apply_if_finite(build, path):
+    tx = fx.apply_if_finite(build(), 2)
+    params = torch.tensor(0.0)
+    state = tx.init(params)
+
+    def step(x):  # the gradient of p * x
+        nonlocal params, state
+        g = torch.tensor(x)
+        u, state = fx.update_(tx, g, state, params) if path == "donated" else tx.update(g, state, params)
+        params = fx.apply_updates(params, u)
+
+    step(1.0)
+    assert params.item() == -1.0 and bool(state.last_finite)
+    for expected in (-1.0, -2.0):
+        for k in range(2):
+            step(math.nan)
+            assert params.item() == expected and not bool(state.last_finite) and int(state.notfinite_count) == k + 1
+        if expected == -1.0:
+            step(1.0)
+            assert params.item() == -2.0 and bool(state.last_finite)
+    step(math.nan)  # the third in a row is accepted
+    assert math.isnan(params.item()) and int(state.total_notfinite) == 5
+
+
+@fx.transform(elementwise=True)
+def _zero_nans():
+    """Optax's zero_nans (written here): NaNs become 0; the state says, per leaf, whether one was found."""
+    def init_fn(params):
+        return {"found_nan": fx.tree.map(lambda p: torch.zeros((), dtype=torch.bool), params)}
+
+    def update_fn(updates, state, params=None):
+        found = fx.tree.map(lambda u: u.isnan().any(), updates)
+        return fx.tree.map(lambda u: torch.nan_to_num(u, nan=0.0, posinf=math.inf, neginf=-math.inf), updates), \
+            {"found_nan": found}
+
+    return fx.GradientTransformation(init_fn, update_fn)
+
+
+WRAPPERS = {"transform": conditionally_transform, "mask": conditionally_mask}
+
+
+@pytest.mark.parametrize("wrapper", ["transform", "mask"])
+def test_optax_conditionally_stateless_inner(wrapper):
+    tx = WRAPPERS[wrapper](fx.scale(2.0), lambda step: step < 3)
+    state = tx.init(torch.zeros(()))
+    for _ in range(3):
+        u, state = tx.update(torch.ones(()), state)
+        assert u.item() == 2.0
+    for _ in range(5):  # the inner transform no longer applies
+        u, state = tx.update(torch.ones(()), state)
+        assert u.item() == (1.0 if wrapper == "transform" else 0.0)
+
+
+@pytest.mark.parametrize("path", ["pure", "donated"])
+@pytest.mark.parametrize("wrapper", ["transform", "mask"])
+def test_optax_conditionally_stateful_inner(wrapper, path):
+    tx = WRAPPERS[wrapper](_zero_nans(), lambda step: step < 3)
+    state = tx.init(torch.zeros(()))
+
+    def step(x):
+        nonlocal state
+        g = torch.tensor(x)
+        u, state = fx.update_(tx, g, state) if path == "donated" else tx.update(g, state)
+        return u
+
+    for _ in range(2):
+        assert step(math.nan).item() == 0.0 and bool(state.inner_state["found_nan"])
+    assert step(1.0).item() == 1.0 and not bool(state.inner_state["found_nan"])
+    for _ in range(5):  # the inner state is no longer updated
+        u = step(math.nan)
+        assert math.isnan(u.item()) if wrapper == "transform" else u.item() == 0.0
+        assert not bool(state.inner_state["found_nan"])
+    assert int(state.step) == 8
+
+
+def test_optax_conditionally_mask_with_extra_args():
+    def should_update(step, loss, **extra_args):
+        return loss > 0.1
+
+    tx = conditionally_mask(fx.scale(2.0), should_update, forward_extra_args=True)
+    assert fx.traits(tx).extra_args
+    state = tx.init(torch.zeros(()))
+    for _ in range(3):
+        u, state = tx.update(torch.ones(()), state, loss=torch.tensor(0.2))
+        assert u.item() == 2.0
+    for _ in range(5):
+        u, state = tx.update(torch.ones(()), state, loss=torch.tensor(0.0))
+        assert u.item() == 0.0
+
+
+def test_condition_decided_on_the_host_when_it_is_a_python_bool():
+    calls = []
+    tx = conditionally_transform(fx.scale(2.0), lambda step: calls.append(1) or len(calls) <= 1)
+    state = tx.init(torch.zeros(2))
+    u, state = tx.update(torch.ones(2), state)
+    v, state = tx.update(torch.ones(2), state)
+    assert u.tolist() == [2.0, 2.0] and v.tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="conditionally_transform: should_transform_fn must be a callable"):
+        conditionally_transform(fx.scale(2.0), True)
+
+
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("wrapper", ["transform", "mask"])
+def test_conditionally_matches_optax_over_20_steps(wrapper):
+    optax = pytest.importorskip("optax")
+    from tests._parity import assert_parity
+
+    def every_third(step):
+        return step % 3 != 0
+
+    import jax
+
+    ours = WRAPPERS[wrapper](fx.sgd(0.1, momentum=0.9), every_third)
+    theirs = getattr(optax, f"conditionally_{wrapper}")(optax.sgd(0.1, momentum=0.9), every_third)
+    # jitted: op by op, lax.cond compiles on every call
+    assert_parity(ours, optax.GradientTransformation(theirs.init, jax.jit(theirs.update)))
+
+
+def test_extra_args_reach_the_inner_transforms():
+    inner = reads_value()
+    for tx in (fx.apply_if_finite(inner, 2), conditionally_transform(inner, lambda s: s < 5),
+               conditionally_mask(inner, lambda s: s < 5)):
+        assert fx.traits(tx).extra_args
+        u, _ = tx.update(torch.ones(2), tx.init(torch.zeros(2)), value=torch.tensor(2.0))
+        assert u.tolist() == [3.0, 3.0]
+        u, _ = fx.update_(tx, torch.ones(2), tx.init(torch.zeros(2)), value=torch.tensor(2.0))
+        assert u.tolist() == [3.0, 3.0]
+    assert not fx.traits(fx.apply_if_finite(fx.sgd(0.1), 2)).extra_args
+    assert not fx.traits(conditionally_mask(fx.sgd(0.1), lambda s: s < 5)).extra_args

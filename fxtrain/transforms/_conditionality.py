@@ -164,10 +164,9 @@ def _run_if(inner: GradientTransformation, should_transform_fn: Callable, forwar
     kept = updates if functional or rejected == "zero" else tree.clone(updates)
     new, new_state = call(inner, updates, inner_state, params, extra_args)
     us, olds = tree.align(new, kept, what="updates")
-    if rejected == "pass":
-        picked = tree.where_(run.to(us[0].device) if us else run, us, olds)
-    else:
-        picked = tree.zero_where_(~run.to(us[0].device) if us else ~run, us)
+    reject = ~run.to(us[0].device) if us else ~run
+    # Selected into the new updates' buffers (in place, tree.put keeps them where they are).
+    picked = tree.where_(reject, olds, us) if rejected == "pass" else tree.zero_where_(reject, us)
     return tree.put(new, new, picked), select(run, new_state, before)
 
 

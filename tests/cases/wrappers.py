@@ -17,9 +17,9 @@ def ndim_mask(params):
     return optree.tree_map(lambda x: x.ndim >= 2, params)
 
 
-def first_steps(step):
-    """``step < 3`` on torch and jax counters alike."""
-    return step < 3
+def even_steps(step):
+    """``step % 2 == 0`` on torch and jax counters alike: 3 conformance steps see both branches."""
+    return step % 2 == 0
 
 
 def doubled(updates):
@@ -54,8 +54,8 @@ CONFORMANCE: dict = {
     "flatten": lambda: fx.flatten(fx.adam(1e-2)),
     "snapshot": lambda: fx.snapshot("norm", fx.tree.norm),
     "monitor": lambda: fx.monitor({"trace": fx.trace(0.5), "scaled": fx.scale(2.0)}),
-    "conditionally_transform": lambda: _conditionality.conditionally_transform(fx.adam(1e-2), first_steps),
-    "conditionally_mask": lambda: _conditionality.conditionally_mask(fx.sgd(0.1, momentum=0.9), first_steps),
+    "conditionally_transform": lambda: _conditionality.conditionally_transform(fx.adam(1e-2), even_steps),
+    "conditionally_mask": lambda: _conditionality.conditionally_mask(fx.sgd(0.1, momentum=0.9), even_steps),
     "freeze": lambda: _masking.freeze(ndim_mask(fx.testing.nested_params())),
     "selective_transform": lambda: _masking.selective_transform(
         fx.adam(1e-2), freeze_mask={"dense": True, "blocks": False, "scalar": False}),
@@ -73,10 +73,10 @@ COMPOSABLE: dict = {
                  lambda o: o.chain(o.sgd(0.1), o.snapshot("doubled", doubled))),
     "monitor": (lambda: fx.chain(fx.monitor({"trace": fx.trace(0.5), "doubled": doubled}), fx.sgd(0.1)),
                 lambda o: o.chain(o.monitor({"trace": o.trace(0.5), "doubled": doubled}), o.sgd(0.1))),
-    "conditionally_transform": (lambda: _conditionality.conditionally_transform(fx.adam(1e-2), first_steps),
-                                lambda o: o.conditionally_transform(o.adam(1e-2), first_steps)),
-    "conditionally_mask": (lambda: _conditionality.conditionally_mask(fx.sgd(0.1, momentum=0.9), first_steps),
-                           lambda o: o.conditionally_mask(o.sgd(0.1, momentum=0.9), first_steps)),
+    "conditionally_transform": (lambda: _conditionality.conditionally_transform(fx.adam(1e-2), even_steps),
+                                lambda o: o.conditionally_transform(o.adam(1e-2), even_steps)),
+    "conditionally_mask": (lambda: _conditionality.conditionally_mask(fx.sgd(0.1, momentum=0.9), even_steps),
+                           lambda o: o.conditionally_mask(o.sgd(0.1, momentum=0.9), even_steps)),
     "freeze": (lambda: fx.chain(_masking.freeze({"w": True, "b": False, "s": False}), fx.sgd(0.1)),
                lambda o: o.chain(o.freeze({"w": True, "b": False, "s": False}), o.sgd(0.1))),
     "selective_transform": (
