@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any, Hashable, Mapping, NamedTuple
 
 import optree
-import torch
 
 from fxtrain import tree
-from fxtrain._base import EmptyState, GradientTransformation, _combined, call, transform
+from fxtrain._base import GradientTransformation, _combined, call, transform
+from fxtrain.transforms._simple import set_to_zero
 
 __all__ = ["MaskedNode", "MaskedState", "PartitionState", "masked", "partition", "multi_transform", "freeze",
            "selective_transform"]
@@ -233,27 +233,6 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param
     return partition(transforms, param_labels, mask_compatible_extra_args=mask_compatible_extra_args)
 
 
-@transform
-def _set_to_zero() -> GradientTransformation:
-    """Zeros every update (Optax's ``set_to_zero``: its state is the empty state)."""
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None):
-        del params
-        us = tree.leaves(updates)
-        if tree.is_functional():
-            zeros = [torch.zeros_like(u) for u in us]
-        else:  # in place on the local pieces: no allocation, any DTensor placement kept
-            if us:
-                torch._foreach_zero_([tree.local(u) for u in us])
-            zeros = us
-        return tree.put(updates, updates, zeros), state
-
-    return GradientTransformation(init_fn, update_fn)
-
-
 @transform(elementwise=None)
 def freeze(mask: Any) -> GradientTransformation:
     """Zeros the updates where ``mask`` is True: those params stay as they are (Optax's ``freeze``).
@@ -276,7 +255,7 @@ def freeze(mask: Any) -> GradientTransformation:
         >>> u["a"].tolist(), u["b"].tolist()
         ([0.0], [1.0, 1.0])
     """
-    return masked(_set_to_zero(), mask)
+    return masked(set_to_zero(), mask)
 
 
 @transform(elementwise=None)
@@ -305,4 +284,4 @@ def selective_transform(optimizer: GradientTransformation, *, freeze_mask: Any) 
         ([0.0], [-0.5, -0.5], ['freeze', 'train'])
     """
     labels = optree.tree_map(lambda frozen: "freeze" if frozen else "train", freeze_mask, **_KW)
-    return partition({"train": optimizer, "freeze": _set_to_zero()}, lambda params: labels)
+    return partition({"train": optimizer, "freeze": set_to_zero()}, lambda params: labels)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, NamedTuple
 
+from fxtrain.transforms._moments import Scalar
+
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, _combined, call, stateless, transform
+from fxtrain._base import GradientTransformation, _combined, call, chain, stateless, transform
+from fxtrain.transforms._simple import ema
 
-__all__ = ["SnapshotState", "snapshot", "MonitorState", "monitor"]
+__all__ = ["SnapshotState", "snapshot", "MonitorState", "monitor", "measure_with_ema"]
 
 
 class SnapshotState(NamedTuple):
@@ -124,6 +127,38 @@ def monitor(measures: Mapping[str, GradientTransformation | Callable[[Any], Any]
         return updates, MonitorState(measurements, tuple(states))
 
     return _combined(init_fn, update_fn, tuple(txs.values()))
+
+
+@transform(elementwise=False)
+def measure_with_ema(measure: Callable[[Any], Any], decay: Scalar, debias: bool = True,
+                     accumulator_dtype: torch.dtype | str | None = None) -> GradientTransformation:
+    r"""A measure of the updates averaged over steps, for :func:`monitor` (Optax's ``measure_with_ema``).
+
+    ``chain(stateless(measure), ema(decay, debias, accumulator_dtype))`` whose average starts as zeros shaped
+    like ``measure(params)``: its output is :math:`m_t = eta m_{t-1} + (1 - eta)\,	ext{measure}(u_t)`,
+    divided by :math:`1 - eta^t` with ``debias``.
+
+    Args:
+      measure: ``measure(updates) -> tree of tensors``.
+      decay: the decay :math:`eta` (a number or a 0-dim tensor).
+      debias: divide by :math:`1 - eta^t`.
+      accumulator_dtype: dtype of the average; ``None``: the measurement's.
+
+    Returns:
+      A transform whose output is the averaged measurement; state ``(EmptyState(), EmaState(count, ema))``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.monitor({"norm_ema": fx.measure_with_ema(fx.tree.norm, decay=0.9)})
+        >>> state = tx.init(torch.zeros(2))
+        >>> for g in (3.0, 4.0):
+        ...     _, state = tx.update(torch.tensor([g, 0.0]), state)
+        >>> round(state.measurements["norm_ema"].item(), 4)    # (0.9 * 0.1 * 3 + 0.1 * 4) / (1 - 0.81)
+        3.5263
+    """
+    average = ema(decay, debias, accumulator_dtype)
+    # The average has the measurement's shape, not the params'.
+    return chain(_measuring(measure), average._replace(init=lambda params: average.init(measure(params))))
 
 
 def _measuring(measure: Callable[[Any], Any]) -> GradientTransformation:

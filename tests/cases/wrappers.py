@@ -54,6 +54,7 @@ CONFORMANCE: dict = {
     "flatten": lambda: fx.flatten(fx.adam(1e-2)),
     "snapshot": lambda: fx.snapshot("norm", fx.tree.norm),
     "monitor": lambda: fx.monitor({"trace": fx.trace(0.5), "scaled": fx.scale(2.0)}),
+    "measure_with_ema": lambda: fx.measure_with_ema(doubled, 0.9),  # a measure shaped like the updates
     "conditionally_transform": lambda: _conditionality.conditionally_transform(fx.adam(1e-2), even_steps),
     "conditionally_mask": lambda: _conditionality.conditionally_mask(fx.sgd(0.1, momentum=0.9), even_steps),
     "freeze": lambda: _masking.freeze(ndim_mask(fx.testing.nested_params())),
@@ -73,6 +74,7 @@ COMPOSABLE: dict = {
                  lambda o: o.chain(o.sgd(0.1), o.snapshot("doubled", doubled))),
     "monitor": (lambda: fx.chain(fx.monitor({"trace": fx.trace(0.5), "doubled": doubled}), fx.sgd(0.1)),
                 lambda o: o.chain(o.monitor({"trace": o.trace(0.5), "doubled": doubled}), o.sgd(0.1))),
+    "measure_with_ema": (lambda: fx.measure_with_ema(doubled, 0.9), lambda o: o.measure_with_ema(doubled, 0.9)),
     "conditionally_transform": (lambda: _conditionality.conditionally_transform(fx.adam(1e-2), even_steps),
                                 lambda o: o.conditionally_transform(o.adam(1e-2), even_steps)),
     "conditionally_mask": (lambda: _conditionality.conditionally_mask(fx.sgd(0.1, momentum=0.9), even_steps),
