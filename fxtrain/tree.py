@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "flatten", "unflatten", "leaves", "paths", "structure", "map", "align", "put", "first_mismatch",
-    "zeros_like", "clone", "cast", "sum_sq", "norm", "local", "all_finite", "where",
+    "zeros_like", "clone", "cast", "sum_sq", "norm", "norms", "local", "all_finite", "where",
     # the op layer: in place by default, out of place inside functional()
     "functional", "is_functional", "donated", "is_donated", "transformed", "scale_", "mul_", "div_", "add_", "lerp_", "addcmul_",
     "addcdiv_", "sqrt_", "reciprocal_", "sign_", "tanh_", "abs_", "neg_", "clamp_", "maximum_", "copy_",
@@ -304,14 +304,24 @@ def _num(s: Any, x: torch.Tensor) -> Any:
     return torch.tensor(s, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
 
 
-def _linear_pieces(xs: list, s: Any) -> list:
-    """The local pieces of DTensor ``xs`` for a product with one scalar (linear: right for every placement,
-    ``Partial`` included); ``xs`` itself otherwise. DTensor dispatch of a foreach op with a 0-dim tensor
-    scalar replicates the scalar onto one mesh and refuses leaves on several (FSDP2 x TP: norms on the dp
-    mesh, matrices on dp x tp); on the pieces it is one plain kernel."""
-    if isinstance(s, list) or not isinstance(xs[0], DTensor) and not any(isinstance(x, DTensor) for x in xs):
-        return xs
-    return [local(x) for x in xs]
+def _linear_pieces(xs: list, s: Any) -> tuple[list, Any]:
+    """``(xs, s)`` to run an in-place product on: for DTensor ``xs`` and one scalar or one 0-dim scalar per leaf
+    (a per-leaf norm), their local pieces and the scalars' full values (linear: right for every placement,
+    ``Partial`` included); ``(xs, s)`` themselves otherwise. DTensor dispatch of a foreach op with a 0-dim
+    tensor scalar replicates the scalar onto one mesh and refuses leaves on several (FSDP2 x TP: norms on the
+    dp mesh, matrices on dp x tp), and refuses plain per-leaf scalars; on the pieces it is one plain kernel."""
+    if not isinstance(xs[0], DTensor) and not any(isinstance(x, DTensor) for x in xs):
+        return xs, s
+    if not isinstance(s, list):
+        return [local(x) for x in xs], s
+    if all(isinstance(y, torch.Tensor) and y.ndim == 0 for y in s) and any(x.ndim for x in xs):
+        return [local(x) for x in xs], [_full_scalar(y) for y in s]
+    return xs, s
+
+
+def _full_scalar(y: torch.Tensor) -> torch.Tensor:
+    """A 0-dim tensor's value as a plain tensor: a DTensor is reduced if partial (a per-leaf norm of a shard)."""
+    return y.full_tensor() if isinstance(y, DTensor) else y
 
 
 def scale_(xs: list[torch.Tensor], s: Any) -> list[torch.Tensor]:
@@ -321,7 +331,7 @@ def scale_(xs: list[torch.Tensor], s: Any) -> list[torch.Tensor]:
     _in_place(s)
     if is_functional():
         return [_kept(x * y, x) for x, y in zip(xs, s)] if isinstance(s, list) else [_kept(x * _num(s, x), x) for x in xs]
-    torch._foreach_mul_(_linear_pieces(xs, s), s)
+    torch._foreach_mul_(*_linear_pieces(xs, s))
     return xs
 
 
@@ -335,7 +345,7 @@ def div_(xs: list[torch.Tensor], s: Any) -> list[torch.Tensor]:
     _in_place(s)
     if is_functional():
         return [_kept(x / y, x) for x, y in zip(xs, s)] if isinstance(s, list) else [_kept(x / _num(s, x), x) for x in xs]
-    torch._foreach_div_(_linear_pieces(xs, s), s)
+    torch._foreach_div_(*_linear_pieces(xs, s))
     return xs
 
 
@@ -421,6 +431,28 @@ def sum_sq(xs: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> to
 
 def _abs_sq(x: torch.Tensor) -> torch.Tensor:
     return (x * x.conj()).real if x.is_complex() else x * x
+
+
+def norms(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each leaf of ``xs``, as 0-dim tensors (real dtypes), for per-leaf rules (trust ratios,
+    block norms, NovoGrad).
+
+    In place: one ``torch._foreach_norm``. Inside :func:`functional`: ``torch.linalg.vector_norm`` leaf by
+    leaf (vmap and grad see it). A DTensor leaf's norm is its full tensor's, a plain tensor identical on
+    every rank (one all-reduce per sharded leaf): per-leaf scalars then meet DTensor leaves in
+    :func:`scale_` and :func:`div_`, which run them on the local pieces.
+
+    >>> [float(n) for n in norms([torch.tensor([3.0, 4.0]), torch.ones(4)])]
+    [5.0, 2.0]
+    """
+    xs = list(xs)
+    if not xs:
+        return []
+    if is_functional():
+        out = [torch.linalg.vector_norm(x) for x in xs]
+    else:
+        out = list(torch._foreach_norm(xs))
+    return [_full_scalar(n) for n in out]
 
 
 def norm(tree: Tree) -> torch.Tensor:
@@ -574,10 +606,14 @@ def all_finite(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     xs = list(xs)
     if not xs:
         return torch.ones((), dtype=torch.bool)
-    if is_functional():
+    if is_functional() or any(isinstance(x, DTensor) for x in xs):
+        # DTensors too: a rank's piece can be empty (an uneven Shard), where the inf-norm below raises on that
+        # rank alone and leaves the others waiting in a collective.
         return torch.stack([x.isfinite().all() for x in xs]).all()
     # The inf-norm of finite values is finite (a sum of squares could overflow); NaN propagates through amax.
-    return torch.stack(torch._foreach_norm(xs, float("inf"))).isfinite().all()
+    # It has no identity on an empty tensor (torch raises): those are finite anyway.
+    xs = [x for x in xs if x.numel()]
+    return torch.stack(torch._foreach_norm(xs, float("inf"))).isfinite().all() if xs else torch.ones((), dtype=torch.bool)
 
 
 # --- values by name: get / set (Optax's tree_get / tree_set) ----------------------------------------

@@ -64,6 +64,7 @@ def worker(cases: dict, rank: str, world: str, port: str, out_dir: str) -> None:
         if world not in worlds:
             continue
         torch.manual_seed(0)
+        print(f"case {name}", flush=True)  # the log of a crashed or hung rank names its last case
         try:
             fn(world)
             out[name] = "ok"
