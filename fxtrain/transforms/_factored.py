@@ -98,7 +98,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: Scalar = 0.8, step_
         >>> params = {"w": torch.ones(2, 3)}
         >>> state = tx.init(params)
         >>> [tuple(x.shape) for x in (state.v_row["w"], state.v_col["w"], state.v["w"])]
-        [[2], [3], [1]]
+        [(2,), (3,), (1,)]
         >>> u, state = tx.update({"w": torch.full((2, 3), 2.0)}, state, params)
         >>> u["w"][0].tolist()   # g / rms(g) at the first step
         [1.0, 1.0, 1.0]
