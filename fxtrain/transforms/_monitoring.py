@@ -83,8 +83,8 @@ def monitor(measures: Mapping[str, GradientTransformation | Callable[[Any], Any]
 
     One difference with Optax: Optax's ``init`` leaves ``measurements`` empty (``{}``), so its state
     changes structure at the first update; here ``init`` fills it with zeros shaped like the first
-    measurements (each measure run once on zero updates), so the state keeps one structure. From the
-    first update on, the two states hold the same leaves.
+    measurements (each measure run once on zero updates, without extra arguments), so the state keeps one
+    structure. From the first update on, the two states hold the same leaves.
 
     Args:
       measures: name -> a function of the updates or a transform.

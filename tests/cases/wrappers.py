@@ -98,13 +98,14 @@ DTENSOR: dict = {"flatten": "concatenates all leaves into one vector: no DTensor
 
 @fx.transform(elementwise=False, extra_args=True)
 def reads_value():
-    """Adds the ``value=`` extra argument to every update (tests that wrappers forward extra arguments)."""
+    """Adds the ``value=`` extra argument to every update, when given (tests that wrappers forward extra
+    arguments)."""
     def init_fn(params):
         del params
         return fx.EmptyState()
 
     def update_fn(updates, state, params=None, *, value=None, **extra_args):
         del params, extra_args
-        return fx.tree.map(lambda u: u + value, updates), state
+        return fx.tree.map(lambda u: u if value is None else u + value, updates), state
 
     return fx.GradientTransformation(init_fn, update_fn)
