@@ -35,6 +35,7 @@ CONFORMANCE: dict = {
     "madgrad": lambda: fx.contrib.madgrad(1e-2, weight_decay=1e-2),
     "momo": lambda: _with_value(fx.contrib.momo(0.5, weight_decay=1e-2, adapt_lower_bound=True)),
     "momo_adam": lambda: _with_value(fx.contrib.momo_adam(1e-2, weight_decay=1e-2)),
+    "mechanize": lambda: fx.contrib.mechanize(fx.sgd(1.0, momentum=0.9), num_betas=3),
 }
 COMPOSABLE: dict = {
     "schedule_free": (lambda: fx.contrib.schedule_free(fx.sgd(0.1), 0.1, b1=0.8),
@@ -60,6 +61,9 @@ COMPOSABLE: dict = {
     # kernels' rounding differences (1 ulp) grow past 1e-6 in 20 steps (8e-6 at step 19 with rate 0.1).
     "momo_adam": (lambda: _with_value(fx.contrib.momo_adam(1e-3, weight_decay=0.1)),
                   lambda o: _with_value_optax(o.contrib.momo_adam(1e-3, weight_decay=0.1))),
+    # No Optax reference, as for dog: Optax's gradient through mechanize is NaN (sqrt(v) at v = 0 on the first
+    # update), 0 here; test_contrib_more.py checks the values against Optax.
+    "mechanize": (lambda: fx.contrib.mechanize(fx.adam(1.0), s_init=1e-3), None),
 }
 OPTIMIZERS: dict = {
     "schedule_free_sgd": lambda: fx.contrib.schedule_free_sgd(0.1),
@@ -69,5 +73,6 @@ OPTIMIZERS: dict = {
     "dowg": lambda: fx.contrib.dowg(),
     "cocob": lambda: fx.contrib.cocob(),
     "madgrad": lambda: fx.contrib.madgrad(1e-2),
+    "mechanize": lambda: fx.contrib.mechanize(fx.adam(1.0)),
 }
 DTENSOR: dict = {}
