@@ -46,10 +46,15 @@ from fxtrain.transforms._weight_decay import WeightDecaySchedule, add_decayed_we
 from fxtrain.schedules import (
     constant_schedule,
     cosine_decay_schedule,
+    cosine_onecycle_schedule,
     exponential_decay,
     join_schedules,
+    linear_onecycle_schedule,
     linear_schedule,
     piecewise_constant_schedule,
+    piecewise_interpolate_schedule,
+    polynomial_schedule,
+    sgdr_schedule,
     warmup_cosine_decay_schedule,
 )
 from fxtrain.transforms._conditionality import ApplyIfFiniteState, apply_if_finite

@@ -89,7 +89,7 @@ def first_mismatch(a: Tree, b: Tree) -> str | None:
         return None
     a_paths = [tuple(p) for p in optree.tree_paths(a, **_kw())]
     b_paths = [tuple(p) for p in optree.tree_paths(b, **_kw())]
-    a_set, b_set = set(a_paths), set(b_paths)
+    a_set, b_set = frozenset(a_paths), frozenset(b_paths)  # (`set` below is tree.set, Optax's tree_set)
     for p in a_paths + b_paths:  # a leaf that one tree has and the other lacks
         if p not in a_set or p not in b_set:
             return _path_str(_deepest_shared_prefix(p, a_set if p in b_set else b_set))
@@ -764,7 +764,7 @@ def get(tree: Tree, key: Any, default: Any = None, filtering: Filter | None = No
     return found[0][1] if found else default
 
 
-def _set(tree: Tree, filtering: Filter | None = None, /, **kwargs: Any) -> Tree:
+def set(tree: Tree, filtering: Filter | None = None, /, **kwargs: Any) -> Tree:  # noqa: A001 - Optax's tree_set
     """A copy of ``tree`` with the values named by ``kwargs`` replaced (Optax's ``tree_set``).
 
     Every value named by a key of ``kwargs`` (a NamedTuple field, a dict key or a NamedTuple type name,
@@ -796,9 +796,6 @@ def _set(tree: Tree, filtering: Filter | None = None, /, **kwargs: Any) -> Tree:
         if not get_all_with_path(tree, key, filtering):
             raise KeyError(_missing(tree, key, filtering))
     return _replaced(tree, (), filtering, kwargs)
-
-
-_set.__name__ = _set.__qualname__ = "set"
 
 
 def _replaced(node: Any, path: KeyPath, filtering: Filter | None, new: dict) -> Any:
@@ -837,9 +834,3 @@ def _missing(tree: Tree, key: Any, filtering: Filter | None) -> str:
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     return f"fxtrain.tree.set: no value is named {key!r} in the tree{hint}"
 
-
-def __getattr__(name: str) -> Any:
-    # `tree.set`: the module's own code calls the builtin `set`, which a global of that name would shadow.
-    if name == "set":
-        return _set
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
