@@ -833,4 +833,3 @@ def _missing(tree: Tree, key: Any, filtering: Filter | None) -> str:
     close = difflib.get_close_matches(str(key), [str(n) for n in names], n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     return f"fxtrain.tree.set: no value is named {key!r} in the tree{hint}"
-
