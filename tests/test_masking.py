@@ -415,3 +415,85 @@ def test_freeze_examples_and_states():
     assert sorted(state.inner_states) == ["freeze", "train"]
     assert fx.tree.leaves(state.inner_states["train"].inner_state[0].mu) != []
     assert repr(freeze(True)) == "freeze(True)"
+
+
+# --- Optax's freezing and partition cases (optax/transforms/_freezing_test.py, _combining_test.py) ----------
+
+def _nested():
+    t = {"layer1": [torch.zeros(2, 3), {"bias": torch.ones(3)}],
+         "layer2": {"w": torch.full((4, 2), 2.0), "b": torch.full((4,), -1.0)}, "misc": (torch.tensor(5.0),)}
+    g = {"layer1": [torch.full((2, 3), 1.0), {"bias": torch.full((3,), 2.0)}],
+         "layer2": {"w": torch.full((4, 2), 3.0), "b": torch.full((4,), 4.0)}, "misc": (torch.tensor(1.0),)}
+    return t, g
+
+
+FLAT_PARAMS = {"a": torch.zeros(1), "b": torch.ones(2)}
+FLAT_GRADS = {"a": torch.tensor([1.0]), "b": torch.tensor([2.0, 3.0])}
+
+
+@pytest.mark.parametrize("mask", [{"a": True, "b": False}, {"a": False, "b": True}, True, False,
+                                  torch.tensor(False)], ids=["a", "b", "all", "none", "tensor_bool"])
+def test_optax_freeze_flat(mask):
+    tx = freeze(mask)
+    u, _ = tx.update(FLAT_GRADS, tx.init(FLAT_PARAMS), FLAT_PARAMS)
+    frozen = mask if isinstance(mask, dict) else {"a": bool(mask), "b": bool(mask)}
+    assert_trees_close(u, {k: torch.zeros_like(g) if frozen[k] else g for k, g in FLAT_GRADS.items()}, rtol=0, atol=0)
+
+
+def test_optax_freeze_and_selective_transform_nested():
+    params, g = _nested()
+    mask = {"layer1": [False, {"bias": False}], "layer2": {"w": True, "b": False}, "misc": (False,)}
+    u, _ = freeze(mask).update(g, freeze(mask).init(params), params)
+    assert not u["layer2"]["w"].any() and torch.equal(u["layer2"]["b"], g["layer2"]["b"])
+    tx = selective_transform(fx.sgd(1.0), freeze_mask=mask)
+    new = fx.apply_updates(params, tx.update(g, tx.init(params), params)[0])
+    expected = fx.tree.map(lambda p, d: p - d, params, g)
+    expected["layer2"]["w"] = params["layer2"]["w"]
+    assert_trees_close(new, expected, rtol=0, atol=1e-6)
+    # prefix masks: True for "b" freezes its whole subtree
+    p, d = {"a": torch.tensor(1.0), "b": {"c": torch.tensor(2.0), "d": torch.tensor(3.0)}}, \
+        {"a": torch.tensor(10.0), "b": {"c": torch.tensor(20.0), "d": torch.tensor(30.0)}}
+    tx = selective_transform(fx.sgd(1.0), freeze_mask={"a": False, "b": True})
+    new = fx.apply_updates(p, tx.update(d, tx.init(p), p)[0])
+    assert new["a"].item() == -9.0 and new["b"]["c"].item() == 2.0 and new["b"]["d"].item() == 3.0
+    with pytest.raises(ValueError, match="does not match the params"):
+        freeze({"layer1": [True]}).init(params)
+    with pytest.raises(ValueError, match="does not match the params"):
+        selective_transform(fx.sgd(1.0), freeze_mask={"a": True}).init(FLAT_PARAMS)
+
+
+@pytest.mark.parametrize("use_fn", [True, False])
+def test_optax_partition(use_fn):
+    params = {"a1": torch.tensor(1.0), "b1": torch.tensor(2.0),
+              "z1": {"a2": torch.tensor(3.0), "z2": {"c1": torch.tensor(4.0)}}}
+    labels = {"a1": "a", "b1": "b", "z1": {"a2": "a", "z2": {"c1": "c"}}}
+    tx = multi_transform({"a": fx.scale(-1.0), "b": fx.ema(0.0), "c": fx.scale(2.0)},
+                         (lambda _: labels) if use_fn else labels)
+    factor = {"a1": -1.0, "b1": 1.0, "z1": {"a2": -1.0, "z2": {"c1": 2.0}}}
+    u0 = fx.tree.map(lambda x: x / 10.0, params)
+    state = tx.init(params)
+    u, state = tx.update(u0, state, params)
+    assert_trees_close(u, fx.tree.map(lambda x, f: f * x, u0, factor))
+    u2, _ = tx.update(u, state)  # again, without params
+    assert_trees_close(u2, fx.tree.map(lambda x, f: f * f * x, u0, factor))
+
+
+@pytest.mark.parametrize("container", [list, tuple, dict])
+def test_optax_partition_empty(container):
+    tx = multi_transform({0: fx.sgd(1.0)}, lambda _: 0)
+    u, _ = tx.update(container(), tx.init(container()))
+    assert u == container()
+
+
+@pytest.mark.parametrize("use_fn", [False, True])
+@pytest.mark.parametrize("extra_label", [False, True])
+def test_optax_partition_labels_mismatch(extra_label, use_fn):
+    params = _t(OPTAX_PARAMS)
+    labels = {"a": 3 if extra_label else 0, "b": [1, 0], "c": 1}
+    tx = multi_transform({0: fx.sgd(1.0), 1: fx.adam(1.0, b1=0.0, b2=0.0), 2: fx.trace(1.0)},
+                         (lambda _: labels) if use_fn else labels)
+    if extra_label:
+        with pytest.raises(ValueError, match=r"partition: labels \['3'\] have no transform"):
+            tx.init(params)
+    else:
+        tx.update(fx.tree.map(lambda x: x / 10.0, params), tx.init(params))
