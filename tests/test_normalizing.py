@@ -347,3 +347,45 @@ def test_missing_params_are_named(name):
 def test_bad_hyperparameters_are_named(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+# --- hypergradients against jax.grad --------------------------------------------------------------
+
+# id -> (h -> fxtrain transform, (optax, h) -> Optax's, value of h); each followed by a step of -0.1
+HYPER = {
+    "clip_by_block_rms.threshold": (lambda h: fx.clip_by_block_rms(h), lambda o, h: o.clip_by_block_rms(h), 0.3),
+    "adaptive_grad_clip.clipping": (lambda h: fx.adaptive_grad_clip(h), lambda o, h: o.adaptive_grad_clip(h), 0.2),
+    "scale_by_param_block_rms.min_scale": (lambda h: fx.scale_by_param_block_rms(h),
+                                           lambda o, h: o.scale_by_param_block_rms(h), 0.8),
+    "normalize_by_update_norm.scale_factor": (lambda h: fx.normalize_by_update_norm(h),
+                                              lambda o, h: o.normalize_by_update_norm(h), 2.0),
+    "scale_by_distance_over_gradients.reps_rel": (lambda h: fx.scale_by_distance_over_gradients(h),
+                                                  lambda o, h: o.scale_by_distance_over_gradients(h), 0.1),
+}
+
+
+def _meta_loss(tx, params, tree_map, apply):
+    """``sum(w^2)`` after 3 steps of ``-0.1 * tx(2 w)`` (the gradients of that same loss)."""
+    state = tx.init(params)
+    for _ in range(3):
+        u, state = tx.update(tree_map(lambda w: 2 * w, params), state, params)
+        params = apply(params, tree_map(lambda x: -0.1 * x, u))
+    return sum((w * w).sum() for w in (params["w"], params["b"]))
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("case", list(HYPER))
+def test_hypergradient_matches_optax(case):
+    import jax
+    import jax.numpy as jnp
+
+    optax = pytest.importorskip("optax")
+    ours, theirs, value = HYPER[case]
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 2, generator=g), "b": torch.randn(3, generator=g)}
+    jparams = {k: jnp.asarray(v.numpy()) for k, v in params.items()}
+    expected = jax.grad(lambda h: _meta_loss(theirs(optax, h), jparams, jax.tree.map, optax.apply_updates))(
+        jnp.float32(value))
+    actual = grad(lambda h: _meta_loss(ours(h), params, fx.tree.map, fx.apply_updates))(torch.tensor(value))
+    assert float(expected) != 0.0
+    np.testing.assert_allclose(actual.item(), float(expected), rtol=1e-4, atol=1e-5)

@@ -104,10 +104,12 @@ def zero_nans() -> GradientTransformation:
         del params
         updates = distributed.reduce_partials(updates)
         g, found = tree.align(updates, state.found_nan)
+        if not g:
+            return updates, state
         if tree.is_functional():
             nan = [_full(torch.isnan(x).any()) for x in g]
-        else:  # a norm is NaN iff an element is (inf and overflow give inf); one kernel for every leaf
-            nan = [_full(n).isnan() for n in torch._foreach_norm(g)]
+        else:  # a norm is NaN iff an element is (inf and overflow give inf): one kernel for every leaf
+            nan = list(torch.stack([_full(n) for n in torch._foreach_norm(g)]).isnan().unbind())
         found = tree.copy_(found, nan)
         g = _zero_nans_(g)
         return tree.put(updates, updates, g), ZeroNansState(tree.put(state.found_nan, updates, found))
