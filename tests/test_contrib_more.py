@@ -32,6 +32,10 @@ PARITY = {
         "default": {"learning_rate": 1e-2},
         "all": {"learning_rate": "sched", "momentum": 0.5, "weight_decay": 1e-2, "eps": 1e-4},
     },
+    "dadapt_adamw": {
+        "default": {},
+        "all": {"learning_rate": "sched", "betas": (0.8, 0.99), "eps": 1e-6, "estim_lr0": 1e-3, "weight_decay": 0.1},
+    },
     "scale_by_dog": {"learning_rate": {"init_step": ("learning_rate", 0.05)}},
     "scale_by_dowg": {"default": {}},
 }
@@ -72,8 +76,9 @@ def test_optax_examples():  # the examples of Optax's dog and dowg docstrings
 
 
 @pytest.mark.parametrize("build", [lambda: C.dog(init_step=("learning_rate", 0.1)), lambda: C.dowg(),
-                                   lambda: C.cocob(), lambda: C.cocob(weight_decay=1e-2), lambda: C.madgrad(0.1)],
-                         ids=["dog", "dowg", "cocob", "cocob_decay", "madgrad"])
+                                   lambda: C.cocob(), lambda: C.cocob(weight_decay=1e-2), lambda: C.madgrad(0.1),
+                                   lambda: C.dadapt_adamw()],
+                         ids=["dog", "dowg", "cocob", "cocob_decay", "madgrad", "dadapt_adamw"])
 def test_reaches_the_minimum(build):  # Optax's common test, on the parabola, with fewer steps
     target = torch.tensor([1.0, -1.0, 1.0])
     params, tx = torch.tensor([-1.0, 10.0, 1.0]), build()
@@ -86,8 +91,8 @@ def test_reaches_the_minimum(build):  # Optax's common test, on the parabola, wi
 
 @pytest.mark.parametrize("build", [lambda: C.dog(weight_decay=1e-2), lambda: C.dowg(weight_decay=1e-2),
                                    lambda: C.cocob(weight_decay=1e-2), lambda: C.madgrad(1e-2, weight_decay=1e-2),
-                                   lambda: C.mechanize(fx.adam(1.0))],
-                         ids=["dog", "dowg", "cocob", "madgrad", "mechanize"])
+                                   lambda: C.mechanize(fx.adam(1.0)), lambda: C.dadapt_adamw(weight_decay=1e-2)],
+                         ids=["dog", "dowg", "cocob", "madgrad", "mechanize", "dadapt_adamw"])
 def test_pure_dtypes_and_none_leaves(build):
     tx = build()
     assert_pure(tx)

@@ -36,6 +36,7 @@ CONFORMANCE: dict = {
     "momo": lambda: _with_value(fx.contrib.momo(0.5, weight_decay=1e-2, adapt_lower_bound=True)),
     "momo_adam": lambda: _with_value(fx.contrib.momo_adam(1e-2, weight_decay=1e-2)),
     "mechanize": lambda: fx.contrib.mechanize(fx.sgd(1.0, momentum=0.9), num_betas=3),
+    "dadapt_adamw": lambda: fx.contrib.dadapt_adamw(weight_decay=1e-2),
 }
 COMPOSABLE: dict = {
     "schedule_free": (lambda: fx.contrib.schedule_free(fx.sgd(0.1), 0.1, b1=0.8),
@@ -64,6 +65,8 @@ COMPOSABLE: dict = {
     # No Optax reference, as for dog: Optax's gradient through mechanize is NaN (sqrt(v) at v = 0 on the first
     # update), 0 here; test_contrib_more.py checks the values against Optax.
     "mechanize": (lambda: fx.contrib.mechanize(fx.adam(1.0), s_init=1e-3), None),
+    "dadapt_adamw": (lambda: fx.contrib.dadapt_adamw(estim_lr0=1e-3, weight_decay=0.1),
+                     lambda o: o.contrib.dadapt_adamw(estim_lr0=1e-3, weight_decay=0.1)),
 }
 OPTIMIZERS: dict = {
     "schedule_free_sgd": lambda: fx.contrib.schedule_free_sgd(0.1),
@@ -74,5 +77,6 @@ OPTIMIZERS: dict = {
     "cocob": lambda: fx.contrib.cocob(),
     "madgrad": lambda: fx.contrib.madgrad(1e-2),
     "mechanize": lambda: fx.contrib.mechanize(fx.adam(1.0)),
+    "dadapt_adamw": lambda: fx.contrib.dadapt_adamw(),
 }
 DTENSOR: dict = {}
