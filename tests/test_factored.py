@@ -24,15 +24,12 @@ def _factored(tx_module, **kwargs):
 
 
 # nested_params' leaves: (4, 3), (3,), (2, 2, 2), (5,), (1,), (): min_dim_size_to_factor=2 factors the first
-# and third (the 3-d one over its last two dims, ties kept in order)
+# and third (the 3-d one over its last two dims, ties kept in order); the default (128) factors none
 PARITY = {
     "scale_by_factored_rms": ({}, None),
-    "scale_by_factored_rms_factoring": ({"min_dim_size_to_factor": 2}, None),
     "scale_by_factored_rms_args": ({"min_dim_size_to_factor": 2, "decay_rate": 0.5, "step_offset": -3,
                                     "epsilon": 1e-3, "decay_rate_fn": _decay}, None),
-    "scale_by_factored_rms_unfactored": ({"factored": False, "min_dim_size_to_factor": 2}, None),
     "adafactor": (None, {}),
-    "adafactor_lr": (None, {"learning_rate": 0.01, "min_dim_size_to_factor": 2}),
     "adafactor_args": (None, {"learning_rate": _sched, "min_dim_size_to_factor": 2, "decay_rate": 0.7,
                               "decay_offset": -2, "multiply_by_parameter_scale": False, "clipping_threshold": None,
                               "momentum": 0.9, "weight_decay_rate": 0.1, "eps": 1e-20,
@@ -64,11 +61,10 @@ def _without_scalar(seed=0, dtype=torch.float32):
     return params
 
 
-SM3 = {
-    "scale_by_sm3": (lambda m: m.chain(m.scale_by_sm3(), m.scale(-0.01))),
-    "scale_by_sm3_args": (lambda m: m.chain(m.scale_by_sm3(b1=0.5, b2=0.9, eps=1e-3), m.scale(-0.01))),
+SM3 = {  # sm3's default is scale_by_sm3's default followed by scale
     "sm3": (lambda m: m.sm3(0.01)),
     "sm3_momentum": (lambda m: m.sm3(0.1, momentum=0.0)),
+    "scale_by_sm3_args": (lambda m: m.chain(m.scale_by_sm3(b1=0.5, b2=0.9, eps=1e-3), m.scale(-0.01))),
 }
 
 
