@@ -2,7 +2,17 @@
 
 import fxtrain as fx
 
+
+def _muon_dims(params):
+    """Dimension numbers for every leaf (fxtrain lets vectors and scalars be 1 x n matrices; Optax refuses):
+    the conformance trees have vectors, a 0-dim leaf and a 3-D leaf (axis 0 a batch)."""
+    dims = fx.contrib.MuonDimensionNumbers
+    return fx.tree.map(lambda x: {0: dims((), ()), 1: dims((), 0), 2: dims(), 3: dims(1, 2)}[x.ndim], params)
+
+
 CONFORMANCE: dict = {
+    "scale_by_muon": lambda: fx.contrib.scale_by_muon(weight_dimension_numbers=_muon_dims),
+    "muon": lambda: fx.contrib.muon(1e-2, weight_decay=0.1, preconditioning="aol"),
     "scale_by_adopt": lambda: fx.contrib.scale_by_adopt(nesterov=True),
     "adopt": lambda: fx.contrib.adopt(1e-2),
     "scale_by_ademamix": lambda: fx.contrib.scale_by_ademamix(b3=fx.linear_schedule(0.9, 0.999, 10)),
@@ -12,6 +22,10 @@ CONFORMANCE: dict = {
     "prodigy": lambda: fx.contrib.prodigy(estim_lr0=1e-2, weight_decay=0.1),
 }
 COMPOSABLE: dict = {
+    # Optax's side left out: its Newton-Schulz runs op by op under jax.grad (~30 s for this case); the
+    # fxtrain-only checks (vmap equals separate runs, gradients through updates) still run, and
+    # tests/test_muon.py compares with Optax (jitted) over 20 steps
+    "muon": (lambda: fx.contrib.muon(1e-2, adaptive=True), None),
     "adopt": (lambda: fx.contrib.adopt(1e-2, nesterov=True), lambda o: o.contrib.adopt(1e-2, nesterov=True)),
     "ademamix": (lambda: fx.contrib.ademamix(1e-2, b3=0.99, weight_decay=0.1),
                  lambda o: o.contrib.ademamix(1e-2, b3=0.99, weight_decay=0.1)),
@@ -21,6 +35,7 @@ COMPOSABLE: dict = {
                 lambda o: o.contrib.prodigy(0.5, estim_lr0=1e-2, weight_decay=0.1)),
 }
 OPTIMIZERS: dict = {
+    "muon": lambda: fx.contrib.muon(1e-2),
     "adopt": lambda: fx.contrib.adopt(1e-2),
     "ademamix": lambda: fx.contrib.ademamix(1e-2),
     "simplified_ademamix": lambda: fx.contrib.simplified_ademamix(1e-2),
