@@ -1,16 +1,17 @@
 """Smaller contrib optimizers with Optax's names and numbers: DoG and DoWG (parameter-free step sizes),
 COCOB (coin betting), MADGRAD (momentumized dual averaging), MoMo and MoMo-Adam (Polyak-type step sizes from the loss value), Mechanic (a learned scale of any optimizer's
-updates), D-Adaptation AdamW."""
+updates), D-Adaptation AdamW, and ``split_real_and_imaginary`` (complex params as pairs of real ones)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Literal, NamedTuple
 
+import optree
 import torch
 
 from fxtrain import tree
-from fxtrain._base import (GradientTransformation, Params, call, chain, check_nonnegative, identity, transform,
-                           with_traits)
+from fxtrain._base import (GradientTransformation, Params, call, chain, check_nonnegative, identity, is_elementwise,
+                           transform, with_traits)
 from fxtrain.contrib._schedule_free import _scalar_dtype
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._moments import Scalar, bias_correction, counter, is_zero, param_device, safe_increment_
@@ -20,7 +21,8 @@ from fxtrain.transforms._weight_decay import add_decayed_weights
 __all__ = ["DoGState", "scale_by_dog", "dog", "DoWGState", "scale_by_dowg", "dowg", "COCOBState", "scale_by_cocob",
            "cocob", "MadgradState", "scale_by_madgrad", "madgrad",
            "MomoState", "momo", "MomoAdamState", "momo_adam", "MechanicState", "mechanize",
-           "DAdaptAdamWState", "dadapt_adamw"]
+           "DAdaptAdamWState", "dadapt_adamw", "SplitRealAndImaginaryArrays", "SplitRealAndImaginaryState",
+           "split_real_and_imaginary"]
 
 LearningRate = Scalar | Callable
 _INIT_STEPS = ("distance", "learning_rate", "heuristic")
@@ -856,9 +858,13 @@ def dadapt_adamw(learning_rate: LearningRate = 1.0, betas: tuple[Scalar, Scalar]
         m_k = eta_1 m_{k-1} + (1 - eta_1) \lambda_k g_k, \quad
         v_k = eta_2 v_{k-1} + (1 - eta_2) g_k^2, \
         r_k = \sqrt{eta_2}\, r_{k-1} + (1 - \sqrt{eta_2}) \lambda_k
-            \left\langle g_k, rac{s_{k-1}}{\sqrt{v_{k-1}} + \epsilon} ightangle, \quad
+            \left\langle g_k, rac{s_{k-1}}{\sqrt{v_{k-1}} + \epsilon} 
+ight
+angle, \quad
         s_k = \sqrt{eta_2}\, s_{k-1} + (1 - \sqrt{eta_2}) \lambda_k g_k, \
-        d_{k+1} = \max\left(d_k, rac{r_k}{(1 - \sqrt{eta_2}) \lVert s_k Vert_1}ight), \quad
+        d_{k+1} = \max\left(d_k, rac{r_k}{(1 - \sqrt{eta_2}) \lVert s_k 
+Vert_1}
+ight), \quad
         u_k = -rac{m_k}{\sqrt{v_k} + \epsilon} - \lambda_k w\, x_k
 
     Args:
@@ -925,3 +931,71 @@ def dadapt_adamw(learning_rate: LearningRate = 1.0, betas: tuple[Scalar, Scalar]
             numerator_weighted.to(state.numerator_weighted.dtype), safe_increment_(state.count))
 
     return GradientTransformation(init_fn, update_fn)
+
+
+class SplitRealAndImaginaryArrays(NamedTuple):
+    """A complex tensor as the pair of real tensors the inner transform of :func:`split_real_and_imaginary` sees."""
+
+    real: torch.Tensor
+    imaginary: torch.Tensor
+
+
+class SplitRealAndImaginaryState(NamedTuple):
+    """State of :func:`split_real_and_imaginary`: the inner transform's, built on the split params."""
+
+    inner_state: Any
+
+
+def _split(x: Any) -> Any:
+    # Views: a donated inner update writing into them writes into the complex buffer.
+    return SplitRealAndImaginaryArrays(x.real, x.imag) if isinstance(x, torch.Tensor) and x.is_complex() else x
+
+
+def _merge(x: Any) -> Any:
+    return torch.complex(x.real, x.imaginary) if isinstance(x, SplitRealAndImaginaryArrays) else x
+
+
+def _map_split(fn: Callable, t: Any) -> Any:
+    return optree.tree_map(fn, t, is_leaf=lambda x: isinstance(x, SplitRealAndImaginaryArrays), none_is_leaf=True,
+                           namespace="fxtrain")
+
+
+@transform(elementwise=None)
+def split_real_and_imaginary(inner: GradientTransformation) -> GradientTransformation:
+    r"""Runs ``inner`` on complex params as on pairs of real ones (Optax's ``contrib.split_real_and_imaginary``).
+
+    Each complex leaf :math:`z = x + iy` of the updates and params becomes a
+    :class:`SplitRealAndImaginaryArrays` ``(x, y)`` for ``inner``; its two real updates are merged back into
+    one complex update. Real leaves pass unchanged. An optimizer then treats :math:`x` and :math:`y` as
+    independent real params (Adam's second moment per part, not :math:`|g|^2`).
+
+    PyTorch's gradient of a real loss with respect to a complex tensor is already the conjugate of JAX's
+    (``z.grad`` points along the steepest ascent), so unlike with ``jax.grad`` no conjugation is needed
+    before the update.
+
+    Args:
+      inner: the transform to run on the real pairs.
+
+    Returns:
+      A transform with state :class:`SplitRealAndImaginaryState`; elementwise if ``inner`` is.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.contrib.split_real_and_imaginary(fx.scale_by_adam())
+        >>> z = torch.tensor([3.0 - 4.0j, 0.5 + 0.0j])
+        >>> u, state = tx.update(z, tx.init(z), z)
+        >>> [[round(v, 4) for v in pair] for pair in torch.view_as_real(u).tolist()]   # Adam's first step: signs
+        [[1.0, -1.0], [1.0, 0.0]]
+
+    References:
+      Optax issue `#196 <https://github.com/google-deepmind/optax/issues/196>`_ (complex gradient conventions).
+    """
+    def init_fn(params):
+        return SplitRealAndImaginaryState(inner.init(_map_split(_split, params)))
+
+    def update_fn(updates, state, params=None):
+        split_updates, split_params = _map_split(_split, updates), _map_split(_split, params)
+        split_updates, inner_state = call(inner, split_updates, state.inner_state, split_params)
+        return _map_split(_merge, split_updates), SplitRealAndImaginaryState(inner_state)
+
+    return with_traits(GradientTransformation(init_fn, update_fn), elementwise=is_elementwise(inner))

@@ -37,6 +37,7 @@ CONFORMANCE: dict = {
     "momo_adam": lambda: _with_value(fx.contrib.momo_adam(1e-2, weight_decay=1e-2)),
     "mechanize": lambda: fx.contrib.mechanize(fx.sgd(1.0, momentum=0.9), num_betas=3),
     "dadapt_adamw": lambda: fx.contrib.dadapt_adamw(weight_decay=1e-2),
+    "split_real_and_imaginary": lambda: fx.contrib.split_real_and_imaginary(fx.adam(1e-2)),  # real leaves: as is
 }
 COMPOSABLE: dict = {
     "schedule_free": (lambda: fx.contrib.schedule_free(fx.sgd(0.1), 0.1, b1=0.8),
@@ -67,6 +68,8 @@ COMPOSABLE: dict = {
     "mechanize": (lambda: fx.contrib.mechanize(fx.adam(1.0), s_init=1e-3), None),
     "dadapt_adamw": (lambda: fx.contrib.dadapt_adamw(estim_lr0=1e-3, weight_decay=0.1),
                      lambda o: o.contrib.dadapt_adamw(estim_lr0=1e-3, weight_decay=0.1)),
+    "split_real_and_imaginary": (lambda: fx.contrib.split_real_and_imaginary(fx.adam(1e-2)),
+                                 lambda o: o.contrib.split_real_and_imaginary(o.adam(1e-2))),
 }
 OPTIMIZERS: dict = {
     "schedule_free_sgd": lambda: fx.contrib.schedule_free_sgd(0.1),
