@@ -16,6 +16,7 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Updates, chain, check_nonnegative, transform
+from fxtrain.optimizers import LearningRate
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._moments import Scalar, as_dtype, counter, safe_increment_
 from fxtrain.transforms._normalizing import clip_by_block_rms, scale_by_param_block_rms
@@ -24,9 +25,6 @@ from fxtrain.transforms._simple import ema
 from fxtrain.transforms._weight_decay import add_decayed_weights
 
 __all__ = ["FactoredState", "ScaleBySM3State", "adafactor", "scale_by_factored_rms", "scale_by_sm3", "sm3"]
-
-LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of the count
-
 
 def _abs_sq(x: torch.Tensor) -> torch.Tensor:
     return (x * x.conj()).real if x.is_complex() else x * x

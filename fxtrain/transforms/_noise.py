@@ -19,20 +19,18 @@ noise's distribution, not its values, can match Optax's.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, chain, check_nonnegative, transform
+from fxtrain.optimizers import LearningRate, _check
 from fxtrain.transforms._moments import Scalar, param_device, safe_increment_
 from fxtrain.transforms._scaling import scale_by_learning_rate
 
 __all__ = ["AddNoiseState", "add_noise", "noisy_sgd"]
-
-LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of the count
-
 
 class AddNoiseState(NamedTuple):
     """State of :func:`add_noise` (Optax's field names)."""
@@ -197,8 +195,5 @@ def noisy_sgd(learning_rate: LearningRate, eta: Scalar = 0.01, gamma: Scalar = 0
       Neelakantan et al., `Adding Gradient Noise Improves Learning for Very Deep Networks
       <https://arxiv.org/abs/1511.06807>`_, 2015.
     """
-    if learning_rate is None:
-        raise ValueError("noisy_sgd: learning_rate=None would apply the raw update direction (an ascent with step "
-                         "size 1); pass a number, a 0-dim tensor or a schedule")
-    check_nonnegative("noisy_sgd", learning_rate=learning_rate, eta=eta, gamma=gamma)
+    _check("noisy_sgd", learning_rate=learning_rate, eta=eta, gamma=gamma)
     return chain(add_noise(eta, gamma, key), scale_by_learning_rate(learning_rate))

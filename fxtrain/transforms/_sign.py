@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, Updates, chain, check_nonnegative, transform
+from fxtrain.optimizers import LearningRate, _check
 from fxtrain.transforms._moments import Scalar, full_like
 from fxtrain.transforms._scaling import scale, scale_by_learning_rate
 from fxtrain.transforms._simple import ema
 
 __all__ = ["ScaleByRpropState", "rprop", "scale_by_rprop", "scale_by_sign", "sign_sgd", "signum"]
-
-LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of the count
-
-
-def _check(name: str, **values) -> None:
-    """A learning rate is required (``None`` would apply the raw direction), then non-negative numbers."""
-    if values.get("learning_rate", 0) is None:
-        raise ValueError(f"{name}: learning_rate=None would apply the raw update direction (an ascent with step "
-                         "size 1); pass a number, a 0-dim tensor or a schedule")
-    check_nonnegative(name, **values)
-
 
 @transform
 def scale_by_sign() -> GradientTransformation:

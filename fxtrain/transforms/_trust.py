@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, chain, check_nonnegative, transform
+from fxtrain.optimizers import LearningRate, _check
 from fxtrain.transforms._adam import scale_by_adam
 from fxtrain.transforms._masking import Mask, masked
 from fxtrain.transforms._moments import Scalar
@@ -25,28 +26,14 @@ from fxtrain.transforms._weight_decay import add_decayed_weights
 
 __all__ = ["fromage", "lamb", "lars", "scale_by_trust_ratio"]
 
-LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of the count
-
-
-def _check(name: str, **values) -> None:
-    """A learning rate is required (``None`` would apply the raw direction), then non-negative numbers."""
-    if values.get("learning_rate", 0) is None:
-        raise ValueError(f"{name}: learning_rate=None would apply the raw update direction (an ascent with step "
-                         "size 1); pass a number, a 0-dim tensor or a schedule")
-    check_nonnegative(name, **values)
-
-
 def _leaf_norms(xs: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of each tensor of ``xs`` (DTensors: of the whole tensor), as a 1-D float32-or-wider tensor.
+    """The L2 norm of each tensor of ``xs`` (DTensors: of the whole tensor), as one 1-D tensor.
 
-    In place: one ``torch._foreach_norm``; inside :func:`fxtrain.tree.functional`, ``vector_norm`` per leaf
-    (what ``vmap`` and ``grad`` see).
+    Each norm is accumulated in float32 or wider and rounded to its leaf's (real) dtype, as Optax's
+    ``jnp.linalg.norm``; the 1-D result has the widest of them. In place: one ``torch._foreach_norm``;
+    inside :func:`fxtrain.tree.functional`, ``vector_norm`` per leaf (what ``vmap`` and ``grad`` see).
     """
-    acc = torch.promote_types(xs[0].dtype, torch.float32)
-    if tree.is_functional():
-        norms = [torch.linalg.vector_norm(x, dtype=acc) for x in xs]
-    else:
-        norms = torch._foreach_norm(xs, 2, dtype=acc)
+    norms = [torch.linalg.vector_norm(x) for x in xs] if tree.is_functional() else torch._foreach_norm(xs)
     return torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
 
 
