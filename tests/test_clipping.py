@@ -150,3 +150,16 @@ def test_state_structure_stable():
 def test_negative_bound_is_an_error_naming_the_argument(factory, arg):
     with pytest.raises(ValueError, match=arg):
         factory(-1.0)
+
+
+@pytest.mark.parametrize("n", [3, 100_000], ids=["packed", "foreach"])
+def test_global_norm_of_complex_leaves_counts_the_imaginary_parts(n):
+    """|z|^2 for complex leaves (Optax's abs_sq) on both of the norm engine's paths: the packed copy used to
+    cast complex to real, dropping the imaginary parts (and warning)."""
+    g = torch.Generator().manual_seed(0)
+    t = {"z": torch.randn(n, dtype=torch.complex64, generator=g), "r": torch.randn(4, generator=g)}
+    expected = (t["z"].abs().double().square().sum() + t["r"].double().square().sum()).sqrt()
+    torch.testing.assert_close(fx.global_norm(t).double(), expected, rtol=1e-5, atol=0)
+    tx = fx.clip_by_global_norm(1.0)
+    u, _ = tx.update(t, tx.init(t))
+    torch.testing.assert_close(fx.global_norm(u).double(), torch.tensor(1.0, dtype=torch.float64), rtol=1e-5, atol=0)

@@ -182,6 +182,11 @@ class _Plan:
 _PLANS: dict[tuple, _Plan] = {}
 
 
+def _as_real(x: torch.Tensor) -> torch.Tensor:
+    """A complex leaf as its real and imaginary parts (a view): their squares sum to ``|x|^2``."""
+    return torch.view_as_real(x) if x.is_complex() else x
+
+
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -343,7 +348,7 @@ def _global_sum_sq(leaves: list, groups: Sequence[Group], counts: bool) -> Globa
             "the global norm of DTensor leaves (or over process groups) is not differentiable: its "
             "collectives are outside autograd; differentiate on one process with plain tensors")
     plan = _plan(leaves)
-    value = _local_sums(plan, [to_local(x) for x in leaves])
+    value = _local_sums(plan, [_as_real(to_local(x)) for x in leaves])
 
     if not plan.steps and not groups:  # nothing to communicate: the single-process path
         bad = (~value.isfinite()).sum(dtype=torch.float32) if counts else torch.zeros(())
