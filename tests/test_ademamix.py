@@ -91,5 +91,13 @@ def test_pure_dtypes_and_none_leaves(make):
 @pytest.mark.parametrize("make,arg", [(fx.contrib.scale_by_ademamix, "b3"), (fx.contrib.scale_by_ademamix, "alpha"),
                                       (fx.contrib.scale_by_simplified_ademamix, "b1")])
 def test_negative_hyperparameter_names_it(make, arg):
-    with pytest.raises(ValueError, match=rf"{make.__name__}: {arg}=-0.5 must be >= 0"):
+    with pytest.raises(ValueError, match=rf"^{make.__name__}: {arg}=-0.5 must be >= 0"):
         make(**{arg: -0.5})
+
+
+@pytest.mark.parametrize("make", [fx.contrib.ademamix, fx.contrib.simplified_ademamix])
+def test_optimizers_name_themselves(make):
+    with pytest.raises(ValueError, match=rf"^{make.__name__}: eps=-0.5 must be >= 0"):
+        make(0.1, eps=-0.5)
+    with pytest.raises(ValueError, match=rf"^{make.__name__}: learning_rate=None"):
+        make(None)

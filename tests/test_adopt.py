@@ -59,10 +59,12 @@ def test_first_step_only_fills_the_second_moment():
 def test_parabola_trajectory_matches_optax():
     """Optax's contrib test target (a parabola, learning rate 1e-2), 200 steps of the full optimizer."""
     optax = pytest.importorskip("optax")
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
     tx, otx = fx.contrib.adopt(1e-2), optax.contrib.adopt(1e-2)
+    oupdate = jax.jit(otx.update)
     params = {"x": torch.tensor([-1.0, 10.0, 1.0])}
     oparams = {"x": jnp.asarray(params["x"].numpy())}
     target = torch.tensor([1.0, -1.0, 1.0])
@@ -70,7 +72,7 @@ def test_parabola_trajectory_matches_optax():
     for _ in range(200):
         u, state = fx.update_(tx, {"x": 2 * (params["x"] - target)}, state, params)
         params = fx.apply_updates(params, u)
-        ou, ostate = otx.update({"x": 2 * (oparams["x"] - jnp.asarray(target.numpy()))}, ostate, oparams)
+        ou, ostate = oupdate({"x": 2 * (oparams["x"] - jnp.asarray(target.numpy()))}, ostate, oparams)
         oparams = optax.apply_updates(oparams, ou)
     np.testing.assert_allclose(params["x"].numpy(), np.asarray(oparams["x"]), rtol=1e-5, atol=1e-5)
     assert (params["x"] - target).norm() < 10.0
@@ -89,6 +91,11 @@ def test_pure_dtypes_and_none_leaves(kwargs):
 def test_negative_hyperparameter_names_it(arg):
     with pytest.raises(ValueError, match=rf"scale_by_adopt: {arg}=-0.5 must be >= 0"):
         fx.contrib.scale_by_adopt(**{arg: -0.5})
+
+
+def test_adopt_names_itself():
+    with pytest.raises(ValueError, match=r"^adopt: b2=-0.5 must be >= 0"):
+        fx.contrib.adopt(0.1, b2=-0.5)
 
 
 def test_adopt_refuses_no_learning_rate():

@@ -74,8 +74,8 @@ def test_scale_by_muon_with_a_bfloat16_momentum_matches_optax():
                               optax.scale(-0.01)),
                   # Not jitted: XLA's fusion skips the bfloat16 rounding of beta * mu that Optax keeps op by op
                   # (a bfloat16 ulp that Newton-Schulz grows to 40% by step 16). Op by op costs ~0.5 s a step
-                  # (its fori_loop compiles per call): 20 steps agree too (checked), 4 run here.
-                  steps=4)
+                  # (its fori_loop compiles per call): 20 steps agree too (checked), 2 run here.
+                  steps=2)
 
 
 @pytest.mark.optax
@@ -274,11 +274,12 @@ def test_refused_by_sharded_apply_by_name():
 
 
 @pytest.mark.parametrize("kwargs,msg", [
-    ({"beta": -0.5}, r"muon: beta=-0.5 must be >= 0"),
-    ({"ns_coeffs": "fast"}, r"muon: ns_coeffs='fast' must be one of"),
-    ({"ns_coeffs": (1.0, 2.0)}, r"muon: ns_coeffs must have shape \(3,\) or \(n, 3\)"),
-    ({"ns_coeffs": "dion", "ns_steps": 3}, r"muon: ns_coeffs has 5 rows, more than ns_steps=3"),
-    ({"preconditioning": "svd"}, r"muon: preconditioning='svd' must be one of"),
+    ({"beta": -0.5}, r"^muon: beta=-0.5 must be >= 0"),
+    ({"adam_b2": -0.5}, r"^muon: adam_b2=-0.5 must be >= 0"),
+    ({"ns_coeffs": "fast"}, r"^muon: ns_coeffs='fast' must be one of"),
+    ({"ns_coeffs": (1.0, 2.0)}, r"^muon: ns_coeffs must have shape \(3,\) or \(n, 3\)"),
+    ({"ns_coeffs": "dion", "ns_steps": 3}, r"^muon: ns_coeffs has 5 rows, more than ns_steps=3"),
+    ({"preconditioning": "svd"}, r"^muon: preconditioning='svd' must be one of"),
 ])
 def test_bad_arguments_name_them(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
@@ -310,7 +311,7 @@ def _tp_params(world):
     return plain, sharded
 
 
-def _run(tx, params, steps=4, donate=False):
+def _run(tx, params, steps=3, donate=False):
     state = tx.init(params)
     for k in range(steps):
         g = fx.tree.map(lambda p: 0.5 * p + 0.1 * (k + 1), params)
@@ -323,11 +324,11 @@ def _run(tx, params, steps=4, donate=False):
 def case_muon_on_dtensor_equals_one_process(world):
     plain, sharded = _tp_params(world)
     dims = lambda p: fx.tree.map(lambda x: {2: Dims(), 3: Dims(0, 2)}.get(x.ndim), p)  # noqa: E731
-    for make in (lambda: fx.contrib.muon(0.02, weight_decay=0.1),
-                 lambda: fx.contrib.muon(0.02, adaptive=True, preconditioning="aol", muon_weight_dimension_numbers=dims),
-                 lambda: fx.contrib.muon(0.02, preconditioning="schatten", consistent_rms=0.2, nesterov=False)):
+    for make, donations in ((lambda: fx.contrib.muon(0.02, weight_decay=0.1, consistent_rms=0.2), (False, True)),
+                            (lambda: fx.contrib.muon(0.02, adaptive=True, preconditioning="aol",
+                                                     muon_weight_dimension_numbers=dims), (True,))):
         ref_u, ref_p, ref_s = _run(make(), plain)
-        for donate in (False, True):
+        for donate in donations:
             u, p, s = _run(make(), fx.tree.clone(sharded), donate=donate)
             assert_trees_close(u, ref_u, rtol=1e-5, atol=1e-6)
             assert_trees_close(p, ref_p, rtol=1e-5, atol=1e-6)

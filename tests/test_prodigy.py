@@ -40,10 +40,12 @@ def test_tensor_hyperparameters_match_optax_inject_hyperparams():
 def test_parabola_trajectory_matches_optax():
     """Optax's contrib test target (a parabola, learning rate 0.1): 100 steps, and the estimate grows."""
     optax = pytest.importorskip("optax")
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
     tx, otx = fx.contrib.prodigy(0.1), optax.contrib.prodigy(0.1)
+    oupdate = jax.jit(otx.update)
     target = torch.tensor([1.0, -1.0, 1.0])
     params = {"x": torch.tensor([-1.0, 10.0, 1.0])}
     oparams = {"x": jnp.asarray(params["x"].numpy())}
@@ -51,7 +53,7 @@ def test_parabola_trajectory_matches_optax():
     for _ in range(100):
         u, state = fx.update_(tx, {"x": 2 * (params["x"] - target)}, state, params)
         params = fx.apply_updates(params, u)
-        ou, ostate = otx.update({"x": 2 * (oparams["x"] - jnp.asarray(target.numpy()))}, ostate, oparams)
+        ou, ostate = oupdate({"x": 2 * (oparams["x"] - jnp.asarray(target.numpy()))}, ostate, oparams)
         oparams = optax.apply_updates(oparams, ou)
     np.testing.assert_allclose(params["x"].numpy(), np.asarray(oparams["x"]), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(float(state.estim_lr), float(ostate.estim_lr), rtol=1e-4)

@@ -157,7 +157,8 @@ def ademamix(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 0.9
     References:
       Pagliardini et al., `The AdEMAMix Optimizer: Better, Faster, Older <https://arxiv.org/abs/2409.03137>`_, 2024.
     """
-    _check("ademamix", learning_rate=learning_rate)
+    _check("ademamix", learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, alpha=alpha, eps=eps, eps_root=eps_root,
+           weight_decay=weight_decay)
     return chain(
         scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root, mu_dtype),
         add_decayed_weights(weight_decay, mask),
@@ -269,7 +270,8 @@ def simplified_ademamix(learning_rate: ScalarOrSchedule, b1: Scalar = 0.99, b2: 
       Morwani et al., `Connections between Schedule-Free Optimizers, AdEMAMix, and Accelerated SGD Variants
       <https://arxiv.org/abs/2502.02431>`_, 2025.
     """
-    _check("simplified_ademamix", learning_rate=learning_rate)
+    _check("simplified_ademamix", learning_rate=learning_rate, b1=b1, b2=b2, alpha=alpha, eps=eps,
+           eps_root=eps_root, weight_decay=weight_decay)
     return chain(
         scale_by_simplified_ademamix(b1, b2, alpha, eps, eps_root),
         add_decayed_weights(weight_decay, mask),

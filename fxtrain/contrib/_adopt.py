@@ -142,7 +142,7 @@ def adopt(learning_rate: Scalar | Callable, b1: Scalar = 0.9, b2: Scalar = 0.999
       Taniguchi et al., `ADOPT: Modified Adam Can Converge with Any beta2 with the Optimal Rate
       <https://arxiv.org/abs/2411.02853>`_, NeurIPS 2024.
     """
-    _check("adopt", learning_rate=learning_rate)
+    _check("adopt", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
     return chain(
         scale_by_adopt(b1, b2, eps, mu_dtype, nesterov=nesterov, use_clipping=use_clipping,
                        clip_value_fn=clip_value_fn),

@@ -446,7 +446,11 @@ def muon(learning_rate: Scalar | Callable, ns_coeffs: Sequence | str = _DEFAULT_
       Polynomials <https://arxiv.org/abs/2506.10935>`_, 2025.
       Ahn et al., `Dion: Distributed Orthonormalized Updates <https://arxiv.org/abs/2504.05295>`_, 2025.
     """
-    _check("muon", learning_rate=learning_rate)
+    _check("muon", learning_rate=learning_rate, beta=beta, eps=eps, weight_decay=weight_decay, adam_b1=adam_b1,
+           adam_b2=adam_b2, adam_eps_root=adam_eps_root, adam_weight_decay=adam_weight_decay,
+           adam_learning_rate=adam_learning_rate)
+    if preconditioning not in _PRECONDITIONINGS:
+        raise ValueError(f"muon: preconditioning={preconditioning!r} must be one of {_PRECONDITIONINGS}")
     ns_coeffs = _ns_coefficients("muon", ns_coeffs, ns_steps)
     if muon_weight_dimension_numbers is None:
         def labels(params):
