@@ -30,6 +30,16 @@ def _abs_sq(x: torch.Tensor) -> torch.Tensor:
     return (x * x.conj()).real if x.is_complex() else x * x
 
 
+def _pick(xs: list, index: list[int]) -> list:
+    return [xs[i] for i in index]
+
+
+def _place(xs: list, index: list[int], new: list) -> None:
+    """Writes ``new`` at positions ``index`` of the list ``xs`` (the inverse of :func:`_pick`)."""
+    for i, x in zip(index, new):
+        xs[i] = x
+
+
 # --- Adafactor's factored second moments ----------------------------------------------------------
 
 class FactoredState(NamedTuple):
@@ -143,28 +153,23 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: Scalar = 0.8, step_
         g, row, col, v, p = tree.align(updates, state.v_row, state.v_col, state.v, params, what="state")
         decay = decay_rate_fn(state.count - step_offset, decay_rate)
         count = safe_increment_(state.count)
-        split = [dims(x) is not None for x in p]
-        # leaves kept whole: v <- decay * v + (1 - decay) * (|g|^2 + eps); g <- g / sqrt(v), with foreach kernels
-        whole = [i for i, f in enumerate(split) if not f]
-        gw, vw = [g[i] for i in whole], [v[i] for i in whole]
-        if gw:
+        whole = [i for i, x in enumerate(p) if dims(x) is None]
+        parts = [i for i, x in enumerate(p) if dims(x) is not None]
+        g, row, col, v = list(g), list(row), list(col), list(v)
+        if whole:  # v <- decay * v + (1 - decay) * (|g|^2 + eps); g <- g / sqrt(v), with foreach kernels
+            gw, vw = _pick(g, whole), _pick(v, whole)
             with tree.functional():
                 sq = tree.add_([_abs_sq(x) for x in gw], epsilon)
             vw = tree.add_(tree.scale_(vw, decay), sq, 1 - decay)
             with tree.functional():
                 root = tree.sqrt_(vw)
-            gw = tree.div_(gw, root)
-        # factored leaves: per-leaf reductions (no foreach mean)
-        parts = [i for i, f in enumerate(split) if f]
-        new = [factored_update(g[i], row[i], col[i], p[i], decay) for i in parts]
-        gf = tree.copy_([g[i] for i in parts], [u for u, _, _ in new])
-        rf = tree.copy_([row[i] for i in parts], [r for _, r, _ in new])
-        cf = tree.copy_([col[i] for i in parts], [c for _, _, c in new])
-        g, row, col, v = list(g), list(row), list(col), list(v)
-        for j, i in enumerate(whole):
-            g[i], v[i] = gw[j], vw[j]
-        for j, i in enumerate(parts):
-            g[i], row[i], col[i] = gf[j], rf[j], cf[j]
+            _place(g, whole, tree.div_(gw, root))
+            _place(v, whole, vw)
+        if parts:  # per-leaf reductions (torch has no foreach mean)
+            new = [factored_update(g[i], row[i], col[i], p[i], decay) for i in parts]
+            _place(g, parts, tree.copy_(_pick(g, parts), [u for u, _, _ in new]))
+            _place(row, parts, tree.copy_(_pick(row, parts), [r for _, r, _ in new]))
+            _place(col, parts, tree.copy_(_pick(col, parts), [c for _, _, c in new]))
         return tree.put(updates, updates, g), FactoredState(
             count, tree.put(state.v_row, updates, row), tree.put(state.v_col, updates, col),
             tree.put(state.v, updates, v))
