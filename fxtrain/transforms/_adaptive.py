@@ -20,6 +20,7 @@ from fxtrain._base import GradientTransformation, Updates, chain, check_nonnegat
 from fxtrain.optimizers import LearningRate, _check, adam, adamw
 from fxtrain.transforms._adam import ScaleByAdamState, scale_by_adam
 from fxtrain.transforms._masking import Mask
+from fxtrain.transforms._normalizing import block_norms
 from fxtrain.transforms._moments import (
     Scalar,
     as_dtype,
@@ -623,15 +624,6 @@ class ScaleByNovogradState(NamedTuple):
     nu: Updates  # per leaf: a 0-dim moving average of the squared gradient norm, in the param dtype
 
 
-def _squared_norms(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``||x||^2`` of every leaf as 0-dim tensors (real dtypes); one ``_foreach_norm`` in place."""
-    if tree.is_functional():
-        return [torch.linalg.vector_norm(x).square() for x in xs]
-    norms = torch._foreach_norm(xs)
-    torch._foreach_mul_(norms, norms)
-    return list(norms)
-
-
 @transform(elementwise=False)
 def scale_by_novograd(b1: Scalar = 0.9, b2: Scalar = 0.25, eps: Scalar = 1e-8, eps_root: Scalar = 0.0,
                       weight_decay: Scalar = 0.0, mu_dtype: torch.dtype | str | None = None
@@ -645,7 +637,8 @@ def scale_by_novograd(b1: Scalar = 0.9, b2: Scalar = 0.25, eps: Scalar = 1e-8, e
         m^l_t = \beta_1 m^l_{t-1} + \frac{g^l_t}{\sqrt{v^l_t + \epsilon_{root}} + \epsilon} + \lambda \theta^l_t,
         \qquad u^l_t = m^l_t.
 
-    Not elementwise (a norm per leaf): ``sharded_apply`` refuses it.
+    Not elementwise (a norm per leaf): ``sharded_apply`` refuses it. On DTensor leaves the norms are the
+    full tensors' (one reduction per leaf), the rest runs on the local pieces.
 
     Args:
       b1: decay of the momentum.
@@ -676,7 +669,8 @@ def scale_by_novograd(b1: Scalar = 0.9, b2: Scalar = 0.25, eps: Scalar = 1e-8, e
 
     def init_fn(params):
         return ScaleByNovogradState(count=counter(params), mu=tree.zeros_like(params, dtype=mu_dtype),
-                                    nu=tree.map(lambda p: p.new_zeros(()), params))
+                                    nu=tree.map(lambda p: torch.zeros((), dtype=p.dtype, device=tree.local(p).device),
+                                                params))
 
     def update_fn(updates, state, params=None):
         if decays and params is None:
@@ -685,7 +679,9 @@ def scale_by_novograd(b1: Scalar = 0.9, b2: Scalar = 0.25, eps: Scalar = 1e-8, e
         count = safe_increment_(state.count)
         if not g:
             return updates, state._replace(count=count)
-        sq = [s.to(n.dtype) for s, n in zip(_squared_norms(g), nu)]  # 0-dim: one op per leaf is cheap
+        sq = [n.square().to(v.dtype) for n, v in zip(block_norms(g).unbind(), nu)]  # 0-dim: cheap per leaf
+        # The math on DTensors' local pieces: nu is a plain 0-dim tensor per leaf (a DTensor's full norm)
+        g, mu, p = ([tree.local(x) for x in xs] for xs in (g, mu, p))
         # b2 nu + (1 - b2) sq, not a lerp: torch.lerp rounds 0-dim tensors differently under vmap
         nu = tree.add_(tree.scale_(nu, b2), sq, 1 - b2)
         nu = tree.where_(count == 1, sq, nu)  # the first step starts the average at the first norm
