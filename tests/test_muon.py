@@ -263,7 +263,7 @@ def test_a_vector_with_dimension_numbers_is_a_one_row_matrix():
 def test_refuses_non_matrices_without_dimension_numbers():
     tx = fx.contrib.scale_by_muon()
     g = {"layer": {"bias": torch.ones(3)}}
-    with pytest.raises(ValueError, match=r"scale_by_muon: the update at 'layer.bias' has shape \(3,\), not a matrix"):
+    with pytest.raises(ValueError, match=r"^scale_by_muon\(\): the update at 'layer.bias' has shape \(3,\), not a matrix"):
         tx.update(g, tx.init(g))
 
 

@@ -90,7 +90,7 @@ def test_pure_dtypes_and_none_leaves():
 def test_needs_params():
     tx = fx.contrib.prodigy()
     g = {"w": torch.ones(2)}
-    with pytest.raises(ValueError, match="prodigy needs the params"):
+    with pytest.raises(ValueError, match=r"^prodigy\(\): needs the params"):
         tx.update(g, tx.init(g))
 
 

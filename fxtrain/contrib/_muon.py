@@ -219,12 +219,12 @@ def _per_leaf(weight_dimension_numbers: WeightDimNumOrFn, updates: Any) -> list[
     return [d for d, x in zip(dims, flat) if x is not None]
 
 
-def _check_matrices(name: str, updates: Any, dims: list[DimNums]) -> None:
-    flat = [x for x in tree.flatten(updates)[0] if x is not None]
-    paths = [p for p, x in zip(tree.paths(updates), tree.flatten(updates)[0]) if x is not None]
-    for path, x, d in zip(paths, flat, dims):
+def _check_matrices(updates: Any, dims: list[DimNums]) -> None:
+    """Refuses, naming its path, a leaf that is no matrix and has no dimension numbers (as Optax does)."""
+    present = [(p, x) for p, x in zip(tree.paths(updates), tree.flatten(updates)[0]) if x is not None]
+    for (path, x), d in zip(present, dims):
         if d is None and x.ndim != 2:
-            raise ValueError(f"{name}: the update at '{path}' has shape {tuple(x.shape)}, not a matrix; give it "
+            raise ValueError(f"the update at '{path}' has shape {tuple(x.shape)}, not a matrix; give it "
                              "MuonDimensionNumbers (weight_dimension_numbers=) or leave it to muon's AdamW")
 
 
@@ -304,7 +304,7 @@ def scale_by_muon(ns_coeffs: Sequence | str = _DEFAULT_NS_COEFFS, ns_steps: int 
 
     def init_fn(params):
         return MuonState(count=counter(params), mu=tree.zeros_like(params, dtype=mu_dtype),
-                         ns_coeffs=torch.tensor(ns_coeffs, dtype=torch.float32, device=param_device(params)))
+                         ns_coeffs=torch.as_tensor(ns_coeffs, dtype=torch.float32, device=param_device(params)).clone())
 
     def debiased_(g, m, count):
         """The bias-corrected (Nesterov) momentum, in g's buffer (when dtypes agree)."""
@@ -322,7 +322,7 @@ def scale_by_muon(ns_coeffs: Sequence | str = _DEFAULT_NS_COEFFS, ns_steps: int 
     def update_fn(updates, state, params=None):
         del params
         dims = _per_leaf(weight_dimension_numbers, updates)
-        _check_matrices("scale_by_muon", updates, dims)
+        _check_matrices(updates, dims)  # errors raised in update are prefixed with the transform's repr
         g, mu = tree.align(updates, state.mu)
         count = safe_increment_(state.count)
         if not g:

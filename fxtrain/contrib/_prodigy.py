@@ -120,7 +120,7 @@ def prodigy(learning_rate: Scalar | Callable = 1.0, betas: tuple[Scalar, Scalar]
 
     def update_fn(updates, state, params=None):
         if params is None:
-            raise ValueError("prodigy needs the params: call update(updates, state, params)")
+            raise ValueError("needs the params: call update(updates, state, params)")  # prefixed with the repr
         g, m, v, s, x0, x = tree.align(updates, state.exp_avg, state.exp_avg_sq, state.grad_sum, state.params0,
                                        params)
         d = state.estim_lr
