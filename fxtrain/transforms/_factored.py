@@ -324,13 +324,12 @@ def scale_by_sm3(b1: Scalar = 0.9, b2: Scalar = 1.0, eps: Scalar = 1e-8) -> Grad
         g = tree.copy_(g, nu)
         new_mu = [[a] if a.ndim == 1 else
                   [a.amax(dim=[j for j in range(a.ndim) if j != i]) for i in range(a.ndim)] for a in acc]
-        if not tree.is_functional():
-            for old, new in zip(mu_lists, new_mu):
-                if old:
-                    tree.copy_(old, new)
-            new_mu = mu_lists
-        return tree.put(updates, updates, g), ScaleBySM3State(_put_lists(state.mu, updates, new_mu),
-                                                              tree.put(state.nu, updates, nu))
+        if tree.is_functional():
+            mu = _put_lists(state.mu, updates, new_mu)
+        else:  # written into the state's vectors, one foreach copy
+            tree.copy_([x for xs in mu_lists for x in xs], [x for xs in new_mu for x in xs])
+            mu = state.mu
+        return tree.put(updates, updates, g), ScaleBySM3State(mu, tree.put(state.nu, updates, nu))
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -341,9 +340,7 @@ def _flat_lists(mu: Any, updates: Updates) -> list:
 
 
 def _put_lists(mu: Any, updates: Updates, new: list) -> Any:
-    """``mu`` with the lists at ``updates``' non-``None`` positions replaced by ``new`` (in place: written)."""
-    if not tree.is_functional():
-        return mu
+    """``mu`` with the lists at ``updates``' non-``None`` positions replaced by ``new``."""
     it = iter(new)
     flat = [m if x is None else next(it) for m, x in zip(_flat_lists(mu, updates), tree.flatten(updates)[0])]
     return tree.structure(updates).unflatten(flat)
