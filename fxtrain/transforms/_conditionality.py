@@ -13,6 +13,7 @@ import numbers
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 from fxtrain._base import GradientTransformation, _combined, call, report, traits, transform, with_traits
@@ -90,7 +91,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
 
     def update_fn(updates, state, params=None, **extra_args):
         raw = tree.leaves(updates)
-        finite = tree.all_finite(raw).to(state.last_finite.device)
+        finite = _all_finite(raw).to(state.last_finite.device)
         notfinite = tree.scale_([safe_increment_(state.notfinite_count)], ~finite)[0]  # reset by a finite update
         accept = finite | (notfinite > max_consecutive_errors)
         fed_zeros = False
@@ -120,6 +121,16 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
 
     return with_traits(GradientTransformation(init_fn, update_fn),
                        wrap_loss=None if inner.wrap_loss is None else wrap_loss, extra_args=traits(inner).extra_args)
+
+
+def _all_finite(xs: list) -> torch.Tensor:
+    """:func:`fxtrain.tree.all_finite`, also for DTensor leaves: each leaf's flag is reduced over its mesh (one
+    collective per DTensor leaf; the reduced flags of sharded leaves cannot be stacked with replicated ones
+    by ``tree.all_finite``), the same answer on every rank."""
+    if any(isinstance(x, DTensor) for x in xs):
+        flags = [x.isfinite().all() for x in xs]
+        return torch.stack([f.full_tensor() if isinstance(f, DTensor) else f for f in flags]).all()
+    return tree.all_finite(xs)
 
 
 class ConditionallyTransformState(NamedTuple):
