@@ -348,6 +348,14 @@ def scale_by_shape(weight_dimension_numbers: WeightDimNumOrFn = None, consistent
     :math:`\sqrt{\max(1, \text{fan\_out} / \text{fan\_in})}` (Jordan's width transfer), or with
     ``consistent_rms``: :math:`\sqrt{\max(\text{fan\_in}, \text{fan\_out})} \cdot \text{consistent\_rms}`
     (an RMS independent of the shape, Liu et al.). Fans come from the dimension numbers (default: a matrix).
+    Not exported (as in Optax): :func:`muon` chains it after :func:`scale_by_muon`.
+
+    Args:
+      weight_dimension_numbers: as for :func:`scale_by_muon`.
+      consistent_rms: the target RMS factor; ``None``: width transfer.
+
+    Returns:
+      A stateless transform (``EmptyState``).
 
     Example:
         >>> import torch
