@@ -130,7 +130,7 @@ def _quotient_(d: list[torch.Tensor], num: list[torch.Tensor], bc: Scalar | None
 
 def _nesterov_mean(m: list, g: list, b1: Scalar, count: torch.Tensor) -> list:
     r"""NAdam's :math:`\hat m_t = \beta_1 m_t / (1 - \beta_1^{t+1}) + (1 - \beta_1) g_t / (1 - \beta_1^t)`,
-    new tensors (``g`` is divided in place: callers pass scratch)."""
+    new tensors (``g`` is overwritten: callers pass scratch)."""
     with tree.functional():
         num = tree.div_(m, bias_correction(b1, count + 1, m))
     num = tree.scale_(num, b1)
