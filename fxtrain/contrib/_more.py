@@ -8,8 +8,9 @@ from typing import Any, Callable, Literal, NamedTuple
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
-from fxtrain import tree
+from fxtrain import distributed, tree
 from fxtrain._base import (GradientTransformation, Params, call, chain, check_nonnegative, identity, is_elementwise,
                            transform, with_traits)
 from fxtrain.contrib._schedule_free import _scalar_dtype
@@ -34,10 +35,15 @@ def _needs_params(name: str, params: Params) -> None:
                          "tx.update(grads, state, params)")
 
 
+def _sum_sq(xs: list) -> torch.Tensor:
+    """``|x|^2`` over all leaves, float32 or wider; DTensor leaves summed over their meshes (the norm engine)."""
+    return distributed.global_sum_sq(xs).sum_sq
+
+
 def _sq_dist(init_params: list, params: list) -> torch.Tensor:
     """``|x_0 - x_t|^2`` over all leaves, accumulated in float32 or wider (one temporary per leaf)."""
     with tree.functional():
-        return tree.sum_sq(tree.add_(init_params, params, -1.0))
+        return _sum_sq(tree.add_(init_params, params, -1.0))
 
 
 def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +105,7 @@ def scale_by_dog(init_step: tuple[Literal["distance", "learning_rate", "heuristi
         if kind == "distance":
             r_eps = value
         elif kind == "heuristic":
-            r_eps = value * (1 + tree.sum_sq(tree.leaves(params)).sqrt())
+            r_eps = value * (1 + distributed.global_norm(params))
         else:
             r_eps = 0.0
         return DoGState(is_init_step=torch.ones((), dtype=torch.bool, device=param_device(params)),
@@ -111,7 +117,7 @@ def scale_by_dog(init_step: tuple[Literal["distance", "learning_rate", "heuristi
         _needs_params("scale_by_dog", params)
         g, x0, x = tree.align(updates, state.init_params, params)
         max_dist = torch.maximum(state.max_dist, _safe_sqrt(_sq_dist(x0, x)).to(state.max_dist.dtype))
-        sum_sq = state.sum_sq_norm_grads + tree.sum_sq(g).to(state.sum_sq_norm_grads.dtype)
+        sum_sq = state.sum_sq_norm_grads + _sum_sq(g).to(state.sum_sq_norm_grads.dtype)
         lr = max_dist / (sum_sq + eps).sqrt()
         if kind == "learning_rate":
             lr = torch.where(state.is_init_step, torch.as_tensor(value, dtype=lr.dtype, device=lr.device), lr)
@@ -217,7 +223,7 @@ def scale_by_dowg(init_estim_sq_dist: Scalar | None = None, eps: Scalar = 1e-4) 
         _needs_params("scale_by_dowg", params)
         g, x0, x = tree.align(updates, state.init_params, params)
         estim = torch.maximum(state.estim_sq_dist, _sq_dist(x0, x).to(state.estim_sq_dist.dtype))
-        weighted = estim * tree.sum_sq(g).to(estim.dtype) + state.weighted_sq_norm_grads
+        weighted = estim * _sum_sq(g).to(estim.dtype) + state.weighted_sq_norm_grads
         g = tree.scale_(g, estim / (weighted.sqrt() + eps))
         return tree.put(updates, updates, g), DoWGState(state.init_params, weighted, estim)
 
@@ -513,7 +519,12 @@ def _vdot(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
     acc = torch.promote_types(xs[0].dtype, torch.float32)
     # (x * y).sum() rather than torch.vdot: vmap batches vdot as a matrix product, whose summation order
     # (and rounding) differs from the unbatched dot's; an elementwise product and a sum batch exactly.
-    return sum((x.to(acc) * y.to(acc)).sum() for x, y in zip(xs, ys))
+    # A DTensor leaf's sum is reduced over its mesh (one all-reduce per leaf; the norm engine has no dot).
+    return sum(_full((x.to(acc) * y.to(acc)).sum()) for x, y in zip(xs, ys))
+
+
+def _full(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def _momo_check(name: str, params: Params, value: Any) -> None:
@@ -618,7 +629,7 @@ ight), \quad
         barf = bt * state.barf + (1 - bt) * torch.as_tensor(value, dtype=state.barf.dtype)
         d = tree.lerp_(d, g, 1 - bt)
         gamma = bt * state.gamma + (1 - bt) * _vdot(g, x)
-        sq_norm, iprod = tree.sum_sq(d), _vdot(d, x)
+        sq_norm, iprod = _sum_sq(d), _vdot(d, x)
         alpha = learning_rate(state.count) if callable(learning_rate) else learning_rate
         tau, lb = _polyak_step(1 + alpha * weight_decay, barf, gamma, state.lb, iprod, sq_norm, alpha, 1.0,
                                lower_bound, adapt_lower_bound)
@@ -802,7 +813,7 @@ angle`:
         u, x0, x = tree.align(base_updates, state.x0, params)
         x0 = tree.where_(state.count == 0, x, x0)
         s_sum = state.s.sum()
-        coef = weight_decay * s_sum * tree.sum_sq(g).sqrt() / (tree.sum_sq(x).sqrt() + eps)
+        coef = weight_decay * s_sum * distributed.global_norm(g) / (distributed.global_norm(x) + eps)
         g = tree.add_(g, x, coef)
         with tree.functional():
             delta = tree.add_(x0, x, -1.0)  # the previous Delta = (x0 - x) / S
@@ -839,8 +850,8 @@ def _l1(xs: list[torch.Tensor]) -> torch.Tensor:
     if not xs:
         return torch.zeros(())
     acc = torch.promote_types(xs[0].dtype, torch.float32)
-    if tree.is_functional():
-        return sum(x.abs().sum().to(acc) for x in xs)
+    if tree.is_functional() or any(isinstance(x, DTensor) for x in xs):
+        return sum(_full(x.abs().sum().to(acc)) for x in xs)
     return torch.stack(torch._foreach_norm(xs, 1, dtype=acc)).sum()
 
 

@@ -15,6 +15,7 @@ import torch
 from fxtrain import tree
 from fxtrain._base import (EmptyState, GradientTransformation, Params, apply_updates, call, is_elementwise,
                            transform, with_traits)
+from fxtrain import distributed
 from fxtrain.distributed import match_placements
 from fxtrain.transforms._moments import param_device
 
@@ -29,7 +30,8 @@ def normalize() -> GradientTransformation:
 
     .. math:: u = \frac{g}{\lVert g \rVert_2}
 
-    with the norm over all leaves (accumulated in float32 or wider). A zero gradient gives NaN, as in Optax.
+    with the norm over all leaves (accumulated in float32 or wider; DTensor leaves over their meshes, see
+    :func:`fxtrain.distributed.global_norm`). A zero gradient gives NaN, as in Optax.
 
     Returns:
       A stateless transform (state :class:`NormalizeState`, the empty state); not elementwise.
@@ -53,7 +55,7 @@ def normalize() -> GradientTransformation:
         g = tree.leaves(updates)
         if not g:
             return updates, state
-        return tree.put(updates, updates, tree.div_(g, tree.sum_sq(g).sqrt())), state
+        return tree.put(updates, updates, tree.div_(g, distributed.global_norm(g))), state
 
     return GradientTransformation(init_fn, update_fn)
 
