@@ -161,7 +161,16 @@ def _read_row(mem: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 
 
 def _write_row(mem: torch.Tensor, i: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """``mem`` with ``mem[i] = row`` (in place unless :func:`fxtrain.tree.functional`); ``i`` a 0-dim tensor."""
+    """``mem`` with ``mem[i] = row`` (in place unless :func:`fxtrain.tree.functional`); ``i`` a 0-dim tensor.
+
+    A DTensor row is first brought to the memory's placements (gradients may come replicated for sharded
+    params: slicing ops replicate them); the write is then on local pieces."""
+    if isinstance(mem, DTensor):
+        placements = tuple(Shard(p.dim - 1) if isinstance(p, Shard) else p for p in mem.placements)
+        if not isinstance(row, DTensor):
+            row = DTensor.from_local(row, mem.device_mesh, placements, run_check=False)
+        elif row.placements != placements:
+            row = row.redistribute(mem.device_mesh, placements)
     piece, new = tree.local(mem), tree.local(row).to(mem.dtype).unsqueeze(0)
     if not tree.is_functional():
         piece.index_copy_(0, i.reshape(1), new)

@@ -1,0 +1,311 @@
+"""L-BFGS (fxtrain/transforms/_lbfgs.py): the two-loop product against the dense inverse Hessian, Optax
+trajectories (with and without line search, float32, float64, complex64), Optax's alias_test cases, vmap and
+grad against Optax, DTensor leaves (2 gloo ranks) against plain ones."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import fxtrain as fx
+from fxtrain.testing import assert_trees_close, from_jnp, to_jnp
+from fxtrain.transforms import _lbfgs
+from tests import _worlds
+from tests._parity import assert_parity
+
+
+def rosenbrock(x, xnp=None):
+    return (100.0 * (x[..., 1:] - x[..., :-1] ** 2) ** 2 + (1.0 - x[..., :-1]) ** 2).sum()
+
+
+def quadratic(x, xnp=None):
+    """An ill-conditioned quadratic (eigenvalues 1 to 50)."""
+    scales = 1.0 + 49.0 * (x * 0 + 1).cumsum(-1) / x.shape[-1]
+    return 0.5 * (scales * (x - 1.0) ** 2).sum()
+
+
+def run_fx(tx, fn, params, steps):
+    """``steps`` updates of ``tx`` on ``fn``, reusing the line search's value and gradient; params per step."""
+    value_and_grad = fx.value_and_grad_from_state(fn)
+    state, out = tx.init(params), []
+    for _ in range(steps):
+        value, grad = value_and_grad(params, state=state)
+        u, state = tx.update(grad, state, params, value=value, grad=grad, value_fn=fn)
+        params = fx.apply_updates(params, u)
+        out.append(params)
+    return out, state
+
+
+def run_optax(otx, fn, params, steps):
+    """The same with Optax, op by op (compiling its loops costs more here than running them). Complex
+    gradients are conjugated as Optax's own tests do: then they are torch's."""
+    import jax
+    import optax
+
+    value_and_grad = optax.value_and_grad_from_state(fn)
+    params, out = to_jnp(params), []
+    with jax.disable_jit():
+        state = otx.init(params)
+        for _ in range(steps):
+            value, grad = value_and_grad(params, state=state)
+            grad = jax.tree.map(jax.numpy.conj, grad)
+            u, state = otx.update(grad, state, params, value=value, grad=grad, value_fn=fn)
+            params = optax.apply_updates(params, u)
+            out.append(from_jnp(params))
+    return out, state
+
+
+def assert_same_trajectory(ours, theirs, rtol, atol):
+    for k, (a, b) in enumerate(zip(ours, theirs)):
+        try:
+            assert_trees_close(a, b, rtol=rtol, atol=atol)
+        except AssertionError as e:
+            raise AssertionError(f"iteration {k}: {e}") from None
+
+
+# --- the two-loop recursion ---------------------------------------------------------------------------
+
+def dense_inverse_hessian(dws, dus, gamma):
+    """Nocedal and Wright's (7.19) as matrices, oldest pair first (float64)."""
+    d = dws.shape[1]
+    p = gamma * np.eye(d)
+    for dw, du in zip(dws, dus):
+        rho = 1.0 / (dw @ du)
+        v = np.eye(d) - rho * np.outer(du, dw)
+        p = v.T @ p @ v + rho * np.outer(dw, dw)
+    return p
+
+
+@pytest.mark.parametrize("idx", [0, 1, 3])
+def test_two_loop_equals_the_dense_product(idx):
+    """Optax's test_preconditioning_by_lbfgs_on_vectors/trees: the product by the circular memory starting
+    at slot ``idx`` equals the dense inverse Hessian approximation times the vector, for a tree too."""
+    g = torch.Generator().manual_seed(idx)
+    m, d = 4, 5
+    dws, dus, vec = torch.randn(m, d, generator=g), torch.randn(m, d, generator=g), torch.randn(d, generator=g)
+    rhos = 1.0 / (dws * dus).sum(1)
+    order = [(idx + j) % m for j in range(m)]  # slot order, oldest first
+    expected = dense_inverse_hessian(dws[order].double().numpy(), dus[order].double().numpy(), 0.7) @ vec.double().numpy()
+    got = _lbfgs._two_loop([vec], [dws], [dus], rhos, torch.tensor(0.7), torch.tensor(idx), m)[0]
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-5)
+    split = (slice(0, 2), slice(2, 5))  # the same vectors as a tree of two leaves
+    got = _lbfgs._two_loop([vec[s] for s in split], [dws[:, s] for s in split], [dus[:, s] for s in split], rhos,
+                           torch.tensor(0.7), torch.tensor(idx), m)
+    np.testing.assert_allclose(torch.cat(got).numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_first_update_is_the_capped_normalized_gradient():
+    tx = fx.scale_by_lbfgs()
+    params = {"a": torch.zeros(2), "b": torch.zeros(())}
+    u, state = tx.update({"a": torch.tensor([3.0, 0.0]), "b": torch.tensor(4.0)}, tx.init(params), params)
+    assert u["a"].tolist() == pytest.approx([0.6, 0.0]) and u["b"].item() == pytest.approx(0.8)
+    small = {"a": torch.tensor([0.3, 0.0]), "b": torch.tensor(0.4)}
+    u, _ = tx.update(small, tx.init(params), params)  # norm 0.5: scaled by min(1, 1/0.5) = 1
+    assert_trees_close(u, small)
+    assert int(state.count) == 1 and state.diff_params_memory["a"].shape == (10, 2)
+
+
+def test_memory_size_must_be_positive():
+    with pytest.raises(ValueError, match="scale_by_lbfgs: memory_size=0 must be an int >= 1"):
+        fx.scale_by_lbfgs(memory_size=0)
+
+
+# --- against Optax ------------------------------------------------------------------------------------
+
+@pytest.mark.optax
+def test_scale_by_lbfgs_matches_optax():
+    """The parity harness (nested params, pure and donated) with a fixed step, no line search."""
+    scale_init_precond = True
+    optax = pytest.importorskip("optax")
+    import jax
+
+    with jax.disable_jit():
+        # 10 steps: on these gradients (not of one objective) the curvature pairs grow near singular and
+        # float32 rounding differences pass 1e-5 after about 13
+        assert_parity(fx.lbfgs(0.05, memory_size=3, scale_init_precond=scale_init_precond, linesearch=None),
+                      optax.lbfgs(0.05, memory_size=3, scale_init_precond=scale_init_precond, linesearch=None),
+                      steps=10)
+
+
+@pytest.mark.optax
+def test_lbfgs_with_zoom_matches_optax_trajectory():
+    """Default lbfgs (zoom line search, 20 trials), float32, 10 iterations on a tree (Rosenbrock + quadratic)."""
+    optax = pytest.importorskip("optax")
+    tree_fn = lambda p: rosenbrock(p["x"]) + quadratic(p["y"])  # noqa: E731
+    params = {"x": torch.tensor([-1.2, 1.0, 0.5, -0.3]), "y": torch.tensor([0.8, 1.3, -0.4])}
+    ours, state = run_fx(fx.lbfgs(), tree_fn, params, 10)
+    theirs, ostate = run_optax(optax.lbfgs(), tree_fn, params, 10)
+    assert_same_trajectory(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert int(state[0].count) == 10
+
+
+@pytest.mark.optax
+def test_lbfgs_float64_rosenbrock_matches_optax_for_20_iterations():
+    """In float64 the two agree to 1e-13 for 10 iterations of Rosenbrock's function, and to 1e-8 over 20 (in
+    float32 they agree to 1e-7 for 10 iterations, then rounding differences grow as the iterates cross the
+    valley: 1e-5 at 13, 1e-2 at 20)."""
+    optax = pytest.importorskip("optax")
+    import jax
+
+    fn = lambda p: rosenbrock(p["x"])  # noqa: E731
+    params = {"x": torch.tensor([-1.2, 1.0, 0.5, -0.3], dtype=torch.float64)}
+    with jax.enable_x64(True):
+        ours, _ = run_fx(fx.lbfgs(memory_size=5), fn, params, 20)
+        theirs, _ = run_optax(optax.lbfgs(memory_size=5), fn, params, 20)
+    assert_same_trajectory(ours[:10], theirs[:10], rtol=1e-13, atol=1e-14)
+    assert_same_trajectory(ours, theirs, rtol=1e-8, atol=1e-10)
+    assert fn(ours[-1]) < 0.05 * fn(params)
+
+
+@pytest.mark.optax
+def test_lbfgs_backtracking_and_learning_rate_match_optax():
+    optax = pytest.importorskip("optax")
+    fn = lambda p: quadratic(p["x"])  # noqa: E731
+    params = {"x": torch.tensor([-1.2, 1.0, 0.5, -0.3, 2.0])}
+    args = {"memory_size": 4, "scale_init_precond": False}
+    ours, _ = run_fx(fx.lbfgs(0.5, linesearch=fx.scale_by_backtracking_linesearch(15, store_grad=True), **args),
+                     fn, params, 8)
+    theirs, _ = run_optax(optax.lbfgs(0.5, linesearch=optax.scale_by_backtracking_linesearch(
+        15, store_grad=True), **args), fn, params, 8)
+    assert_same_trajectory(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def _complex_objective(z):
+    mat = torch.tensor([[1, -2], [3, 4], [-4 + 2j, 5 - 3j], [-2 - 2j, 6]], dtype=torch.complex64)
+    return ((mat @ z).abs() ** 1.5).sum()
+
+
+@pytest.mark.optax
+def test_lbfgs_complex_matches_optax():
+    """complex64 with the zoom line search, 6 iterations (Optax's test_lbfgs_complex objective)."""
+    optax = pytest.importorskip("optax")
+    import jax.numpy as jnp
+
+    mat = jnp.array([[1, -2], [3, 4], [-4 + 2j, 5 - 3j], [-2 - 2j, 6]], dtype=jnp.complex64)
+    z0 = {"z": torch.tensor([1 - 1j, 0 + 1j], dtype=torch.complex64)}
+    ours, _ = run_fx(fx.lbfgs(), lambda p: _complex_objective(p["z"]), z0, 6)
+    theirs, _ = run_optax(optax.lbfgs(), lambda p: (jnp.abs(mat @ p["z"]) ** 1.5).sum(), z0, 6)
+    assert_same_trajectory(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def _solve(tx, fn, params, maxiter=40, tol=1e-5):
+    """Optax's _run_opt: iterate until the gradient norm is below ``tol`` (the test reads it on the host)."""
+    value_and_grad = fx.value_and_grad_from_state(fn)
+    state = tx.init(params)
+    for _ in range(maxiter):
+        value, grad = value_and_grad(params, state=state)
+        if fx.transforms._linesearch.vdot(fx.tree.leaves(grad), fx.tree.leaves(grad)).sqrt() < tol:
+            break
+        u, state = tx.update(grad, state, params, value=value, grad=grad, value_fn=fn)
+        params = fx.apply_updates(params, u)
+    return params
+
+
+@pytest.mark.parametrize("linesearch", ["backtracking", "zoom"])
+def test_lbfgs_complex_equals_the_real_problem(linesearch):
+    """Optax's test_lbfgs_complex: optimizing over C^2 gives the solution of the same problem over R^(2x2)."""
+    def make():
+        return fx.lbfgs(linesearch=fx.scale_by_backtracking_linesearch(20, store_grad=True) if linesearch ==
+                        "backtracking" else
+                        fx.scale_by_zoom_linesearch(20, initial_guess_strategy="one"))
+
+    z0 = torch.tensor([1 - 1j, 0 + 1j], dtype=torch.complex64)
+    sol_complex = _solve(make(), _complex_objective, z0)
+    sol_real = _solve(make(), lambda x: _complex_objective(torch.complex(x[0], x[1])), torch.stack([z0.real, z0.imag]))
+    assert_trees_close(sol_complex, torch.complex(sol_real[0], sol_real[1]), rtol=1e-4, atol=1e-4)
+
+
+def test_lbfgs_handles_trees():
+    """Optax's test_handling_pytrees: a (2, 4) array and the tuple of its rows give the same iterates."""
+    init = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    rows = lambda p: rosenbrock(p[0]) + rosenbrock(p[1])  # noqa: E731
+    as_array, _ = run_fx(fx.lbfgs(), lambda x: rows((x[0], x[1])), init, 3)
+    as_tree, _ = run_fx(fx.lbfgs(), rows, (init[0], init[1]), 3)
+    assert_trees_close(torch.stack(as_tree[-1]), as_array[-1], rtol=5e-5, atol=5e-5)
+
+
+def test_lbfgs_steep_objective():
+    """Optax's test_steep_objective (google/jax#4594): mean((1e4 I x)^2) from ones reaches 0."""
+    fn = lambda x: ((1e4 * x) ** 2).mean()  # noqa: E731
+    assert_trees_close(_solve(fx.lbfgs(), fn, torch.ones(2)), torch.zeros(2), rtol=1e-5, atol=1e-5)
+
+
+def test_lbfgs_default_linesearch_is_optax_default():
+    assert repr(fx.lbfgs()) == "lbfgs()"
+    assert repr(fx.lbfgs(linesearch=None)) == "lbfgs(linesearch=None)"
+    ls = fx.lbfgs()  # chain(scale_by_lbfgs, scale(-1), zoom(20, "one"))
+    assert "scale_by_zoom_linesearch(20, initial_guess_strategy='one')" in repr(
+        fx.lbfgs(linesearch=fx.scale_by_zoom_linesearch(20, initial_guess_strategy="one")))
+    assert not fx.is_elementwise(ls) and not fx.is_elementwise(fx.scale_by_lbfgs())
+
+
+# --- composability against jitted Optax (tests/cases/linesearch.py's COMPOSABLE runs no Optax) -------------
+
+@pytest.mark.optax
+def test_vmap_and_grad_match_optax():
+    """vmap over 3 starting points of 5 updates, and grad of a loss after 3 updates w.r.t. the initial params,
+    against jax.vmap / jax.grad of Optax's lbfgs (no line search: the harness's update takes no value_fn)."""
+    optax = pytest.importorskip("optax")
+    import jax
+
+    tx, otx = (m.lbfgs(0.1, memory_size=3, linesearch=None) for m in (fx, optax))
+
+    def run(tx, x, fn, steps, grad):
+        state = tx.init(x)
+        for _ in range(steps):
+            u, state = tx.update(grad(fn)(x), state, x)
+            x = x + u
+        return x
+
+    xs = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    ours = torch.func.vmap(lambda x: run(tx, x, quadratic, 5, torch.func.grad))(xs)
+    with jax.disable_jit():
+        theirs = jax.vmap(lambda x: run(otx, x, quadratic, 5, jax.grad))(to_jnp(xs))
+    assert_trees_close(ours, from_jnp(theirs), rtol=1e-5, atol=1e-6)
+    meta = lambda run_, grad, x: (run_(x, rosenbrock, 3, grad) ** 2).sum()  # noqa: E731
+    ours = torch.func.grad(lambda x: meta(lambda *a: run(tx, *a), torch.func.grad, x))(xs[0])
+    theirs = jax.jit(jax.grad(lambda x: meta(lambda *a: run(otx, *a), jax.grad, x)))(to_jnp(xs[0]))
+    assert_trees_close(ours, from_jnp(theirs), rtol=1e-4, atol=1e-5)
+
+
+# --- DTensor leaves: 2 gloo ranks, one spawn (tests/_worlds.py) ------------------------------------------
+
+CASES, case = _worlds.registry(worlds=(2,))
+
+
+@case()
+def case_dtensor_leaves(world: int) -> None:
+    """lbfgs with each line search, polyak_sgd and the global dot products on Shard(0) DTensor leaves
+    give the plain tensors' numbers (every inner product sums over both ranks' shards)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain = {"x": torch.tensor([-1.2, 1.0, 0.5, -0.3]), "w": torch.tensor([[0.3, -0.2], [1.1, 0.4]])}
+    sharded = fx.tree.map(lambda t: distribute_tensor(t, mesh, [Shard(0)]), plain)
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    # (elementwise in w: DTensor computes cumsum, which quadratic uses, shard by shard on a Shard(0) leaf)
+    fn = lambda p: rosenbrock(p["x"]) + ((p["w"] - 1.0) ** 2 + 0.1 * p["w"] ** 4).sum()  # noqa: E731
+    xs, ys = fx.tree.leaves(sharded), fx.tree.leaves(plain)
+    assert torch.allclose(fx.transforms._linesearch.vdot(xs, xs), fx.transforms._linesearch.vdot(ys, ys))
+    for tx in (fx.lbfgs(memory_size=3), fx.lbfgs(memory_size=3, linesearch=fx.scale_by_backtracking_linesearch(
+            10, store_grad=True))):
+        ours, _ = run_fx(tx, fn, sharded, 4)
+        expected, _ = run_fx(tx, fn, plain, 4)
+        for a, b in zip(ours, expected):
+            assert isinstance(a["x"], DTensor) and a["x"].placements == (Shard(0),)
+            assert_trees_close(fx.tree.map(full, a), b, rtol=1e-6, atol=1e-6)
+    tx = fx.polyak_sgd(max_learning_rate=0.5)
+    grads = fx.tree.map(lambda p: 2 * p, sharded)
+    u, _ = tx.update(grads, tx.init(sharded), sharded, value=fn(plain))
+    expected, _ = tx.update(fx.tree.map(lambda p: 2 * p, plain), tx.init(plain), plain, value=fn(plain))
+    assert_trees_close(fx.tree.map(full, u), expected, rtol=1e-6, atol=1e-6)
+
+
+test_case = _worlds.tests(__file__, CASES, timeout_s=240)
+
+if __name__ == "__main__":
+    _worlds.worker(CASES, *sys.argv[1:])
