@@ -67,7 +67,7 @@ def test_noise_statistics_match_optax():
     """Not Optax's draws (JAX's PRNG), but the same distribution: mean 0, std l2_norm_clip * noise_multiplier / B,
     Gaussian tails, fresh noise every step."""
     optax = pytest.importorskip("optax")
-    grads = [torch.zeros(4, 200, 250)]  # zero gradients: the updates are the noise / 4
+    grads = [torch.zeros(4, 100, 250)]  # zero gradients: the updates are the noise / 4
     ours = C.differentially_private_aggregate(2.0, 1.5, key=7)
     theirs = optax.contrib.differentially_private_aggregate(2.0, 1.5, key=7)
     s, os_ = ours.init(None), theirs.init(None)
@@ -81,7 +81,7 @@ def test_noise_statistics_match_optax():
     for stat in (lambda v: v.mean(), lambda v: v.std(), lambda v: np.mean(np.abs(v) > 2 * 0.75)):
         assert abs(stat(x) - stat(ox)) < 0.01, (stat(x), stat(ox))
     assert abs(x.std() - 2.0 * 1.5 / 4) < 0.005
-    assert abs(np.mean((x / x.std()) ** 4) - 3.0) < 0.05  # Gaussian kurtosis
+    assert abs(np.mean((x / x.std()) ** 4) - 3.0) < 0.06  # Gaussian kurtosis (its standard error here: 0.012)
 
 
 def _grads(params, step, jax_params=None):

@@ -54,6 +54,12 @@ COMPOSABLE: dict = {
     # 0 here; test_contrib_more.py checks the values against Optax.
     "dog": (lambda: fx.contrib.dog(init_step=("distance", 0.1), weight_decay=0.1), None),
     "dowg": (lambda: fx.contrib.dowg(0.5, init_estim_sq_dist=0.01), lambda o: o.contrib.dowg(0.5, init_estim_sq_dist=0.01)),
+    "scale_by_dog": (lambda: fx.chain(fx.contrib.scale_by_dog(("learning_rate", 0.1)), fx.scale(-1.0)), None),
+    "scale_by_dowg": (lambda: fx.chain(fx.contrib.scale_by_dowg(init_estim_sq_dist=0.01), fx.scale(-1.0)),
+                      lambda o: o.chain(o.contrib._dog.scale_by_dowg(init_estim_sq_dist=0.01), o.scale(-1.0))),
+    "scale_by_cocob": (lambda: fx.contrib.scale_by_cocob(), lambda o: o.contrib.scale_by_cocob()),
+    "scale_by_madgrad": (lambda: fx.contrib.scale_by_madgrad(1e-2, momentum=0.5),
+                         lambda o: o.contrib.scale_by_madgrad(1e-2, momentum=0.5)),
     "cocob": (lambda: fx.contrib.cocob(alpha=20.0, weight_decay=0.1), lambda o: o.contrib.cocob(alpha=20.0, weight_decay=0.1)),
     "madgrad": (lambda: fx.contrib.madgrad(1e-2, momentum=0.5, weight_decay=0.1),
                 lambda o: o.contrib.madgrad(1e-2, momentum=0.5, weight_decay=0.1)),
