@@ -86,6 +86,8 @@ OPTIMIZERS: dict = {
     "cocob": lambda: fx.contrib.cocob(),
     "madgrad": lambda: fx.contrib.madgrad(1e-2),
     "mechanize": lambda: fx.contrib.mechanize(fx.adam(1.0)),
+    "momo": lambda: _with_value(fx.contrib.momo(0.1)),
+    "momo_adam": lambda: _with_value(fx.contrib.momo_adam()),
     "dadapt_adamw": lambda: fx.contrib.dadapt_adamw(),
 }
 DTENSOR: dict = {}
