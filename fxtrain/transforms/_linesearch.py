@@ -272,7 +272,7 @@ def _value_dtype(params: Params) -> torch.dtype:
 def _require(name: str, **args: Any) -> None:
     missing = [k for k, v in args.items() if v is None]
     if missing:
-        raise ValueError(f"{name}.update needs {', '.join(missing)}: tx.update(direction, state, params, "
+        raise TypeError(f"{name}.update needs {', '.join(missing)}: tx.update(direction, state, params, "
                          "value=f(params), grad=grad_f(params), value_fn=f)")
 
 

@@ -68,8 +68,8 @@ def scale_by_polyak(f_min: Scalar = 0.0, max_learning_rate: Scalar = 1.0, eps: S
     def update_fn(updates, state, params=None, *, value=None, **extra_args):
         del params, extra_args  # Optax ignores the other extra arguments too
         if value is None:
-            raise ValueError("update needs value= (the objective at params): "
-                             "tx.update(grads, state, params, value=loss)")
+            raise TypeError("scale_by_polyak.update needs value= (the objective at params): "
+                            "tx.update(grads, state, params, value=loss)")
         g = tree.align(updates)[0]
         if not g:
             return updates, state
@@ -125,5 +125,8 @@ def polyak_sgd(max_learning_rate: Scalar = 1.0, scaling: LearningRate = 1.0, f_m
       Berrada et al., `Training neural networks for and by interpolation
       <https://arxiv.org/abs/1906.05661>`_, 2020.
     """
+    check_nonnegative("polyak_sgd", max_learning_rate=max_learning_rate, eps=eps)
+    if variant not in _VARIANTS:
+        raise ValueError(f"polyak_sgd: variant={variant!r} must be one of {_VARIANTS}")
     return chain(sgd(learning_rate=scaling),
                  scale_by_polyak(f_min=f_min, max_learning_rate=max_learning_rate, eps=eps, variant=variant))
