@@ -15,12 +15,10 @@ C = fx.contrib
 PARITY = {
     "dog": {
         "default": {},
-        "distance": {"learning_rate": 0.5, "init_step": ("distance", 0.1), "eps": 1e-4},
         "learning_rate": {"init_step": ("learning_rate", 0.01), "weight_decay": 0.1, "mask": ndim_mask},
         "heuristic_sched": {"learning_rate": "sched", "init_step": ("heuristic", 1e-3), "weight_decay": 0.01},
     },
     "dowg": {
-        "default": {},
         "guess": {"learning_rate": 0.5, "init_estim_sq_dist": 0.01, "eps": 1e-6},
         "decay_sched": {"learning_rate": "sched", "weight_decay": 0.1, "mask": ndim_mask},
     },
@@ -36,7 +34,7 @@ PARITY = {
         "default": {},
         "all": {"learning_rate": "sched", "betas": (0.8, 0.99), "eps": 1e-6, "estim_lr0": 1e-3, "weight_decay": 0.1},
     },
-    "scale_by_dog": {"learning_rate": {"init_step": ("learning_rate", 0.05)}},
+    "scale_by_dog": {"distance": {"init_step": ("distance", 0.1), "eps": 1e-4}},
     "scale_by_dowg": {"default": {}},
 }
 CASES = [(name, variant) for name, variants in PARITY.items() for variant in variants]
