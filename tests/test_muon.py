@@ -18,6 +18,27 @@ from fxtrain.testing import assert_trees_close, nested_params
 from tests import _worlds
 from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure
 
+
+def assert_parity_eager(tx, otx, steps):
+    """Updates equal Optax's run op by op (no jit). A bfloat16 momentum needs it: jitted, XLA fuses away
+    the bfloat16 rounding of ``beta * mu`` that Optax's ops do and that fxtrain follows."""
+    import jax
+    import optax
+
+    from fxtrain.testing import from_jnp, to_jnp
+    from tests._parity import noise, run_fx
+
+    params = nested_params()
+    ours, _, _ = run_fx(tx, params, steps)
+    donated, _, _ = run_fx(tx, params, steps, donate=True)
+    p = to_jnp(params)
+    state = otx.init(p)
+    for k in range(steps):
+        u, state = otx.update(jax.tree.map(lambda x, n: 0.5 * x + n, p, to_jnp(noise(k))), state, p)
+        p = optax.apply_updates(p, u)
+        assert_trees_close(ours[k], from_jnp(u), rtol=1e-5, atol=1e-6)
+        assert_trees_close(donated[k], ours[k], rtol=1e-6, atol=1e-7)
+
 Dims = MuonDimensionNumbers
 PRECONDITIONINGS = ("frobenius", "aol", "schatten")
 
@@ -67,15 +88,14 @@ def test_muon_with_dimension_numbers_schedule_and_mask_matches_optax():
 def test_scale_by_muon_with_a_bfloat16_momentum_matches_optax():
     optax = pytest.importorskip("optax")
     mask = {"dense": {"w": True, "b": False}, "blocks": [False, (False, False)], "scalar": False}
-    assert_parity(fx.chain(fx.masked(fx.contrib.scale_by_muon(mu_dtype=torch.bfloat16), mask), fx.scale(-0.01)),
-                  optax.chain(optax.masked(optax.contrib.scale_by_muon(mu_dtype="bfloat16", weight_dimension_numbers=(
-                      # Optax's scale_by_muon needs a tree of dimension numbers (None only works inside muon)
-                      lambda u: fx.tree.map(lambda x: optax.contrib.MuonDimensionNumbers(), u))), mask),
-                              optax.scale(-0.01)),
-                  # Not jitted: XLA's fusion skips the bfloat16 rounding of beta * mu that Optax keeps op by op
-                  # (a bfloat16 ulp that Newton-Schulz grows to 40% by step 16). Op by op costs ~0.5 s a step
-                  # (its fori_loop compiles per call): 20 steps agree too (checked), 2 run here.
-                  steps=2)
+    assert_parity_eager(
+        fx.chain(fx.masked(fx.contrib.scale_by_muon(mu_dtype=torch.bfloat16), mask), fx.scale(-0.01)),
+        optax.chain(optax.masked(optax.contrib.scale_by_muon(mu_dtype="bfloat16", weight_dimension_numbers=(
+            # Optax's scale_by_muon needs a tree of dimension numbers (None only works inside muon)
+            lambda u: fx.tree.map(lambda x: optax.contrib.MuonDimensionNumbers(), u))), mask), optax.scale(-0.01)),
+        # Jitted, the bfloat16 ulp XLA's fusion saves grows through Newton-Schulz to 40% by step 16. Op by op
+        # costs ~0.5 s a step (its fori_loop compiles per call): 20 steps agree too (checked), 2 run here.
+        steps=2)
 
 
 @pytest.mark.optax
@@ -88,24 +108,23 @@ def test_tensor_learning_rates_match_optax_inject_hyperparams():
 
 @pytest.mark.optax
 def test_complex_matrix_matches_optax():
-    """Optax tests muon on complex64 matrices (conjugated gradients): 5 steps side by side."""
+    """Optax tests muon on complex64 matrices (conjugated gradients): 5 adaptive steps side by side."""
     optax = pytest.importorskip("optax")
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     target = torch.tensor([[1.0 + 2.0j, 0.0], [-1.0 + 1.0j, 1.0 - 3.0j]], dtype=torch.complex64)
-    for adaptive in (False, True):
-        tx, otx = fx.contrib.muon(1e-2, adaptive=adaptive), optax.contrib.muon(1e-2, adaptive=adaptive)
-        oupdate = jax.jit(otx.update)
-        p, op = {"w": torch.zeros(2, 2, dtype=torch.complex64)}, {"w": jnp.zeros((2, 2), jnp.complex64)}
-        state, ostate = tx.init(p), otx.init(op)
-        for _ in range(5):
-            u, state = tx.update({"w": 2 * (p["w"] - target)}, state, p)
-            p = fx.apply_updates(p, u)
-            ou, ostate = oupdate({"w": 2 * (op["w"] - jnp.asarray(target.numpy()))}, ostate, op)
-            op = optax.apply_updates(op, ou)
-        np.testing.assert_allclose(p["w"].numpy(), np.asarray(op["w"]), rtol=1e-5, atol=1e-6)
+    tx, otx = fx.contrib.muon(1e-2, adaptive=True), optax.contrib.muon(1e-2, adaptive=True)
+    oupdate = jax.jit(otx.update)
+    p, op = {"w": torch.zeros(2, 2, dtype=torch.complex64)}, {"w": jnp.zeros((2, 2), jnp.complex64)}
+    state, ostate = tx.init(p), otx.init(op)
+    for _ in range(5):
+        u, state = tx.update({"w": 2 * (p["w"] - target)}, state, p)
+        p = fx.apply_updates(p, u)
+        ou, ostate = oupdate({"w": 2 * (op["w"] - jnp.asarray(target.numpy()))}, ostate, op)
+        op = optax.apply_updates(op, ou)
+    np.testing.assert_allclose(p["w"].numpy(), np.asarray(op["w"]), rtol=1e-5, atol=1e-6)
 
 
 # --- Optax's muon tests (optax/contrib/_muon_test.py), ported ---------------------------------------
@@ -324,26 +343,21 @@ def _run(tx, params, steps=3, donate=False):
 def case_muon_on_dtensor_equals_one_process(world):
     plain, sharded = _tp_params(world)
     dims = lambda p: fx.tree.map(lambda x: {2: Dims(), 3: Dims(0, 2)}.get(x.ndim), p)  # noqa: E731
-    for make, donations in ((lambda: fx.contrib.muon(0.02, weight_decay=0.1, consistent_rms=0.2), (False, True)),
-                            (lambda: fx.contrib.muon(0.02, adaptive=True, preconditioning="aol",
-                                                     muon_weight_dimension_numbers=dims), (True,))):
+    # the pure update (out of place under autograd) for one, the donated kernel for the other
+    for make, donate in ((lambda: fx.contrib.muon(0.02, weight_decay=0.1, consistent_rms=0.2), False),
+                         (lambda: fx.contrib.muon(0.02, adaptive=True, preconditioning="aol",
+                                                  muon_weight_dimension_numbers=dims), True)):
         ref_u, ref_p, ref_s = _run(make(), plain)
-        for donate in donations:
-            u, p, s = _run(make(), fx.tree.clone(sharded), donate=donate)
-            assert_trees_close(u, ref_u, rtol=1e-5, atol=1e-6)
-            assert_trees_close(p, ref_p, rtol=1e-5, atol=1e-6)
-            assert_trees_close(s, ref_s, rtol=1e-5, atol=1e-6)
-            for x, y in zip(fx.tree.leaves(p), fx.tree.leaves(sharded)):  # updates kept each param's placements
-                assert x.placements == y.placements
+        u, p, s = _run(make(), fx.tree.clone(sharded), donate=donate)
+        assert_trees_close(u, ref_u, rtol=1e-5, atol=1e-6)
+        assert_trees_close(p, ref_p, rtol=1e-5, atol=1e-6)
+        assert_trees_close(s, ref_s, rtol=1e-5, atol=1e-6)
+        for x, y in zip(fx.tree.leaves(p), fx.tree.leaves(sharded)):  # updates kept each param's placements
+            assert x.placements == y.placements
 
 
-@case()
-def case_scale_by_muon_on_every_leaf_of_dtensors(world):
-    plain, sharded = _tp_params(world)
-    tx = fx.contrib.scale_by_muon(weight_dimension_numbers=_every_leaf)
-    ref_u, _, _ = _run(tx, plain, steps=2)
-    u, _, _ = _run(tx, sharded, steps=2)
-    assert_trees_close(u, ref_u, rtol=1e-5, atol=1e-6)
+# scale_by_muon on every leaf (vectors and a scalar as 1 x n matrices) runs on DTensor leaves in
+# tests/test_conformance_dtensor.py (its conformance case).
 
 
 test_case = _worlds.tests(__file__, CASES, timeout_s=240)
