@@ -123,41 +123,32 @@ def test_scale_by_lbfgs_matches_optax():
     import jax
 
     with jax.disable_jit():
-        # 10 steps: on these gradients (not of one objective) the curvature pairs grow near singular and
-        # float32 rounding differences pass 1e-5 after about 13
+        # 6 steps (memory 3 wraps around): on these gradients (not of one objective) the curvature pairs grow
+        # near singular and float32 rounding differences pass 1e-5 after about 13
         assert_parity(fx.lbfgs(0.05, memory_size=3, scale_init_precond=scale_init_precond, linesearch=None),
                       optax.lbfgs(0.05, memory_size=3, scale_init_precond=scale_init_precond, linesearch=None),
-                      steps=10)
+                      steps=6)
 
 
 @pytest.mark.optax
-def test_lbfgs_with_zoom_matches_optax_trajectory():
-    """Default lbfgs (zoom line search, 20 trials), float32, 10 iterations on a tree (Rosenbrock + quadratic)."""
-    optax = pytest.importorskip("optax")
-    tree_fn = lambda p: rosenbrock(p["x"]) + quadratic(p["y"])  # noqa: E731
-    params = {"x": torch.tensor([-1.2, 1.0, 0.5, -0.3]), "y": torch.tensor([0.8, 1.3, -0.4])}
-    ours, state = run_fx(fx.lbfgs(), tree_fn, params, 10)
-    theirs, ostate = run_optax(optax.lbfgs(), tree_fn, params, 10)
-    assert_same_trajectory(ours, theirs, rtol=1e-4, atol=1e-5)
-    assert int(state[0].count) == 10
-
-
-@pytest.mark.optax
-def test_lbfgs_float64_rosenbrock_matches_optax_for_20_iterations():
-    """In float64 the two agree to 1e-13 for 10 iterations of Rosenbrock's function, and to 1e-8 over 20 (in
-    float32 they agree to 1e-7 for 10 iterations, then rounding differences grow as the iterates cross the
-    valley: 1e-5 at 13, 1e-2 at 20)."""
+def test_lbfgs_with_zoom_matches_optax_float64():
+    """lbfgs with its default zoom line search (20 trials) on a tree (Rosenbrock + an ill-conditioned
+    quadratic), float64: equal to Optax's iterates to 1e-13 for 8 iterations, 1e-9 for 12 (in float32 they
+    agree to 1e-7 for about 10 iterations of Rosenbrock's function, then rounding differences grow as the
+    iterates cross the valley: 1e-5 at 13, 1e-2 at 20; tests/test_linesearch.py compares single float32
+    searches and the complex64 test below float32 iterations). Memory 3, wrapped around several times."""
     optax = pytest.importorskip("optax")
     import jax
 
-    fn = lambda p: rosenbrock(p["x"])  # noqa: E731
-    params = {"x": torch.tensor([-1.2, 1.0, 0.5, -0.3], dtype=torch.float64)}
+    fn = lambda p: rosenbrock(p["x"]) + quadratic(p["y"])  # noqa: E731
+    params = {"x": torch.tensor([-1.2, 1.0, 0.5, -0.3], dtype=torch.float64),
+              "y": torch.tensor([0.8, 1.3, -0.4], dtype=torch.float64)}
     with jax.enable_x64(True):
-        ours, _ = run_fx(fx.lbfgs(memory_size=5), fn, params, 20)
-        theirs, _ = run_optax(optax.lbfgs(memory_size=5), fn, params, 20)
-    assert_same_trajectory(ours[:10], theirs[:10], rtol=1e-13, atol=1e-14)
-    assert_same_trajectory(ours, theirs, rtol=1e-8, atol=1e-10)
-    assert fn(ours[-1]) < 0.05 * fn(params)
+        ours, state = run_fx(fx.lbfgs(memory_size=3), fn, params, 12)
+        theirs, _ = run_optax(optax.lbfgs(memory_size=3), fn, params, 12)
+    assert_same_trajectory(ours[:8], theirs[:8], rtol=1e-13, atol=1e-14)
+    assert_same_trajectory(ours, theirs, rtol=1e-9, atol=1e-11)
+    assert fn(ours[-1]) < 0.1 * fn(params) and int(state[0].count) == 12
 
 
 @pytest.mark.optax
@@ -186,12 +177,12 @@ def test_lbfgs_complex_matches_optax():
 
     mat = jnp.array([[1, -2], [3, 4], [-4 + 2j, 5 - 3j], [-2 - 2j, 6]], dtype=jnp.complex64)
     z0 = {"z": torch.tensor([1 - 1j, 0 + 1j], dtype=torch.complex64)}
-    ours, _ = run_fx(fx.lbfgs(), lambda p: _complex_objective(p["z"]), z0, 6)
-    theirs, _ = run_optax(optax.lbfgs(), lambda p: (jnp.abs(mat @ p["z"]) ** 1.5).sum(), z0, 6)
+    ours, _ = run_fx(fx.lbfgs(memory_size=3), lambda p: _complex_objective(p["z"]), z0, 6)
+    theirs, _ = run_optax(optax.lbfgs(memory_size=3), lambda p: (jnp.abs(mat @ p["z"]) ** 1.5).sum(), z0, 6)
     assert_same_trajectory(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
-def _solve(tx, fn, params, maxiter=40, tol=1e-5):
+def _solve(tx, fn, params, maxiter=25, tol=1e-5):
     """Optax's _run_opt: iterate until the gradient norm is below ``tol`` (the test reads it on the host)."""
     value_and_grad = fx.value_and_grad_from_state(fn)
     state = tx.init(params)
@@ -246,7 +237,7 @@ def test_lbfgs_default_linesearch_is_optax_default():
 
 @pytest.mark.optax
 def test_vmap_and_grad_match_optax():
-    """vmap over 3 starting points of 5 updates, and grad of a loss after 3 updates w.r.t. the initial params,
+    """vmap over 3 starting points of 4 updates, and grad of a loss after 3 updates w.r.t. the initial params,
     against jax.vmap / jax.grad of Optax's lbfgs (no line search: the harness's update takes no value_fn)."""
     optax = pytest.importorskip("optax")
     import jax
@@ -261,13 +252,14 @@ def test_vmap_and_grad_match_optax():
         return x
 
     xs = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
-    ours = torch.func.vmap(lambda x: run(tx, x, quadratic, 5, torch.func.grad))(xs)
+    ours = torch.func.vmap(lambda x: run(tx, x, quadratic, 4, torch.func.grad))(xs)
     with jax.disable_jit():
-        theirs = jax.vmap(lambda x: run(otx, x, quadratic, 5, jax.grad))(to_jnp(xs))
+        theirs = jax.vmap(lambda x: run(otx, x, quadratic, 4, jax.grad))(to_jnp(xs))
     assert_trees_close(ours, from_jnp(theirs), rtol=1e-5, atol=1e-6)
     meta = lambda run_, grad, x: (run_(x, rosenbrock, 3, grad) ** 2).sum()  # noqa: E731
     ours = torch.func.grad(lambda x: meta(lambda *a: run(tx, *a), torch.func.grad, x))(xs[0])
-    theirs = jax.jit(jax.grad(lambda x: meta(lambda *a: run(otx, *a), jax.grad, x)))(to_jnp(xs[0]))
+    with jax.disable_jit():
+        theirs = jax.grad(lambda x: meta(lambda *a: run(otx, *a), jax.grad, x))(to_jnp(xs[0]))
     assert_trees_close(ours, from_jnp(theirs), rtol=1e-4, atol=1e-5)
 
 
