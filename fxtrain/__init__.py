@@ -27,7 +27,16 @@ from fxtrain._base import (
 from fxtrain.optimizers import adagrad, adam, adamw, lion, rmsprop, sgd
 from fxtrain.transforms._adam import ScaleByAdamState, scale_by_adam
 from fxtrain.transforms._lion import ScaleByLionState, scale_by_lion
-from fxtrain.transforms._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fxtrain.transforms._masking import (
+    MaskedNode,
+    MaskedState,
+    PartitionState,
+    freeze,
+    masked,
+    multi_transform,
+    partition,
+    selective_transform,
+)
 from fxtrain.transforms._momentum import TraceState, trace
 from fxtrain.transforms._rms import (
     ScaleByRmsState,
@@ -57,7 +66,14 @@ from fxtrain.schedules import (
     sgdr_schedule,
     warmup_cosine_decay_schedule,
 )
-from fxtrain.transforms._conditionality import ApplyIfFiniteState, apply_if_finite
+from fxtrain.transforms._conditionality import (
+    ApplyIfFiniteState,
+    ConditionallyMaskState,
+    ConditionallyTransformState,
+    apply_if_finite,
+    conditionally_mask,
+    conditionally_transform,
+)
 from fxtrain.transforms._hyperparams import InjectHyperparamsState, inject_hyperparams
 
 # --- clipping and distributed norms (fxtrain/transforms/_clipping.py, fxtrain/distributed/)
@@ -88,7 +104,7 @@ from fxtrain.amp import (
 )
 
 # --- accumulation (fxtrain/transforms/_accumulation.py)
-from fxtrain.transforms._accumulation import AccumulateState, accumulate, microbatch
+from fxtrain.transforms._accumulation import AccumulateState, accumulate, microbatch, skip_large_updates, skip_not_finite
 
 # --- checkpointing (fxtrain/checkpoint.py)
 from fxtrain.checkpoint import CheckpointError, TrainState, load, rng_state, save, set_rng_state
