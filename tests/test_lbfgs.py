@@ -292,7 +292,7 @@ def case_dtensor_leaves(world: int) -> None:
             assert_trees_close(fx.tree.map(full, a), b, rtol=1e-6, atol=1e-6)
     tx = fx.polyak_sgd(max_learning_rate=0.5)
     grads = fx.tree.map(lambda p: 2 * p, sharded)
-    u, _ = tx.update(grads, tx.init(sharded), sharded, value=fn(plain))
+    u, _ = tx.update(grads, tx.init(sharded), sharded, value=fn(sharded))  # a DTensor value
     expected, _ = tx.update(fx.tree.map(lambda p: 2 * p, plain), tx.init(plain), plain, value=fn(plain))
     assert_trees_close(fx.tree.map(full, u), expected, rtol=1e-6, atol=1e-6)
 

@@ -71,7 +71,7 @@ def _real(dtype: torch.dtype) -> torch.dtype:
     return torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
 
 
-def _plain(x: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def plain_scalar(x: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A value (number, tensor, 0-dim DTensor) as a plain 0-dim tensor of ``dtype``."""
     if isinstance(x, DTensor):
         x = x.full_tensor()
@@ -132,7 +132,7 @@ class _Line:
         return vdot([g for g, _ in pairs], [u for _, u in pairs]).to(self.acc)
 
     def _scalar(self, v: Any) -> torch.Tensor:
-        return _plain(v, self.acc, self.p[0].device if self.p else torch.device("cpu"))
+        return plain_scalar(v, self.acc, self.p[0].device if self.p else torch.device("cpu"))
 
 
 def _cast_like(new: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, chain, check_nonnegative, transform
 from fxtrain.optimizers import LearningRate, sgd
-from fxtrain.transforms._linesearch import vdot
+from fxtrain.transforms._linesearch import plain_scalar, vdot
 from fxtrain.transforms._moments import Scalar
 
 __all__ = ["polyak_sgd", "scale_by_polyak"]
@@ -74,8 +74,7 @@ def scale_by_polyak(f_min: Scalar = 0.0, max_learning_rate: Scalar = 1.0, eps: S
         if not g:
             return updates, state
         sq = vdot(g, g)  # global: a DTensor leaf counts all its shards
-        gap = torch.as_tensor(value, device=sq.device) - f_min
-        gap = gap.to(sq.dtype)
+        gap = plain_scalar(value, sq.dtype, sq.device) - f_min  # a DTensor value (a sum over shards) is gathered
         if variant == "sps+":
             gap = gap.clamp_min(0)
         denom = sq + eps
