@@ -330,7 +330,7 @@ def _tp_params(world):
     return plain, sharded
 
 
-def _run(tx, params, steps=3, donate=False):
+def _run(tx, params, steps=2, donate=False):
     state = tx.init(params)
     for k in range(steps):
         g = fx.tree.map(lambda p: 0.5 * p + 0.1 * (k + 1), params)
