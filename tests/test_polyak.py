@@ -136,7 +136,9 @@ def test_vmap_and_grad_match_jax():
         theirs = jax.vmap(lambda x: run(optax, optax.polyak_sgd(max_learning_rate=0.3), x, 5, jax.grad))(to_jnp(xs))
     assert_trees_close(ours, from_jnp(theirs), rtol=1e-5, atol=1e-6)
 
-    meta = lambda m, grad, x, lr: (run(m, m.polyak_sgd(max_learning_rate=lr, f_min=-0.1), x, 3, grad) ** 2).sum()  # noqa: E731
+    def meta(m, grad, x, lr):
+        return (run(m, m.polyak_sgd(max_learning_rate=lr, f_min=-0.1), x, 3, grad) ** 2).sum()
+
     lr = torch.tensor(0.3)
     ours = torch.func.grad(lambda x, lr: meta(fx, torch.func.grad, x, lr), argnums=(0, 1))(xs[0], lr)
     with jax.disable_jit():

@@ -552,7 +552,8 @@ class _ZoomRules(NamedTuple):
             [s.stepsize, s.value, s.slope, trial, value, slope])
         found = to_high | to_low | good
         done = good | (reached & ~found)
-        return s._replace(stepsize=trial, value=value, slope=slope, interval_found=found, done=done, low=low, value_low=value_low, slope_low=slope_low, high=high, value_high=value_high,
+        return s._replace(stepsize=trial, value=value, slope=slope, interval_found=found, done=done, low=low,
+                          value_low=value_low, slope_low=slope_low, high=high, value_high=value_high,
                           slope_high=slope_high, cubic_ref=low, value_cubic_ref=value_low)
 
     def _after_zooming(self, s, trial, value, slope, dec, good, too_small) -> _Search:
