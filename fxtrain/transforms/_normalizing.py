@@ -258,7 +258,7 @@ def _unit_norms(xs: list[torch.Tensor], axes: list[tuple[int, ...]]) -> list[tor
     """The L2 norm of each unit, keeping dims (broadcastable against the leaf). One kernel per leaf: the
     reduced axes differ by leaf, and no foreach op reduces over axes."""
     acc = _acc(xs)
-    return [torch.linalg.vector_norm(x, dim=a, keepdim=True, dtype=None if x.is_complex() else acc)
+    return [torch.linalg.vector_norm(x, dim=a, keepdim=True, dtype=None if x.is_complex() or x.dtype == acc else acc)
             for x, a in zip(xs, axes)]
 
 
