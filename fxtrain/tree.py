@@ -422,9 +422,11 @@ def sum_sq(xs: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> to
     xs = list(xs)
     if not xs:
         return torch.zeros((), dtype=dtype)
-    acc = torch.promote_types(dtype, xs[0].dtype) if xs[0].is_floating_point() else dtype
+    real = xs[0].real.dtype if xs[0].is_complex() else xs[0].dtype
+    acc = torch.promote_types(dtype, real) if real.is_floating_point else dtype
     if is_functional():
         return sum(_abs_sq(x).to(acc).sum() for x in xs)
+    xs = [torch.view_as_real(x) if x.is_complex() else x for x in xs]  # |z|^2 = re^2 + im^2
     norms = torch._foreach_norm(xs, 2, dtype=acc)
     return torch.stack(norms).square().sum()
 

@@ -181,3 +181,10 @@ def test_functional_mode_is_scoped():
             assert not tree.is_functional()
         assert tree.is_functional()
     assert not tree.is_functional()
+
+
+def test_sum_sq_of_complex_leaves_is_the_squared_magnitude_on_both_paths():
+    xs = [torch.tensor([3 + 4j]), torch.tensor([12.0])]
+    assert float(tree.sum_sq(xs)) == 169.0
+    with tree.functional():
+        assert float(tree.sum_sq(xs)) == 169.0
