@@ -115,21 +115,76 @@ from fxtrain import interop
 # --- sharded optimizer math (fxtrain/transforms/_sharding.py)
 from fxtrain.transforms._sharding import sharded_apply
 
-# --- issue 18's catalogue (explicit lists once it has landed)
-from fxtrain.transforms._adaptive import *  # noqa: F401,F403
-from fxtrain.transforms._factored import *  # noqa: F401,F403
-from fxtrain.transforms._trust import *  # noqa: F401,F403
-from fxtrain.transforms._sign import *  # noqa: F401,F403
-from fxtrain.transforms._noise import *  # noqa: F401,F403
-from fxtrain.transforms._linesearch import *  # noqa: F401,F403
-from fxtrain.transforms._lbfgs import *  # noqa: F401,F403
-from fxtrain.transforms._polyak import *  # noqa: F401,F403
-from fxtrain.transforms._normalizing import *  # noqa: F401,F403
-from fxtrain.transforms._simple import *  # noqa: F401,F403
-from fxtrain.transforms._lookahead import *  # noqa: F401,F403
-from fxtrain.transforms._flatten import *  # noqa: F401,F403
-from fxtrain.transforms._monitoring import *  # noqa: F401,F403
-from fxtrain.transforms._periodic import *  # noqa: F401,F403
+# --- the Optax catalogue: one module per family (fxtrain/transforms/)
+from fxtrain.transforms._adaptive import (
+    ScaleByAdaDeltaState,
+    ScaleByAdanState,
+    ScaleByAmsgradState,
+    ScaleByBeliefState,
+    ScaleByNovogradState,
+    ScaleByOptimisticGradientState,
+    adabelief,
+    adadelta,
+    adamax,
+    adamaxw,
+    adan,
+    amsgrad,
+    nadam,
+    nadamw,
+    novograd,
+    optimistic_adam,
+    optimistic_adam_v2,
+    optimistic_gradient_descent,
+    radam,
+    scale_by_adadelta,
+    scale_by_adamax,
+    scale_by_adan,
+    scale_by_amsgrad,
+    scale_by_belief,
+    scale_by_novograd,
+    scale_by_optimistic_gradient,
+    scale_by_radam,
+    scale_by_yogi,
+    yogi,
+)
+from fxtrain.transforms._factored import (
+    FactoredState,
+    ScaleBySM3State,
+    adafactor,
+    scale_by_factored_rms,
+    scale_by_sm3,
+    sm3,
+)
+from fxtrain.transforms._trust import fromage, lamb, lars, scale_by_trust_ratio
+from fxtrain.transforms._sign import ScaleByRpropState, rprop, scale_by_rprop, scale_by_sign, sign_sgd, signum
+from fxtrain.transforms._noise import AddNoiseState, add_noise, noisy_sgd
+from fxtrain.transforms._linesearch import (
+    BacktrackingLinesearchInfo,
+    ScaleByBacktrackingLinesearchState,
+    ScaleByZoomLinesearchState,
+    ZoomLinesearchInfo,
+    scale_by_backtracking_linesearch,
+    scale_by_zoom_linesearch,
+    value_and_grad_from_state,
+)
+from fxtrain.transforms._lbfgs import ScaleByLBFGSState, lbfgs, scale_by_lbfgs
+from fxtrain.transforms._polyak import polyak_sgd, scale_by_polyak
+from fxtrain.transforms._normalizing import (
+    ScaleByDistanceOverGradientsState,
+    adaptive_grad_clip,
+    centralize,
+    clip_by_block_rms,
+    normalize_by_update_norm,
+    per_example_layer_norm_clip,
+    scale_by_distance_over_gradients,
+    scale_by_param_block_norm,
+    scale_by_param_block_rms,
+)
+from fxtrain.transforms._simple import EmaState, ZeroNansState, ema, set_to_zero, stateless_with_tree_map, zero_nans
+from fxtrain.transforms._lookahead import LookaheadParams, LookaheadState, lookahead
+from fxtrain.transforms._flatten import flatten
+from fxtrain.transforms._monitoring import MonitorState, SnapshotState, measure_with_ema, monitor, snapshot
+from fxtrain.transforms._periodic import ApplyEvery, apply_every, incremental_update, periodic_update
 
 # --- Optax's contrib (fxtrain/contrib/): fx.contrib.muon, fx.contrib.schedule_free_adamw...
 from fxtrain import contrib

@@ -511,7 +511,8 @@ def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[torch.Tensor
     """``src`` cast to ``dst``'s dtypes; in place, written into ``dst``.
 
     DTensor has no sharding rule for ``_foreach_copy_`` (torch 2.13), so DTensor leaves are copied one
-    by one there; plain tensors take the single foreach call.
+    by one there, each source first brought to its destination's placements; plain tensors take the single
+    foreach call.
     """
     if not dst:
         return dst
@@ -521,6 +522,10 @@ def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[torch.Tensor
         torch._foreach_copy_(dst, src)
     else:
         for d, x in zip(dst, src):
+            # A source in another layout (a gradient computed Replicate or Partial for a Shard(0) state) is
+            # brought to the destination's first: DTensor refuses in-place copies that change placements.
+            if isinstance(d, DTensor) and isinstance(x, DTensor) and x.placements != d.placements:
+                x = x.redistribute(d.device_mesh, d.placements)
             d.copy_(x)
     return dst
 

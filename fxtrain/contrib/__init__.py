@@ -3,12 +3,49 @@
 ``fx.contrib.muon`` is ``optax.contrib.muon``. This file is the map: every public name and its module.
 """
 
-from fxtrain.contrib._muon import *  # noqa: F401,F403 - explicit lists once the catalogue has landed
-from fxtrain.contrib._prodigy import *  # noqa: F401,F403
-from fxtrain.contrib._adopt import *  # noqa: F401,F403
-from fxtrain.contrib._ademamix import *  # noqa: F401,F403
-from fxtrain.contrib._schedule_free import *  # noqa: F401,F403
-from fxtrain.contrib._sam import *  # noqa: F401,F403
-from fxtrain.contrib._privacy import *  # noqa: F401,F403
-from fxtrain.contrib._reduce_on_plateau import *  # noqa: F401,F403
-from fxtrain.contrib._more import *  # noqa: F401,F403
+from fxtrain.contrib._muon import MuonDimensionNumbers, MuonState, muon, scale_by_muon
+from fxtrain.contrib._prodigy import ProdigyState, prodigy
+from fxtrain.contrib._adopt import adopt, scale_by_adopt
+from fxtrain.contrib._ademamix import (
+    ScaleByAdemamixState,
+    ScaleBySimplifiedAdEMAMixState,
+    ademamix,
+    scale_by_ademamix,
+    scale_by_simplified_ademamix,
+    simplified_ademamix,
+)
+from fxtrain.contrib._schedule_free import (
+    ScheduleFreeState,
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+    schedule_free_sgd,
+)
+from fxtrain.contrib._sam import NormalizeState, SAMState, normalize, sam
+from fxtrain.contrib._privacy import DifferentiallyPrivateAggregateState, differentially_private_aggregate, dpsgd
+from fxtrain.contrib._reduce_on_plateau import ReduceLROnPlateauState, reduce_on_plateau
+from fxtrain.contrib._more import (
+    COCOBState,
+    DAdaptAdamWState,
+    DoGState,
+    DoWGState,
+    MadgradState,
+    MechanicState,
+    MomoAdamState,
+    MomoState,
+    SplitRealAndImaginaryArrays,
+    SplitRealAndImaginaryState,
+    cocob,
+    dadapt_adamw,
+    dog,
+    dowg,
+    madgrad,
+    mechanize,
+    momo,
+    momo_adam,
+    scale_by_cocob,
+    scale_by_dog,
+    scale_by_dowg,
+    scale_by_madgrad,
+    split_real_and_imaginary,
+)
