@@ -151,8 +151,12 @@ def _locate(spec: dict, key: str) -> Callable:
         options = sorted(n for n in dir(module) if not n.startswith("_") and _buildable(getattr(module, n)))
         close = difflib.get_close_matches(name, options, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ConfigError(f"{key}._target_: {module_name} has no {name!r}{hint}; "
-                          f"available: {', '.join(options)}")
+        if len(options) > 12:  # fxtrain has ~170 names: the nearest ones, and where the rest are listed
+            near = difflib.get_close_matches(name, options, n=6, cutoff=0.4) or options[:6]
+            listing = f"{', '.join(near)} and {len(options) - len(near)} more (see {module_name}'s __init__.py)"
+        else:
+            listing = ", ".join(options)
+        raise ConfigError(f"{key}._target_: {module_name} has no {name!r}{hint}; available: {listing}")
     return fn
 
 
