@@ -25,7 +25,7 @@ import torch
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Traits, _name, _Update, chain, check_nonnegative, identity, kernel, traits
 from fxtrain.transforms._momentum import trace
-from fxtrain.transforms._per_example import _check_batch_axis, clip_sum
+from fxtrain.transforms._per_example import check_batch_axis, clip_sum
 from fxtrain.transforms._scaling import scale_by_learning_rate
 
 __all__ = ["DifferentiallyPrivateAggregateState", "differentially_private_aggregate", "dpsgd"]
@@ -147,10 +147,7 @@ def differentially_private_aggregate(l2_norm_clip: Any, noise_multiplier: Any, k
     def update_fn(updates, state, params=None):
         del params
         flat, spec = tree.flatten(updates)
-        try:
-            _check_batch_axis(updates, flat)
-        except ValueError as e:  # the message names the transform that raised it: here, ours (see _Update)
-            raise ValueError(str(e).replace("per_example_global_norm_clip ", "")) from None
+        check_batch_axis(updates, flat, owner="")  # the caller's _Update prefixes the transform's name
         present = [x for x in flat if x is not None]
         if not present:
             return updates, state

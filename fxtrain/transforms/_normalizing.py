@@ -24,7 +24,7 @@ from fxtrain import distributed, tree
 from fxtrain._base import (EmptyState, GradientTransformation, Traits, Updates, _name, _Update, check_nonnegative,
                            transform)
 from fxtrain.transforms._moments import Scalar, as_dtype, param_device
-from fxtrain.transforms._per_example import clip_sum
+from fxtrain.transforms._per_example import check_batch_axis, clip_sum
 
 __all__ = [
     "clip_by_block_rms", "adaptive_grad_clip", "centralize", "normalize_by_update_norm",
@@ -542,7 +542,7 @@ def per_example_layer_norm_clip(global_l2_norm_clip: Scalar, uniform: bool = Tru
     def update_fn(updates, state, params=None):
         del params
         flat, spec = tree.flatten(updates)
-        _check_batch_axis(updates, flat)
+        check_batch_axis(updates, flat, "per_example_layer_norm_clip")
         summed, _ = layer_clip_sum([x for x in flat if x is not None], global_l2_norm_clip, uniform)
         it = iter(summed)
         return tree.unflatten(spec, [None if x is None else next(it) for x in flat]), state
@@ -556,18 +556,3 @@ def per_example_layer_norm_clip(global_l2_norm_clip: Scalar, uniform: bool = Tru
     return GradientTransformation(_empty_init, _Update(update_fn, label, Traits(elementwise=False)))
 
 
-def _check_batch_axis(updates: Any, flat: list) -> None:
-    """Every leaf has a leading batch axis, all of one length (metadata only); errors name the leaf."""
-    first = None
-    for i, x in enumerate(flat):
-        if x is None:
-            continue
-        n = x.shape[0] if x.ndim else None
-        if first is None and n is not None:
-            first = (n, i)
-        if n is None or n != first[0]:
-            paths = tree.paths(updates)
-            what = "has no batch axis (0-dim)" if n is None else \
-                f"has {n} examples on axis 0, '{paths[first[1]]}' has {first[0]}"
-            raise ValueError(f"per_example_layer_norm_clip expects per-example gradients (a leading batch axis "
-                             f"on every leaf, see fx.per_example_grads): '{paths[i]}' {what}")

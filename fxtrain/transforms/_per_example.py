@@ -67,7 +67,7 @@ def per_example_global_norm_clip(l2_norm_clip: Any) -> GradientTransformation:
         del params
         flat, spec = tree.flatten(updates)
         present = [x for x in flat if x is not None]
-        _check_batch_axis(updates, flat)
+        check_batch_axis(updates, flat)
         summed, _ = clip_sum(present, l2_norm_clip)
         it = iter(summed)
         return tree.unflatten(spec, [None if x is None else next(it) for x in flat]), state
@@ -107,8 +107,9 @@ def clip_sum(grads: list[torch.Tensor], l2_norm_clip: Any) -> tuple[list[torch.T
     return summed, num_clipped
 
 
-def _check_batch_axis(updates: Any, flat: list) -> None:
-    """Every leaf has a leading batch axis, all of one length (metadata only); errors name the leaf."""
+def check_batch_axis(updates: Any, flat: list, owner: str = "per_example_global_norm_clip") -> None:
+    """Every leaf has a leading batch axis, all of one length (metadata only); errors name ``owner`` and the
+    leaf. Shared by the transforms that take per-example gradients (``per_example_layer_norm_clip``, DP-SGD)."""
     paths, first = None, None
     for i, x in enumerate(flat):
         if x is None:
@@ -120,5 +121,6 @@ def _check_batch_axis(updates: Any, flat: list) -> None:
             paths = tree.paths(updates)
             what = "has no batch axis (0-dim)" if n is None else \
                 f"has {n} examples on axis 0, '{paths[first[1]]}' has {first[0]}"
-            raise ValueError(f"per_example_global_norm_clip expects per-example gradients (a leading batch "
-                             f"axis on every leaf, see fx.per_example_grads): '{paths[i]}' {what}")
+            owned = f"{owner} expects" if owner else "expects"
+            raise ValueError(f"{owned} per-example gradients (a leading batch axis on every leaf, see "
+                             f"fx.per_example_grads): '{paths[i]}' {what}")
