@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "flatten", "unflatten", "leaves", "paths", "structure", "map", "align", "put", "first_mismatch",
-    "zeros_like", "clone", "cast", "sum_sq", "norm", "norms", "local", "all_finite", "where",
+    "zeros_like", "clone", "cast", "sum_sq", "norm", "local", "all_finite", "where",
     # the op layer: in place by default, out of place inside functional()
     "functional", "is_functional", "donated", "is_donated", "transformed", "scale_", "mul_", "div_", "add_", "lerp_", "addcmul_",
     "addcdiv_", "sqrt_", "reciprocal_", "sign_", "tanh_", "abs_", "neg_", "clamp_", "maximum_", "copy_",
@@ -433,28 +433,6 @@ def sum_sq(xs: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> to
 
 def _abs_sq(x: torch.Tensor) -> torch.Tensor:
     return (x * x.conj()).real if x.is_complex() else x * x
-
-
-def norms(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each leaf of ``xs``, as 0-dim tensors (real dtypes), for per-leaf rules (trust ratios,
-    block norms, NovoGrad).
-
-    In place: one ``torch._foreach_norm``. Inside :func:`functional`: ``torch.linalg.vector_norm`` leaf by
-    leaf (vmap and grad see it). A DTensor leaf's norm is its full tensor's, a plain tensor identical on
-    every rank (one all-reduce per sharded leaf): per-leaf scalars then meet DTensor leaves in
-    :func:`scale_` and :func:`div_`, which run them on the local pieces.
-
-    >>> [float(n) for n in norms([torch.tensor([3.0, 4.0]), torch.ones(4)])]
-    [5.0, 2.0]
-    """
-    xs = list(xs)
-    if not xs:
-        return []
-    if is_functional():
-        out = [torch.linalg.vector_norm(x) for x in xs]
-    else:
-        out = list(torch._foreach_norm(xs))
-    return [_full_scalar(n) for n in out]
 
 
 def norm(tree: Tree) -> torch.Tensor:
