@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "flatten", "unflatten", "leaves", "paths", "structure", "map", "align", "put", "first_mismatch",
-    "zeros_like", "clone", "cast", "sum_sq", "norm", "local", "all_finite", "where",
+    "zeros_like", "clone", "cast", "sum_sq", "norm", "vdot", "full", "local", "all_finite", "where",
     # the op layer: in place by default, out of place inside functional()
     "functional", "is_functional", "donated", "is_donated", "transformed", "scale_", "mul_", "div_", "add_", "lerp_", "addcmul_",
     "addcdiv_", "sqrt_", "reciprocal_", "sign_", "tanh_", "abs_", "neg_", "clamp_", "maximum_", "copy_",
@@ -315,13 +315,38 @@ def _linear_pieces(xs: list, s: Any) -> tuple[list, Any]:
     if not isinstance(s, list):
         return [local(x) for x in xs], s
     if all(isinstance(y, torch.Tensor) and y.ndim == 0 for y in s) and any(x.ndim for x in xs):
-        return [local(x) for x in xs], [_full_scalar(y) for y in s]
+        return [local(x) for x in xs], [full(y) for y in s]
     return xs, s
 
 
-def _full_scalar(y: torch.Tensor) -> torch.Tensor:
-    """A 0-dim tensor's value as a plain tensor: a DTensor is reduced if partial (a per-leaf norm of a shard)."""
-    return y.full_tensor() if isinstance(y, DTensor) else y
+def full(x: Any) -> Any:
+    """The value of a DTensor as a plain tensor, identical on every rank (a reduction of a sharded leaf, e.g.
+    its norm or sum, is reduced over the mesh: one collective); anything else as it is."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def vdot(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> torch.Tensor:
+    r""":math:`\mathrm{Re} \sum_i \langle x_i, y_i \rangle` over all leaves (Optax's ``tree.vdot``), a plain 0-dim
+    tensor, float32 or wider.
+
+    One product and sum per leaf (no foreach op reduces a product; and an elementwise product batches
+    exactly under vmap, where ``torch.vdot`` becomes a matrix product that rounds differently). A DTensor
+    leaf's sum covers all its shards (one all-reduce per sharded leaf).
+
+    >>> float(vdot([torch.tensor([1.0, 2.0]), torch.tensor([3j])], [torch.tensor([3.0, 4.0]), torch.tensor([2j])]))
+    17.0
+    """
+    xs, ys = list(xs), list(ys)
+    if not xs:
+        return torch.zeros(())
+    real = xs[0].real.dtype if xs[0].is_complex() else xs[0].dtype
+    acc = torch.promote_types(real, torch.float32)
+    total = None
+    for x, y in zip(xs, ys):
+        d = (x.conj() * y).real if x.is_complex() or y.is_complex() else x.to(acc) * y.to(acc)
+        d = full(d.sum(dtype=acc))
+        total = d if total is None else total + d
+    return total
 
 
 def scale_(xs: list[torch.Tensor], s: Any) -> list[torch.Tensor]:

@@ -511,20 +511,7 @@ class MomoState(NamedTuple):
     count: torch.Tensor  # 0-dim int32
 
 
-def _vdot(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
-    """``sum_i <xs_i, ys_i>`` over all leaves (Optax's ``tree.vdot``), float32 or wider; one op per leaf (no
-    foreach op reduces a product)."""
-    if not xs:
-        return torch.zeros(())
-    acc = torch.promote_types(xs[0].dtype, torch.float32)
-    # (x * y).sum() rather than torch.vdot: vmap batches vdot as a matrix product, whose summation order
-    # (and rounding) differs from the unbatched dot's; an elementwise product and a sum batch exactly.
-    # A DTensor leaf's sum is reduced over its mesh (one all-reduce per leaf; the norm engine has no dot).
-    return sum(_full((x.to(acc) * y.to(acc)).sum()) for x, y in zip(xs, ys))
-
-
-def _full(x: torch.Tensor) -> torch.Tensor:
-    return x.full_tensor() if isinstance(x, DTensor) else x
+_vdot = tree.vdot
 
 
 def _momo_check(name: str, params: Params, value: Any) -> None:
@@ -851,7 +838,7 @@ def _l1(xs: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(())
     acc = torch.promote_types(xs[0].dtype, torch.float32)
     if tree.is_functional() or any(isinstance(x, DTensor) for x in xs):
-        return sum(_full(x.abs().sum().to(acc)) for x in xs)
+        return sum(tree.full(x.abs().sum().to(acc)) for x in xs)
     return torch.stack(torch._foreach_norm(xs, 1, dtype=acc)).sum()
 
 

@@ -32,20 +32,15 @@ def _lowest_dtype(params) -> torch.dtype:
     return min(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else torch.float32
 
 
-def _full(x: torch.Tensor) -> torch.Tensor:
-    """A reduction of a DTensor leaf as a plain 0-dim tensor (summed across its shards); others as they are."""
-    return x.full_tensor() if isinstance(x, DTensor) else x
-
-
 def _vdot(xs: list, ys: list, zs: list) -> torch.Tensor:
-    """``sum_i <xs_i, ys_i - zs_i>`` over every leaf (one reduction per leaf: no foreach dot exists)."""
-    return torch.stack([_full(torch.sum(x * (y - z))) for x, y, z in zip(xs, ys, zs)]).sum()
+    """``sum_i <xs_i, ys_i - zs_i>`` over every leaf."""
+    return tree.vdot(xs, [y - z for y, z in zip(ys, zs)])
 
 
 def _l1(xs: list) -> torch.Tensor:
     """``sum_i ||xs_i||_1`` over every leaf."""
     if tree.is_functional() or any(isinstance(x, DTensor) for x in xs):
-        return torch.stack([_full(x.abs().sum()) for x in xs]).sum()
+        return torch.stack([tree.full(x.abs().sum()) for x in xs]).sum()
     return torch.stack(torch._foreach_norm(xs, 1)).sum()
 
 

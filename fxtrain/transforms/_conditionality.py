@@ -129,7 +129,7 @@ def _all_finite(xs: list) -> torch.Tensor:
     by ``tree.all_finite``), the same answer on every rank."""
     if any(isinstance(x, DTensor) for x in xs):
         flags = [x.isfinite().all() for x in xs]
-        return torch.stack([f.full_tensor() if isinstance(f, DTensor) else f for f in flags]).all()
+        return torch.stack([tree.full(f) for f in flags]).all()
     return tree.all_finite(xs)
 
 

@@ -49,22 +49,7 @@ __all__ = [
 
 # --- global reductions and evaluations along the line --------------------------------------------------
 
-def vdot(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
-    r""":math:`\mathrm{Re} \sum_i \langle x_i, y_i \rangle` over all leaves as a plain 0-dim tensor, float32 or wider.
-
-    A DTensor leaf's sum covers every shard (DTensor reduces it over the mesh), so a ``Shard(0)`` leaf
-    gives the same number as the full tensor.
-    """
-    if not xs:
-        return torch.zeros(())
-    acc = torch.promote_types(_real(xs[0].dtype), torch.float32)
-    total = None
-    for x, y in zip(xs, ys):  # one reduction per leaf: torch has no foreach dot product
-        d = (x.conj() * y).real if x.is_complex() or y.is_complex() else x * y
-        d = d.sum(dtype=acc)
-        d = d.full_tensor() if isinstance(d, DTensor) else d
-        total = d if total is None else total + d
-    return total
+vdot = tree.vdot  # the line searches' and L-BFGS' inner products (re-exported for _lbfgs, _polyak)
 
 
 def _real(dtype: torch.dtype) -> torch.dtype:

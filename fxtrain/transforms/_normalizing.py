@@ -46,10 +46,6 @@ def _real_views(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.view_as_real(x) if x.is_complex() else x for x in xs]
 
 
-def _full(x: torch.Tensor) -> torch.Tensor:
-    """The value of a DTensor reduction as a plain tensor, identical on every rank; anything else as is."""
-    return x.full_tensor() if isinstance(x, DTensor) else x
-
 
 def block_norms(xs: Sequence[torch.Tensor], *, rms: bool = False) -> torch.Tensor:
     """The L2 norm of each tensor of ``xs`` (a DTensor's full norm), as one plain vector; with ``rms``, the
@@ -66,11 +62,11 @@ def block_norms(xs: Sequence[torch.Tensor], *, rms: bool = False) -> torch.Tenso
     acc = _acc(xs)
     roots = [math.sqrt(x.numel()) for x in xs] if rms else None
     if tree.is_functional():
-        norms = [_full(torch.linalg.vector_norm(x, dtype=None if x.is_complex() else acc)) for x in xs]
+        norms = [tree.full(torch.linalg.vector_norm(x, dtype=None if x.is_complex() else acc)) for x in xs]
         if rms:
             norms = [n / r for n, r in zip(norms, roots)]
     else:
-        norms = [_full(n) for n in torch._foreach_norm(_real_views(xs), 2, dtype=acc)]
+        norms = [tree.full(n) for n in torch._foreach_norm(_real_views(xs), 2, dtype=acc)]
         if rms:
             torch._foreach_div_(norms, roots)  # Python numbers: nothing to copy to the device
     return torch.stack(norms).to(acc)
@@ -442,7 +438,7 @@ def scale_by_distance_over_gradients(reps_rel: Scalar = 1e-6, eps: Scalar = 1e-8
     def init_fn(params):
         device = param_device(params)
         return ScaleByDistanceOverGradientsState(
-            max_dist=tree.map(lambda x: (reps_rel * (1 + _full(torch.linalg.vector_norm(x)))).to(x.dtype), params),
+            max_dist=tree.map(lambda x: (reps_rel * (1 + tree.full(torch.linalg.vector_norm(x)))).to(x.dtype), params),
             grad_sum_of_squares=tree.map(lambda x: torch.zeros(1, dtype=torch.float32, device=device), params),
             init_params=tree.clone(tree.cast(params, param_dtype)))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 from fxtrain._base import EmptyState, GradientTransformation, Params, Updates, check_nonnegative, transform
@@ -107,9 +106,9 @@ def zero_nans() -> GradientTransformation:
         if not g:
             return updates, state
         if tree.is_functional():
-            nan = [_full(torch.isnan(x).any()) for x in g]
+            nan = [tree.full(torch.isnan(x).any()) for x in g]
         else:  # a norm is NaN iff an element is (inf and overflow give inf): one kernel for every leaf
-            nan = list(torch.stack([_full(n) for n in torch._foreach_norm(g)]).isnan().unbind())
+            nan = list(torch.stack([tree.full(n) for n in torch._foreach_norm(g)]).isnan().unbind())
         found = tree.copy_(found, nan)
         g = _zero_nans_(g)
         return tree.put(updates, updates, g), ZeroNansState(tree.put(state.found_nan, updates, found))
@@ -126,10 +125,6 @@ def _zero_nans_(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         tree.local(x).nan_to_num_(0.0, inf, -inf)
     return xs
 
-
-def _full(x: torch.Tensor) -> torch.Tensor:
-    """The value of a DTensor reduction as a plain tensor, identical on every rank; anything else as is."""
-    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 @transform

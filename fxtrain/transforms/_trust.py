@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, chain, check_nonnegative, transform
@@ -34,7 +33,7 @@ def _leaf_norms(xs: list[torch.Tensor]) -> torch.Tensor:
     inside :func:`fxtrain.tree.functional`, ``vector_norm`` per leaf (what ``vmap`` and ``grad`` see).
     """
     norms = [torch.linalg.vector_norm(x) for x in xs] if tree.is_functional() else torch._foreach_norm(xs)
-    return torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
+    return torch.stack([tree.full(n) for n in norms])
 
 
 @transform(elementwise=False)
