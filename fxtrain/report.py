@@ -22,8 +22,9 @@ import csv
 import json
 import math
 import pathlib
+import statistics
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fxtrain import distributed
 
-__all__ = ["collect", "read_jsonl", "format_table", "write_csv", "plot", "best", "SweepSummary", "finish_sweep", "main"]
+__all__ = ["collect", "read_jsonl", "format_table", "write_csv", "plot", "figure", "best", "SweepSummary", "finish_sweep", "main"]
 
 _FINAL = ("test_accuracy", "test_loss", "loss", "accuracy")  # final metrics shown after the optimized one
 
@@ -205,44 +206,291 @@ def _split_overrides(sweep_dir: pathlib.Path, rows: list[dict]) -> tuple[list[st
     return [k for k in keys if k not in shared], shared
 
 
+# --- the plot ------------------------------------------------------------------------------------
+
+_FEW_JOBS = 6  # up to this many jobs: a colour and a legend entry per job; more: colour by each varied value
+
+
 def plot(sweep_dir: str | pathlib.Path, path: str | pathlib.Path | None = None,
          metric: str | None = None) -> pathlib.Path:
-    """Plots every job's training loss and ``metric`` (default: the optimized one) against step to a PNG.
+    """Saves :func:`figure` of ``sweep_dir`` to a PNG and returns its path (default ``SWEEP_DIR/curves.png``).
 
-    Returns the PNG's path (default ``SWEEP_DIR/curves.png``). Needs matplotlib (``fxtrain[plot]``).
+    Needs matplotlib (``pip install 'fxtrain[plot]'``).
+
+    Example:
+        >>> import pathlib, shutil, tempfile
+        >>> sweep = pathlib.Path(tempfile.mkdtemp())
+        >>> for job, lr in enumerate(["0.001", "0.01"]):
+        ...     (sweep / str(job) / ".hydra").mkdir(parents=True)
+        ...     _ = (sweep / str(job) / ".hydra" / "overrides.yaml").write_text(f"- lr={lr}\\n")
+        ...     _ = (sweep / str(job) / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\\n')
+        >>> plot(sweep).name
+        'curves.png'
+        >>> shutil.rmtree(sweep)
+    """
+    sweep_dir = pathlib.Path(sweep_dir)
+    path = pathlib.Path(path) if path is not None else sweep_dir / "curves.png"
+    figure(sweep_dir, metric).savefig(path, dpi=110)
+    return path
+
+
+def figure(sweep_dir: str | pathlib.Path, metric: str | None = None) -> Any:
+    """The sweep's training loss and ``metric`` (default: the optimized one) against step, as a matplotlib Figure.
+
+    Up to 6 jobs: one colour per job, named in a legend beside the panels. More: one row of panels per
+    varied override (``seed`` left out when others vary: its spread shows in every row), each job's curves
+    coloured by that override's value (a colorbar: log-scaled for values like learning rates 1e-3,3e-3,1e-2,
+    a colour per name for words), and a third panel of the final ``metric`` against the value (one point per job, so
+    seeds are repeated points). In both, the best job (:func:`best`) is thick and black and named in the
+    title; failed or unfinished jobs are grey and dashed (and a grey x on the final panel), counted in the
+    title with the overrides every job shares.
+
+    Example:
+        >>> import pathlib, shutil, tempfile
+        >>> sweep = pathlib.Path(tempfile.mkdtemp())
+        >>> (sweep / "0" / ".hydra").mkdir(parents=True)
+        >>> _ = (sweep / "0" / ".hydra" / "overrides.yaml").write_text("- seed=1\\n")
+        >>> _ = (sweep / "0" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "test_accuracy": 0.5}\\n')
+        >>> fig = figure(sweep)
+        >>> [(ax.get_ylabel(), ax.get_yscale()) for ax in fig.axes]
+        [('loss', 'log'), ('test_accuracy', 'linear')]
+        >>> shutil.rmtree(sweep)
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         raise ImportError("plotting needs matplotlib: pip install 'fxtrain[plot]'") from None
     sweep_dir = pathlib.Path(sweep_dir)
     rows = collect(sweep_dir)
     metric = metric or _metric_of(sweep_dir, rows) or "test_accuracy"
-    path = pathlib.Path(path) if path is not None else sweep_dir / "curves.png"
-    varied, _ = _split_overrides(sweep_dir, rows)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for row in rows:
-        job = sweep_dir / str(row["job"]) if (sweep_dir / str(row["job"])).is_dir() else sweep_dir
-        lines = read_jsonl(job / "metrics.jsonl")
-        label = " ".join(f"{k}={row[k]}" for k in varied if k in row) or f"job {row['job']}"
+    varied, shared = _split_overrides(sweep_dir, rows)
+    jobs = [_job(sweep_dir, row, metric) for row in rows]
+    top = best([{**j.row, metric: j.final} for j in jobs], metric)
+    kinds = ["best" if top is not None and j.row["job"] == top["job"] else
+             "done" if j.row["status"] == "completed" else "failed" for j in jobs]
+    keys = [k for k in varied if k != "seed"] or varied or ["job"]
+    if len(jobs) <= _FEW_JOBS:
+        fig = Figure(figsize=(12, 4.2), layout="constrained")
+        _per_job(fig, jobs, kinds, varied, metric)
+    else:
+        fig = Figure(figsize=(14, 0.9 + 2.8 * len(keys)), layout="constrained")
+        _per_value(fig, jobs, kinds, keys, metric, _short_names(keys))
+    FigureCanvasAgg(fig)  # a canvas of its own: no pyplot, no global backend switch
+    fig.suptitle(_title(sweep_dir, jobs, shared, top, varied, metric), fontsize=10)
+    return fig
+
+
+class _Job(NamedTuple):
+    row: dict[str, Any]      # collect()'s row
+    records: list[dict]      # its metrics.jsonl
+    final: float | None      # the plotted metric at the end: summary.json's, else the last one logged
+
+
+def _job(sweep_dir: pathlib.Path, row: dict, metric: str) -> _Job:
+    d = sweep_dir / str(row["job"])
+    records = read_jsonl((d if d.is_dir() else sweep_dir) / "metrics.jsonl")
+    logged = [r[metric] for r in records if _finite(r.get(metric))]
+    final = row[metric] if _finite(row.get(metric)) else logged[-1] if logged else None
+    return _Job(row, records, final)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _per_job(fig: Any, jobs: list[_Job], kinds: list[str], varied: list[str], metric: str) -> None:
+    """Few jobs: loss and metric panels, a colour per job, the legend right of the panels."""
+    from matplotlib.lines import Line2D
+
+    axes = fig.subplots(1, 2)
+    names = _short_names(varied)
+    handles = []  # one entry per job, also for a job that has logged nothing yet
+    for i, (job, kind) in enumerate(zip(jobs, kinds)):
+        label = " ".join(f"{names[k]}={job.row[k]}" for k in varied if k in job.row) or f"job {job.row['job']}"
+        label += {"best": " (best)", "failed": f" ({job.row['status']})", "done": ""}[kind]
         for ax, key in zip(axes, ("loss", metric)):
-            pts = [(r["step"], r[key]) for r in lines if key in r]
-            if pts:
-                ax.plot(*zip(*pts), label=label, marker="." if len(pts) < 20 else None)
+            _curve(ax, job, key, f"C{i}", kind)
+        handles.append(Line2D([], [], label=label, **{"color": f"C{i}", **_STYLE[kind]}))
+    _label_curves(axes, metric)
+    if len(jobs) > 1:
+        fig.legend(handles=handles, loc="outside right center", fontsize=8, frameon=False)
+
+
+def _per_value(fig: Any, jobs: list[_Job], kinds: list[str], keys: list[str], metric: str,
+               names: dict[str, str]) -> None:
+    """Many jobs: a row per varied key, curves coloured by its value, the final metric against it."""
+    axes = fig.subplots(len(keys), 3, squeeze=False, width_ratios=[1, 1, 0.8])
+    for row_axes, key in zip(axes, keys):
+        scale = _scale([j.row.get(key) for j in jobs])
+        colours = [scale.colour(j.row.get(key)) for j in jobs]
+        for job, kind, colour in zip(jobs, kinds, colours):
+            for ax, curve_key in zip(row_axes, ("loss", metric)):
+                _curve(ax, job, curve_key, colour, kind)
+        _label_curves(row_axes, metric)
+        _finals(row_axes[2], jobs, kinds, colours, key, scale, names[key], metric)
+        bar = fig.colorbar(scale.mappable, ax=list(row_axes), ticks=scale.ticks, aspect=25, pad=0.01)
+        if scale.ticks is not None:
+            bar.set_ticklabels(scale.labels, fontsize=8)
+            bar.minorticks_off()
+        bar.set_label(names[key])
+    for ax in axes[:-1, :2].flat:
+        ax.set_xlabel("")
+    axes[0, 0].set_title("training loss", fontsize=9)
+    axes[0, 1].set_title(metric, fontsize=9)
+    axes[0, 2].set_title(f"final {metric}, a point per job", fontsize=9)
+
+
+_STYLE = {  # how a job's curve is drawn, by what became of it
+    "best": dict(color="black", linewidth=2.6, alpha=1.0, zorder=4),
+    "done": dict(linewidth=1.1, alpha=0.75, zorder=2),
+    "failed": dict(color="0.55", linewidth=1.0, alpha=0.8, linestyle="--", zorder=1),
+}
+
+
+def _curve(ax: Any, job: _Job, key: str, colour: Any, kind: str) -> None:
+    pts = [(r["step"], r[key]) for r in job.records if "step" in r and _finite(r.get(key))]
+    if pts:
+        ax.plot(*zip(*pts), **{"color": colour, **_STYLE[kind]}, gid=f"job {job.row['job']}",
+                marker="." if len(pts) < 20 else None, markersize=4)
+
+
+def _label_curves(axes: Any, metric: str) -> None:
     for ax, key in zip(axes, ("loss", metric)):
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[1].legend(fontsize=7)
-    fig.suptitle(str(sweep_dir))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    if any(y > 0 for line in axes[0].get_lines() for y in line.get_ydata()):
+        axes[0].set_yscale("log")
+
+
+def _finals(ax: Any, jobs: list[_Job], kinds: list[str], colours: list, key: str, scale: "_Scale",
+            name: str, metric: str) -> None:
+    """The final metric against ``key``'s value: a point per job, the best a black star, failures grey x's."""
+    for job, kind, colour in zip(jobs, kinds, colours):
+        value = job.row.get(key)
+        x = scale.position.get(str(value)) if value is not None else None
+        if x is None:
+            continue
+        if kind == "failed" or job.final is None:  # no final value: a mark on the bottom edge
+            ax.plot(x, 0.03, "x", color="0.45", transform=ax.get_xaxis_transform(), clip_on=False, zorder=3,
+                    gid=f"job {job.row['job']}")
+        elif kind == "best":
+            ax.plot(x, job.final, "*", color="black", markersize=14, zorder=4, gid=f"job {job.row['job']}")
+        else:
+            ax.plot(x, job.final, "o", color=colour, markeredgecolor="white", markersize=7, alpha=0.85,
+                    gid=f"job {job.row['job']}")
+    if scale.log:
+        ax.set_xscale("log")
+    if scale.ticks is not None:
+        wide = sum(len(label) + 2 for label in scale.labels) > 40
+        ax.set_xticks(scale.ticks, scale.labels, fontsize=8, rotation=30 if wide else 0, ha="right" if wide else "center")
+        ax.minorticks_off()
+    lo, hi = min(scale.position.values()), max(scale.position.values())
+    margin = (hi / lo) ** 0.08 if scale.log else 0.5 if scale.words else 0.08 * (hi - lo)
+    ax.set_xlim(*((lo / margin, hi * margin) if scale.log else (lo - margin, hi + margin)))
+    ax.set_xlabel(name)
+    ax.set_ylabel(f"final {metric}")
+    ax.grid(alpha=0.3)
+
+
+class _Scale(NamedTuple):
+    """How one override's values become colours and positions (on the colorbar and the final panel's x)."""
+    mappable: Any                  # the ScalarMappable the colorbar shows
+    position: dict[str, float]     # value (as in the overrides) -> number on the colorbar and x axis
+    ticks: list[float] | None      # where to label the values (None: matplotlib's own ticks)
+    labels: list[str] | None
+    log: bool                      # numbers on a log axis
+    words: bool                    # names at 0, 1, 2...
+
+    def colour(self, value: Any) -> Any:
+        x = self.position.get(str(value)) if value is not None else None
+        return "0.55" if x is None else self.mappable.to_rgba(x)
+
+
+def _scale(values: list[Any]) -> _Scale:
+    """Numbers on a colormap (log-scaled when they sit evenly on a log axis: see :func:`_log_spaced`);
+    words, or a single number, a colour each."""
+    import numpy as np
+    from matplotlib import cm, colormaps, colors
+
+    present = sorted({str(v) for v in values if v is not None})
+    numbers = {v: _number(v) for v in present}
+    numeric = all(x is not None for x in numbers.values()) and len(set(numbers.values())) >= 2
+    if numeric:
+        position = dict(numbers)
+        log = _log_spaced(sorted(set(position.values())))
+        lo, hi = min(position.values()), max(position.values())
+        norm = colors.LogNorm(lo, hi) if log else colors.Normalize(lo, hi)
+        cmap = colors.ListedColormap(colormaps["viridis"](np.linspace(0.0, 0.88, 256)))  # no pale yellow end
+    else:
+        position = {v: float(i) for i, v in enumerate(present)}
+        n, log = len(present), False
+        cmap = colors.ListedColormap(colormaps["tab10" if n <= 10 else "tab20"].colors[:n] if n <= 20 else
+                                     colormaps["viridis"](np.linspace(0.0, 0.88, n)))
+        norm = colors.BoundaryNorm(np.arange(n + 1) - 0.5, n)
+    label_of: dict[float, str] = {}
+    for v, x in position.items():
+        label_of.setdefault(x, v)
+    ticks: list[float] | None = sorted(label_of)
+    if numeric and len(ticks) > 8:  # a random search's values: matplotlib's own ticks
+        ticks = None
+    elif len(ticks) > 24:
+        ticks = ticks[:: math.ceil(len(ticks) / 24)]
+    labels = None if ticks is None else [label_of[x] for x in ticks]
+    return _Scale(cm.ScalarMappable(norm=norm, cmap=cmap), position, ticks, labels, log, not numeric)
+
+
+def _log_spaced(xs: list[float]) -> bool:
+    """Whether the sorted numbers ``xs`` span a decade or more and sit more evenly on a log axis than on a
+    linear one (the median nearer the middle): learning rates ``1e-3,3e-3,1e-2`` do, a weight decay drawn
+    uniformly from 0.001..0.1 does not.
+
+    Example:
+        >>> _log_spaced([1e-3, 3e-3, 1e-2]), _log_spaced([0.001, 0.03, 0.05, 0.08, 0.1]), _log_spaced([0, 10, 50])
+        (True, False, False)
+    """
+    lo, hi, median = xs[0], xs[-1], statistics.median(xs)
+    if lo <= 0 or hi / lo < 10:
+        return False
+    linear = abs(median - (lo + hi) / 2) / (hi - lo)
+    return abs(math.log(median / lo) / math.log(hi / lo) - 0.5) <= linear
+
+
+def _number(text: str) -> float | None:
+    try:
+        x = float(text)
+    except ValueError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _short_names(keys: list[str]) -> dict[str, str]:
+    """The shortest dotted suffix naming each key among ``keys``: ``optim.chain.adamw.learning_rate`` is
+    ``learning_rate`` unless another key ends so too."""
+    names = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            name = ".".join(parts[-n:])
+            if sum(k == name or k.endswith("." + name) for k in keys) == 1:
+                break
+        names[key] = name
+    return names
+
+
+def _title(sweep_dir: pathlib.Path, jobs: list[_Job], shared: dict, top: dict | None, varied: list[str],
+           metric: str) -> str:
+    statuses = [j.row["status"] for j in jobs if j.row["status"] != "completed"]
+    status = ", ".join(f"{statuses.count(s)} {s}" for s in sorted(set(statuses))) + ": grey, dashed"
+    lines = [f"{sweep_dir}: {len(jobs)} job{'s' * (len(jobs) != 1)}" + (f" ({status})" if statuses else "")]
+    if shared:
+        lines.append(_short("every job: " + " ".join(f"{k}={v}" for k, v in shared.items()), 150))
+    if top is not None:
+        names = _short_names(varied)
+        changed = " ".join(f"{names[k]}={top[k]}" for k in varied if k in top)
+        lines.append(f"best (black): job {top['job']}, {metric} {_fmt(top[metric])}" + (f": {changed}" if changed else ""))
+    return "\n".join(lines)
 
 
 # --- the Hydra callback --------------------------------------------------------------------------

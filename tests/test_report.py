@@ -87,3 +87,126 @@ def test_command_rejects_a_missing_directory(tmp_path, capsys):
 
 def test_format_empty():
     assert report.format_table([]) == "(no jobs)"
+
+
+# --- the plot ----------------------------------------------------------------------------------------
+
+def grid_sweep(root, grid, steps=60, fail=()):
+    """A sweep over every combination of ``grid`` (key -> values), as fxtrain writes it. The loss falls
+    faster with a larger learning rate, later with a longer warmup, to a floor that a large learning rate
+    raises and clipping lowers; test accuracy every 10 steps. Jobs in ``fail`` end in NaN at step 20."""
+    import itertools
+    import math
+    import random
+
+    for job, values in enumerate(itertools.product(*grid.values())):
+        o = dict(zip(grid, values))
+        rng = random.Random(job)
+        lr, warmup = float(o.get("optim.chain.adamw.learning_rate", 0.003)), int(o.get("warmup", 0))
+        floor = 0.02 + lr * (0.3 if o.get("clip", "none") != "none" else 1.0)
+        curve = []
+        for s in range(1, (20 if job in fail else steps) + 1):
+            loss = 2.3 * math.exp(-0.3 * lr ** 0.5 * max(0, s - warmup / 2)) + floor
+            r = {"step": s, "loss": loss * (1 + (0.05 + 0.3 * lr) * rng.random()), "learning_rate": lr}
+            if s % 10 == 0:
+                r["test_accuracy"] = 1 / (1 + loss) - 0.01 * rng.random()
+            curve.append(r)
+        if job in fail:
+            curve[-1]["loss"] = float("nan")
+            summary = {"status": "failed", "error": "FloatingPointError: loss is nan", "optimized_metric": "test_accuracy"}
+        else:
+            summary = completed(curve[-1]["test_accuracy"], curve[-1]["loss"])
+        make_job(root, str(job), ["data=digits", *(f"{k}={v}" for k, v in o.items())], summary, curve)
+    return root
+
+
+GRID36 = {"optim.chain.adamw.learning_rate": ["1e-3", "3e-3", "3e-2"], "warmup": [0, 10, 50],
+          "clip": ["none", "1.0"], "seed": [0, 1]}
+
+
+def job_lines(ax):
+    return {line.get_gid(): line for line in ax.get_lines()}
+
+
+def overlaps(a, b):
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_plot_many_jobs_colours_by_value(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import BoundaryNorm, LogNorm, Normalize
+
+    # 3 learning rates x 3 warmups x 2 clips x 2 seeds, and one more learning rate whose job fails.
+    sweep = grid_sweep(tmp_path, GRID36 | {"optim.chain.adamw.learning_rate": ["1e-3", "3e-3", "3e-2", "1.0"]},
+                       fail={36})
+    rows = report.collect(sweep)
+    jobs = {f"job {r['job']}" for r in rows}
+    assert len(jobs) == 48
+    fig = report.figure(sweep)
+    fig.draw_without_rendering()
+    assert not fig.legends and not any(ax.get_legend() for ax in fig.axes)  # colours say the value, not a legend
+    panels, bars = fig.axes[:9], fig.axes[9:]
+    # A row per varied key but seed (its spread shows as repeated points); its colorbar says the values.
+    assert [ax.get_xlabel() for ax in panels[2::3]] == ["learning_rate", "warmup", "clip"]
+    assert [bar.get_ylabel() for bar in bars] == ["learning_rate", "warmup", "clip"]
+    lr_bar, warmup_bar, clip_bar = (bar._colorbar for bar in bars)
+    assert isinstance(lr_bar.norm, LogNorm) and type(warmup_bar.norm) is Normalize   # 1e-3..1 spans decades
+    assert isinstance(clip_bar.norm, BoundaryNorm)                                    # words: a colour each
+    assert [t.get_text() for t in clip_bar.ax.get_yticklabels()] == ["1.0", "none"]
+    best = report.best(rows, "test_accuracy")
+    for row_axes in zip(panels[0::3], panels[1::3]):
+        for ax in row_axes:
+            lines = job_lines(ax)
+            assert set(lines) == jobs                                          # every job's curve is drawn
+            top = lines.pop(f"job {best['job']}")
+            assert top.get_color() == "black" and top.get_linewidth() > max(l.get_linewidth() for l in lines.values())
+            assert lines["job 36"].get_linestyle() == "--"                     # the failed one: dashed grey
+            assert {l.get_linestyle() for k, l in lines.items() if k != "job 36"} == {"-"}
+        assert row_axes[0].get_yscale() == "log"
+    # Colours follow the value: jobs differing only in seed share a colour in the learning-rate row.
+    lr_lines = job_lines(panels[0])
+    assert lr_lines["job 0"].get_color() == lr_lines["job 1"].get_color() != lr_lines["job 12"].get_color()
+    finals = job_lines(panels[2])
+    assert len(finals) == 48 and finals[f"job {best['job']}"].get_marker() == "*"
+    assert finals["job 36"].get_marker() == "x"
+    title = fig._suptitle.get_text()
+    assert f"{sweep}: 48 jobs (1 failed: grey, dashed)" in title and "every job: data=digits" in title
+    assert f"best (black): job {best['job']}, test_accuracy" in title and "learning_rate=" in title
+
+
+def test_plot_eight_jobs_has_no_legend_over_the_panels(tmp_path):
+    pytest.importorskip("matplotlib")
+    sweep = grid_sweep(tmp_path, {"optim.chain.adamw.learning_rate": ["1e-3", "3e-3"], "warmup": [0, 10],
+                                  "seed": [0, 1]})
+    fig = report.figure(sweep)
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    assert not any(overlaps(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])  # panels, colorbars apart
+    assert all(len(job_lines(ax)) == 8 for ax in fig.axes[:6])
+    assert not fig.legends
+    fig_box = fig.bbox
+    assert all(fig_box.x0 <= b.x0 and b.x1 <= fig_box.x1 for b in boxes)                # nothing cut off
+
+
+def test_plot_few_jobs_legend_beside_the_panels(sweep, tmp_path):
+    pytest.importorskip("matplotlib")
+    fig = report.figure(sweep)
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert texts == ["seed=1 learning_rate=0.001", "seed=1 learning_rate=0.003 (best)",
+                     "seed=2 learning_rate=0.001 (incomplete)", "seed=2 learning_rate=inf (failed)"]  # logged nothing
+    box = legend.get_window_extent(renderer)
+    others = [ax.get_tightbbox(renderer) for ax in fig.axes] + [fig._suptitle.get_window_extent(renderer)]
+    assert not any(overlaps(box, other) for other in others)
+    assert box.x1 <= fig.bbox.x1
+    title = fig._suptitle.get_text()
+    assert "4 jobs (1 failed, 1 incomplete: grey, dashed)" in title.replace("\n", " ")
+    # One job: no legend, the title says what it ran.
+    one = tmp_path / "one"
+    grid_sweep(one, {"seed": [0]})
+    fig = report.figure(one)
+    assert not fig.legends and [len(ax.get_lines()) for ax in fig.axes] == [1, 1]
+    assert report.plot(one, tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
