@@ -15,6 +15,7 @@ from fxtrain._base import (
     chain,
     identity,
     is_elementwise,
+    named,
     named_chain,
     stateless,
     traits,

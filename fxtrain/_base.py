@@ -56,6 +56,9 @@ class Traits(NamedTuple):
     fused: Any = None  #: a :class:`fxtrain.transforms._fused.FusedSpec`: a torch kernel computes update + apply
     wrap_loss: Callable[[LossFn, State], LossFn] | None = None  #: acts on the forward pass (``amp_cast``)
     extra_args: bool = False  #: its update reads keyword arguments such as ``value=`` (Optax's ``...ExtraArgs``)
+    #: names its state reports that stay constant (``inject_hyperparams``' unscheduled ``b1``, ``eps``...):
+    #: the state keeps them, :func:`fxtrain.train_step` leaves them out of its metrics
+    constant_reports: frozenset = frozenset()
 
 
 class GradientTransformation(NamedTuple):
@@ -82,10 +85,7 @@ class GradientTransformation(NamedTuple):
         return traits(self).wrap_loss
 
     def __repr__(self) -> str:
-        label = getattr(self.update, "label", None)
-        if label is not None:
-            return label
-        return f"GradientTransformation(init={_name(self.init)}, update={_name(self.update)})"
+        return self.update.label if isinstance(self.update, _Update) else _maker(self.update)
 
 
 class EmptyState(NamedTuple):
@@ -172,15 +172,35 @@ def with_traits(tx: GradientTransformation, **changes: Any) -> GradientTransform
     >>> tx, tx.wrap_loss is not None
     (scale(2.0), True)
     """
-    label = tx.update._label if isinstance(tx.update, _Update) else ""
+    label = tx.update._label if isinstance(tx.update, _Update) else functools.partial(_maker, tx.update)
     return GradientTransformation(tx.init, _Update(kernel(tx), label, traits(tx)._replace(**changes)))
+
+
+def named(tx: GradientTransformation, name: str) -> GradientTransformation:
+    """``tx`` printed as ``name``: in its repr, a chain's, the runner's ``stack`` line and error messages.
+
+    The label is the one ``@transform`` gives library transforms (``scale(2.0)``); kernel, state and
+    traits are ``tx``'s. A hand-written transform prints without it as the function that made its
+    ``update`` (``scale_by_foo`` for ``scale_by_foo.<locals>.update_fn``).
+
+    >>> import torch, fxtrain as fx
+    >>> def scale_by_two():
+    ...     def update_fn(updates, state, params=None):
+    ...         return fx.tree.map(lambda g: 2 * g, updates), state
+    ...     return fx.GradientTransformation(lambda params: fx.EmptyState(), update_fn)
+    >>> fx.chain(fx.clip(1.0), scale_by_two(), fx.named(scale_by_two(), "double(mine)"))
+    chain(clip(1.0), scale_by_two, double(mine))
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"named: name must be a non-empty string, got {name!r}")
+    return GradientTransformation(tx.init, _Update(kernel(tx), name, traits(tx)))
 
 
 def merge_traits(children: Sequence[GradientTransformation], states_of: Callable | None = None) -> Traits:
     """The traits of a combinator that runs ``children`` in sequence on the same updates (``chain``...).
 
-    Elementwise if all children are; reads extra arguments if any child does; takes ``Partial`` gradients and decides on the host as its first
-    child does (the first child is the one that sees the gradients); fused as
+    Elementwise if all children are; reads extra arguments if any child does; its constant reports are
+    all its children's; takes ``Partial`` gradients and decides on the host as its first child does (the first child is the one that sees the gradients); fused as
     :func:`fxtrain.transforms._fused.combine` decides (its one place). ``wrap_loss`` composes
     the children's (the first one outermost) when ``states_of(state)`` gives their states in order;
     combinators that cannot pass a state per child (``states_of=None``) refuse children with one.
@@ -198,7 +218,8 @@ def merge_traits(children: Sequence[GradientTransformation], states_of: Callable
 
     return Traits(elementwise=all(t.elementwise for t in ts), partial_grads=first.partial_grads,
                   host=first.host, fused=_fused.combine(children, states_of), wrap_loss=wrap,
-                  extra_args=any(t.extra_args for t in ts))
+                  extra_args=any(t.extra_args for t in ts),
+                  constant_reports=frozenset().union(*(t.constant_reports for t in ts)))
 
 
 def update_(tx: GradientTransformation, updates: Updates, state: State, params: Params = None, **extra_args: Any):
@@ -239,6 +260,14 @@ def _name(obj: Any) -> str:
     if inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.ismethod(obj):
         return obj.__name__
     return repr(obj)
+
+
+def _maker(update: Callable) -> str:
+    """A hand-written transform's name: what defined its ``update`` (``scale_by_foo`` for
+    ``scale_by_foo.<locals>.update_fn``, ``MyOpt`` for a method ``MyOpt.update``), else the function's name."""
+    qualname = getattr(update, "__qualname__", None) or type(update).__name__
+    outer = qualname.rsplit(".", 1)[0]  # drops the function's own name
+    return outer.removesuffix(".<locals>").rsplit(".", 1)[-1] if outer != qualname else qualname
 
 
 def _label(name: str, sig: inspect.Signature, args: tuple, kwargs: dict) -> str:

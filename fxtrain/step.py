@@ -7,7 +7,9 @@
 2. the transformation, ``updates, opt_state = tx.update(grads, opt_state, params)``,
 3. ``params = apply_updates(params, updates)``,
 4. ``metrics``: ``loss``, ``aux`` (with ``has_aux=True``) and what the stack reports from its new state
-   (``grad_norm``, ``learning_rate``, ``loss_scale``...; see :func:`fxtrain._base.report`).
+   (``grad_norm``, ``learning_rate``, ``loss_scale``...; see :func:`fxtrain._base.report`), less the
+   values the stack declares constant (``inject_hyperparams``' unscheduled ``b1``, ``eps``...: they stay
+   in the state).
 
 Nothing is mutated before step 2, so a ``loss_fn`` (or backward) that raises leaves ``params`` and
 ``opt_state`` exactly as they were.
@@ -224,7 +226,7 @@ def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool
                   compiled: _CompiledUpdate | None, grad: Callable) -> Step:
     """The in-place step: autograd on detached views (or ``grad``), then the fused, compiled or foreach kernels."""
     fused = _fused.spec(tx) is not None  # decided once; whether the leaves allow it, per call (metadata)
-    extra = _extra_args(tx)
+    extra, constants = _extra_args(tx), traits(tx).constant_reports
 
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
         if tree.transformed():
@@ -247,7 +249,7 @@ def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool
             else:
                 updates, opt_state = update_(tx, sync(_owned(grads), params), opt_state, params, **extra(loss))
                 params = apply_updates_(params, updates)
-        return params, opt_state, _metrics(loss, aux, opt_state, has_aux)
+        return params, opt_state, _metrics(loss, aux, opt_state, has_aux, constants)
 
     return step
 
@@ -261,7 +263,7 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
     copies (the fused one where it applies), the same bits as ``donate=True``.
     """
     fused = _fused.spec(tx) is not None
-    extra = _extra_args(tx)
+    extra, constants = _extra_args(tx), traits(tx).constant_reports
 
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
         fn = wrap_loss(tx, canonical, opt_state)
@@ -273,7 +275,7 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
         else:
             updates, opt_state = tx.update(sync(grads, params), opt_state, params, **extra(loss))
             params = apply_updates(params, updates)  # keeps each DTensor param's placements
-        return params, opt_state, _metrics(loss, aux, opt_state, has_aux)
+        return params, opt_state, _metrics(loss, aux, opt_state, has_aux, constants)
 
     return step
 
@@ -286,11 +288,14 @@ def _extra_args(tx: GradientTransformation) -> Callable[[torch.Tensor], dict]:
     return lambda loss: {}
 
 
-def _metrics(loss: torch.Tensor, aux: Any, opt_state: State, has_aux: bool) -> Metrics:
+def _metrics(loss: torch.Tensor, aux: Any, opt_state: State, has_aux: bool, constants: frozenset) -> Metrics:
+    """``loss``, ``aux`` and the state's reports, less the ``constants`` the stack declares."""
     metrics = {"loss": loss}
     if has_aux:
         metrics["aux"] = aux
     for name, value in report(opt_state).items():
+        if name in constants:
+            continue
         # Copies: a donated next step overwrites the state tensors these may be views of.
         metrics.setdefault(name, value.detach().clone() if isinstance(value, torch.Tensor) else value)
     return metrics

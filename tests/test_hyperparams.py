@@ -120,6 +120,32 @@ def test_train_step_metrics_show_learning_rate():
     assert seen == [1.0, 0.75, 0.5]
 
 
+@pytest.mark.parametrize("donate", [True, False])
+def test_train_step_reports_what_varies_and_the_state_keeps_every_hyperparameter(donate):
+    # Issue 19: b1, b2, eps (constants) showed in every step's metrics. learning_rate and scheduled values
+    # show, given directly, inside chain and named_chain; the state keeps all of them, as Optax's.
+    def loss(p, b):
+        return ((p["w"] - b) ** 2).sum()
+
+    adam = fx.inject_hyperparams(fx.adam)
+    cases = [
+        (adam(learning_rate=fx.linear_schedule(0.1, 0.0, 4)), {"learning_rate"}),
+        (adam(learning_rate=0.1), {"learning_rate"}),
+        (adam(learning_rate=0.1, b1=fx.constant_schedule(0.8)), {"learning_rate", "b1"}),
+        (fx.chain(fx.clip_by_global_norm(1.0), adam(learning_rate=fx.constant_schedule(0.1))),
+         {"learning_rate", "grad_norm"}),
+        (fx.named_chain(("opt", adam(learning_rate=0.1, eps=fx.constant_schedule(1e-6)))), {"learning_rate", "eps"}),
+    ]
+    for tx, shown in cases:
+        params = {"w": torch.zeros(2)}
+        state = tx.init(params)
+        _, state, metrics = fx.train_step(loss, tx, donate=donate)(params, state, torch.ones(2))
+        assert set(metrics) == {"loss"} | shown, tx
+        hyper = fx.tree.get(state, "hyperparams")
+        assert set(hyper) == {"learning_rate", "b1", "b2", "eps", "eps_root"}
+        assert float(hyper["b2"]) == pytest.approx(0.999)
+
+
 def test_none_leaves_pass():
     tx = fx.inject_hyperparams(_sgd)(learning_rate=fx.constant_schedule(0.1))
     params = nested_params()

@@ -21,6 +21,9 @@ class InjectHyperparamsState(NamedTuple):
 
     ``hyperparams`` holds the values used by the last update (at init: the values for the first one).
     Write into it to change a non-scheduled hyperparameter from the next update on.
+
+    It reports every hyperparameter; :func:`fxtrain.train_step` shows only ``learning_rate`` and the
+    scheduled ones in its metrics (the transform declares the others constant).
     """
 
     count: torch.Tensor  # 0-dim int32
@@ -28,7 +31,7 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: Any
 
     def report(self) -> dict[str, torch.Tensor]:
-        """The hyperparameters, so ``learning_rate`` (and the rest) show in the step's metrics."""
+        """The hyperparameters, so ``learning_rate`` (and the scheduled ones) show in the step's metrics."""
         return {k: torch.as_tensor(v) for k, v in self.hyperparams.items()}
 
 
@@ -41,7 +44,9 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
     schedules at the count, reads the other numeric hyperparameters from ``state.hyperparams`` (so they
     can be changed mid-run by writing into it), rebuilds the inner transform with 0-dim tensor
     hyperparameters (cheap: factories are closures) and runs its kernel on the inner state. The values
-    used are kept in ``state.hyperparams``, which :func:`fxtrain.train_step` reports as metrics.
+    used are kept in ``state.hyperparams``. :func:`fxtrain.train_step` reports ``learning_rate`` and the
+    scheduled ones as metrics; the others stay constant (unless written into the state), and the step
+    leaves them out (read them from ``state.hyperparams``).
 
     As in Optax, callables are schedules unless named in ``static_args``; bools, strings, ``None`` and
     other non-numbers are static (passed unchanged). Float values become tensors of ``hyperparam_dtype``,
@@ -166,13 +171,14 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
             updates, inner_state = call(inner, updates, state.inner_state, params, extra_args)
             return updates, InjectHyperparamsState(safe_increment_(state.count), hps, inner_state)
 
-        wrap_loss = None
-        if proto.wrap_loss is not None:
-            def wrap_loss(loss_fn, state):
-                inner = inner_factory(**other, **current(state, None))
-                return inner.wrap_loss(loss_fn, state.inner_state)
+        def wrap_loss(loss_fn, state):
+            inner = inner_factory(**other, **current(state, None))
+            return inner.wrap_loss(loss_fn, state.inner_state)
 
-        update = _Update(update_fn, label, traits(proto)._replace(fused=None, wrap_loss=wrap_loss))
+        # Unscheduled hyperparameters never change by themselves: the step does not report them every step.
+        constants = traits(proto).constant_reports | (frozenset(numeric) - {"learning_rate"})
+        update = _Update(update_fn, label, traits(proto)._replace(
+            fused=None, wrap_loss=None if proto.wrap_loss is None else wrap_loss, constant_reports=constants))
         return GradientTransformation(init_fn, update)
 
     return wrapped
