@@ -9,6 +9,11 @@ seed and ``k`` (epoch ``k // steps_per_epoch`` is a fresh permutation drawn from
 resumed run asks for step k and gets exactly the batch the uninterrupted run saw; iterating is the
 same as indexing 0, 1, 2, ...
 
+Your own data: a data config's ``_target_`` may return tensors ``(x, y)``, a map-style
+``torch.utils.data.Dataset`` or an iterable of batches; :func:`from_source` turns any of them into a
+:class:`Dataset` (split, batches addressed by step, a description that needs no knowledge of the class).
+Batches are global: under data parallelism every rank reads the whole batch and keeps its slice.
+
 Every builder takes the shapes its model reads (``input_shape``, ``num_classes``, ``vocab_size``,
 ``context``) so that model configs can interpolate them (``${data.num_classes}``); for a real dataset
 they are facts, checked against the data.
@@ -25,18 +30,23 @@ Example:
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import itertools
 import pathlib
 import sysconfig
-from typing import Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
+from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import Dataset as TorchDataset
 
-__all__ = ["Dataset", "ShuffledBatches", "WindowBatches", "digits", "stdlib_text", "synthetic"]
+__all__ = ["Dataset", "ExampleBatches", "ShuffledBatches", "StreamBatches", "WindowBatches", "digits", "from_source",
+           "stdlib_text", "synthetic"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+_END = object()   # an iterator's end, for next(it, _END)
 
 
 class _Batches:
@@ -48,8 +58,55 @@ class _Batches:
     def __iter__(self) -> Iterator[Batch]:
         return map(self.__getitem__, itertools.count())
 
+    def describe(self, test: Batch) -> str:
+        """What a run prints after the dataset's name: both splits' sizes and the batch."""
+        raise NotImplementedError
 
-class ShuffledBatches(_Batches):
+    def to(self, device: torch.device | str) -> "_Batches":
+        """These batches on ``device``, each moved as it is produced (sources holding tensors move them once)."""
+        return _OnDevice(self, device)
+
+
+class _OnDevice(_Batches):
+    """``batches`` (any object with ``batches[k]``) with each batch moved to ``device`` as it is produced."""
+
+    def __init__(self, batches: Any, device: torch.device | str):
+        self.batches, self.device = batches, device
+
+    def __getitem__(self, step: int) -> Batch:
+        x, y = self.batches[step]
+        return x.to(self.device), y.to(self.device)
+
+    def to(self, device: torch.device | str) -> "_OnDevice":
+        return _OnDevice(self.batches, device)
+
+    def describe(self, test: Batch) -> str:
+        return _describe(self.batches, test)
+
+
+class _Epochs(_Batches):
+    """Steps over ``n`` rows: epoch ``k // len(self)`` is a fresh permutation drawn from ``(seed, epoch)``."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, device: torch.device | str):
+        if not 0 < batch_size <= n:
+            raise ValueError(f"batch_size={batch_size} must be between 1 and the {n} training examples")
+        self.batch_size, self.seed = batch_size, seed
+        self._n, self._device = n, device
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        """Batches per epoch (the last partial batch is dropped)."""
+        return self._n // self.batch_size
+
+    def _rows(self, step: int) -> torch.Tensor:
+        epoch, i = divmod(step, len(self))
+        if self._perm is None or self._perm[0] != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self._n)
+            self._perm = (epoch, torch.as_tensor(perm, device=self._device))
+        return self._perm[1][i * self.batch_size:(i + 1) * self.batch_size]
+
+
+class ShuffledBatches(_Epochs):
     """Batches of ``(x, y)`` rows in a fresh seeded permutation each epoch (the last partial batch dropped).
 
     ``batches[k]`` is the k-th batch (random access, for resuming); iterating yields batches 0, 1, 2...
@@ -62,25 +119,132 @@ class ShuffledBatches(_Batches):
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int):
-        if not 0 < batch_size <= len(x):
-            raise ValueError(f"batch_size={batch_size} must be between 1 and the {len(x)} training examples")
-        self.x, self.y, self.batch_size, self.seed = x, y, batch_size, seed
-        self._perm: tuple[int, torch.Tensor] | None = None
-
-    def __len__(self) -> int:
-        """Batches per epoch."""
-        return len(self.x) // self.batch_size
+        super().__init__(len(x), batch_size, seed, x.device)
+        self.x, self.y = x, y
 
     def __getitem__(self, step: int) -> Batch:
-        epoch, i = divmod(step, len(self))
-        if self._perm is None or self._perm[0] != epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.x))
-            self._perm = (epoch, torch.as_tensor(perm, device=self.x.device))
-        idx = self._perm[1][i * self.batch_size:(i + 1) * self.batch_size]
+        idx = self._rows(step)
         return self.x[idx], self.y[idx]
 
     def to(self, device: torch.device | str) -> "ShuffledBatches":
         return ShuffledBatches(self.x.to(device), self.y.to(device), self.batch_size, self.seed)
+
+    def describe(self, test: Batch) -> str:
+        return f"{len(self.x):,} train examples, {len(test[0]):,} test, batch {self.batch_size}"
+
+
+class ExampleBatches(_Epochs):
+    """Batches of a map-style dataset's items ``dataset[i]``, ``i`` among ``indices``, in a fresh seeded
+    permutation each epoch (as :class:`ShuffledBatches`), collated by ``torch.utils.data.default_collate``.
+
+    Items are ``(input, target)`` pairs of tensors, numpy arrays or numbers (arrays and numbers become
+    tensors, float64 as float32). Items are read in the training process, ``batch_size`` per step.
+
+    >>> import torch
+    >>> squares = [(torch.tensor([float(i)]), i * i) for i in range(10)]    # any len() + [i] object
+    >>> b = ExampleBatches(squares, indices=range(8), batch_size=4, seed=0)
+    >>> x, y = b[1]
+    >>> x.shape, y.dtype, bool((y == x[:, 0].long() ** 2).all())
+    (torch.Size([4, 1]), torch.int64, True)
+    """
+
+    def __init__(self, dataset: Any, indices: Sequence[int], batch_size: int, seed: int):
+        self.dataset, self.indices = dataset, torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        super().__init__(len(self.indices), batch_size, seed, "cpu")
+
+    def __getitem__(self, step: int) -> Batch:
+        return _collate(self.dataset, self.indices[self._rows(step)].tolist())
+
+    def describe(self, test: Batch) -> str:
+        return (f"{len(self.indices):,} train examples, {len(test[0]):,} test, batch {self.batch_size} "
+                f"({type(self.dataset).__name__}, map-style)")
+
+
+class StreamBatches(_Batches):
+    """The training batches an iterable yields, in its order: each pass (``iter(source)``) skips its first
+    ``held_out`` batches (the test split, :attr:`test`, concatenated; ``None`` for 0) and yields the rest;
+    passes repeat.
+
+    ``batches[k]`` is the k-th training batch. Going forward costs one ``next`` per step (the position is
+    kept); going back starts a new pass and skips to step ``k``. A resumed run builds the source afresh and
+    skips forward to its step, so it sees the batches the uninterrupted run saw when every pass of a fresh
+    source yields the same sequence (a list; a DataLoader without shuffling, or with a seeded generator).
+    A one-shot iterator (a generator: ``iter(source) is source``) only goes forward: a second pass or an
+    earlier step raises. Every training batch must hold ``batch_size`` examples (``None``: the first one's).
+    The held-out batches are each pass's first ones: an iterable that reshuffles every pass would train on
+    its test batches (return a map-style dataset, which fxtrain splits once and shuffles itself).
+
+    >>> import torch
+    >>> batches = [(torch.full((2, 3), float(i)), torch.tensor([i, i])) for i in range(4)]
+    >>> stream = StreamBatches(batches, held_out=1)
+    >>> [int(stream[k][1][0]) for k in range(6)]    # batch 0 is the test split; 1, 2, 3, then a new pass
+    [1, 2, 3, 1, 2, 3]
+    >>> stream.test[0].shape, stream.batch_size
+    (torch.Size([2, 3]), 2)
+    """
+
+    def __init__(self, source: Iterable, held_out: int, batch_size: int | None = None, owner: str = "data"):
+        it = iter(source)
+        self.source, self.held_out, self.owner, self.batch_size = source, held_out, owner, batch_size
+        self.one_shot = it is source
+        self._kind = f"{type(source).__name__} ({'one-shot iterator' if self.one_shot else 'iterable'}, order as given)"
+        test = [_pair(b, f"{owner}: test batch {j} from {self._kind}")
+                for j, b in enumerate(itertools.islice(it, held_out))]
+        if len(test) < held_out:
+            raise ValueError(f"{owner}: {self._kind} yielded {len(test)} batches, fewer than the test_batches="
+                             f"{held_out} held out for testing, and none for training")
+        self.test: Batch | None = (torch.cat([x for x, _ in test]), torch.cat([y for _, y in test])) if test else None
+        self._it, self._in_pass, self._next = it, 0, 0   # the current pass, its training batches so far, the next step
+        self._last: tuple[int, Batch] | None = None
+        first, _ = self[0]   # fails now without training batches, or on a bad first one
+        self.batch_size = len(first) if batch_size is None else batch_size
+
+    def __getitem__(self, step: int) -> Batch:
+        if self._last is not None and self._last[0] == step:
+            return self._last[1]
+        if step < self._next:
+            if self.one_shot:
+                raise ValueError(f"{self.owner}: step {step} comes before the position of {self._kind} (step "
+                                 f"{self._next - 1}) and a one-shot iterator cannot go back; return a re-iterable "
+                                 "(a list, a Dataset or a class with __iter__)")
+            self._it, self._in_pass, self._next = self._new_pass(), 0, 0
+        while self._next <= step:
+            raw = self._pull()
+            self._next += 1
+        x, y = _pair(raw, f"{self.owner}: training batch {step} from {self._kind}")
+        if self.batch_size is not None and len(x) != self.batch_size:
+            raise ValueError(f"{self.owner}: training batch {step} from {self._kind} has {len(x)} examples, not "
+                             f"batch_size={self.batch_size}; every training batch needs batch_size examples "
+                             "(a DataLoader: drop_last=True)")
+        self._last = (step, (x, y))
+        return x, y
+
+    def _pull(self) -> Any:
+        """The next raw training batch, starting a new pass when this one ends."""
+        raw = next(self._it, _END)
+        if raw is not _END:
+            self._in_pass += 1
+            return raw
+        if self.one_shot:
+            raise ValueError(f"{self.owner}: {self._kind} ended after {self._next} training batches and a one-shot "
+                             "iterator cannot start another pass; return a re-iterable (a list, a Dataset or a class "
+                             "with __iter__) or train fewer steps")
+        if self._in_pass == 0:
+            raise ValueError(f"{self.owner}: a pass of {self._kind} yields no training batches after the "
+                             f"test_batches={self.held_out} held out")
+        self._it, self._in_pass = self._new_pass(), 0
+        return self._pull()
+
+    def _new_pass(self) -> Iterator:
+        it = iter(self.source)
+        for _ in itertools.islice(it, self.held_out):   # this pass's test batches
+            pass
+        return it
+
+    def describe(self, test: Batch) -> str:
+        held = (f"{self.held_out} test batch{'es' if self.held_out > 1 else ''} ({len(test[0]):,} examples)"
+                if self.held_out else f"{len(test[0]):,} test")   # a Dataset's own test split
+        return f"batches from {self._kind}, {held}, batch {self.batch_size}"
 
 
 class WindowBatches(_Batches):
@@ -108,6 +272,10 @@ class WindowBatches(_Batches):
     def to(self, device: torch.device | str) -> "WindowBatches":
         return WindowBatches(self.tokens.to(device), self.batch_size, self.context, self.seed)
 
+    def describe(self, test: Batch) -> str:
+        return (f"{len(self.tokens):,} train tokens, {len(test[0]):,} test windows of {self.context}, "
+                f"batch {self.batch_size}")
+
 
 @dataclasses.dataclass
 class Dataset:
@@ -115,24 +283,50 @@ class Dataset:
 
     Attributes:
       name: for logs.
-      train: ``train[k]`` is the k-th training batch ``(inputs, targets)``.
+      train: ``train[k]`` is the k-th training batch ``(inputs, targets)``: one of this module's batch
+        sources, or any object with ``train[k]`` (then described by its class name, moved batch by batch).
       test: the whole held-out split ``(inputs, targets)``, evaluated in chunks.
     """
 
     name: str
-    train: ShuffledBatches | WindowBatches
+    train: Any
     test: Batch
 
     def to(self, device: torch.device | str) -> "Dataset":
-        return Dataset(self.name, self.train.to(device), (self.test[0].to(device), self.test[1].to(device)))
+        train = self.train.to(device) if isinstance(self.train, _Batches) else _OnDevice(self.train, device)
+        return Dataset(self.name, train, (self.test[0].to(device), self.test[1].to(device)))
 
     def __repr__(self) -> str:
-        if isinstance(self.train, ShuffledBatches):
-            sizes = f"{len(self.train.x):,} train examples, {len(self.test[0]):,} test"
-        else:
-            sizes = (f"{len(self.train.tokens):,} train tokens, {len(self.test[0]):,} test windows of "
-                     f"{self.train.context}")
-        return f"{self.name}: {sizes}, batch {self.train.batch_size}"
+        return f"{self.name}: {_describe(self.train, self.test)}"
+
+
+def _describe(train: Any, test: Batch) -> str:
+    if isinstance(train, _Batches):
+        return train.describe(test)
+    return f"batches from {type(train).__name__}, {len(test[0]):,} test examples"
+
+
+def _tensor(value: Any) -> Any:
+    """A numpy array or number as a tensor, float64 as float32 (numpy's and Python's float, not torch's
+    default); anything else (a tensor, a nested structure for ``default_collate``) as given."""
+    if isinstance(value, (np.ndarray, np.generic, int, float)):
+        t = torch.tensor(np.asarray(value))   # a copy: torch warns on sharing read-only numpy memory
+        return t.float() if t.dtype == torch.float64 else t
+    return value
+
+
+def _pair(item: Any, what: str) -> Batch:
+    """``item`` as ``(inputs, targets)``, or a TypeError naming ``what`` it is."""
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        size = f" of {len(item)}" if isinstance(item, (tuple, list)) else ""
+        raise TypeError(f"{what} is a {type(item).__name__}{size}; fxtrain reads (inputs, targets) pairs")
+    return _tensor(item[0]), _tensor(item[1])
+
+
+def _collate(dataset: Any, rows: Sequence[int]) -> Batch:
+    """The items ``dataset[i]`` of ``rows`` as one batch ``(inputs, targets)`` (torch's ``default_collate``)."""
+    x, y = default_collate([_pair(dataset[i], f"{type(dataset).__name__}[{i}]") for i in rows])
+    return x, y
 
 
 def _split(n: int, test_fraction: float, split_seed: int, owner: str) -> tuple[np.ndarray, np.ndarray]:
@@ -232,3 +426,148 @@ def stdlib_text(batch_size: int = 32, context: int = 128, max_bytes: int = 2_000
     x = rows[:-1].view(n_windows, context)
     y = rows[1:].view(n_windows, context)
     return Dataset("stdlib_text", WindowBatches(train, batch_size, context, seed), (x, y))
+
+
+def from_source(source: Any, *, name: str, batch_size: int | None = None, test_fraction: float = 0.2,
+                split_seed: int = 0, seed: int = 0, test_batches: int | None = None,
+                input_shape: Sequence[int] | None = None, num_classes: int | None = None) -> Dataset:
+    """A :class:`Dataset` from whatever a data config's ``_target_`` returned, whatever its class.
+
+    ``source`` may be:
+
+    * a :class:`Dataset`: returned as is (the facts below checked); if its ``train`` only iterates, its
+      batches are read in order as an iterable's (below), none held out;
+    * tensors ``(x, y)``, a tuple or list of two tensors or numpy arrays: rows split with ``split_seed``, the
+      training rows reshuffled each epoch with ``seed`` (:class:`ShuffledBatches`);
+    * a map-style dataset of ``(input, target)`` items (a ``torch.utils.data.Dataset``, or any object with
+      ``len()`` and ``[i]`` and no ``__iter__``): indices split with ``split_seed``, batches of indices
+      reshuffled each epoch with ``seed`` and collated (:class:`ExampleBatches`); the test split collated once;
+    * an iterable of ``(inputs, targets)`` batches (an ``IterableDataset``, a ``DataLoader``, a list of batches,
+      a class with ``__iter__``, a generator): the first ``test_batches`` batches of each pass are the test
+      split, the rest the training batches in the iterable's own order, fxtrain does not shuffle them; a new
+      pass when one ends (:class:`StreamBatches`, which says what a resume and the split need of it).
+
+    Numpy arrays and numbers become tensors (float64 as float32). Targets may be float (regression) or
+    integer (classes) of any trailing shape, inputs of any shape. Batches are global: under data parallelism
+    the runner gives each rank its slice of every batch (``ParallelDims.local_batch``), so ``batch_size`` is
+    the global batch.
+
+    Args:
+      source: the data, in one of the forms above.
+      name: the dataset's name, for logs and messages (a returned :class:`Dataset` keeps its own).
+      batch_size: examples per training batch; for a Dataset or an iterable, checked against their batches
+        (``None``: theirs).
+      test_fraction: share of the examples held out (tensors, map-style), or of the batches of an iterable
+        with a ``len()`` when ``test_batches`` is None.
+      split_seed: seed of the train/test split, not ``seed``: sweeping the seed keeps the test set.
+      seed: seed of the batch order (tensors, map-style).
+      test_batches: batches of an iterable held out; ``None``: about ``test_fraction`` of them (at least 1)
+        when it has a ``len()``, else 1.
+      input_shape: a fact from the config: the shape of one input (checked against the test split).
+      num_classes: a fact from the config: integer targets must lie in ``0..num_classes-1`` (a split or a
+        batch may miss classes). Checked on all of tensors ``(x, y)``, else on the test split and the first
+        training batch (reading a whole dataset only to check would cost an epoch); float targets unchecked.
+
+    Examples:
+        >>> import torch
+        >>> x, y = torch.randn(500, 4), torch.randint(3, (500,))
+        >>> data = from_source((x, y), name="mine", batch_size=32, num_classes=3)
+        >>> data, data.train[7][0].shape
+        (mine: 400 train examples, 100 test, batch 32, torch.Size([32, 4]))
+        >>> from torch.utils.data import TensorDataset
+        >>> from_source(TensorDataset(x, y), name="mine", batch_size=32)
+        mine: 400 train examples, 100 test, batch 32 (TensorDataset, map-style)
+        >>> batches = [(x[i:i + 50], y[i:i + 50]) for i in range(0, 500, 50)]
+        >>> from_source(batches, name="mine", batch_size=50, test_batches=2)
+        mine: batches from list (iterable, order as given), 2 test batches (100 examples), batch 50
+        >>> from_source((x, y), name="mine", batch_size=32, num_classes=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: mine: num_classes=2 is too few: the targets go up to 2, so num_classes is at least 3
+    """
+    targets = None   # all the targets, where they are at hand
+    if isinstance(source, Dataset):
+        data = source
+        if not hasattr(data.train, "__getitem__"):   # only iterates: its batches in order, its test its own
+            if not _is_iterable(data.train):
+                raise TypeError(f"{name}: Dataset.train is a {type(data.train).__name__}; it needs train[k] (step k's "
+                                "batch) or __iter__ (batches in order)")
+            data = Dataset(data.name, StreamBatches(data.train, 0, batch_size, name), data.test)
+        if batch_size is not None and len(data.train[0][0]) != batch_size:
+            raise ValueError(f"{name}: batch_size={batch_size} does not match the data (its training batches hold "
+                             f"{len(data.train[0][0])}); leave it at {len(data.train[0][0])}")
+    elif isinstance(source, (tuple, list)) and len(source) == 2 and all(isinstance(v, (torch.Tensor, np.ndarray))
+                                                                        for v in source):
+        x, y = map(_tensor, source)
+        if len(x) != len(y):
+            raise ValueError(f"{name}: x has {len(x)} rows and y {len(y)}; tensors (x, y) pair row i of x with "
+                             "row i of y")
+        train, test = _split_rows(name, len(x), test_fraction, split_seed, batch_size)
+        data, targets = Dataset(name, ShuffledBatches(x[train], y[train], batch_size, seed), (x[test], y[test])), [y]
+    elif _is_map_style(source):
+        train, test = _split_rows(name, len(source), test_fraction, split_seed, batch_size)
+        data = Dataset(name, ExampleBatches(source, train, batch_size, seed), _collate(source, test.tolist()))
+    elif _is_iterable(source):
+        if test_batches is not None and test_batches < 1:
+            raise ValueError(f"{name}: test_batches={test_batches} must be at least 1 (the test split)")
+        stream = StreamBatches(source, _test_batches(source, test_batches, test_fraction), batch_size, name)
+        data = Dataset(name, stream, stream.test)
+    else:
+        raise TypeError(f"{name}: the data is a {type(source).__name__}; fxtrain reads tensors (x, y), a map-style "
+                        "torch.utils.data.Dataset of (input, target) items, or an iterable of (inputs, targets) "
+                        "batches (or an fxtrain.data.Dataset)")
+    _check(name, "input_shape", input_shape, list(data.test[0].shape[1:]))
+    if num_classes is not None:
+        _check_classes(name, num_classes, targets or [data.test[1], data.train[0][1]])
+    return data
+
+
+def _is_map_style(source: Any) -> bool:
+    """``len()`` and ``[i]``, and not iterated: a torch map-style Dataset, or a plain class without ``__iter__``."""
+    if isinstance(source, IterableDataset) or not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+        return False
+    return isinstance(source, TorchDataset) or not hasattr(source, "__iter__")
+
+
+def _is_iterable(source: Any) -> bool:
+    """Iterated for batches: ``__iter__``, or only ``[k]`` (Python iterates that too); not text or a mapping."""
+    if isinstance(source, (str, bytes, collections.abc.Mapping)):
+        return False
+    return isinstance(source, collections.abc.Iterable) or hasattr(source, "__getitem__")
+
+
+def _split_rows(owner: str, n: int, test_fraction: float, split_seed: int,
+                batch_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_split`, checked: some rows held out, a batch's worth left for training."""
+    train, test = _split(n, test_fraction, split_seed, owner)
+    if not len(test):
+        raise ValueError(f"{owner}: test_fraction={test_fraction} of {n} examples holds none out; raise test_fraction")
+    if batch_size is None or not 0 < batch_size <= len(train):
+        raise ValueError(f"{owner}: batch_size={batch_size} must be between 1 and the {len(train)} training examples "
+                         f"({n} examples, {len(test)} held out by test_fraction={test_fraction})")
+    return train, test
+
+
+def _test_batches(source: Any, test_batches: int | None, test_fraction: float) -> int:
+    """``test_batches``, or about ``test_fraction`` of an iterable's batches when it has a ``len()``, else 1."""
+    if test_batches is not None:
+        return test_batches
+    try:
+        n = len(source)
+    except TypeError:   # no len(): a generator, an IterableDataset
+        return 1
+    return max(1, int(round(n * test_fraction)))
+
+
+def _check_classes(owner: str, num_classes: int, targets: Sequence[torch.Tensor]) -> None:
+    """Integer targets in ``0..num_classes-1`` (float targets are regression: nothing to check)."""
+    ys = [y for y in targets if y.numel() and not (y.is_floating_point() or y.is_complex())]
+    if not ys:
+        return
+    low, top = min(int(y.min()) for y in ys), max(int(y.max()) for y in ys)
+    if low < 0:
+        raise ValueError(f"{owner}: the targets go down to {low}; class targets are 0..num_classes-1 "
+                         f"(num_classes={num_classes})")
+    if top >= num_classes:
+        raise ValueError(f"{owner}: num_classes={num_classes} is too few: the targets go up to {top}, so num_classes "
+                         f"is at least {top + 1}")

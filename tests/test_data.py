@@ -5,7 +5,10 @@ import itertools
 import pytest
 import torch
 
-from fxtrain.data import ShuffledBatches, WindowBatches, digits, stdlib_text, synthetic
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from fxtrain.data import Dataset, ShuffledBatches, WindowBatches, digits, from_source, stdlib_text, synthetic
 
 
 def test_each_epoch_is_a_permutation_and_steps_are_addressable():
@@ -82,3 +85,185 @@ def test_synthetic_is_learnable_and_seeded():
     again = synthetic(batch_size=8, num_examples=100, input_shape=(4,), num_classes=3, noise=0.1)
     assert torch.equal(again.test[0], x) and torch.equal(again.train[3][0], data.train[3][0])
     assert data.to("cpu").train[2][0].shape == (8, 4)
+
+
+# --- from_source: whatever a data _target_ returns --------------------------------------------------------
+
+def rows_seen(data, steps):
+    """The row ids (column 0 of the inputs) of training steps 0..steps-1."""
+    return torch.cat([data.train[k][0][:, 0] for k in range(steps)]).long().tolist()
+
+
+def test_tensors_are_split_by_split_seed_and_shuffled_by_seed():
+    x = np.arange(100, dtype=np.float64)[:, None].repeat(3, 1)      # row i holds i: the row's id
+    y = np.arange(100) % 4
+    data = from_source((x, y), name="mine", batch_size=10, test_fraction=0.2, split_seed=1, seed=2)
+    assert repr(data) == "mine: 80 train examples, 20 test, batch 10"
+    assert data.train[0][0].dtype == torch.float32 and data.train[0][1].dtype == torch.int64   # numpy float64: float32
+    test = data.test[0][:, 0].long().tolist()
+    epoch = rows_seen(data, 8)
+    assert sorted(epoch + test) == list(range(100))                  # disjoint, and together every row
+    assert torch.equal(data.train[3][1], data.train[3][0][:, 0].long() % 4)   # rows stay paired
+    assert rows_seen(data, 16)[80:] != epoch                         # reshuffled each epoch
+    same_split = from_source((x, y), name="mine", batch_size=10, split_seed=1, seed=3)
+    assert same_split.test[0][:, 0].long().tolist() == test and rows_seen(same_split, 8) != epoch
+    assert from_source((x, y), name="mine", batch_size=10, split_seed=2, seed=2).test[0][:, 0].long().tolist() != test
+    # Random access is the resumed run's: a fresh build asked for step 13 gives the batch of step 13.
+    again = from_source((x, y), name="mine", batch_size=10, split_seed=1, seed=2)
+    assert torch.equal(again.train[13][0], data.train[13][0])
+    moved = data.to("cpu")
+    assert repr(moved) == repr(data) and torch.equal(moved.train[5][0], data.train[5][0])
+
+
+class Squares(torch.utils.data.Dataset):
+    """A map-style dataset: item i is (a numpy row holding i, i's class), read one at a time."""
+
+    def __len__(self):
+        return 50
+
+    def __getitem__(self, i):
+        return np.full(2, float(i)), i % 3
+
+
+def test_map_style_dataset_is_split_and_collated_per_step():
+    data = from_source(Squares(), name="sq", batch_size=8, test_fraction=0.2, split_seed=0, seed=1)
+    assert repr(data) == "sq: 40 train examples, 10 test, batch 8 (Squares, map-style)"
+    x, y = data.train[0]
+    assert x.shape == (8, 2) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert torch.equal(y, x[:, 0].long() % 3)
+    test = data.test[0][:, 0].long().tolist()
+    assert len(test) == 10 and sorted(rows_seen(data, 5) + test) == list(range(50))
+    assert from_source(Squares(), name="sq", batch_size=8, split_seed=0, seed=9).test[0][:, 0].long().tolist() == test
+    fresh = from_source(Squares(), name="sq", batch_size=8, split_seed=0, seed=1)
+    assert all(torch.equal(fresh.train[k][0], data.train[k][0]) for k in (12, 3, 7))   # any order: by step
+    # A TensorDataset is one too; the split and the order match the tensors form's.
+    xs, ys = torch.randn(30, 4), torch.randint(5, (30,))
+    tensors = from_source((xs, ys), name="t", batch_size=6)
+    mapped = from_source(TensorDataset(xs, ys), name="t", batch_size=6).to("cpu")
+    assert torch.equal(mapped.test[0], tensors.test[0]) and torch.equal(mapped.train[9][0], tensors.train[9][0])
+
+
+class MyBatches:
+    """The issue's custom batch source: a class with __iter__ yielding (x, y) batches, regression targets."""
+
+    def __init__(self, n=6, batch=4):
+        self.n, self.batch, self.passes, self.pulled = n, batch, 0, 0
+
+    def __iter__(self):
+        self.passes += 1
+        for i in range(self.n):
+            self.pulled += 1
+            x = torch.full((self.batch, 3), float(i))
+            yield x, x.sum(1, keepdim=True)                 # float targets with a trailing dim
+
+
+def test_iterable_holds_out_its_first_batches_and_cycles():
+    source = MyBatches()
+    data = from_source(source, name="mine", batch_size=4, test_batches=2)
+    assert repr(data) == "mine: batches from MyBatches (iterable, order as given), 2 test batches (8 examples), batch 4"
+    assert data.test[0][:, 0].tolist() == [0] * 4 + [1] * 4 and data.test[1].shape == (8, 1)
+    ids = [int(data.train[k][0][0, 0]) for k in range(10)]
+    assert ids == [2, 3, 4, 5, 2, 3, 4, 5, 2, 3]                  # in order; each new pass skips the test batches
+    assert (source.passes, source.pulled) == (3, 2 * 6 + 4)       # sequential: one batch pulled per step
+    # A resumed run (a fresh source) asked for step 7 skips to it; going back starts a new pass.
+    fresh = from_source(MyBatches(), name="mine", batch_size=4, test_batches=2)
+    assert torch.equal(fresh.train[7][0], data.train[7][0]) and torch.equal(fresh.train[1][0], data.train[1][0])
+    assert torch.equal(list(itertools.islice(iter(fresh.to("cpu").train), 6))[5][0], data.train[5][0])
+
+
+def test_iterable_default_test_batches_and_loaders():
+    batches = [(torch.randn(5, 2), torch.randint(3, (5,))) for _ in range(10)]
+    assert len(from_source(batches, name="b", batch_size=5, test_fraction=0.3).test[0]) == 15   # 3 of 10 batches
+
+    class Stream(IterableDataset):                              # no len(): one test batch
+        def __iter__(self):
+            return iter(batches)
+
+    data = from_source(Stream(), name="s")
+    assert torch.equal(data.test[0], batches[0][0]) and torch.equal(data.train[9][0], batches[1][0])
+    assert repr(data).endswith("1 test batch (5 examples), batch 5")
+    loader = DataLoader(TensorDataset(torch.arange(20.)[:, None], torch.arange(20)), batch_size=4)
+    data = from_source(loader, name="l", batch_size=4, test_batches=1)
+    assert data.test[0][:, 0].tolist() == [0, 1, 2, 3] and data.train[4][1].tolist() == [4, 5, 6, 7]
+
+
+def test_one_shot_iterator_goes_forward_only():
+    def gen(n):
+        for i in range(n):
+            yield np.full((2, 1), float(i)), np.array([i, i])
+
+    data = from_source(gen(5), name="g", batch_size=2)
+    assert repr(data) == ("g: batches from generator (one-shot iterator, order as given), 1 test batch (2 examples), "
+                          "batch 2")
+    assert [int(data.train[k][1][0]) for k in range(3)] == [1, 2, 3]
+    assert int(from_source(gen(5), name="g", batch_size=2).train[2][1][0]) == 3   # a resume re-runs the generator
+    with pytest.raises(ValueError, match=r"g: step 0 comes before .* one-shot iterator cannot go back; return a "
+                                         r"re-iterable \(a list, a Dataset or a class with __iter__\)"):
+        data.train[0]
+    data.train[3]
+    with pytest.raises(ValueError, match="ended after 4 training batches .* return a re-iterable"):
+        data.train[4]
+
+
+class ByStep:
+    """A train object of the user's own: ``batches[k]`` is step k's batch."""
+
+    def __getitem__(self, k):
+        return torch.full((2, 3), float(k)), torch.full((2,), k)
+
+
+def test_a_dataset_is_returned_as_is_and_described_generically():
+    test = (torch.zeros(3, 3), torch.zeros(3, dtype=torch.long))
+    data = Dataset("mine", ByStep(), test)                          # a train object fxtrain does not know
+    assert from_source(data, name="ignored", batch_size=2, input_shape=[3], num_classes=1) is data
+    assert repr(data) == "mine: batches from ByStep, 3 test examples"
+    moved = data.to("cpu")                                          # moved batch by batch
+    assert torch.equal(moved.train[4][0], data.train[4][0]) and repr(moved) == repr(data)
+    # The issue's case: a Dataset whose train only iterates is read in order (its test is its own).
+    mine = from_source(Dataset("mine", MyBatches(), test), name="mine", batch_size=4).to("cpu")
+    assert [int(mine.train[k][0][0, 0]) for k in (0, 1, 6)] == [0, 1, 0] and mine.test is not None
+    assert repr(mine) == "mine: batches from MyBatches (iterable, order as given), 3 test, batch 4"
+    with pytest.raises(ValueError, match=r"mine: batch_size=4 does not match the data \(its training batches hold 2\)"):
+        from_source(data, name="mine", batch_size=4)
+    with pytest.raises(ValueError, match=r"mine: num_classes=2 is too few"):
+        from_source(Dataset("mine", ByStep(), (torch.zeros(3, 3), torch.tensor([0, 1, 2]))), name="mine",
+                    num_classes=2)
+
+
+def test_facts_and_bad_input_are_named():
+    x, y = torch.randn(40, 3), torch.arange(40) % 4
+    with pytest.raises(ValueError, match=r"mine: input_shape=\[1, 8, 8\] does not match the data "
+                                         r"\(input_shape is \[3\]\)"):
+        from_source((x, y), name="mine", batch_size=4, input_shape=[1, 8, 8])
+    from_source((x, y), name="mine", batch_size=4, input_shape=[3], num_classes=10)   # at most: classes may be missing
+    rare = y.clone()
+    rare[torch.nonzero(rare == 3)[1:]] = 0                          # class 3 in one row only: all the data is checked
+    with pytest.raises(ValueError, match="mine: num_classes=3 is too few: the targets go up to 3, so num_classes is "
+                                         "at least 4"):
+        from_source((x, rare), name="mine", batch_size=4, num_classes=3)
+    with pytest.raises(ValueError, match="targets go down to -1"):
+        from_source((x, y - 1), name="mine", batch_size=4, num_classes=4)
+    from_source((x, x[:, :2]), name="reg", batch_size=4, num_classes=1)   # float targets: regression, unchecked
+    with pytest.raises(ValueError, match=r"s: num_classes=2 is too few"):
+        from_source([(x[:4], y[:4])] * 3, name="s", batch_size=4, num_classes=2)
+    with pytest.raises(ValueError, match=r"mine: batch_size=64 must be between 1 and the 32 training examples \(40 "
+                                         r"examples, 8 held out by test_fraction=0.2\)"):
+        from_source((x, y), name="mine", batch_size=64)
+    with pytest.raises(ValueError, match=r"x has 40 rows and y 39"):
+        from_source((x, y[:-1]), name="mine", batch_size=4)
+    with pytest.raises(TypeError, match=r"mine: the data is a int; fxtrain reads tensors \(x, y\), a map-style"):
+        from_source(3, name="mine", batch_size=4)
+    with pytest.raises(TypeError, match=r"mine: the data is a dict"):
+        from_source({"x": x, "y": y}, name="mine", batch_size=4)
+    with pytest.raises(TypeError, match=r"mine: test batch 0 from list \(iterable, order as given\) is a tuple of 3; "
+                                        r"fxtrain reads \(inputs, targets\) pairs"):
+        from_source([(x, y, y)] * 3, name="mine", batch_size=4)
+    with pytest.raises(ValueError, match=r"training batch 1 from list .* has 2 examples, not batch_size=4.*"
+                                         r"drop_last=True"):
+        from_source([(x[:4], y[:4])] * 2 + [(x[:2], y[:2])], name="mine", batch_size=4).train[1]
+    with pytest.raises(ValueError, match=r"list \(iterable, order as given\) yielded 2 batches, fewer than the "
+                                         r"test_batches=3 held out for testing, and none for training"):
+        from_source([(x, y)] * 2, name="mine", batch_size=40, test_batches=3)
+    with pytest.raises(ValueError, match=r"a pass of list .* yields no training batches after the "
+                                         r"test_batches=2 held out"):
+        from_source([(x, y)] * 2, name="mine", batch_size=40, test_batches=2)
