@@ -1,16 +1,24 @@
 """``hydra/launcher=vmap``: fxtrain's Hydra launcher that trains batchable jobs of a multirun as one vmapped process.
 
     python -m fxtrain.train -m hydra/launcher=vmap optim.chain.adamw.learning_rate=1e-3,3e-3,1e-2 seed=0,1
+    python -m fxtrain.train -m hydra/launcher=vmap_submitit_slurm hydra.launcher.executor.slurm_partition=gpu ...
 
-Hydra finds this class by scanning the ``hydra_plugins`` namespace package; its config is
-``conf/hydra/launcher/vmap.yaml``. :meth:`VmapLauncher.launch` does what Hydra's ``BasicLauncher`` does
+Hydra finds this class by scanning the ``hydra_plugins`` namespace package; its configs are
+``conf/hydra/launcher/vmap*.yaml``. :meth:`VmapLauncher.launch` does what Hydra's ``BasicLauncher`` does
 (``load_sweep_config`` per job, ``run_job``, logging set up between jobs), except that the jobs
 :func:`fxtrain.sweep.plan` can batch are first trained together by :func:`fxtrain.sweep.train_group`;
 each of them then still goes through ``run_job``, whose task function hands back what the group computed
 for it, so ``.hydra/``, ``train.log``, the callbacks (``summary.csv``, the sweep table) and the
 ``JobReturn`` are Hydra's own. Everything else runs job by job with the task function, as with
-``hydra/launcher=basic``. The work lives in :mod:`fxtrain.sweep`; this module stays light, because Hydra
-imports every plugin module whenever any Hydra app starts.
+``hydra/launcher=basic``.
+
+With ``executor`` set, each planned group (a vmapped group, or a job that runs alone) is ONE job of a
+submitit executor (``local``: a process on this machine; ``slurm``: a SLURM job), as Hydra's
+``hydra_submitit_launcher`` runs each job: the launcher itself is the pickled callable, Hydra's singletons
+travel with it, and the submitit job runs the same code as the in-process launcher for its own group.
+
+The work lives in :mod:`fxtrain.sweep`; this module stays light, because Hydra imports every plugin module
+whenever any Hydra app starts (submitit is imported only when a launch uses it).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import pathlib
 from typing import Any, Callable, Sequence
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
@@ -36,13 +45,19 @@ class VmapLauncher(Launcher):
     Args:
       max_group_size: at most this many jobs in one vmapped process (params and optimizer state of every
         job of a group are in memory at once); ``None``: no limit.
+      executor: ``None``: every group in this process, one after the other. Or a submitit executor, each
+        group one job of it: ``cluster`` (``local`` or ``slurm``), ``folder`` (submitit's logs and pickles,
+        ``%j`` is the job id), and submitit's ``AutoExecutor`` parameters (``timeout_min``,
+        ``gpus_per_node``, ``cpus_per_task``, ``mem_gb``, ``slurm_partition``, ``slurm_max_num_timeout``...;
+        ``null`` leaves submitit's default).
     """
 
-    def __init__(self, max_group_size: int | None = None) -> None:
+    def __init__(self, max_group_size: int | None = None, executor: Any = None) -> None:
         super().__init__()
         if max_group_size is not None and (not isinstance(max_group_size, int) or max_group_size < 1):
             raise ValueError(f"hydra.launcher.max_group_size: expected a positive integer or null, got {max_group_size!r}")
         self.max_group_size = max_group_size
+        self.executor = _executor_spec(executor)
         self.config: DictConfig | None = None
         self.task_function: TaskFunction | None = None
         self.hydra_context: HydraContext | None = None
@@ -52,33 +67,74 @@ class VmapLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Runs the jobs (``job_overrides[k]`` is job ``initial_job_idx + k``); returns their ``JobReturn``s in order."""
-        from fxtrain import distributed, sweep
-
         setup_globals()
-        assert self.config is not None and self.hydra_context is not None and self.task_function is not None
+        assert self.config is not None
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         pathlib.Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        log.info(f"Launching {len(job_overrides)} jobs locally (vmap launcher)")
+        where = "locally" if self.executor is None else f"as submitit '{self.executor['cluster']}' jobs"
+        log.info(f"Launching {len(job_overrides)} jobs {where} (vmap launcher)")
         configs = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
-            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            with open_dict(sweep_config):
-                sweep_config.hydra.job.id = idx
-                sweep_config.hydra.job.num = idx
-            configs.append(sweep_config)
+            configs.append(self._sweep_config(overrides, idx, idx))
+        groups = self._plan(configs, notes=True)
+        if self.executor is None:
+            return self._run_groups(groups, configs)
+        return self._submit(groups, dict(enumerate(map(list, job_overrides), start=initial_job_idx)))
 
+    def __call__(self, jobs: Sequence[tuple[int, Sequence[str]]], singleton_state: dict) -> list[JobReturn]:
+        """One submitit job: the jobs of one planned group (``(num, overrides)`` each), trained as the in-process
+        launcher trains a group; Hydra's globals set up as ``hydra_submitit_launcher`` sets them up."""
+        import submitit
+
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        assert self.config is not None
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        job_id = submitit.JobEnvironment().job_id
+        configs = [self._sweep_config(overrides, num, job_id) for num, overrides in jobs]
+        return self._run_groups(self._plan(configs, notes=False), configs)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """submitit's hook on timeout or preemption: the same group submitted again (with ``resume=auto``
+        each job continues from its newest checkpoint; ``slurm_max_num_timeout`` says how many times)."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+    def _sweep_config(self, overrides: Sequence[str], num: int, job_id: Any) -> DictConfig:
+        assert self.config is not None and self.hydra_context is not None
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(sweep_config):
+            sweep_config.hydra.job.id = job_id
+            sweep_config.hydra.job.num = num
+        return sweep_config
+
+    def _plan(self, configs: list[DictConfig], notes: bool) -> list[Any]:
+        """The groups of these jobs (:func:`fxtrain.sweep.plan`); every job alone when the launch cannot batch."""
+        from fxtrain import distributed, sweep
+
+        assert self.config is not None and self.task_function is not None
+        alone = [sweep.Group([sweep.Job(int(c.hydra.job.num), c, pathlib.Path(), [])], {}, "a group of one")
+                 for c in configs]
         why = _not_batchable_launch(self.config, self.task_function)
         if why is not None:
-            log.info(f"[vmap] every job runs one by one: {why}")
-            return [self._run(c, self.task_function) for c in configs]
+            if notes:
+                log.info(f"[vmap] every job runs one by one: {why}")
+            return alone
         jobs = [_job(c) for c in configs]
-        groups, notes = sweep.plan([j for j in jobs if j is not None], self.max_group_size,
-                                   distributed.rank_and_world()[1])
-        groups += [sweep.Group([sweep.Job(c.hydra.job.num, c, pathlib.Path(), [])], {}, "a group of one")
-                   for c, j in zip(configs, jobs) if j is None]  # configs that do not resolve: their runs say why
-        for note in notes:
+        groups, planned_notes = sweep.plan([j for j in jobs if j is not None], self.max_group_size,
+                                           distributed.rank_and_world()[1])
+        for note in planned_notes if notes else []:
             log.info(f"[vmap] {note}")
+        groups += [g for g, j in zip(alone, jobs) if j is None]  # configs that do not resolve: their runs say why
+        return sorted(groups, key=lambda g: g.jobs[0].num)
+
+    def _run_groups(self, groups: list[Any], configs: list[DictConfig]) -> list[JobReturn]:
+        """Trains each group vmapped (or its jobs one by one), then every job through ``run_job``; in job order."""
+        from fxtrain import sweep
+
+        assert self.task_function is not None
         by_num = {int(c.hydra.job.num): c for c in configs}
         returns: dict[int, JobReturn] = {}
         for group in groups:
@@ -98,6 +154,18 @@ class VmapLauncher(Launcher):
                 returns[job.num] = self._run(by_num[job.num], self.task_function)
         return [returns[num] for num in sorted(returns)]
 
+    def _submit(self, groups: list[Any], overrides: dict[int, list[str]]) -> list[JobReturn]:
+        """One submitit job per group (``executor.map_array``, each runs :meth:`__call__`); waits for all and
+        returns every job's ``JobReturn``, in job order."""
+        assert self.executor is not None
+        executor = _executor(self.executor)
+        work = [[(job.num, overrides[job.num]) for job in group.jobs] for group in groups]
+        submitted = executor.map_array(self, work, [Singleton.get_state()] * len(work))
+        for group, job in zip(groups, submitted):
+            log.info(f"[vmap] {group.label()}: submitit job {job.job_id}")
+        returns = {num: ret for nums, job in zip(work, submitted) for (num, _), ret in zip(nums, job.result())}
+        return [returns[num] for num in sorted(returns)]
+
     def _run(self, sweep_config: DictConfig, task_function: Callable) -> JobReturn:
         """One job through Hydra's ``run_job`` (as ``BasicLauncher`` runs it), then Hydra's logging back."""
         assert self.config is not None and self.hydra_context is not None
@@ -105,6 +173,48 @@ class VmapLauncher(Launcher):
                       job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return ret
+
+
+def _executor_spec(executor: Any) -> dict[str, Any] | None:
+    """``hydra.launcher.executor`` as a plain dict (``None`` stays ``None``), checked before anything runs."""
+    if executor is None:
+        return None
+    spec = OmegaConf.to_container(executor, resolve=True) if OmegaConf.is_config(executor) else dict(executor)
+    if spec.get("cluster") not in ("local", "slurm", "debug"):
+        raise ValueError(f"hydra.launcher.executor.cluster: expected local or slurm (submitit's executors), "
+                         f"got {spec.get('cluster')!r}")
+    if not spec.get("folder"):
+        raise ValueError("hydra.launcher.executor.folder: where submitit keeps its logs, e.g. "
+                         "${hydra.sweep.dir}/.submitit/%j")
+    if spec.get("tasks_per_node") not in (None, 1) or spec.get("nodes") not in (None, 1):
+        raise ValueError(f"hydra.launcher.executor: tasks_per_node={spec.get('tasks_per_node')}, "
+                         f"nodes={spec.get('nodes')}: a vmapped group trains in one process; leave both at 1")
+    return spec
+
+
+def _executor(spec: dict[str, Any]) -> Any:
+    """``submitit.AutoExecutor(folder, cluster, **<executor arguments>).update_parameters(**<the rest>)``.
+
+    ``slurm_max_num_timeout`` and the like are arguments of the cluster's executor class, not job
+    parameters: they go to the constructor, as submitit expects.
+    """
+    import submitit
+    from submitit.core import plugins
+
+    classes = plugins.get_executors()
+    params = {k: v for k, v in spec.items() if k not in ("cluster", "folder")}
+
+    def init_argument(key: str) -> bool:
+        ex, _, arg = key.partition("_")
+        return ex in classes and arg in inspect.signature(classes[ex]).parameters
+
+    try:
+        executor = submitit.AutoExecutor(spec["folder"], spec["cluster"],
+                                         **{k: v for k, v in params.items() if init_argument(k)})
+        executor.update_parameters(**{k: v for k, v in params.items() if not init_argument(k)})
+    except (NameError, AssertionError, ValueError) as e:  # submitit's messages list the valid names
+        raise ValueError(f"hydra.launcher.executor ({spec['cluster']}): {e}") from e
+    return executor
 
 
 def _not_batchable_launch(config: DictConfig, task_function: Callable) -> str | None:
