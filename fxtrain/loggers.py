@@ -1,24 +1,145 @@
-"""Metric loggers for the training script (the Hydra ``logger`` group).
+"""Metric loggers for the training script (the Hydra ``logger`` group): several at once, real libraries.
 
-A logger has ``log(step, metrics)`` (a dict of Python floats) and ``close()``, and is a context manager
-(the training loop closes it however the loop ends). Only rank 0 builds one.
+``'logger=[jsonl,tensorboard,csv]'`` picks any of ``conf/logger/*.yaml`` (each file is one named entry of
+``cfg.logger``); :func:`open_loggers` builds them all as one :class:`Loggers`, which the training loop logs to
+and closes however the loop ends. Only rank 0 opens loggers.
+
+========================  =============================================  ======================
+``logger=``               writes, under the run directory                needs
+========================  =============================================  ======================
+``jsonl``                 ``metrics.jsonl``: always written (below)      nothing
+``csv``                   ``metrics.csv``: one column per metric         nothing
+``tensorboard``           ``tensorboard/events.out.tfevents.*``          ``fxtrain[tensorboard]``
+``wandb``                 ``wandb/offline-run-*`` (``mode: offline``)    ``fxtrain[wandb]``
+``mlflow``                ``mlruns/`` (a local file store)               ``fxtrain[mlflow]``
+========================  =============================================  ======================
+
+``metrics.jsonl`` is the run's record: the report, the plots, ``resume`` and :mod:`fxtrain.rundir` read it, so
+:func:`open_loggers` always writes it, whatever the list says. A logger is a class built with its config keys and
+the keyword arguments ``dir`` (the run directory), ``start`` (the step training starts from: a resumed run's
+later steps on disk are superseded) and ``config`` (the run's resolved config as a dict); it has
+``log(step, metrics)`` (a dict of Python floats, non-finite ones included) and ``close()``. Your own class
+works the same way (``+logger.mine._target_=mylib.MyLogger``, or a ``conf/logger/mine.yaml`` of your own).
 
 Example:
-    >>> import json, tempfile
-    >>> from fxtrain.loggers import JsonlLogger
+    >>> import tempfile
+    >>> from fxtrain.loggers import open_loggers
     >>> d = tempfile.mkdtemp()
-    >>> with JsonlLogger(d) as logger:
-    ...     logger.log(10, {"loss": 0.5, "learning_rate": 1e-3})
-    >>> print(logger.path.read_text(), end="")
+    >>> node = {"csv": {"_target_": "fxtrain.loggers.CsvLogger"}}
+    >>> with open_loggers(node, d) as loggers:
+    ...     loggers.log(10, {"loss": 0.5, "learning_rate": 1e-3})
+    >>> loggers
+    Loggers(metrics.jsonl, csv)
+    >>> print(loggers.loggers["metrics.jsonl"].path.read_text(), end="")
     {"step": 10, "loss": 0.5, "learning_rate": 0.001}
+    >>> print(loggers.loggers["csv"].path.read_text(), end="")
+    step,loss,learning_rate
+    10,0.5,0.001
 """
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import importlib
 import json
+import os
 import pathlib
+import time
+import warnings
+from typing import Any, Mapping
 
-__all__ = ["JsonlLogger"]
+from fxtrain import build
+
+__all__ = ["RECORD", "open_loggers", "Loggers", "JsonlLogger", "CsvLogger", "TensorBoardLogger", "WandbLogger",
+           "MlflowLogger", "mlflow_file_store"]
+
+RECORD = "metrics.jsonl"  # the run's record, in the run directory: always written
+
+
+def open_loggers(node: Mapping | None, dir: str | os.PathLike, *, start: int = 0,
+                 config: dict | None = None) -> "Loggers":
+    """Builds every logger of ``node`` (``cfg.logger``: name -> ``_target_`` node) for the run directory ``dir``.
+
+    Each is built with :func:`fxtrain.build.instantiate` (keys checked, errors name ``logger.<name>``) and
+    ``dir``, ``start`` and ``config``. A :class:`JsonlLogger` writing ``dir/metrics.jsonl`` comes first,
+    the user's ``jsonl`` entry or one added when the list leaves it out: the record is always written, once.
+    If one logger fails to build, those built already are closed.
+
+    Args:
+      node: ``cfg.logger``, a DictConfig or dict of named ``_target_`` nodes; ``None`` or empty: the record only.
+      dir: the run directory.
+      start: the step training (re)starts from (``resume``): loggers that keep a history drop later steps.
+      config: the resolved run config as a plain dict (wandb's config, MLflow's params).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> open_loggers(None, d).close()
+    >>> two = {"jsonl": {"_target_": "fxtrain.loggers.JsonlLogger"}, "copy": {"_target_": "fxtrain.loggers.JsonlLogger"}}
+    >>> open_loggers(two, d)
+    Traceback (most recent call last):
+    ...
+    fxtrain.build.ConfigError: logger.jsonl and logger.copy both write .../metrics.jsonl: keep one
+    """
+    node = node or {}
+    if "_target_" in node:  # a pre-multi-select config: logger: {_target_: ...}
+        raise build.ConfigError(f"logger: expected named loggers ({{jsonl: {{_target_: ...}}, csv: ...}}, what "
+                                f"'logger=[jsonl,csv]' composes), got one _target_ node ({node['_target_']}): put it "
+                                "under a name, logger.<name>._target_")
+    built: dict[str, Any] = {}
+    try:
+        for name, sub in node.items():
+            built[name] = build.instantiate(sub, f"logger.{name}", dir=dir, start=start, config=config)
+        writers: dict[pathlib.Path, str] = {}
+        for name, logger in built.items():
+            if isinstance(logger, JsonlLogger):
+                other = writers.setdefault(logger.path.resolve(), name)
+                if other != name:
+                    raise build.ConfigError(f"logger.{other} and logger.{name} both write {logger.path}: keep one")
+        record = writers.get((pathlib.Path(dir) / RECORD).resolve())
+        if record is None:
+            record, built[RECORD] = RECORD, JsonlLogger(dir)
+    except BaseException:
+        Loggers(built).close()
+        raise
+    return Loggers({record: built.pop(record), **built})
+
+
+class Loggers:
+    """Several loggers as one: ``log`` goes to each in order, ``close`` closes all even if one raises.
+
+    Args:
+      loggers: name -> logger (``log(step, metrics)``, ``close()``), in the order they log.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with Loggers({"jsonl": JsonlLogger(d), "csv": CsvLogger(d)}) as both:
+    ...     both.log(1, {"loss": float("nan")})
+    >>> print(both.loggers["csv"].path.read_text(), end="")
+    step,loss
+    1,nan
+    """
+
+    def __init__(self, loggers: dict[str, Any]):
+        self.loggers = loggers
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for logger in self.loggers.values():
+            logger.log(step, metrics)
+
+    def close(self) -> None:
+        with contextlib.ExitStack() as stack:  # runs every close, then raises the first failure
+            for logger in reversed(self.loggers.values()):
+                stack.callback(logger.close)
+
+    def __enter__(self) -> "Loggers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Loggers({', '.join(self.loggers)})"
 
 
 class JsonlLogger:
@@ -30,9 +151,19 @@ class JsonlLogger:
     Args:
       dir: the run directory.
       filename: name of the file in ``dir``.
+      start, config: unused: :func:`fxtrain.rundir.rewind` cuts ``metrics.jsonl`` back to ``start``.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with JsonlLogger(d) as logger:
+    ...     logger.log(10, {"loss": 0.5, "learning_rate": 1e-3})
+    >>> print(logger.path.read_text(), end="")
+    {"step": 10, "loss": 0.5, "learning_rate": 0.001}
     """
 
-    def __init__(self, dir: str | pathlib.Path, filename: str = "metrics.jsonl"):
+    def __init__(self, dir: str | os.PathLike, filename: str = RECORD, *, start: int = 0,
+                 config: dict | None = None):
+        del start, config
         self.path = pathlib.Path(dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
@@ -52,3 +183,293 @@ class JsonlLogger:
 
     def __repr__(self) -> str:
         return f"JsonlLogger({str(self.path)!r})"
+
+
+class CsvLogger:
+    """A wide CSV, ``dir/filename``: a ``step`` column, then one column per metric in the order they appear.
+
+    Rows are appended and flushed. A metric seen for the first time (the eval ones, a few steps in) widens
+    the header: the file is rewritten with the extra column, earlier rows empty there, and replaced
+    atomically. At ``start`` (a resumed run) rows after ``start`` and a half-written last line are dropped.
+
+    Args:
+      dir: the run directory.
+      filename: name of the file in ``dir``.
+      start: the step training starts from.
+      config: unused.
+
+    >>> import csv, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with CsvLogger(d) as logger:
+    ...     logger.log(1, {"loss": 2.0})
+    ...     logger.log(2, {"loss": 1.5, "test_loss": 1.75})
+    >>> print(logger.path.read_text(), end="")
+    step,loss,test_loss
+    1,2.0,
+    2,1.5,1.75
+    >>> CsvLogger(d, start=1).close()  # resumed at step 1
+    >>> list(csv.DictReader(logger.path.read_text().splitlines()))
+    [{'step': '1', 'loss': '2.0', 'test_loss': ''}]
+    """
+
+    def __init__(self, dir: str | os.PathLike, filename: str = "metrics.csv", *, start: int = 0,
+                 config: dict | None = None):
+        del config
+        self.path = pathlib.Path(dir) / filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = None
+        columns, rows = self._read()
+        self._rewrite(columns, [row for row in rows if int(row["step"]) <= start])
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        new = [k for k in metrics if k not in self._columns]
+        if new:
+            self._rewrite(self._columns + new, self._read()[1])
+        self._writer.writerow({"step": step, **metrics})
+        self._file.flush()
+
+    def _read(self) -> tuple[list[str], list[dict[str, str]]]:
+        text = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
+        text = text[:text.rfind("\n") + 1]  # a line without its newline is one a killed run was writing
+        reader = csv.DictReader(text.splitlines())
+        rows = list(reader)
+        return list(reader.fieldnames or ["step"]), rows
+
+    def _rewrite(self, columns: list[str], rows: list[dict[str, str]]) -> None:
+        if self._file is not None:
+            self._file.close()
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, columns, restval="")
+            writer.writeheader()
+            writer.writerows(rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._columns = columns
+        self._file = open(self.path, "a", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._file, columns, restval="")
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "CsvLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CsvLogger({str(self.path)!r})"
+
+
+class TensorBoardLogger:
+    """TensorBoard event files in ``dir/subdir``: one scalar series per metric name, flushed at every log.
+
+    Written with ``torch.utils.tensorboard.SummaryWriter``; ``tensorboard --logdir outputs`` shows every run.
+    A run resumed at ``start`` writes a new event file that purges the steps after ``start`` that an earlier
+    launch wrote (``purge_step``), so TensorBoard shows each step once.
+
+    Args:
+      dir: the run directory.
+      subdir: the event files' directory inside ``dir``.
+      start: the step training starts from.
+      config: unused.
+
+    >>> import tempfile
+    >>> from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    >>> d = tempfile.mkdtemp()
+    >>> with TensorBoardLogger(d) as logger:
+    ...     logger.log(5, {"loss": 0.5})
+    >>> events = EventAccumulator(str(logger.path)); _ = events.Reload()
+    >>> [(e.step, e.value) for e in events.Scalars("loss")]
+    [(5, 0.5)]
+    """
+
+    def __init__(self, dir: str | os.PathLike, subdir: str = "tensorboard", *, start: int = 0,
+                 config: dict | None = None):
+        del config
+        _require("tensorboard", "tensorboard", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = pathlib.Path(dir) / subdir
+        # TensorBoard hides the events at steps >= purge_step written before this file (by a launch killed
+        # after its last checkpoint): the resumed run's steps replace them.
+        self._writer = SummaryWriter(str(self.path), purge_step=start + 1)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def __enter__(self) -> "TensorBoardLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TensorBoardLogger({str(self.path)!r})"
+
+
+class WandbLogger:
+    """A Weights & Biases run, offline by default: its files go to ``dir/wandb/offline-run-*``, nothing is sent.
+
+    ``wandb sync <dir>/wandb/offline-run-*`` uploads an offline run later. Each launch is its own wandb run
+    (a resumed one's history starts after ``start``). The run's config is wandb's config.
+
+    Args:
+      dir: the run directory.
+      project: the wandb project.
+      name: the run's name; ``None``: the run directory.
+      mode: ``"offline"``, ``"online"`` or ``"disabled"`` (wandb's modes).
+      settings: ``wandb.Settings`` keys (conf/logger/wandb.yaml keeps the start local and quick).
+      start: unused.
+      config: the run's resolved config.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with WandbLogger(d, settings={"console": "off", "quiet": True}) as logger:
+    ...     logger.log(1, {"loss": 0.5})
+    >>> logger.run.offline, sorted(p.suffix for p in logger.path.glob("*.wandb"))
+    (True, ['.wandb'])
+    """
+
+    def __init__(self, dir: str | os.PathLike, project: str = "fxtrain", name: str | None = None,
+                 mode: str = "offline", settings: dict | None = None, *, start: int = 0, config: dict | None = None):
+        del start
+        wandb = _require("wandb", "wandb", "wandb")
+        pathlib.Path(dir).mkdir(parents=True, exist_ok=True)
+        # create_new: the vmap launcher runs several jobs' loggers in one process, each its own run.
+        self.run = wandb.init(dir=str(dir), project=project, name=name or str(dir), mode=mode, config=config,
+                              settings=settings or {}, reinit="create_new")
+        self.path = pathlib.Path(self.run.dir).parent  # dir/wandb/offline-run-<time>-<id>
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+    def __enter__(self) -> "WandbLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"WandbLogger({str(self.path)!r})"
+
+
+class MlflowLogger:
+    """An MLflow run in a local file store, ``dir/mlruns`` by default: metrics by step, the config as params.
+
+    The params are the run's config flattened to dotted keys (``optim.chain.adamw.learning_rate``). Each
+    launch is its own MLflow run in the experiment ``experiment``. ``mlflow ui --backend-store-uri
+    dir/mlruns`` shows it (with ``MLFLOW_ALLOW_FILE_STORE=true`` on MLflow 3.14 and later).
+
+    Args:
+      dir: the run directory.
+      experiment: the MLflow experiment's name (created when missing).
+      run_name: the run's name; ``None``: the run directory.
+      tracking_uri: ``None``: ``file:<dir>/mlruns``; or any MLflow tracking URI (a server, a shared store).
+      start: unused.
+      config: the run's resolved config.
+
+    >>> import tempfile
+    >>> from mlflow.tracking import MlflowClient
+    >>> d = tempfile.mkdtemp()
+    >>> with MlflowLogger(d, config={"optim": {"lr": 0.1}}) as logger:
+    ...     logger.log(1, {"loss": 0.5})
+    >>> with mlflow_file_store():
+    ...     client = MlflowClient(logger.tracking_uri)
+    ...     [(m.step, m.value) for m in client.get_metric_history(logger.run_id, "loss")]
+    ...     client.get_run(logger.run_id).data.params
+    [(1, 0.5)]
+    {'optim.lr': '0.1'}
+    """
+
+    def __init__(self, dir: str | os.PathLike, experiment: str = "fxtrain", run_name: str | None = None,
+                 tracking_uri: str | None = None, *, start: int = 0, config: dict | None = None):
+        del start
+        _require("mlflow", "mlflow", "mlflow")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.tracking_uri = tracking_uri or (pathlib.Path(dir) / "mlruns").resolve().as_uri()
+        with mlflow_file_store():
+            self._client = MlflowClient(self.tracking_uri)
+            found = self._client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
+            self.run_id = self._client.create_run(experiment_id, run_name=run_name or str(dir)).info.run_id
+            params = [Param(k, v) for k, v in _flat(config or {}).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
+                self._client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        with mlflow_file_store():
+            self._client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def close(self) -> None:
+        with mlflow_file_store():
+            self._client.set_terminated(self.run_id)
+
+    def __enter__(self) -> "MlflowLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MlflowLogger({self.tracking_uri!r})"
+
+
+@contextlib.contextmanager
+def mlflow_file_store():
+    """Lets MLflow open a file store (``file:`` tracking URIs) inside the block, where MLflow has deprecated it.
+
+    MLflow 3.x deprecates the file store: 3.6-3.13 warn (a ``FutureWarning`` at every store it opens), 3.14 and
+    later refuse it unless ``MLFLOW_ALLOW_FILE_STORE=true``. A run directory's own store, no server and nothing
+    shared, is what :class:`MlflowLogger` is for, so it opts in around its own calls only; a value you set
+    yourself stays. Reading the store back needs the same (``mlflow ui``: set the variable).
+
+    >>> import os
+    >>> with mlflow_file_store():
+    ...     os.environ.get("MLFLOW_ALLOW_FILE_STORE", "true")
+    'true'
+    """
+    unset = "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+    if unset:
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The filesystem tracking backend", category=FutureWarning)
+            yield
+    finally:
+        if unset:
+            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``: MLflow params are flat strings (YAML's spelling: null, true)."""
+    flat: dict[str, str] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping) and v:
+            flat.update(_flat(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v if isinstance(v, str) else json.dumps(v)
+    return flat
+
+
+def _require(module: str, logger: str, extra: str) -> Any:
+    """Imports ``module`` for ``logger=<logger>``, or says which extra installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise build.ConfigError(f"logger={logger} needs {module}: pip install 'fxtrain[{extra}]'") from None
