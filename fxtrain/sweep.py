@@ -8,6 +8,11 @@ which groups the jobs that differ only in values a vmapped step can take as inpu
 ``fx.train_step(loss_fn, tx, donate=False)``, with params, optimizer state and the batched
 hyperparameters carrying a leading axis of size N (one entry per job).
 
+**Beyond one process.** ``hydra/launcher=vmap_submitit_local`` and ``vmap_submitit_slurm`` set the
+launcher's ``executor``: each group (and each job that runs alone) becomes ONE submitit job, on this machine
+or on SLURM, which runs :func:`plan`'s group with :func:`train_group` as the in-process launcher does; the
+outputs are the same.
+
 **What can be batched** (jobs that differ in anything else go to separate groups):
 
 * ``optim.chain.<name>.<arg>`` and ``schedule.<arg>``: numbers the transform or schedule factory accepts as

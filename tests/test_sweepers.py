@@ -144,7 +144,7 @@ def test_vmap_submitit_slurm_config_is_submitits_own_parameters(monkeypatch):
 def test_bad_executor_settings_name_the_key():
     local = launcher_config("vmap_submitit_local", "hydra.sweep.dir=sweep")
     executor = local["executor"]
-    with pytest.raises(ValueError, match=r"hydra.launcher.executor.cluster: expected local or slurm .*got 'slrum'"):
+    with pytest.raises(ValueError, match=r"hydra.launcher.executor.cluster: expected local, slurm or debug .*got 'slrum'"):
         vmap_launcher.VmapLauncher(executor={**executor, "cluster": "slrum"})
     with pytest.raises(ValueError, match="tasks_per_node=2, nodes=None: a vmapped group trains in one process"):
         vmap_launcher.VmapLauncher(executor={**executor, "tasks_per_node": 2})

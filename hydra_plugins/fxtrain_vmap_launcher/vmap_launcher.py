@@ -181,7 +181,7 @@ def _executor_spec(executor: Any) -> dict[str, Any] | None:
         return None
     spec = OmegaConf.to_container(executor, resolve=True) if OmegaConf.is_config(executor) else dict(executor)
     if spec.get("cluster") not in ("local", "slurm", "debug"):
-        raise ValueError(f"hydra.launcher.executor.cluster: expected local or slurm (submitit's executors), "
+        raise ValueError(f"hydra.launcher.executor.cluster: expected local, slurm or debug (submitit's executors), "
                          f"got {spec.get('cluster')!r}")
     if not spec.get("folder"):
         raise ValueError("hydra.launcher.executor.folder: where submitit keeps its logs, e.g. "
