@@ -1,15 +1,52 @@
-"""Strict test settings: warnings are errors (pyproject), deterministic torch, small thread count."""
+"""Strict test settings: warnings are errors (pyproject), deterministic torch, small thread count, logging
+restored after every test."""
+
+import logging
+import os
 
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# Two threads, fewer when pytest-xdist workers share the cores (`make test` runs one worker per core, up to 4).
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))))
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored():
+    """Each test leaves logging as it found it: handlers, levels, propagation and ``disable`` of every logger.
+
+    Tests that run the Hydra app in process (``fxtrain.train.main``) make Hydra call
+    ``logging.config.dictConfig``, which removes the root logger's handlers, adds its own (a console handler
+    on the test's captured stdout, ``train.log``) and may disable loggers. Under pytest-xdist a worker runs
+    many test files in one process, so what one test configures must not reach the next (a handler writing
+    to a capture stream that pytest has closed fails every later test of that worker).
+    """
+    manager = logging.Logger.manager
+    loggers = [logging.getLogger(), *(x for x in manager.loggerDict.values() if isinstance(x, logging.Logger))]
+    saved = [(x, [h for h in x.handlers if not _pytests(h)], x.level, x.propagate, x.disabled) for x in loggers]
+    disable = manager.disable
+    yield
+    for x, handlers, level, propagate, disabled in saved:
+        for h in x.handlers:
+            if not (_pytests(h) or h in handlers):  # added by the test (Hydra's console, train.log): release it
+                h.close()
+        # pytest's capture handlers of the current phase stay: pytest removes them when the phase ends
+        x.handlers[:] = [*handlers, *(h for h in x.handlers if _pytests(h))]
+        x.level, x.propagate, x.disabled = level, propagate, disabled
+    logging.disable(disable)
+    manager._clear_cache()
+
+
+def _pytests(handler: logging.Handler) -> bool:
+    """Whether ``handler`` is one of pytest's own (caplog, the report's captured log, log_file), which it
+    adds and removes around every setup, call and teardown."""
+    return type(handler).__module__.startswith("_pytest.")
 
 
 def pytest_collection_modifyitems(config, items):
