@@ -41,7 +41,8 @@ import fxtrain as fx
 from fxtrain import distributed
 
 __all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
-           "constant_hyperparams", "check_overrides", "ScaledSchedule"]
+           "constant_hyperparams", "check_overrides", "search_path", "dataset", "DATA_KEYS", "task", "eval_hooks", "early_stopping",
+           "ScaledSchedule"]
 
 
 class ConfigError(ValueError, CompactHydraException):
@@ -188,6 +189,112 @@ def check_args(fn: Callable, kwargs: dict, key: str, label: str) -> None:
 def _omegaconf_message(e: OmegaConfBaseException) -> str:
     msg = getattr(e, "msg", None) or str(e)
     return msg.splitlines()[0]
+
+
+# --- the task and what runs around evaluations ---------------------------------------------------
+
+# What the runner makes of any data source (fxtrain.data.from_source); a target that takes one of them gets it.
+DATA_KEYS = ("batch_size", "test_fraction", "split_seed", "seed", "test_batches", "input_shape", "num_classes")
+
+
+def dataset(node: DictConfig | dict, name: str = "data") -> Any:
+    """The run's :class:`fxtrain.data.Dataset` from the data config ``node``, whatever its ``_target_`` returns.
+
+    The target gets the keys its signature takes; the runner's keys (:data:`DATA_KEYS`: ``batch_size``,
+    ``test_fraction``, ``split_seed``, ``seed``, ``test_batches`` and the facts ``input_shape``,
+    ``num_classes``) go to :func:`fxtrain.data.from_source`, which splits, shuffles and checks what the
+    target returned: a ``Dataset``, tensors ``(x, y)``, a map-style dataset or an iterable of batches.
+    Any other key is an error naming it.
+
+    >>> node = {"_target_": "sklearn.datasets.make_regression", "n_samples": 40, "n_features": 3,  # (X, y) arrays
+    ...         "batch_size": 8, "test_fraction": 0.25}
+    >>> dataset(node, "mine")
+    mine: 30 train examples, 10 test, batch 8
+    >>> dataset({**node, "batch_sise": 8}, "mine")
+    Traceback (most recent call last):
+    ...
+    fxtrain.build.ConfigError: data: batch_sise is not an argument of sklearn.datasets.make_regression nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, split_seed, seed, test_batches, input_shape, num_classes
+    """
+    from fxtrain import data
+
+    spec = _resolve(node, "data")
+    fn = _locate(spec, "data")
+    takes = _arguments(fn)
+    for k in spec:
+        if takes is not None and k != "_target_" and k not in takes and k not in DATA_KEYS:
+            close = difflib.get_close_matches(k, [*takes, *DATA_KEYS], n=1)
+            raise ConfigError(f"data: {k} is not an argument of {spec['_target_']} nor a runner key"
+                              + (f" (did you mean {close[0]}?)" if close else "")
+                              + f"; the runner's keys are {', '.join(DATA_KEYS)}")
+    own = {k: v for k, v in spec.items() if k != "_target_" and (takes is None or k in takes or k not in DATA_KEYS)}
+    runner = {k: spec[k] for k in DATA_KEYS if k in spec and k not in own}
+    made = _build({"_target_": spec["_target_"], **own}, "data", {})
+    try:
+        return data.from_source(made, name=name, **runner)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"data ({spec['_target_']}): {e}") from None
+
+
+def _arguments(fn: Callable) -> set[str] | None:
+    """The keyword arguments ``fn`` takes, or ``None`` when it takes any (``**kwargs``) or has no signature."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return None
+    return {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def task(cfg: DictConfig) -> Any:
+    """The run's :class:`fxtrain.tasks.Task` from ``cfg.task`` (classification when the config has none).
+
+    >>> from omegaconf import OmegaConf
+    >>> task(OmegaConf.create({"task": {"_target_": "fxtrain.tasks.regression"}})).name
+    'regression'
+    """
+    from fxtrain import tasks
+
+    node = cfg.get("task")
+    if node is None:
+        return tasks.classification()
+    built = instantiate(node, "task")
+    if not isinstance(built, tasks.Task):
+        raise ConfigError(f"task ({node.get('_target_')}): returned {type(built).__name__}, expected a "
+                          "fxtrain.tasks.Task; point _target_ at fxtrain.tasks.Task with loss: and metrics: "
+                          "(dotted paths to your functions), or at a function of yours that returns one")
+    return built
+
+
+def eval_hooks(cfg: DictConfig) -> list[tuple[str, Callable]]:
+    """``[(name, hook)]`` of ``trainer.eval_hooks``: each ``hook(ctx)`` calls its ``_target_`` with ``ctx`` (an
+    :class:`fxtrain.tasks.EvalContext`) and the node's other keys, which are checked against its signature.
+
+    >>> from omegaconf import OmegaConf
+    >>> cfg = OmegaConf.create({"trainer": {"eval_hooks": {"pi": {"_target_": "builtins.dict", "pi": 3.14}}}})
+    >>> [(name, hook({"step": 3})) for name, hook in eval_hooks(cfg)]   # dict(ctx, pi=3.14)
+    [('pi', {'step': 3, 'pi': 3.14})]
+    """
+    hooks = []
+    for name, node in (cfg.trainer.get("eval_hooks") or {}).items():
+        fn, kwargs = target(node, f"trainer.eval_hooks.{name}")
+        hooks.append((str(name), lambda ctx, fn=fn, kwargs=kwargs: fn(ctx, **kwargs)))
+    return hooks
+
+
+def early_stopping(cfg: DictConfig) -> Any:
+    """The :class:`fxtrain.tasks.EarlyStopping` of ``trainer.early_stopping``, or ``None`` when its ``metric`` is null."""
+    from fxtrain import tasks
+
+    node = cfg.trainer.get("early_stopping")
+    if node is None or node.get("metric") is None:
+        return None
+    options = {k: v for k, v in node.items() if k != "metric"}
+    check_args(tasks.EarlyStopping, options, "trainer.early_stopping", "early stopping")
+    try:
+        return tasks.EarlyStopping(str(node.metric), **options)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # --- the transform stack ------------------------------------------------------------------------
@@ -446,37 +553,84 @@ def _wrapper(name: str, key: str) -> Callable:
 
 # --- command-line group choices ---------------------------------------------------------------------
 
+PRIMARY_CONFIG = "pkg://fxtrain.conf"  # conf/ at the repository root, installed as the package fxtrain.conf
 _CHOICE = re.compile(r"^(?:\+\+|\+|~)?(?P<group>[\w/]+)(?:@[\w.]+)?=(?P<value>.*)$")
 
 
-def check_overrides(overrides: list[str], conf_dir: str | pathlib.Path) -> None:
-    """Checks the group choices among command-line ``overrides`` against the YAML files in ``conf_dir``.
+def search_path(argv: list[str], primary: str = PRIMARY_CONFIG) -> tuple[Any, list[str]]:
+    """Hydra's config search path for the command line ``argv``, and its overrides: ``(ConfigRepository, overrides)``.
+
+    Built as Hydra builds it (its own pieces): Hydra's configs, the ``primary`` configs, the search-path
+    plugins, ``--config-dir`` and ``hydra.searchpath`` (from the command line, or else the primary config).
+
+    >>> repo, overrides = search_path(["-m", "model=mlp,resnet"])
+    >>> overrides, repo.group_exists("model"), "mlp" in repo.get_group_options("model")
+    (['model=mlp,resnet'], True, True)
+    """
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.utils import create_config_search_path, get_args_parser
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    path = create_config_search_path(primary)
+    if args.config_dir is not None:
+        where = pathlib.Path(args.config_dir).expanduser().resolve()
+        if not where.is_dir():
+            raise ConfigError(f"--config-dir {args.config_dir}: no such directory ({where})")
+        path.prepend(provider="command-line", path=f"file://{where}", anchor=SearchPathQuery(provider="schema"))
+    repo = ConfigRepository(path)
+    extra = None
+    try:
+        for o in OverridesParser.create().parse_overrides([a for a in args.overrides if a.startswith("hydra.searchpath=")]):
+            extra = [str(v) for v in o.value()]
+    except HydraException as e:
+        raise ConfigError(f"hydra.searchpath: {e}") from None
+    if extra is None:
+        primary_cfg = repo.load_config(args.config_name or "train")
+        extra = list(OmegaConf.select(primary_cfg.config, "hydra.searchpath") or []) if primary_cfg else []
+    if extra:
+        schema = path.get_path().pop(-1)  # Hydra appends hydra.searchpath before its structured configs
+        for entry in extra:
+            path.append(provider="hydra.searchpath", path=entry)
+        path.append(schema.provider, schema.path)
+        repo = ConfigRepository(path)
+    return repo, list(args.overrides)
+
+
+def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
+    """Checks the group choices of the command line ``argv`` against every entry of Hydra's search path.
 
     Hydra reports an unknown option of a multi-select group (``optim/transform@optim.chain=[adamz]``)
-    without listing the options; this lists them for every group, and names the optional extra that
-    ``hparams_search`` needs when it is missing.
+    without listing the options; this lists them for every group, from every search-path entry (fxtrain's
+    ``conf/``, ``--config-dir``, ``hydra.searchpath``), with the closest one, and names the optional extra
+    that ``hparams_search`` needs when it is missing. Options of a user's own groups are options like ours.
 
-    >>> import pathlib, fxtrain
-    >>> conf = pathlib.Path(fxtrain.__file__).parent.parent / "conf"
-    >>> check_overrides(["seed=1", "model=resnet"], conf)   # fine
-    >>> check_overrides(["-m", "model=mlp,resnett"], conf)
+    >>> check_overrides(["seed=1", "model=resnet"])   # fine
+    >>> check_overrides(["-m", "model=mlp,resnett"])
     Traceback (most recent call last):
     ...
-    fxtrain.build.ConfigError: model=mlp,resnett: no option 'resnett' in conf/model (did you mean resnet?); available: mlp, moe, resnet, transformer
+    fxtrain.build.ConfigError: model=mlp,resnett: no option 'resnett' in model (did you mean resnet?); available: mlp, moe, resnet, transformer (pkg://fxtrain.conf)
     """
-    conf_dir = pathlib.Path(conf_dir)
+    from hydra.core.object_type import ObjectType
+
+    repo, overrides = search_path(argv, primary)
     for arg in overrides:
         m = _CHOICE.match(arg)
-        if not m or m["group"].startswith("hydra") or not (conf_dir / m["group"]).is_dir():
+        if not m or m["group"].startswith("hydra") or not repo.group_exists(m["group"]):
             continue
         group = m["group"]
-        options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
         kind = "transform" if group == "optim/transform" else "option"
+        options = repo.get_group_options(group, ObjectType.CONFIG)
         for value in _choices(m["value"]):
             if value not in options:
                 close = difflib.get_close_matches(value, options, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
-                raise ConfigError(f"{arg}: no {kind} {value!r} in conf/{group}{hint}; available: {', '.join(options)}")
+                where = "; ".join(f"{', '.join(found)} ({source.full_path()})" for source in repo.get_sources()
+                                  if source.is_group(group) and (found := sorted(
+                                      source.list(group, ObjectType.CONFIG))))
+                raise ConfigError(f"{arg}: no {kind} {value!r} in {group}{hint}; available: {where}")
         if group == "hparams_search" and any(v != "null" for v in _choices(m["value"])):
             _require_optuna(arg)
 

@@ -26,14 +26,13 @@ import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fxtrain as fx
-from fxtrain import tree
+from fxtrain import tasks, tree
 from fxtrain.distributed import ParallelDims
 
-__all__ = ["Parallel", "parallelize", "loss_function", "evaluate"]
+__all__ = ["Parallel", "parallelize", "loss_function", "evaluate", "forward"]
 
 
 class Parallel(NamedTuple):
@@ -47,13 +46,14 @@ class Parallel(NamedTuple):
 
 
 def parallelize(model: nn.Module, tx: fx.GradientTransformation, dims: ParallelDims, *,
-                pipeline: dict | None = None, mp_policy: Any = None) -> Parallel:
+                task: tasks.Task | None = None, pipeline: dict | None = None, mp_policy: Any = None) -> Parallel:
     """``model`` on ``dims.mesh`` as ``dims.strategy`` says, and its step with ``tx`` (see the module table).
 
     Args:
       model: the built model (on the run's device).
       tx: the transform stack.
       dims: the run's mesh object (built).
+      task: the loss and metrics (:mod:`fxtrain.tasks`); ``None``: classification.
       pipeline: for ``pp``: ``{"schedule": "gpipe" | "1f1b", "microbatches": int}``.
       mp_policy: for ``fsdp`` and ``fsdp_tp``: FSDP's ``MixedPrecisionPolicy`` (the amp group's compute dtype).
 
@@ -63,46 +63,46 @@ def parallelize(model: nn.Module, tx: fx.GradientTransformation, dims: ParallelD
     """
     build = _BUILDERS[dims.strategy]
     options = {"pp": {"pipeline": pipeline}, "fsdp": {"mp_policy": mp_policy}, "fsdp_tp": {"mp_policy": mp_policy}}
-    return build(model, tx, dims, **options.get(dims.strategy, {}))
+    return build(model, tx, dims, task or tasks.classification(), **options.get(dims.strategy, {}))
 
 
 # --- one function per strategy -------------------------------------------------------------------------
 
-def _none(model: nn.Module, tx, dims: ParallelDims) -> Parallel:
+def _none(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
     apply, params, buffers = fx.functional(model)
-    return _autograd(apply, params, buffers, tx)
+    return _autograd(apply, params, buffers, tx, task)
 
 
-def _dp(model: nn.Module, tx, dims: ParallelDims) -> Parallel:
+def _dp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
     apply, params, buffers = fx.distributed.data_parallel(model, dims.mesh)
-    return _autograd(apply, params, buffers, tx)
+    return _autograd(apply, params, buffers, tx, task)
 
 
-def _tp(model: nn.Module, tx, dims: ParallelDims) -> Parallel:
+def _tp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
     apply, params, buffers = fx.distributed.tensor_parallel(model, _plan(model, dims), dims.mesh)
-    return _autograd(apply, params, buffers, tx)
+    return _autograd(apply, params, buffers, tx, task)
 
 
-def _ep(model: nn.Module, tx, dims: ParallelDims) -> Parallel:
+def _ep(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
     apply, params, buffers = fx.distributed.expert_parallel(model, dims.mesh, ep="ep")
-    return _autograd(apply, params, buffers, tx)
+    return _autograd(apply, params, buffers, tx, task)
 
 
-def _fsdp(model: nn.Module, tx, dims: ParallelDims, mp_policy: Any = None) -> Parallel:
+def _fsdp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, mp_policy: Any = None) -> Parallel:
     _fully_shard(model, dims.mesh["dp"] if dims.mesh.ndim > 1 else dims.mesh, mp_policy)
-    return _fully_sharded(model, tx)
+    return _fully_sharded(model, tx, task)
 
 
-def _fsdp_tp(model: nn.Module, tx, dims: ParallelDims, mp_policy: Any = None) -> Parallel:
+def _fsdp_tp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, mp_policy: Any = None) -> Parallel:
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = _plan(model, dims)
     parallelize_module(model, dims.mesh["tp"], plan)
     _fully_shard(model, dims.mesh["dp"], mp_policy)
-    return _fully_sharded(model, tx)
+    return _fully_sharded(model, tx, task)
 
 
-def _pp(model: nn.Module, tx, dims: ParallelDims, pipeline: dict | None = None) -> Parallel:
+def _pp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: dict | None = None) -> Parallel:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     pipeline = pipeline or {}
@@ -121,7 +121,7 @@ def _pp(model: nn.Module, tx, dims: ParallelDims, pipeline: dict | None = None) 
     device = next(module.parameters()).device
     stage = PipelineStage(module, stage_index, n, device, group=pp.get_group())
     microbatches = int(pipeline.get("microbatches", 4))
-    schedule = schedules[name](stage, n_microbatches=microbatches, loss_fn=_lm_loss)
+    schedule = schedules[name](stage, n_microbatches=microbatches, loss_fn=lambda out, y: task.compute(out, y)[0])
     apply, params, buffers = (fx.distributed.fully_sharded(module) if dims.sizes.get("dp", 1) > 1
                               else fx.functional(module))
     train = fx.distributed.pipeline_step(schedule, tx, pp_group=pp)
@@ -163,16 +163,16 @@ _BUILDERS = {"none": _none, "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsd
 
 # --- shared pieces -----------------------------------------------------------------------------------
 
-def _autograd(apply: Callable, params: Any, buffers: Any, tx) -> Parallel:
+def _autograd(apply: Callable, params: Any, buffers: Any, tx, task: tasks.Task) -> Parallel:
     """The strategies whose params are a pure function's (plain tensors or DTensors): ``fx.train_step``."""
-    train = fx.train_step(loss_function(apply), tx, has_aux=True)
-    return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply))
+    train = fx.train_step(loss_function(apply, task), tx, has_aux=True)
+    return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply, task))
 
 
-def _fully_sharded(model: nn.Module, tx) -> Parallel:
+def _fully_sharded(model: nn.Module, tx, task: tasks.Task) -> Parallel:
     apply, params, buffers = fx.distributed.fully_sharded(model)
-    train = fx.distributed.fully_sharded_step(loss_function(apply), tx, model, has_aux=True)
-    return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply))
+    train = fx.distributed.fully_sharded_step(loss_function(apply, task), tx, model, has_aux=True)
+    return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply, task))
 
 
 def _with_buffers(train: Callable) -> Callable:
@@ -207,23 +207,24 @@ def _plan(model: nn.Module, dims: ParallelDims) -> dict:
     return model.tp_plan()
 
 
-def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
-
-
-def loss_function(apply: Callable) -> Callable:
+def loss_function(apply: Callable, task: tasks.Task | None = None) -> Callable:
     """The loss the runner differentiates: ``loss_fn(params, (buffers, x, y)) -> (loss, aux)``, where ``aux``
-    holds the batch ``accuracy`` and the new ``buffers``."""
+    holds the task's batch metrics (``accuracy``...) and the new ``buffers``.
+
+    >>> import torch
+    >>> apply, params, buffers = fx.functional(torch.nn.Linear(3, 2))
+    >>> loss, aux = loss_function(apply)(params, ({}, torch.ones(4, 3), torch.tensor([0, 1, 0, 1])))
+    >>> loss.shape, sorted(aux)
+    (torch.Size([]), ['accuracy', 'buffers'])
+    """
+    task = task or tasks.classification()
 
     def loss_fn(params, batch):
-        # Classifier logits (B, C) or LM logits (B, T, V): one cross-entropy for both. BatchNorm statistics
-        # come back from apply as new buffers, carried out of the step in aux.
+        # BatchNorm statistics come back from apply as new buffers, carried out of the step in aux.
         buffers, x, y = batch
-        logits, buffers = apply(_like_statistics(params, buffers), buffers, x, train=True)
-        logits = _full(logits)
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
-        accuracy = (logits.argmax(-1) == y).float().mean()
-        return loss, {"accuracy": accuracy, "buffers": buffers}
+        outputs, buffers = apply(_like_statistics(params, buffers), buffers, x, train=True)
+        loss, metrics = task.compute(_full(outputs), y)
+        return loss, {**metrics, "buffers": buffers}
 
     return loss_fn
 
@@ -243,25 +244,33 @@ def _like_statistics(params: dict, buffers: dict) -> dict:
     return {k: p.to(dtypes.get(k.rpartition(".")[0], p.dtype)) for k, p in params.items()}
 
 
-def _evaluator(apply: Callable) -> Callable:
+def _evaluator(apply: Callable, task: tasks.Task) -> Callable:
     def run(params, buffers, test, batch_size):
-        return evaluate(apply, params, buffers, test, batch_size)
+        return evaluate(apply, params, buffers, test, batch_size, task)
 
     return run
 
 
-@torch.no_grad()
-def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], batch_size: int) -> dict[str, float]:
-    """Mean cross-entropy and accuracy on the whole held-out split, in eval mode (running BatchNorm stats)."""
-    x, y = test
-    if x.is_floating_point():  # in the params' dtype (pure half amp modes store bf16/fp16 params)
-        x = x.to(tree.leaves(params)[0].dtype)
-    loss = torch.zeros((), dtype=torch.float64, device=x.device)
-    correct = torch.zeros((), dtype=torch.long, device=x.device)
-    for j in range(0, len(x), batch_size):
-        logits, _ = apply(_like_statistics(params, buffers), buffers, x[j:j + batch_size], train=False)
-        logits = _full(logits)
-        yb = y[j:j + batch_size]
-        loss += F.cross_entropy(logits.flatten(0, -2).float(), yb.flatten(), reduction="sum")
-        correct += (logits.argmax(-1) == yb).sum()
-    return {"test_loss": float(loss / y.numel()), "test_accuracy": float(correct / y.numel())}
+def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], batch_size: int,
+             task: tasks.Task | None = None) -> dict[str, float]:
+    """The task's ``test_loss`` and ``test_<metric>`` (classification: ``test_accuracy``) on the whole held-out
+    split: :func:`fxtrain.tasks.evaluate` of :func:`forward`."""
+    return tasks.evaluate(task or tasks.classification(), forward(apply, params, buffers), test, batch_size)
+
+
+def forward(apply: Callable, params: Any, buffers: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``f(x) -> outputs``: the model in eval mode (running BatchNorm statistics) with ``params``, without
+    gradients; floating inputs in the params' dtype (the pure half amp modes store bf16/fp16 params).
+
+    >>> apply, params, buffers = fx.functional(torch.nn.Linear(3, 2))
+    >>> forward(apply, params, buffers)(torch.ones(4, 3)).shape
+    torch.Size([4, 2])
+    """
+    stats = _like_statistics(params, buffers)
+    dtype = tree.leaves(params)[0].dtype
+
+    @torch.no_grad()
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return _full(apply(stats, buffers, x.to(dtype) if x.is_floating_point() else x, train=False)[0])
+
+    return f

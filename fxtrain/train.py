@@ -43,6 +43,7 @@ refused, and so is the same config with ``resume=null`` (use ``resume=auto``); o
 from __future__ import annotations
 
 import contextlib
+import importlib.resources
 import logging
 import math
 import os
@@ -61,12 +62,14 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fxtrain as fx
-from fxtrain import build, checkpoint, distributed, report, rundir, strategies, tree, validate
+from fxtrain import build, checkpoint, distributed, report, rundir, strategies, tasks, tree, validate
 from fxtrain.models import count_params
 from fxtrain.strategies import evaluate, loss_function  # noqa: F401 - the runner's loss and evaluation (fxtrain.sweep uses them)
 
 log = logging.getLogger("fxtrain")
-CONF_DIR = pathlib.Path(__file__).resolve().parent.parent / "conf"  # conf/ at the repository root
+# conf/ at the repository root, installed as the package fxtrain.conf (pyproject.toml maps it): Hydra reads it as
+# pkg://fxtrain.conf from a checkout and from a wheel alike; CONF_DIR is where it lies (for compose in tests).
+CONF_DIR = pathlib.Path(str(importlib.resources.files("fxtrain.conf")))
 
 
 def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
@@ -141,13 +144,14 @@ class Built(NamedTuple):
     opt_state: Any
     step: Callable  #: ``step(params, opt_state, buffers, batch) -> (params, opt_state, buffers, metrics)``
     evaluate: Callable  #: ``evaluate(params, buffers, test, batch_size) -> metrics``
+    task: tasks.Task  #: the loss and metrics (``task`` group)
 
 
 def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelDims | None = None,
               data: Any = None) -> Built:
     """What :func:`train` builds from ``cfg`` before its loop, in this order after ``torch.manual_seed(cfg.seed)``:
-    the data, the model (placed on ``dims``' mesh by :func:`fxtrain.strategies.parallelize`), the stack
-    (:func:`fxtrain.build.stack`), its state and the step.
+    the data, the model, the task (:mod:`fxtrain.tasks`), the stack (:func:`fxtrain.build.stack`), the model
+    placed on ``dims``' mesh with its step (:func:`fxtrain.strategies.parallelize`) and the stack's state.
 
     The sweep launcher (``hydra/launcher=vmap``) builds each job of a group with it, so every job starts from
     exactly the params, state and RNG state its own run would. It passes ``data`` (built already, for the
@@ -155,16 +159,18 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     """
     dims = dims or distributed.ParallelDims.of("none", world=1)
     torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order): the same on every rank
-    data = build.instantiate(cfg.data, "data").to(device) if data is None else data
+    data = build.dataset(cfg.data, _choice("data", "data")).to(device) if data is None else data
     model = build.instantiate(cfg.model, "model").to(device)
+    task = build.task(cfg)
     tx = build.stack(cfg, dims)
     try:
-        placed = strategies.parallelize(model, tx, dims, pipeline=_pipeline_options(cfg),
+        placed = strategies.parallelize(model, tx, dims, task=task, pipeline=_pipeline_options(cfg),
                                         mp_policy=build.mixed_precision(cfg, dims))
     except ValueError as e:
         raise build.ConfigError(f"parallel={dims.strategy} model={_choice('model')}: {e}") from None
     params = build.cast_params(cfg, placed.params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
-    return Built(data, model, placed.apply, params, placed.buffers, tx, tx.init(params), placed.step, placed.evaluate)
+    return Built(data, model, placed.apply, params, placed.buffers, tx, tx.init(params), placed.step, placed.evaluate,
+                 task)
 
 
 def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, Any]:
@@ -191,7 +197,7 @@ def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, An
     run.say(f"run    {where}" + (f"  [{dims.world} ranks, {dims.describe()}"
                                  + (", shard_optimizer" if cfg.parallel.get("shard_optimizer") else "") + "]"
                                  if dims.world > 1 else ""))
-    for line in describe_run(built.data, built.model, params, built.tx, opt_state, run.device):
+    for line in describe_run(built.data, built.model, params, built.tx, opt_state, run.device, task=built.task):
         run.say(line)
     run.say(f"start  {resumed}")
     return start, params, opt_state, buffers
@@ -199,33 +205,51 @@ def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, An
 
 def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt_state: Any, buffers: Any,
           t0: float) -> dict[str, float]:
-    """Steps ``start + 1 .. max_steps``: step, log, evaluate, checkpoint. Returns the last train and eval metrics."""
+    """Steps ``start + 1 .. max_steps``: step, log, evaluate, checkpoint; stops early when
+    ``trainer.early_stopping`` says so. Returns the last train and eval metrics (and ``"stopped_early"``)."""
     trainer, dims = cfg.trainer, run.dims
     constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
     logger = build.instantiate(cfg.logger, "logger", dir=run.out) if run.out is not None else None
+    hooks = build.eval_hooks(cfg)
+    stopper = build.early_stopping(cfg)
+    if stopper is not None and run.ckpt_dir is not None:  # every rank reads the lines logged before `start`
+        stopper.replay(report.read_jsonl(run.ckpt_dir.parent / rundir.METRICS))
     max_steps = trainer.max_steps
     train_metrics: dict[str, float] = {}   # the last logged ones
     eval_metrics: dict[str, float] = {}
+    stopped: dict[str, Any] = {}
     last_checkpoint = (start, run.source) if run.source is not None else None  # (step, path)
+
+    def run_eval(step: int) -> dict[str, float]:
+        metrics = built.evaluate(params, buffers, built.data.test, trainer.eval_batch_size)
+        ctx = tasks.EvalContext(step, strategies.forward(built.apply, params, buffers), params, buffers, built.data,
+                                built.task, trainer.eval_batch_size)
+        for name, hook in hooks:
+            metrics.update(_hook_metrics(name, hook(ctx)))
+        return metrics
+
     bar = tqdm(total=max_steps, initial=start, desc="train", disable=run.rank != 0 or not trainer.progress,
                dynamic_ncols=True)
     with logging_redirect_tqdm(), bar, (logger or contextlib.nullcontext()):
         if start == max_steps:  # killed after its last checkpoint, before its summary: evaluate again
-            eval_metrics = built.evaluate(params, buffers, built.data.test, trainer.eval_batch_size)
+            eval_metrics = run_eval(start)
         for i in range(start + 1, max_steps + 1):
             batch = dims.local_batch(built.data.train[i - 1])
             params, opt_state, buffers, metrics = built.step(params, opt_state, buffers, batch)
             bar.update()
             if i == start + 1:
-                _check_metric_name(cfg.optimized_metric, [*_logged(metrics, constants), "test_loss", "test_accuracy"])
+                _check_metric_name(cfg.optimized_metric, _metric_names(_logged(metrics, constants)),
+                                   deferred=bool(hooks))
 
             record: dict[str, float] = {}
             if i % trainer.log_every == 0 or i == max_steps:
                 train_metrics = distributed.mean_across_ranks(_floats(_logged(metrics, constants)), dims.world)
                 record.update(train_metrics)
             if i % trainer.eval_every == 0 or i == max_steps:
-                eval_metrics = built.evaluate(params, buffers, built.data.test, trainer.eval_batch_size)
+                eval_metrics = run_eval(i)
                 record.update(eval_metrics)
+                if hooks:  # the hooks' names are known now
+                    _check_metric_name(cfg.optimized_metric, [*train_metrics, *eval_metrics])
             if record:
                 _stop_if_not_finite(record, i, last_checkpoint)
                 record["time_s"] = round(time.perf_counter() - t0, 3)
@@ -233,33 +257,63 @@ def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt
                     logger.log(i, record)
                 bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "learning_rate", "test_accuracy")
                                  if k in record})
+                if stopper is not None and stopper.update(record, i) and i < max_steps:
+                    stopped = {"step": i, **stopper.describe()}
+                    run.say(f"stop   early at step {i}: {stopper.metric} has not improved on {stopper.best:.4g} "
+                            f"(step {stopper.best_step}) for {stopper.patience} logged values")
 
             if run.ckpt_dir is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0)
-                                             or i == max_steps):
+                                             or i == max_steps or stopped):
                 state = fx.TrainState(i, params, opt_state, fx.rng_state(), buffers)
                 last_checkpoint = (i, save_checkpoint(run.ckpt_dir, state, trainer.keep_last, last_checkpoint, run.rank))
+            if stopped:
+                break
     final = {**train_metrics, **eval_metrics}
+    if not eval_metrics and stopped:  # stopped on a train metric between evaluations: evaluate the final params
+        final.update(run_eval(stopped["step"]))
     if cfg.optimized_metric not in final and run.out is not None:  # resumed at max_steps: the logged train metrics
         final = {**_last_record(run.out / "metrics.jsonl", max_steps), **final}
+    if stopped:
+        final["stopped_early"] = stopped
     return final
+
+
+def _hook_metrics(name: str, values: Any) -> dict[str, float]:
+    """An eval hook's return value as ``{metric: float}``, or one line naming the hook."""
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        raise build.ConfigError(f"trainer.eval_hooks.{name}: returned {type(values).__name__}; an eval hook returns "
+                                "a dict of metric name -> number")
+    try:
+        return {k: float(v) for k, v in values.items()}
+    except (TypeError, ValueError):
+        bad = next(k for k, v in values.items() if not isinstance(v, (int, float, torch.Tensor)))
+        raise build.ConfigError(f"trainer.eval_hooks.{name}: metric {bad} is {values[bad]!r}, not a number") from None
+
+
+def _metric_names(train: dict[str, Any]) -> list[str]:
+    """The metrics a run will have: its train ones, ``test_loss`` and ``test_<name>`` of the task's."""
+    return [*train, "test_loss", *(f"test_{k}" for k in train if k not in ("loss", "grad_norm", "learning_rate"))]
 
 
 def _pipeline_options(cfg: DictConfig) -> dict:
     return {"schedule": cfg.parallel.get("schedule", "gpipe"), "microbatches": cfg.parallel.get("microbatches", 4)}
 
 
-def _choice(group: str) -> str:
+def _choice(group: str, default: str = "?") -> str:
+    """The option of ``group`` this run picked (``data=mine``: ``mine``), or ``default`` outside a Hydra run."""
     try:
         return str(HydraConfig.get().runtime.choices.get(group))
     except ValueError:  # composed outside a Hydra run (tests)
-        return "?"
+        return default
 
 
 def describe_run(data: Any, model: torch.nn.Module, params: Any, tx: fx.GradientTransformation, opt_state: Any,
-                 device: torch.device, shards: int = 1) -> list[str]:
-    """The ``data``, ``model``, ``stack`` and ``state`` lines a run prints at its start (and its train.log holds)."""
+                 device: torch.device, shards: int = 1, task: tasks.Task | None = None) -> list[str]:
+    """The ``data``, ``model``, ``task``, ``stack`` and ``state`` lines a run prints at its start (and its
+    train.log holds)."""
     return [f"data   {data}",
             f"model  {type(model).__name__}: {count_params(params):,} params on {device}",
+            *([f"task   {task!r}"] if task is not None else []),
             f"stack  {tx!r}",
             f"state  {state_bytes(opt_state):,} bytes of optimizer state per rank" +
             (f" (sharded over {shards} ranks)" if shards > 1 else "")]
@@ -267,20 +321,24 @@ def describe_run(data: Any, model: torch.nn.Module, params: Any, tx: fx.Gradient
 
 def finish_run(cfg: DictConfig, out: pathlib.Path | None, final: dict[str, float], elapsed: float,
                say: Callable[[str], Any]) -> float:
-    """Writes ``summary.json`` (status completed) into ``out``, says the ``done`` line and returns the
-    optimized metric of ``final`` (the last train and eval metrics).
+    """Writes ``summary.json`` (status completed; ``stopped_early`` when early stopping ended the run) into ``out``,
+    says the ``done`` line and returns the optimized metric of ``final`` (the last train and eval metrics).
 
     Raises:
       FloatingPointError: the optimized metric is not finite (summary.json is written first).
     """
-    max_steps = cfg.trainer.max_steps
+    final = dict(final)
+    stopped = final.pop("stopped_early", None)
+    steps = stopped["step"] if stopped else cfg.trainer.max_steps
     value = final[cfg.optimized_metric]
     if out is not None:
-        summary = {"status": "completed", "step": max_steps, "time_s": round(elapsed, 2),
+        summary = {"status": "completed", "step": steps, "time_s": round(elapsed, 2),
                    "optimized_metric": cfg.optimized_metric, "value": value, "metrics": final}
+        if stopped:
+            summary["stopped_early"] = stopped
         rundir.write_json(out / "summary.json", summary)  # atomic: a kill leaves the old one or the new one
     shown = [cfg.optimized_metric] + [k for k in ("test_accuracy", "test_loss", "loss") if k != cfg.optimized_metric]
-    say(f"done   {max_steps} steps in {elapsed:.1f} s | " + " | ".join(f"{k} {final[k]:.4f}" for k in shown
+    say(f"done   {steps} steps in {elapsed:.1f} s | " + " | ".join(f"{k} {final[k]:.4f}" for k in shown
                                                                    if k in final))
     if not math.isfinite(value):
         raise FloatingPointError(f"optimized_metric {cfg.optimized_metric} is {value}")
@@ -328,7 +386,8 @@ def _resume_source(cfg: DictConfig, ckpt_dir: pathlib.Path | None) -> pathlib.Pa
             log.warning(f"{e}; resume=auto goes on from the newest checkpoint and writes it again")
             done = {}
         if done:
-            if done.get("status") == "completed" and done.get("step") == cfg.trainer.max_steps and "value" in done:
+            finished = done.get("step") == cfg.trainer.max_steps or "stopped_early" in done
+            if done.get("status") == "completed" and finished and "value" in done:
                 return "completed"
         return found
     path = pathlib.Path(str(resume))
@@ -375,8 +434,9 @@ def _raise_not_finite(what: str, checkpoint: tuple[int, pathlib.Path] | None) ->
                              "weights); otherwise a lower optim.chain.<name>.learning_rate often helps.")
 
 
-def _check_metric_name(name: str, available: list[str]) -> None:
-    if name not in available:
+def _check_metric_name(name: str, available: list[str], deferred: bool = False) -> None:
+    """Refuses an ``optimized_metric`` the run does not have (``deferred``: eval hooks may add it, checked later)."""
+    if name not in available and not deferred:
         raise build.ConfigError(f"optimized_metric={name} is not a metric of this run; "
                                 f"it has: {', '.join(available)}")
 
@@ -390,7 +450,7 @@ def _resolved_yaml(cfg: DictConfig) -> str:
 
 # --- the Hydra app --------------------------------------------------------------------------------
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+@hydra.main(version_base="1.3", config_path=build.PRIMARY_CONFIG, config_name="train")
 def _task(cfg: DictConfig) -> float:
     """Hydra's task function: one run (one job of a sweep) in Hydra's output directory."""
     out = pathlib.Path(HydraConfig.get().runtime.output_dir)
@@ -409,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m fxtrain.train [overrides]``: checks group choices, joins torchrun's group, runs Hydra."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        build.check_overrides(argv, CONF_DIR)
+        build.check_overrides(argv)  # every entry of Hydra's search path: --config-dir, hydra.searchpath
     except build.ConfigError as e:
         raise SystemExit(f"Error: {e}") from None
     rank, world = distributed.init_from_env()

@@ -1,0 +1,1 @@
+"""fxtrain's experiment configs, installed as the package ``fxtrain.conf`` (Hydra reads ``pkg://fxtrain.conf``)."""
