@@ -105,7 +105,16 @@ from fxtrain.amp import (
 )
 
 # --- accumulation (fxtrain/transforms/_accumulation.py)
-from fxtrain.transforms._accumulation import AccumulateState, accumulate, microbatch, skip_large_updates, skip_not_finite
+from fxtrain.transforms._accumulation import (
+    AccumulateState,
+    AccumulationType,
+    Accumulator,
+    accumulate,
+    microbatch,
+    skip_large_updates,
+    skip_not_finite,
+    split_backward,
+)
 
 # --- checkpointing (fxtrain/checkpoint.py)
 from fxtrain.checkpoint import CheckpointError, TrainState, load, rng_state, save, set_rng_state

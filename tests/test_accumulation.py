@@ -1,4 +1,5 @@
-"""Tests for fxtrain/transforms/_accumulation.py: accumulate (Optax's MultiSteps) and microbatch.
+"""Tests for fxtrain/transforms/_accumulation.py: accumulate (Optax's MultiSteps), split_backward and microbatch
+(Optax's microbatching.microbatch).
 
 The references: one big batch through the same transform (k micro-batches of b must give the update of
 one batch of k*b), Optax's MultiSteps itself (under jax.vmap and jax.grad for the ensembles whose counters
@@ -629,62 +630,62 @@ def test_grad_through_updates_matches_optax():
     assert math.isclose(float(a_lr), float(d_lr), rel_tol=1e-5)
 
 
-# --- microbatch ----------------------------------------------------------------------------------------
+# --- split_backward ----------------------------------------------------------------------------------------
 
-def test_microbatch_gives_the_gradient_of_the_whole_batch():
+def test_split_backward_gives_the_gradient_of_the_whole_batch():
     (batch,) = batches(1, 10)
     for n in (1, 3, 4, 10):  # 10 examples in 4 pieces: sizes 3, 3, 2, 2 weighted by size
         p_full, _, m_full = run(fx.sgd(0.5), [batch] * 2)
-        p_micro, _, m_micro = run(fx.sgd(0.5), [batch] * 2, loss=fx.microbatch(loss_fn, n))
+        p_micro, _, m_micro = run(fx.sgd(0.5), [batch] * 2, loss=fx.split_backward(loss_fn, n))
         assert_trees_close(p_micro, p_full, rtol=1e-6, atol=1e-7)
         assert math.isclose(float(m_micro["loss"]), float(m_full["loss"]), rel_tol=1e-6)
 
 
-def test_microbatch_aux_evaluation_and_errors():
+def test_split_backward_aux_evaluation_and_errors():
     def with_aux(params, batch):
         loss = loss_fn(params, batch)
         return loss, {"loss": loss, "n": torch.tensor(batch[0].shape[0]), "name": "mlp"}
 
     (batch,) = batches(1, 8)
     params = mlp_params()
-    loss, aux = fx.microbatch(with_aux, 4)(params, batch)  # no gradients asked: a plain weighted mean
+    loss, aux = fx.split_backward(with_aux, 4)(params, batch)  # no gradients asked: a plain weighted mean
     assert not loss.requires_grad
     assert math.isclose(float(loss), float(loss_fn(params, batch)), rel_tol=1e-6)
     assert math.isclose(float(aux["loss"]), float(loss), rel_tol=1e-6)
     assert int(aux["n"]) == 8 and aux["name"] == "mlp"
-    step = fx.train_step(fx.microbatch(with_aux, 2), fx.sgd(0.1), has_aux=True)
+    step = fx.train_step(fx.split_backward(with_aux, 2), fx.sgd(0.1), has_aux=True)
     _, _, m = step(params, fx.sgd(0.1).init(params), batch)
     assert int(m["aux"]["n"]) == 8 and math.isclose(float(m["aux"]["loss"]), float(m["loss"]), rel_tol=1e-6)
-    with pytest.raises(ValueError, match="microbatch: n=0"):
-        fx.microbatch(loss_fn, 0)
+    with pytest.raises(ValueError, match="split_backward: n=0"):
+        fx.split_backward(loss_fn, 0)
     with pytest.raises(ValueError, match="cannot be split into n=9"):
-        fx.microbatch(loss_fn, 9)(params, batch)
+        fx.split_backward(loss_fn, 9)(params, batch)
     with pytest.raises(ValueError, match="differ in size along dim 0"):
-        fx.microbatch(loss_fn, 2)(params, (batch[0], batch[1][:4]))
+        fx.split_backward(loss_fn, 2)(params, (batch[0], batch[1][:4]))
 
 
 @pytest.mark.skipif(not hasattr(fx, "amp_cast"), reason="fx.amp_cast not built yet")
-def test_microbatch_under_amp_cast():
+def test_split_backward_under_amp_cast():
     (batch,) = batches(1, 8)
     tx = lambda: fx.amp_cast(fx.sgd(0.5), "p=f32,c=bf16,o=f32")  # noqa: E731
     p_full, _, _ = run(tx(), [batch])
-    p_micro, _, _ = run(tx(), [batch], loss=fx.microbatch(loss_fn, 4))
+    p_micro, _, _ = run(tx(), [batch], loss=fx.split_backward(loss_fn, 4))
     assert all(p.dtype == torch.float32 for p in fx.tree.leaves(p_micro))
     assert_trees_close(p_micro, p_full, rtol=2e-2, atol=2e-3)  # bf16 forward passes on different pieces
 
 
-def test_microbatch_under_accumulate():
+def test_split_backward_under_accumulate():
     micro = batches(4, 6)
-    p_acc, _, _ = run(fx.accumulate(fx.adam(1e-2), every=2), micro, loss=fx.microbatch(loss_fn, 3))
+    p_acc, _, _ = run(fx.accumulate(fx.adam(1e-2), every=2), micro, loss=fx.split_backward(loss_fn, 3))
     p_big, _, _ = run(fx.chain(fx.adam(1e-2)), big(micro, 2))  # foreach kernels, as inside accumulate
     assert_trees_close(p_acc, p_big, rtol=1e-6, atol=1e-7)
 
 
-def test_microbatch_under_torch_func_grad_and_vmap():
+def test_split_backward_under_torch_func_grad_and_vmap():
     # Under a torch.func transform the loss is the weighted sum of the micro-batch losses (no backward inside).
     (batch,) = batches(1, 10)
     members = _stack([{k: v for k, v in mlp_params(seed).items() if v is not None} for seed in range(3)])
-    split = fx.microbatch(loss_fn, 4)
+    split = fx.split_backward(loss_fn, 4)
     one = _member(members, 0)
     assert_trees_close(torch.func.grad(split)(one, batch), torch.func.grad(loss_fn)(one, batch),
                        rtol=1e-6, atol=1e-7)
@@ -694,8 +695,92 @@ def test_microbatch_under_torch_func_grad_and_vmap():
                            rtol=1e-6, atol=1e-7)
     # Plain autograd: a higher-order gradient through the split backward is refused, not returned as zero.
     w = fx.tree.map(lambda v: v.clone().requires_grad_(), one)
-    with pytest.raises(RuntimeError, match="microbatch: higher-order gradients"):
+    with pytest.raises(RuntimeError, match="split_backward: higher-order gradients"):
         torch.autograd.grad(split(w, batch), fx.tree.leaves(w), create_graph=True)
+
+
+# --- microbatch: Optax's function transform, against optax.microbatching.microbatch under JAX -------------
+
+def _optax_microbatch(fun_jax, args, **kwargs):
+    """``optax.microbatching.microbatch(fun_jax, **kwargs)(*args)`` on the same numbers, back as torch."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def to_optax(x):
+        names = {"SUM", "MEAN", "RUNNING_MEAN", "CONCAT"}
+        return optax.microbatching.AccumulationType[x.name] if getattr(x, "name", None) in names else x
+
+    acc = kwargs.pop("accumulator", None)
+    if acc is not None:
+        kwargs["accumulator"] = jax.tree.map(to_optax, acc, is_leaf=lambda x: isinstance(x, fx.AccumulationType))
+    out = optax.microbatching.microbatch(fun_jax, **kwargs)(*[jnp.asarray(a.numpy()) for a in args])
+    return jax.tree.map(lambda x: torch.from_numpy(__import__("numpy").asarray(x).copy()), out)
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("case", ["concat_sum", "mean_in_axes_1", "running_mean_real_3", "grad_mean"])
+def test_microbatch_matches_optax(case):
+    import jax
+    import jax.numpy as jnp
+
+    x, w = torch.randn(12, 3, dtype=torch.float32), torch.randn(3)
+    xt = x.T.contiguous()  # batch on axis 1
+    A = fx.AccumulationType
+    if case == "concat_sum":  # Optax's docstring example on floats: rows back in order, and a total
+        ours = fx.microbatch(lambda x: (x @ w.unsqueeze(1) + 1, (3 * x).sum()), 0, 4, (A.CONCAT, A.SUM))(x)
+        ref = _optax_microbatch(lambda x: (x @ jnp.asarray(w.numpy())[:, None] + 1, (3 * x).sum()), (x,),
+                                argnums=0, microbatch_size=4, accumulator=(A.CONCAT, A.SUM))
+    elif case == "mean_in_axes_1":
+        ours = fx.microbatch(lambda w, xt: {"m": torch.tanh(w @ xt).mean()}, 1, 3, A.MEAN, in_axes=1)(w, xt)
+        ref = _optax_microbatch(lambda w, xt: {"m": jnp.tanh(w @ xt).mean()}, (w, xt), argnums=1,
+                                microbatch_size=3, accumulator=A.MEAN, in_axes=1)
+    elif case == "running_mean_real_3":  # only 3 of the 4 micro-batches run
+        ours = fx.microbatch(lambda x: (x ** 2).mean(0), 0, 3, A.RUNNING_MEAN, num_real_microbatches=3)(x)
+        ref = _optax_microbatch(lambda x: (x ** 2).mean(0), (x,), argnums=0, microbatch_size=3,
+                                accumulator=A.RUNNING_MEAN, num_real_microbatches=3)
+    else:  # the gradient of a mean loss, micro-batch by micro-batch, with the loss as aux
+        def loss(w, x):
+            return (torch.tanh(x @ w) ** 2).mean()
+
+        def loss_jax(w, x):
+            return (jnp.tanh(x @ w) ** 2).mean()
+
+        ours = fx.microbatch(torch.func.grad_and_value(loss), 1, 6, A.MEAN)(w, x)
+        ref = _optax_microbatch(jax.value_and_grad(loss_jax), (w, x), argnums=1, microbatch_size=6,
+                                accumulator=A.MEAN)[::-1]
+        assert_trees_close(ours, (torch.func.grad(loss)(w, x), loss(w, x)), rtol=1e-5, atol=1e-6)
+    assert_trees_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_microbatch_accumulators_keywords_and_errors():
+    A = fx.AccumulationType
+    x = torch.arange(8.0)
+    # argnames, a custom Accumulator (the max) next to a built-in one, microbatch_size=None: fun itself
+    peak = fx.Accumulator(lambda v: torch.full_like(v, -torch.inf), lambda c, v, i: torch.maximum(c, v),
+                          lambda c: c, lambda v: v.amax(0))
+    f = fx.microbatch(lambda *, x: {"max": x.max(), "n": torch.tensor(x.numel())}, (), 2,
+                      {"max": peak, "n": A.SUM}, argnames="x")
+    assert {k: int(v) for k, v in f(x=x).items()} == {"max": 7, "n": 8}
+    fun = lambda x: x  # noqa: E731
+    assert fx.microbatch(fun, 0, None) is fun
+    with pytest.raises(ValueError, match="batch_size=8 must be divisible by microbatch_size=3"):
+        fx.microbatch(fun, 0, 3)(x)
+    with pytest.raises(ValueError, match="equal-size batch axes, found \\[8, 4\\]"):
+        fx.microbatch(lambda a, b: a, (0, 1), 2)(x, x[:4])
+    with pytest.raises(ValueError, match="MEAN and RUNNING_MEAN accumulators require floating-point"):
+        fx.microbatch(lambda a: a.sum(), 0, 2, A.MEAN)(torch.arange(8))
+    with pytest.raises(ValueError, match="microbatch_size=0 must be an int >= 1"):
+        fx.microbatch(fun, 0, 0)
+    # composable: grad through it, vmap over an ensemble of weights
+    w = torch.randn(3, 2)
+    xs = torch.randn(6, 3)
+    g = torch.func.grad(lambda w: fx.microbatch(lambda xs: (xs @ w).square().sum(), 0, 2)(xs))(w)
+    assert_trees_close(g, torch.func.grad(lambda w: (xs @ w).square().sum())(w), rtol=1e-5, atol=1e-6)
+    ws = torch.randn(4, 3, 2)
+    out = torch.func.vmap(lambda w: fx.microbatch(lambda xs: xs @ w, 0, 3, A.CONCAT)(xs))(ws)
+    assert_trees_close(out, torch.einsum("nd,kdo->kno", xs, ws),
+                       rtol=1e-5, atol=1e-6)
 
 
 # --- data parallel: 2 gloo ranks, one spawn (tests/_worlds.py) ----------------------------------------------
@@ -781,8 +866,8 @@ def case_data_parallel(world: int) -> None:
         assert all_reduces(counts) == all_reduces(forward_only) + 2, counts
     assert_trees_close(params, p_ref, rtol=1e-5, atol=1e-6)
 
-    # 3. microbatch on this rank's rows: Partial gradients summed locally, then the same update.
-    step = fx.train_step(fx.microbatch(dp_loss, 2), fx.accumulate(inner(), every=K))
+    # 3. split_backward on this rank's rows: Partial gradients summed locally, then the same update.
+    step = fx.train_step(fx.split_backward(dp_loss, 2), fx.accumulate(inner(), every=K))
     params = replicated(mlp_params())
     state = fx.accumulate(inner(), every=K).init(params)
     for batch in micro:

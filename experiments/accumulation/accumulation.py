@@ -1,4 +1,4 @@
-"""Gradient accumulation with fx.accumulate and fx.microbatch against one big batch (issue 6).
+"""Gradient accumulation with fx.accumulate and fx.split_backward against one big batch (issue 6).
 
 Two parts:
 
@@ -9,7 +9,7 @@ Two parts:
 
    * ``one batch``: one ``train_step`` call on the B examples (the reference, the same for every k);
    * ``accumulate``: k calls on B/k examples with ``accumulate(tx, every=k)`` (one update);
-   * ``microbatch``: one call on the B examples with ``fx.microbatch(loss_fn, k)``.
+   * ``split_backward``: one call on the B examples with ``fx.split_backward(loss_fn, k)``.
 
    Time per example: interleaved rounds in this process (``experiments/bench/_common.py``), medians.
    Peak memory: params + optimizer state (+ the accumulator), counted from the tensors, plus the peak
@@ -77,8 +77,8 @@ class Variant:
         tx, loss, self.calls = make_tx(), loss_fn, 1
         if kind == "accumulate":
             tx, self.calls = fx.accumulate(tx, every=k), k
-        elif kind == "microbatch":
-            loss = fx.microbatch(loss_fn, k)
+        elif kind == "split_backward":
+            loss = fx.split_backward(loss_fn, k)
         self.params = make_params()
         self.state = tx.init(self.params)
         self.step = fx.train_step(loss, tx)
@@ -218,7 +218,7 @@ def main() -> None:
     variants = {("one batch", 1): Variant("one batch", 1, B)}
     for k in KS:
         variants[("accumulate", k)] = Variant("accumulate", k, B)
-        variants[("microbatch", k)] = Variant("microbatch", k, B)
+        variants[("split_backward", k)] = Variant("split_backward", k, B)
     times = _common.interleaved({f"{kind} {k}": v for (kind, k), v in variants.items()}, rounds=args.rounds,
                                 warmup=2)
     us = {name: _common.summary(t)["median"] * 1e3 / B for name, t in times.items()}  # microseconds/example
@@ -226,11 +226,11 @@ def main() -> None:
     mem = {key: measure_memory(key[0], key[1], B) for key in variants}
     base_t, base_m = us["one batch 1"], mem[("one batch", 1)]
     rows = [[k, f"{base_t:.1f}", f"{us[f'accumulate {k}']:.1f} ({us[f'accumulate {k}'] / base_t:.2f}x)",
-             f"{us[f'microbatch {k}']:.1f} ({us[f'microbatch {k}'] / base_t:.2f}x)",
-             f"{base_m:.0f}", f"{mem[('accumulate', k)]:.0f}", f"{mem[('microbatch', k)]:.0f}"] for k in KS]
+             f"{us[f'split_backward {k}']:.1f} ({us[f'split_backward {k}'] / base_t:.2f}x)",
+             f"{base_m:.0f}", f"{mem[('accumulate', k)]:.0f}", f"{mem[('split_backward', k)]:.0f}"] for k in KS]
     table = _common.table(
-        ["k", "one batch of B: us/example", "accumulate, k x B/k: us/example", "microbatch(k): us/example",
-         "one batch: peak MiB", "accumulate: peak MiB", "microbatch: peak MiB"], rows)
+        ["k", "one batch of B: us/example", "accumulate, k x B/k: us/example", "split_backward(k): us/example",
+         "one batch: peak MiB", "accumulate: peak MiB", "split_backward: peak MiB"], rows)
     held = _common.table(["update work of one call (no forward/backward)", "ms"], held_call_costs(args.rounds))
 
     report = "\n\n".join([

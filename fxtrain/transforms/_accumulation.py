@@ -1,8 +1,11 @@
-"""Gradient accumulation: ``accumulate`` (Optax's ``MultiSteps``, the functional ``no_sync``) and ``microbatch``.
+"""Gradient accumulation: ``accumulate`` (Optax's ``MultiSteps``, the functional ``no_sync``), ``split_backward``
+and ``microbatch`` (Optax's ``microbatching.microbatch``).
 
 ``accumulate(tx, every=k)`` sums the gradients of k calls and runs ``tx`` once on their mean: k micro-
-batches of size b give the update of one batch of k*b, with the activation memory of b. ``microbatch``
-does the same inside one call, for a caller who holds the whole batch.
+batches of size b give the update of one batch of k*b, with the activation memory of b. ``split_backward``
+does the same inside one call, for a caller who holds the whole batch. ``microbatch`` is Optax's function
+transform: any function evaluated piece by piece along a batch axis, its outputs summed, averaged or
+concatenated.
 
 Four choices, and why (measured on torch 2.13, CPU):
 
@@ -54,9 +57,11 @@ reused), which a checkpoint of the state must be able to store.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import numbers
 import weakref
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
@@ -66,7 +71,8 @@ from fxtrain._base import GradientTransformation, _name, call, kernel, traits, t
 from fxtrain.transforms._hyperparams import safe_increment_
 from fxtrain.transforms._moments import as_dtype, param_device
 
-__all__ = ["AccumulateState", "accumulate", "microbatch", "skip_not_finite", "skip_large_updates"]
+__all__ = ["AccumulateState", "accumulate", "split_backward", "microbatch", "Accumulator", "AccumulationType",
+           "skip_not_finite", "skip_large_updates"]
 
 _NS = "fxtrain"
 _SCHEDULE_ON_DEVICE = (
@@ -491,11 +497,15 @@ def _none_like(t: Any) -> Any:
     return tree.unflatten(spec, [None] * spec.num_leaves)
 
 
-# --- microbatch -------------------------------------------------------------------------------------
+# --- split_backward -------------------------------------------------------------------------------------
 
-def microbatch(loss_fn: Callable, n: int) -> Callable:
+def split_backward(loss_fn: Callable, n: int) -> Callable:
     r"""Splits each batch into ``n`` micro-batches inside one call: the gradient of the whole batch, the
-    activation memory of one micro-batch (Optax's ``microbatching.microbatch``, for a loss function).
+    activation memory of one micro-batch.
+
+    Not Optax's ``microbatch`` (that one is :func:`microbatch`: a function transform that evaluates any
+    function piece by piece and accumulates its outputs, which under ``torch.func.grad`` keeps every piece's
+    graph); this one runs each piece's backward inside the call, for :func:`fxtrain.train_step`.
 
     The returned ``loss_fn(params, batch)`` splits every tensor leaf of ``batch`` into ``n`` pieces along
     dim 0 (``torch.tensor_split``; other leaves go to every piece), runs forward *and backward* on each
@@ -531,12 +541,12 @@ def microbatch(loss_fn: Callable, n: int) -> Callable:
         >>> x, y = torch.randn(8, 3), torch.randn(8)
         >>> w = torch.randn(3, requires_grad=True)
         >>> (g_full,) = torch.autograd.grad(loss_fn({"w": w}, (x, y)), [w])
-        >>> (g_four,) = torch.autograd.grad(fx.microbatch(loss_fn, 4)({"w": w}, (x, y)), [w])
+        >>> (g_four,) = torch.autograd.grad(fx.split_backward(loss_fn, 4)({"w": w}, (x, y)), [w])
         >>> torch.allclose(g_full, g_four, atol=1e-6)
         True
     """
     if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"microbatch: n={n!r} must be an int >= 1")
+        raise ValueError(f"split_backward: n={n!r} must be an int >= 1")
     n = int(n)
 
     def fn(params, batch):
@@ -555,7 +565,7 @@ def microbatch(loss_fn: Callable, n: int) -> Callable:
                 return out  # train_step names the bad output
             if differentiate:
                 if not loss.requires_grad:
-                    raise ValueError("microbatch: the loss does not depend on params (no gradient flows)")
+                    raise ValueError("split_backward: the loss does not depend on params (no gradient flows)")
                 gs = torch.autograd.grad(loss, xs, materialize_grads=True)
                 if grads is None:
                     grads = list(torch._foreach_mul(gs, w))  # fresh buffers: autograd's may be shared
@@ -569,7 +579,7 @@ def microbatch(loss_fn: Callable, n: int) -> Callable:
             total = _WithGradients.apply(total, grads, *xs)
         return (total, _combine(auxes, weights)) if has_aux else total
 
-    fn.__qualname__ = f"microbatch({getattr(loss_fn, '__qualname__', repr(loss_fn))}, {n})"
+    fn.__qualname__ = f"split_backward({getattr(loss_fn, '__qualname__', repr(loss_fn))}, {n})"
     return fn
 
 
@@ -585,7 +595,7 @@ class _WithGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gout):
         if torch.is_grad_enabled():  # create_graph=True: the precomputed gradients have no graph of their own
-            raise RuntimeError("microbatch: higher-order gradients (create_graph=True) are not supported: its "
+            raise RuntimeError("split_backward: higher-order gradients (create_graph=True) are not supported: its "
                                "gradients are computed micro-batch by micro-batch without a graph; differentiate "
                                "the loss function itself, or call it under torch.func.grad")
         grads, ctx.grads = ctx.grads, None
@@ -599,12 +609,12 @@ def _split(batch: Any, n: int) -> tuple[list, list[float]]:
     flat, spec = tree.flatten(batch)
     sizes = {p: x.shape[0] for p, x in zip(tree.paths(batch), flat) if isinstance(x, torch.Tensor) and x.ndim}
     if not sizes:
-        raise ValueError("microbatch: the batch holds no tensor with a batch dimension to split")
+        raise ValueError("split_backward: the batch holds no tensor with a batch dimension to split")
     size = next(iter(sizes.values()))
     if any(s != size for s in sizes.values()):
-        raise ValueError(f"microbatch: batch leaves differ in size along dim 0: {sizes}")
+        raise ValueError(f"split_backward: batch leaves differ in size along dim 0: {sizes}")
     if size < n:
-        raise ValueError(f"microbatch: a batch of {size} cannot be split into n={n} micro-batches")
+        raise ValueError(f"split_backward: a batch of {size} cannot be split into n={n} micro-batches")
     pieces = [torch.tensor_split(x, n) if isinstance(x, torch.Tensor) and x.ndim else [x] * n for x in flat]
     chunks = [tree.unflatten(spec, [p[i] for p in pieces]) for i in range(n)]
     first = next(i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.ndim)
@@ -624,3 +634,172 @@ def _combine(auxes: list, weights: list[float]) -> Any:
         return last.detach()
 
     return optree.tree_map(combine, *auxes, none_is_leaf=False, namespace=_NS)
+
+
+# --- microbatch (Optax's optax.microbatching.microbatch) ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Accumulator:
+    """How :func:`microbatch` combines one output leaf over the micro-batches (Optax's ``Accumulator``)::
+
+        carry = init(x_0)
+        for i in range(n):
+            carry = update(carry, x_i, i)
+        return finalize(carry)
+
+    ``init`` gets the first micro-batch's output (a tensor; Optax passes its shape and dtype: use only
+    those), ``aggregate`` reduces a stacked output along dim 0 (kept for Optax's protocol).
+    """
+
+    init: Callable
+    update: Callable
+    finalize: Callable
+    aggregate: Callable
+
+
+class AccumulationType(enum.Enum):
+    """The built-in accumulators of :func:`microbatch` (Optax's ``AccumulationType``)."""
+
+    MEAN = enum.auto()  #: the mean of the micro-batches' outputs (floating outputs)
+    SUM = enum.auto()  #: their sum
+    RUNNING_MEAN = enum.auto()  #: their mean over the micro-batches run (``num_real_microbatches``)
+    CONCAT = enum.auto()  #: concatenated along dim 0, in the batch's order
+
+
+def microbatch(fun: Callable, argnums: int | Sequence[int], microbatch_size: int | None,
+               accumulator: Any = AccumulationType.SUM, *, argnames: str | Sequence[str] = (),
+               in_axes: int | Sequence[int] = 0, num_real_microbatches: int | torch.Tensor | None = None) -> Callable:
+    r"""Evaluates ``fun`` on micro-batches of its batch arguments and accumulates the results (Optax's
+    ``optax.microbatching.microbatch``: same arguments, same numbers).
+
+    The arguments ``argnums`` (positions) and ``argnames`` (keywords) are pytrees whose leaves share a batch
+    axis (``in_axes``, one per argument or one for all) of size :math:`B`, a multiple of ``microbatch_size``
+    :math:`m`. Micro-batch :math:`i` of the :math:`n = B/m` takes the rows :math:`i, i+n, i+2n, \dots`
+    (Optax's column-major reshape, which keeps a sharded batch axis sharded); ``fun`` runs on each in turn
+    and each output leaf is combined by ``accumulator``: an :class:`AccumulationType`, an
+    :class:`Accumulator`, or a pytree prefix of ``fun``'s output holding them (``(CONCAT, SUM)`` for a
+    ``(values, total)`` output). ``CONCAT`` gives the rows back in the batch's order. With
+    ``num_real_microbatches`` only the first that many run (``MEAN`` still divides by :math:`n`).
+
+    Only one micro-batch's intermediates are alive at a time when ``fun`` returns values without a graph
+    (``torch.func.grad(loss)`` as ``fun``: summed gradients, the memory of one micro-batch). The loop is
+    Python (Optax's is ``lax.fori_loop``); everything is out of place, so ``torch.func`` transforms
+    compose with it. To split the batch of a :func:`fxtrain.train_step` loss instead, use
+    :func:`split_backward`.
+
+    Args:
+      fun: any function.
+      argnums: the positions of the arguments with a batch axis.
+      microbatch_size: rows per micro-batch; ``None`` returns ``fun`` itself (as Optax).
+      accumulator: how outputs combine (above); ``SUM`` by default, as Optax.
+      argnames: the keyword arguments with a batch axis.
+      in_axes: the batch axis of each argument of ``argnums + argnames``, or one int for all.
+      num_real_microbatches: run only the first this many micro-batches.
+
+    Returns:
+      A function with ``fun``'s arguments.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> fun = lambda x: (x + 1, (3 * x).sum())
+        >>> chunked = fx.microbatch(fun, argnums=0, microbatch_size=2,
+        ...                         accumulator=(fx.AccumulationType.CONCAT, fx.AccumulationType.SUM))
+        >>> chunked(torch.tensor([1, 2, 3, 4]))
+        (tensor([2, 3, 4, 5]), tensor(30))
+
+        The gradient of a mean loss, micro-batch by micro-batch:
+
+        >>> def loss(w, x, y):
+        ...     return ((x @ w - y) ** 2).mean()
+        >>> w, x, y = torch.randn(3), torch.randn(8, 3), torch.randn(8)
+        >>> g = fx.microbatch(torch.func.grad(loss), argnums=(1, 2), microbatch_size=2,
+        ...                   accumulator=fx.AccumulationType.MEAN)(w, x, y)
+        >>> torch.allclose(g, torch.func.grad(loss)(w, x, y), atol=1e-6)
+        True
+    """
+    if microbatch_size is None:
+        return fun
+    if not isinstance(microbatch_size, numbers.Integral) or isinstance(microbatch_size, bool) or microbatch_size < 1:
+        raise ValueError(f"microbatch: microbatch_size={microbatch_size!r} must be an int >= 1 (or None)")
+    argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    argnames = (argnames,) if isinstance(argnames, str) else tuple(argnames)
+    axes = (in_axes,) * (len(argnums) + len(argnames)) if isinstance(in_axes, int) else tuple(in_axes)
+    if len(axes) != len(argnums) + len(argnames):
+        raise ValueError(f"microbatch: in_axes={in_axes!r} needs one axis per argument of argnums {argnums} "
+                         f"and argnames {argnames}")
+    m = int(microbatch_size)
+
+    batched = [(0, i) for i in argnums] + [(1, k) for k in argnames]  # (args or kwargs, position or name)
+
+    def microbatched(*args, **kwargs):
+        given = (args, kwargs)
+        sizes = [x.shape[ax] for (s, key), ax in zip(batched, axes) for x in tree.leaves(given[s][key])]
+        if len(set(sizes)) > 1:
+            raise ValueError(f"microbatch: the batch arguments must have equal-size batch axes, found {sizes}")
+        if not sizes:
+            raise ValueError(f"microbatch: argnums {argnums} and argnames {argnames} hold no tensor to split")
+        if sizes[0] % m:
+            raise ValueError(f"microbatch: batch_size={sizes[0]} must be divisible by microbatch_size={m}")
+        n = sizes[0] // m
+
+        def piece(i):
+            new = (list(args), dict(kwargs))
+            for (s, key), ax in zip(batched, axes):
+                # rows i, i+n, i+2n...: Optax's reshape to (n, m) in column-major order, then take(i)
+                new[s][key] = optree.tree_map(lambda x: x.unflatten(ax % x.ndim, (m, n)).select(ax % x.ndim + 1, i), given[s][key],
+                                              namespace=_NS)
+            return fun(*new[0], **new[1])
+
+        runs = n if num_real_microbatches is None else int(num_real_microbatches)
+        first = piece(0)
+        acc = _composed(accumulator, n)
+        carry = acc.init(first)
+        for i in range(runs):
+            carry = acc.update(carry, first if i == 0 else piece(i), i)
+        return acc.finalize(carry)
+
+    return microbatched
+
+
+def _composed(accumulator: Any, n: int) -> Accumulator:
+    """``accumulator`` (a pytree prefix of the output holding accumulators) as one accumulator of the output."""
+    is_acc = lambda x: isinstance(x, (Accumulator, AccumulationType))  # noqa: E731
+    accs, spec = optree.tree_flatten(accumulator, is_leaf=is_acc, namespace=_NS)
+    if not all(is_acc(a) for a in accs):
+        raise ValueError(f"microbatch: accumulator={accumulator!r} must hold Accumulator or AccumulationType values")
+    accs = [_builtin(a, n) if isinstance(a, AccumulationType) else a for a in accs]
+
+    def each(method: str, trees: tuple, *extra: Any) -> Any:
+        # the output cut at the prefix: one subtree per accumulator, which runs on every leaf of it
+        parts = [spec.flatten_up_to(t) for t in trees]
+        return optree.tree_unflatten(spec, [
+            optree.tree_map(lambda *xs, a=a: getattr(a, method)(*xs, *extra), *subtrees, namespace=_NS)
+            for a, *subtrees in zip(accs, *parts)])
+
+    return Accumulator(lambda value: each("init", (value,)), lambda carry, value, i: each("update", (carry, value), i),
+                       lambda carry: each("finalize", (carry,)), lambda values: each("aggregate", (values,)))
+
+
+def _builtin(kind: AccumulationType, n: int) -> Accumulator:
+    """Optax's SUM, MEAN, RUNNING_MEAN and CONCAT on one tensor."""
+    if kind is AccumulationType.SUM:
+        return Accumulator(torch.zeros_like, lambda c, v, i: c + v, lambda c: c, lambda v: v.sum(0))
+    if kind is AccumulationType.MEAN:
+        return Accumulator(_floating(torch.zeros_like), lambda c, v, i: c + v, lambda c: c / n, lambda v: v.mean(0))
+    if kind is AccumulationType.RUNNING_MEAN:
+        return Accumulator(_floating(torch.zeros_like), lambda c, v, i: c * (i / (i + 1)) + v * (1 - i / (i + 1)),
+                           lambda c: c, lambda v: v.mean(0))
+    # CONCAT: carry[i] is micro-batch i's output (rows i, i+n...): back in the batch's order by a transpose
+    return Accumulator(lambda v: v.new_zeros((n, *v.shape)),
+                       lambda c, v, i: c.index_put((torch.tensor(i, device=c.device),), v),
+                       lambda c: c.transpose(0, 1).reshape(-1, *c.shape[2:]), lambda v: v)
+
+
+def _floating(init: Callable) -> Callable:
+    def checked(value):
+        if not (value.is_floating_point() or value.is_complex()):
+            raise ValueError("microbatch: MEAN and RUNNING_MEAN accumulators require floating-point values, got "
+                             f"{value.dtype}")
+        return init(value)
+
+    return checked
