@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -277,7 +278,11 @@ def eval_hooks(cfg: DictConfig) -> list[tuple[str, Callable]]:
     """
     hooks = []
     for name, node in (cfg.trainer.get("eval_hooks") or {}).items():
-        fn, kwargs = target(node, f"trainer.eval_hooks.{name}")
+        key = f"trainer.eval_hooks.{name}"
+        spec = _resolve(node, key)
+        fn = _locate(spec, key)
+        kwargs = {k: _build_nested(v, f"{key}.{k}") for k, v in spec.items() if k != "_target_"}
+        check_args(functools.partial(fn, None), kwargs, key, spec["_target_"])  # the context is its first argument
         hooks.append((str(name), lambda ctx, fn=fn, kwargs=kwargs: fn(ctx, **kwargs)))
     return hooks
 
@@ -289,10 +294,10 @@ def early_stopping(cfg: DictConfig) -> Any:
     node = cfg.trainer.get("early_stopping")
     if node is None or node.get("metric") is None:
         return None
-    options = {k: v for k, v in node.items() if k != "metric"}
+    options = dict(node.items())
     check_args(tasks.EarlyStopping, options, "trainer.early_stopping", "early stopping")
     try:
-        return tasks.EarlyStopping(str(node.metric), **options)
+        return tasks.EarlyStopping(**{**options, "metric": str(node.metric)})
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -209,11 +209,12 @@ def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt
     ``trainer.early_stopping`` says so. Returns the last train and eval metrics (and ``"stopped_early"``)."""
     trainer, dims = cfg.trainer, run.dims
     constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
-    logger = build.instantiate(cfg.logger, "logger", dir=run.out) if run.out is not None else None
     hooks = build.eval_hooks(cfg)
     stopper = build.early_stopping(cfg)
-    if stopper is not None and run.ckpt_dir is not None:  # every rank reads the lines logged before `start`
-        stopper.replay(report.read_jsonl(run.ckpt_dir.parent / rundir.METRICS))
+    logger = build.instantiate(cfg.logger, "logger", dir=run.out) if run.out is not None else None
+    if stopper is not None and isinstance(run.source, pathlib.Path):  # the lines its checkpoint's run logged
+        logged = report.read_jsonl(run.source.parent.parent / rundir.METRICS)  # <run>/checkpoints/step_N
+        stopper.replay([r for r in logged if r.get("step", 0) <= start])
     max_steps = trainer.max_steps
     train_metrics: dict[str, float] = {}   # the last logged ones
     eval_metrics: dict[str, float] = {}
