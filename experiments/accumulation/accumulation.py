@@ -194,7 +194,7 @@ def held_call_costs(rounds: int) -> list[list]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--batch", type=int, default=4096, help="examples per update (B)")
@@ -203,7 +203,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--memory-child", nargs=3, metavar=("KIND", "K", "BATCH"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    _common.add_output_args(ap, HERE)  # results.md
+    args = ap.parse_args(argv)
+    out = _common.output_dir(ap, args, HERE) if not args.memory_child else None
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_child:
@@ -244,8 +246,9 @@ def main() -> None:
         f"## What a held call costs\n\n{held}",
     ])
     print(report)
-    if not args.no_write:
-        (HERE / "results.md").write_text(report + "\n")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.md").write_text(report + "\n")
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def update_timing(args) -> dict[str, dict]:
     return {name: _common.summary(t) for name, t in times.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="training steps per preset")
     p.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds")
@@ -178,8 +178,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
     p.add_argument("--presets", type=lambda s: s.split(","), default=PRESETS)
     p.add_argument("--no-write", action="store_true", help="print only")
+    _common.add_output_args(p, HERE)  # results.md (results_cuda.md on CUDA)
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one training run, JSON on stdout
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    out = _common.output_dir(p, args, HERE) if not args.worker else None
     torch.set_num_threads(args.threads)
     if args.worker:
         print(json.dumps(train(args.worker, args)))
@@ -224,8 +226,9 @@ def main() -> None:
         _common.environment(),
     ])
     print(text)
-    if not args.no_write:
-        path = HERE / ("results.md" if not cuda else "results_cuda.md")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / ("results.md" if not cuda else "results_cuda.md")
         path.write_text(text + "\n")
         print(f"\nwritten to {path}")
 

@@ -11,6 +11,8 @@ Scripts elsewhere in ``experiments/`` import it the way the benchmarks do:
 
 from __future__ import annotations
 
+import argparse
+
 import datetime
 import gc
 import os
@@ -95,6 +97,38 @@ def write_result(name: str, text: str) -> Path:
     path = RESULTS / f"{name}.md"
     path.write_text(text if text.endswith("\n") else text + "\n")
     return path
+
+
+def add_output_args(parser: argparse.ArgumentParser, here: Path) -> None:
+    """``--out DIR`` and ``--write``: where a study writes its results (see :func:`output_dir`)."""
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for the results (a fresh copy; the committed ones stay as they are)")
+    parser.add_argument("--write", action="store_true",
+                        help=f"replace the committed results in {_rel(here)} (they are what its README shows)")
+
+
+def output_dir(parser: argparse.ArgumentParser, args: argparse.Namespace, here: Path) -> Path | None:
+    """Where the results go: ``--out DIR``, or the committed directory ``here`` with ``--write`` (or ``--out``
+    naming it); ``None`` with ``--no-write``. Without any, the study refuses before doing any work (exit 2):
+    a rerun never replaces committed results unless asked (``make studies`` compares reruns with them)."""
+    if getattr(args, "no_write", False):
+        return None
+    if args.write and args.out is not None and args.out.resolve() != here.resolve():
+        parser.error(f"--write replaces the committed results in {_rel(here)}, --out {args.out} writes elsewhere: "
+                     "pass one of them")
+    if args.write:
+        return here
+    if args.out is None:
+        parser.error(f"where should the results go? --out DIR writes a fresh copy (e.g. --out /tmp/{here.name}); "
+                     f"--write replaces the committed results in {_rel(here)}")
+    return args.out
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path(__file__).resolve().parents[2])) + "/"
+    except ValueError:
+        return str(path)
 
 
 def write_study_results(out_dir: Path, script: str, body: str, source: Any = None) -> Path:

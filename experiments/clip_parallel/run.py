@@ -7,7 +7,8 @@ batch sharded over dp. Autograd then hands back gradients that are ``Partial`` o
 the same model on one device (plain tensors, the whole batch) alongside and prints both norms per step,
 with the norm a per-rank clip (``clip_grad_norm_`` on the local shards) would have used.
 
-    .venv/bin/python experiments/clip_parallel/run.py            # prints the table, writes results_mlp.md
+    .venv/bin/python experiments/clip_parallel/run.py --write    # prints the table, replaces results_mlp.md here
+    .venv/bin/python experiments/clip_parallel/run.py --out /tmp/clip_mlp   # a fresh copy
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,16 +29,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
 import _common  # noqa: E402 - experiments/bench/_common.py: rank launcher, markdown table
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="training steps")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
     p.add_argument("--max-norm", type=float, default=5.0, help="clip_by_global_norm bound")
     p.add_argument("--batch", type=int, default=32, help="global batch (split over dp)")
-    p.add_argument("--out", default=os.path.join(HERE, "results_mlp.md"), help="table written by rank 0")
+    _common.add_output_args(p, Path(HERE))  # results_mlp.md, written by rank 0
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
-    return p.parse_args()
+    args = p.parse_args(argv)
+    args.out = _common.output_dir(p, args, Path(HERE))
+    return args
 
 
 def launch() -> int:
@@ -135,7 +139,8 @@ def run(args: argparse.Namespace) -> None:
         ]
         text = "\n".join(lines) + "\n"
         print(text)
-        with open(args.out, "w") as f:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "results_mlp.md", "w") as f:
             f.write(text)
     dist.destroy_process_group()
 

@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60, help="training steps per run")
     ap.add_argument("--only", nargs="*", choices=[k for k, _ in CASES], help="layouts to run (default: all)")
-    ap.add_argument("--out", type=Path, default=HERE, help="directory for results.md and scale.png")
+    _common.add_output_args(ap, HERE)  # results.md and scale.png
     args = ap.parse_args(argv)
+    args.out = _common.output_dir(ap, args, HERE)
     t0 = time.perf_counter()
     layouts = [k for k, _ in CASES if not args.only or k in args.only]
     dense = ranks.reference_run(0, args.steps) if set(layouts) - {"ep"} else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
+import sys
 import time
 
 import torch
@@ -21,16 +22,21 @@ from fxtrain.interop import from_jax, to_jax, to_linen
 from fxtrain.models import MLP
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "bench"))
+import _common  # noqa: E402 - experiments/bench/_common.py: where results go
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--hidden", type=int, nargs="+", default=[128, 128])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    _common.add_output_args(ap, HERE)  # results.md and loss_curves.png
+    args = ap.parse_args(argv)
+    args.out = _common.output_dir(ap, args, HERE)
+    args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
 
     import jax
@@ -114,7 +120,7 @@ def report(args, losses, jlosses, ms, jms, final_diff) -> None:
         f"max abs loss difference over all steps: {max(abs(a - b) for a, b in zip(losses, jlosses)):.2e}; "
         f"final params, max relative difference per leaf: {final_diff:.2e}",
     ]
-    (HERE / "results.md").write_text("\n".join(lines) + "\n")
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -125,7 +131,7 @@ def report(args, losses, jlosses, ms, jms, final_diff) -> None:
     ax2.plot([abs(a - b) + 1e-12 for a, b in zip(losses, jlosses)])
     ax2.set(xlabel="step", ylabel="|loss_fxtrain - loss_optax|", yscale="log", title="Difference")
     fig.tight_layout()
-    fig.savefig(HERE / "loss_curves.png", dpi=100)
+    fig.savefig(args.out / "loss_curves.png", dpi=100)
 
 
 if __name__ == "__main__":

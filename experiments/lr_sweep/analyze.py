@@ -1,6 +1,6 @@
 """Turns an lr_sweep directory into a results table (markdown) and a heatmap PNG.
 
-    python experiments/lr_sweep/analyze.py experiments/lr_sweep/runs/<stamp>          # writes results.md, heatmap.png here
+    python experiments/lr_sweep/analyze.py experiments/lr_sweep/runs/<stamp> --write  # replaces results.md, heatmap.png here
     python experiments/lr_sweep/analyze.py SWEEP_DIR --out /tmp/mine --metric test_loss
 
 Reads the sweep with ``fxtrain.report.collect`` (one row per job: its overrides and final metrics), groups
@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=pathlib.Path)
     parser.add_argument("--metric", default="test_accuracy", help="the heatmap's metric (default test_accuracy)")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE, help="where results.md and heatmap.png go")
+    _common.add_output_args(parser, HERE)  # results.md and heatmap.png
     args = parser.parse_args(argv)
+    out = _common.output_dir(parser, args, HERE)
     rows = collect(args.sweep_dir)
     cells = aggregate(rows, args.metric)
     if not cells:
@@ -105,11 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     seconds = sum(r.get("time_s", 0.0) for r in rows)
     done = sum(r.get("status") == "completed" for r in rows)
     text = table(cells, args.metric, aggregate(rows, other), other)
-    args.out.mkdir(parents=True, exist_ok=True)
-    png = heatmap(cells, args.metric, args.out / "heatmap.png",
+    out.mkdir(parents=True, exist_ok=True)
+    png = heatmap(cells, args.metric, out / "heatmap.png",
                   f"{args.sweep_dir.name}: {done} jobs, digits MLP, 300 batches")
     report = f"{done} of {len(rows)} jobs completed, {seconds:.0f} s of training in all.\n\n{text}\n"
-    _common.write_study_results(args.out, "experiments/lr_sweep/analyze.py", report, source=args.sweep_dir)
+    _common.write_study_results(out, "experiments/lr_sweep/analyze.py", report, source=args.sweep_dir)
     print(report)
     print(f"heatmap: {png}")
 

@@ -156,15 +156,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every variant (trainer.max_steps=...)")
     parser.add_argument("--only-report", type=pathlib.Path, metavar="SWEEP_DIR", help="table and plot of a finished sweep")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE, help="where results.md and loss_curves.png go")
+    _common.add_output_args(parser, HERE)  # results.md and loss_curves.png
     parser.add_argument("--seeds", default="0,1,2", help="seeds of every variant (default 0,1,2)")
     args = parser.parse_args(argv)
+    args.out = _common.output_dir(parser, args, HERE)
 
     check = accumulation_check()
     print(check)
     sweep_dir = args.only_report or sweep(args.overrides, seeds=args.seeds)
     jobs = _jobs(sweep_dir)
     text = table(jobs)
+    args.out.mkdir(parents=True, exist_ok=True)
     png = plot(jobs, args.out / "loss_curves.png")
     _common.write_study_results(args.out, "experiments/resnet_clip_accumulate/run.py",
                                 f"{text}\n\nThe accumulation check:\n\n```\n{check}\n```\n", source=sweep_dir.name)

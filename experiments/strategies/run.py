@@ -46,11 +46,13 @@ def run(ranks: int, overrides: list[str], steps: int, cwd: Path) -> tuple[dict, 
     return json.loads((cwd / "out" / "summary.json").read_text())["metrics"], time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    _common.add_output_args(ap, HERE)  # results.md
+    args = ap.parse_args(argv)
+    out = _common.output_dir(ap, args, HERE)
     rows, ref = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, ranks, overrides) in enumerate(RUNS):
@@ -68,8 +70,8 @@ def main() -> None:
             f"(`experiment=tiny_lm amp=off accumulate=off trainer.max_steps={args.steps}`; the MoE runs are "
             "compared with the one-process MoE run)\n\n" + table + "\n")
     print(body)
-    if not args.no_write:
-        print("wrote", _common.write_study_results(HERE, "experiments/strategies/run.py", body))
+    if out is not None:
+        print("wrote", _common.write_study_results(out, "experiments/strategies/run.py", body))
 
 
 if __name__ == "__main__":

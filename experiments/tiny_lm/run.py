@@ -85,15 +85,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
     parser.add_argument("--only-report", action="store_true", help="table and plot of the runs already there")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE, help="where results.md and val_loss.png go")
+    _common.add_output_args(parser, HERE)  # results.md and val_loss.png
     parser.add_argument("--runs", type=pathlib.Path, default=HERE / "runs", help="where the two run directories go")
     args = parser.parse_args(argv)
+    args.out = _common.output_dir(parser, args, HERE)
     if not args.only_report:
         for name in RUNS:
             run(name, args.overrides, args.runs.resolve())
     curves = {name: read_jsonl(args.runs / name / "metrics.jsonl") for name in RUNS}
     times = {name: _summary(args.runs, name)["time_s"] for name in RUNS}
     text = table(curves)
+    args.out.mkdir(parents=True, exist_ok=True)
     png = plot(curves, args.out / "val_loss.png")
     _common.write_study_results(args.out, "experiments/tiny_lm/run.py",
                                 f"{text}\n\nWall time: 1 rank {times['1rank']:.0f} s, 2 ranks {times['2ranks']:.0f} s.\n")
