@@ -74,7 +74,8 @@ def compare(fresh: str, committed: str, atol: float = ATOL, rtol: float = RTOL) 
                 xs, ys = [float(v) for v in NUMBER.findall(x)], [float(v) for v in NUMBER.findall(y)]
                 same_text = NUMBER.sub("#", x) == NUMBER.sub("#", y)
                 if not same_text or len(xs) != len(ys) or any(abs(u - v) > atol + rtol * abs(v) for u, v in zip(xs, ys)):
-                    out.append(f"table {t + 1}, row {row_b[0]!r}, column {name!r}: {x} (rerun) vs {y} (committed)")
+                    row = " | ".join(row_b[:max(1, min(col, 3))])  # the row's key columns (lr_sweep: lr, warmup, clip)
+                    out.append(f"table {t + 1}, row {row!r}, column {name!r}: {x} (rerun) vs {y} (committed)")
     return out
 
 
