@@ -88,7 +88,7 @@ def test_studies_compare_a_rerun_with_the_committed_tables(tmp_path, monkeypatch
     assert studies.compare(fresh, fresh.replace("0.9510", "0.9511")) == []         # within 1e-4 + 1e-3 x 0.95
     committed = fresh.replace("0.9510 ± 0.0014", "0.9525 ± 0.0014")                 # a digit of one seed off
     assert studies.compare(fresh, committed) == [
-        "table 1, row '0.01', column 'test_accuracy (mean ± sd)': 0.9510 ± 0.0014 **best** (rerun) vs "
+        "table 1, row '0.01 | 0 | 1', column 'test_accuracy (mean ± sd)': 0.9510 ± 0.0014 **best** (rerun) vs "
         "0.9525 ± 0.0014 **best** (committed)"]
     assert studies.compare(fresh, fresh.replace(" **best**", "")) != []            # the best moved
     assert studies.compare(fresh.replace("1.5", "9.9"), fresh) == []               # no time column here
