@@ -110,8 +110,7 @@ class Task:
         return loss, metrics
 
     def __repr__(self) -> str:
-        metrics = getattr(self.metrics, "__name__", None)
-        return f"{self.name}" + (f" (metrics: {metrics})" if metrics else "") + f", optimizes {self.optimized_metric}"
+        return f"{self.name}, optimizes {self.optimized_metric}"
 
 
 # --- the built-in tasks (conf/task/*.yaml) -------------------------------------------------------------
