@@ -3,12 +3,46 @@ restored after every test."""
 
 import logging
 import os
+import sys
 
 import pytest
 import torch
 
 # Two threads, fewer when pytest-xdist workers share the cores (`make test` runs one worker per core, up to 4).
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))))
+
+
+class _CurrentStderr:
+    """A stream that writes to whatever ``sys.stderr`` is at the time (pytest's capture of the running test)
+    and that nothing can close."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def _absl_logs_to_the_current_stderr() -> None:
+    # absl (imported by optax/jax) makes its handler at import with the sys.stderr of that moment: under
+    # pytest's capture, the capture's file. Hydra's logging.config.dictConfig (in-process app runs) closes
+    # every handler, and absl's close() closes its stream unless it is sys.stderr *now*: inside a capsys test
+    # it is not, so pytest's stderr capture got closed and every later test of that xdist worker failed
+    # ("I/O operation on closed file"). Its stream is made to follow sys.stderr instead.
+    try:
+        from absl import logging as absl_logging
+    except ImportError:
+        return
+    absl_logging.get_absl_handler().python_handler.stream = _CurrentStderr()
+
+
+_absl_logs_to_the_current_stderr()
 
 
 @pytest.fixture(autouse=True)
