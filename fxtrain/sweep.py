@@ -71,7 +71,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 import fxtrain as fx
-from fxtrain import build, distributed, rundir, tree
+from fxtrain import build, distributed, loggers, rundir, tree
 from fxtrain import train as runner
 
 __all__ = ["Job", "Group", "Result", "NotBatchable", "plan", "train_group", "hyperparams", "vmapped_steps",
@@ -511,14 +511,15 @@ def _train_group(group: Group) -> list[Result]:
         results[live[j].num].error = error
         runner.write_failure(live[j].out, live[j].cfg, error)
 
-    loggers: list = []
+    job_loggers: list[loggers.Loggers] = []  # one per live job: metrics.jsonl and the configured loggers
     try:
         # --- every job's directory, as train() starts it --------------------------------------------
         for job, b, source in zip(live, built, sources):
             job.out.mkdir(parents=True, exist_ok=True)
             (job.out / "config.yaml").write_text(runner._resolved_yaml(job.cfg))
             rundir.rewind(job.out, start)  # as train() does: one timeline in the directory
-            loggers.append(build.instantiate(job.cfg.logger, "logger", dir=job.out))
+            job_loggers.append(loggers.open_loggers(job.cfg.logger, job.out, start=start,
+                                                    config=OmegaConf.to_container(job.cfg, resolve=True)))
             resumed = (f"from {source} (step {start})" if source is not None else
                        f"from step 0 (resume=auto: no checkpoint in {job.out / 'checkpoints'})"
                        if job.cfg.get("resume") == "auto" else "from step 0")
@@ -559,7 +560,7 @@ def _train_group(group: Group) -> list[Result]:
                         if record:
                             runner._stop_if_not_finite(record, i, last[j])
                             record["time_s"] = round(time.perf_counter() - t0, 3)
-                            loggers[j].log(i, record)
+                            job_loggers[j].log(i, record)
                         if ckpt_now:
                             state = fx.TrainState(i, pick(params, j), pick(opt_state, j), built[j]["rng"],
                                                   pick(buffers, j))
@@ -574,7 +575,7 @@ def _train_group(group: Group) -> list[Result]:
         for j in list(alive):
             fail(j, e)
     finally:
-        for logger in loggers:
+        for logger in job_loggers:
             logger.close()
 
     # --- summaries --------------------------------------------------------------------------------------

@@ -103,7 +103,8 @@ def test_a_nan_job_fails_alone_and_the_group_goes_on(capsys):
 
 
 def test_resume_auto_continues_each_job_of_a_killed_group():
-    grid = ["optim.chain.adamw.learning_rate=1e-2,3e-2", "hydra.sweep.dir=sweep", "resume=auto", "trainer.keep_last=0"]
+    grid = ["optim.chain.adamw.learning_rate=1e-2,3e-2", "hydra.sweep.dir=sweep", "resume=auto", "trainer.keep_last=0",
+            "logger=[jsonl,csv]"]
     assert run_main("-m", "hydra/launcher=vmap", *SWEEP, *grid) == 0
     whole = {j: records(pathlib.Path("sweep", j)) for j in "01"}
     for j in "01":  # as if killed after the checkpoint of step 15: later lines, checkpoints and summary gone
@@ -118,6 +119,9 @@ def test_resume_auto_continues_each_job_of_a_killed_group():
     for j in "01":
         assert_close_records(whole[j], records(pathlib.Path("sweep", j)), f"job {j}")
         assert "checkpoints/step_0000015 (step 15)" in pathlib.Path("sweep", j, "train.log").read_text()
+        # The other loggers restart at the resumed step too (metrics.csv: rows after step 15 cut, then rewritten).
+        rows = list(csv.DictReader(pathlib.Path("sweep", j, "metrics.csv").read_text().splitlines()))
+        assert [int(r["step"]) for r in rows] == [r["step"] for r in whole[j]]
 
 
 # --- grouping --------------------------------------------------------------------------------------
