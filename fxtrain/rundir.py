@@ -54,8 +54,10 @@ OWNER = "run.json"  # {"config_sha256": ..., "config": {...}}: the run this dire
 LOCK = "run.lock"   # flock'ed by the live process; holds its pid and host
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
-# Keys that do not change what a run computes, only how it is launched: a relaunch may change them.
-UNHASHED = ("resume", "trainer.progress", "trainer.cpu_threads", "trainer.keep_last", "trainer.eval_batch_size")
+# Keys (or whole nodes) that do not change what a run computes, only how it is launched or recorded: a relaunch
+# may change them.
+UNHASHED = ("resume", "trainer.progress", "trainer.cpu_threads", "trainer.keep_last", "trainer.eval_batch_size",
+            "logger")
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -70,10 +72,12 @@ def config_hash(cfg: DictConfig | dict) -> tuple[str, dict[str, Any]]:
     flat: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
+        if prefix in UNHASHED:  # a key, or a whole node (logger: which loggers record the run)
+            return
         if isinstance(node, dict) and node:
             for k, v in node.items():
                 walk(v, f"{prefix}.{k}" if prefix else str(k))
-        elif prefix not in UNHASHED:
+        else:
             flat[prefix] = node
 
     walk(container, "")

@@ -62,7 +62,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fxtrain as fx
-from fxtrain import build, checkpoint, distributed, report, rundir, strategies, tasks, tree, validate
+from fxtrain import build, checkpoint, distributed, loggers, report, rundir, strategies, tasks, tree, validate
 from fxtrain.models import count_params
 from fxtrain.strategies import evaluate, loss_function  # noqa: F401 - the runner's loss and evaluation (fxtrain.sweep uses them)
 
@@ -211,7 +211,8 @@ def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt
     constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
     hooks = build.eval_hooks(cfg)
     stopper = build.early_stopping(cfg)
-    logger = build.instantiate(cfg.logger, "logger", dir=run.out) if run.out is not None else None
+    logger = (loggers.open_loggers(cfg.get("logger"), run.out, start=start,  # metrics.jsonl and the listed ones
+                                   config=OmegaConf.to_container(cfg, resolve=True)) if run.out is not None else None)
     if stopper is not None and isinstance(run.source, pathlib.Path):  # the lines its checkpoint's run logged
         logged = report.read_jsonl(run.source.parent.parent / rundir.METRICS)  # <run>/checkpoints/step_N
         stopper.replay([r for r in logged if r.get("step", 0) <= start])

@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from fxtrain import build, loggers
+from fxtrain import train as runner
 from fxtrain.loggers import CsvLogger, JsonlLogger, Loggers, TensorBoardLogger, open_loggers
 from fxtrain.report import read_jsonl
 from tests._runner import CONF, cfg_of, isolate  # noqa: F401 - isolate: autouse
@@ -229,3 +230,22 @@ def test_mlflow_file_store_read_back_by_mlflow(tmp_path, monkeypatch):
                                "resume": "null", "data": "{}"}
     assert run.info.status == "FINISHED" and run.info.run_name == str(tmp_path)
     assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # opted in around its own calls only
+
+
+# --- the runner ---------------------------------------------------------------------------------------------
+
+def test_a_run_writes_every_logger_of_the_list(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = cfg_of("data=synthetic", "trainer.max_steps=6", "trainer.eval_every=3", "logger=[jsonl,tensorboard,csv]",
+                 "trainer.progress=false", "trainer.device=cpu", "trainer.cpu_threads=null")
+    runner.train(cfg, tmp_path / "run")
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    columns, rows = read_csv(tmp_path / "run" / "metrics.csv")
+    assert set(columns) == {"step", *(k for r in records for k in r)}
+    assert [{k: float(v) for k, v in row.items() if v} for row in rows] == records  # the same numbers
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("test_loss")] == [
+        (r["step"], pytest.approx(r["test_loss"])) for r in records if "test_loss" in r]
+    assert [e.step for e in events.Scalars("loss")] == [r["step"] for r in records]

@@ -50,7 +50,8 @@ def test_every_group_option_composes_and_builds(group, option, tmp_path):
     model = build.instantiate(cfg.model, "model")
     logits = model(data.train[0][0])
     assert logits.shape[-1] == cfg.data.get("num_classes", cfg.data.get("vocab_size"))
-    build.instantiate(cfg.logger, "logger", dir=tmp_path).close()
+    from fxtrain.loggers import open_loggers
+    open_loggers(cfg.logger, tmp_path).close()  # every logger of the group builds (fxtrain/loggers.py)
     tx = build.stack(cfg)  # one process: every strategy's stack is the plain one (torchrun tests: test_train_parallel.py)
     params = build.cast_params(cfg, small_params())      # half-precision storage for amp=pure_*
     updates, _ = tx.update(fx.tree.map(torch.ones_like, params), tx.init(params), params)

@@ -1,0 +1,163 @@
+"""A researcher's own project: their module, config groups and task, run with fxtrain's runner from their
+directory through Hydra's search path (``--config-dir``, ``hydra.searchpath``), never from the checkout."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fxtrain import build
+from fxtrain.report import read_jsonl
+
+MYLIB = '''
+"""A researcher's own code: a model, a regression dataset and a loss, nothing from fxtrain."""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class WideDeep(nn.Module):
+    """A linear (wide) part plus an MLP (deep) part, summed: one output per example."""
+
+    def __init__(self, in_features, hidden=32):
+        super().__init__()
+        self.wide = nn.Linear(in_features, 1)
+        self.deep = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.wide(x) + self.deep(x)
+
+
+def make_data(n=400, features=6, noise=0.1, seed=0):
+    """(x, y): y = a smooth function of x plus noise, float targets."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    y = x[:, 0] - 0.5 * x[:, 1] ** 2 + torch.sin(x[:, 2]) + noise * torch.randn(n, generator=g)
+    return x, y
+
+
+def huber(outputs, targets):
+    return F.huber_loss(outputs.reshape(targets.shape), targets)
+
+
+def within(outputs, targets):
+    return {"within_half": ((outputs.reshape(targets.shape) - targets).abs() < 0.5).float().mean()}
+'''
+
+CONFIGS = {
+    "model/mine.yaml": """
+        _target_: mylib.WideDeep
+        in_features: ${data.input_shape[0]}
+        hidden: 32
+    """,
+    "data/mine.yaml": """
+        _target_: mylib.make_data
+        n: 400
+        noise: 0.1
+        batch_size: 32          # the runner's keys: it splits, shuffles and batches the (x, y) make_data returns
+        test_fraction: 0.25
+        split_seed: 0
+        seed: ${seed}
+        input_shape: [6]        # facts the model configs read (and the runner checks)
+        num_classes: 1          # one output per example for model=mlp
+    """,
+    "task/huber.yaml": """
+        _target_: fxtrain.tasks.Task
+        loss: mylib.huber
+        metrics: mylib.within
+        optimized_metric: test_within_half
+    """,
+}
+
+
+@pytest.fixture
+def project(tmp_path) -> pathlib.Path:
+    """A throwaway project outside the checkout: ``mylib/`` and ``conf/{model,data,task}/*.yaml``."""
+    root = tmp_path / "myproj"
+    (root / "mylib").mkdir(parents=True)
+    (root / "mylib" / "__init__.py").write_text(MYLIB)
+    for name, text in CONFIGS.items():
+        path = root / "conf" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    return root
+
+
+def _run(project: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HYDRA"))}
+    env["PYTHONPATH"] = str(project)  # mylib, as an installed package of the user's would be
+    return subprocess.run([sys.executable, "-m", "fxtrain.train", *args, "trainer.progress=false"], cwd=project,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_own_model_data_and_task_train_through_config_dir_with_three_loggers(project):
+    run = _run(project, "--config-dir", "conf", "model=mine", "data=mine", "task=regression",
+               "logger=[jsonl,tensorboard,csv]", "trainer.max_steps=60", "trainer.log_every=2",
+               "optim.chain.adamw.learning_rate=1e-2", "hydra.run.dir=run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = project / "run"
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 30 and sum(losses[-5:]) < 0.3 * sum(losses[:5])  # a falling loss
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["optimized_metric"] == "test_loss"
+    assert {"test_loss", "test_mae", "mae"} <= set(summary["metrics"])
+    assert "data   mine: 300 train examples, 100 test, batch 32" in run.stdout
+    assert "model  WideDeep" in run.stdout and "task   regression" in run.stdout
+    # Every logger wrote what its own library reads back.
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+    assert [float(r["loss"]) for r in rows] == pytest.approx(losses, rel=1e-6)
+    events = EventAccumulator(str(next(out.rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_sweep_over_own_and_builtin_options_through_hydra_searchpath(project):
+    # hydra.searchpath instead of --config-dir, the user's task, and a sweep over their model and fxtrain's mlp.
+    run = _run(project, "-m", f"hydra.searchpath=[file://{project / 'conf'}]", "model=mine,mlp", "data=mine",
+               "task=huber", "trainer.max_steps=20", "hydra.sweep.dir=sweep")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for job in ("0", "1"):
+        summary = json.loads((project / "sweep" / job / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["optimized_metric"] == "test_within_half"
+        assert 0 <= summary["value"] <= 1 and "test_within_half" in summary["metrics"]
+    import csv
+
+    rows = list(csv.DictReader((project / "sweep" / "summary.csv").read_text().splitlines()))
+    assert [(r["model"], r["task"], r["status"]) for r in rows] == [("mine", "huber", "completed"),
+                                                                     ("mlp", "huber", "completed")]
+
+
+def test_unknown_options_list_every_search_path_entry(project):
+    conf = f"file://{project / 'conf'}"
+    with pytest.raises(build.ConfigError) as e:
+        build.check_overrides(["--config-dir", str(project / "conf"), "-m", "model=mine,widedeep"])
+    assert str(e.value) == (f"model=mine,widedeep: no option 'widedeep' in model; available: mlp, moe, resnet, "
+                            f"transformer (pkg://fxtrain.conf); mine ({conf})")
+    with pytest.raises(build.ConfigError, match=r"^task=hubr: no option 'hubr' in task \(did you mean huber\?\); "
+                       r"available: classification, lm, regression \(pkg://fxtrain.conf\); huber \(file://"):
+        build.check_overrides([f"hydra.searchpath=[{conf}]", "task=hubr"])
+    build.check_overrides([f"hydra.searchpath=[{conf}]", "model=mine", "data=mine", "task=huber"])  # all there
+    with pytest.raises(build.ConfigError, match=r"^--config-dir nowhere: no such directory"):
+        build.check_overrides(["--config-dir", "nowhere", "model=mine"])
+
+
+def test_bad_input_of_own_configs_is_one_line(project):
+    run = _run(project, "--config-dir", "conf", "model=mine", "data=mine", "task=classification",
+               "trainer.max_steps=3", "hydra.run.dir=run")
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+        "Error: task=classification/lm: cross-entropy needs integer class targets, got torch.float32; for "
+        "real-valued targets use task=regression")
+    run = _run(project, "--config-dir", "conf", "model=mine", "data=mine", "task=regression",
+               "+data.batch_sise=3", "hydra.run.dir=run2")
+    assert run.returncode == 1 and "Error: data: batch_sise is not an argument of mylib.make_data nor a runner key " \
+        "(did you mean batch_size?)" in run.stderr
