@@ -268,6 +268,9 @@ def _sequential_reason(group: Group, world: int) -> str | None:
         return f"{world} processes run the sweep (torchrun); the vmap launcher batches jobs in one process"
     if cfg.parallel.strategy != "none":
         return f"parallel={cfg.parallel.strategy} (the vmap launcher batches jobs of parallel=none only)"
+    if cfg.trainer.get("eval_hooks") or (cfg.trainer.get("early_stopping") or {}).get("metric") is not None:
+        return "trainer.eval_hooks or trainer.early_stopping (a vmapped group evaluates the task's metrics only and " \
+               "trains every job to max_steps)"
     return None
 
 
@@ -356,7 +359,7 @@ def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool) -> Call
     ``hp`` values (0-dim tensors) and ``loss_fn`` the one :func:`fxtrain.train.train` uses. ``metrics`` are
     the last step's. ``xs, ys``: ``(K, ...)`` shared by every job, or ``(N, K, ...)`` with ``batch_per_job``.
     """
-    loss_fn = runner.loss_function(apply)
+    loss_fn = runner.loss_function(apply, build.task(cfg))
     _reuse_freed_memory()
 
     def steps(hp, params, opt_state, buffers, xs, ys):
@@ -377,7 +380,7 @@ def _dataset_without_rng(cfg: DictConfig, device: torch.device) -> Any:
     numbers (then every job must build its own, or the params init after it would change)."""
     torch.manual_seed(cfg.seed)
     before = torch.get_rng_state()
-    data = build.instantiate(cfg.data, "data").to(device)
+    data = build.dataset(cfg.data, runner._choice("data", "data")).to(device)
     return data if torch.equal(before, torch.get_rng_state()) else None
 
 
@@ -437,6 +440,7 @@ def _train_group(group: Group) -> list[Result]:
     jobs = group.jobs
     cfg = jobs[0].cfg
     trainer = cfg.trainer
+    task = build.task(cfg)  # one task per group: a job with another task is in another group
     results = {job.num: Result() for job in jobs}
     device = distributed.device(trainer.device)
     if device.type == "cpu" and trainer.cpu_threads:
@@ -526,7 +530,7 @@ def _train_group(group: Group) -> list[Result]:
             others = ",".join(str(o.num) for o in live if o is not job)
             results[job.num].lines = [
                 f"run    {job.out}  [vmap: one process with jobs {others}]",
-                *runner.describe_run(b["data"], b["model"], b["params"], b["tx"], b["opt_state"], device),
+                *runner.describe_run(b["data"], b["model"], b["params"], b["tx"], b["opt_state"], device, task=task),
                 f"start  {resumed}"]
         batched = ", ".join([*group.values, *(["seed"] if len({job.cfg.seed for job in live}) > 1 else [])]) or "nothing"
         log.info(f"vmap   jobs {','.join(str(j.num) for j in live)} as one process: {n} jobs, batched over {batched}; "
@@ -536,15 +540,14 @@ def _train_group(group: Group) -> list[Result]:
             if start == max_steps:  # killed after their last checkpoint, before their summaries
                 for j in alive:
                     eval_metrics[j] = runner.evaluate(apply, pick(params, j), pick(buffers, j), datas[j].test,
-                                                      trainer.eval_batch_size)
+                                                      trainer.eval_batch_size, task)
             i = start
             while i < max_steps:
                 first, i = i, _next_event(i, trainer)
                 params, opt_state, buffers, metrics = run_steps(hp, params, opt_state, buffers, *batches(first, i))
                 bar.update(i - first)
                 if first == start:
-                    runner._check_metric_name(cfg.optimized_metric,
-                                              [*runner._logged(metrics, constants), "test_loss", "test_accuracy"])
+                    runner._check_metric_name(cfg.optimized_metric, runner._metric_names(runner._logged(metrics, constants)))
                 log_now, eval_now = i % trainer.log_every == 0 or i == max_steps, i % trainer.eval_every == 0 or i == max_steps
                 ckpt_now = (trainer.checkpoint_every and i % trainer.checkpoint_every == 0) or i == max_steps
                 for j in list(alive):
@@ -554,7 +557,7 @@ def _train_group(group: Group) -> list[Result]:
                         record.update(train_metrics[j])
                     if eval_now:
                         eval_metrics[j] = runner.evaluate(apply, pick(params, j), pick(buffers, j), datas[j].test,
-                                                          trainer.eval_batch_size)
+                                                          trainer.eval_batch_size, task)
                         record.update(eval_metrics[j])
                     try:
                         if record:

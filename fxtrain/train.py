@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
+import importlib.util
 import logging
 import math
 import os
@@ -467,9 +468,26 @@ def _task(cfg: DictConfig) -> float:
             raise
 
 
+def _expose_launcher() -> None:
+    """Puts fxtrain's launcher directory on ``hydra_plugins.__path__``, where Hydra's plugin scan lists it.
+
+    An editable install (``pip install -e .``, what ``make`` does) reaches ``hydra_plugins.fxtrain_vmap_launcher``
+    through setuptools' import hook, which the scan (``pkgutil.iter_modules``) cannot list: from outside the
+    checkout, ``hydra/launcher=vmap`` would be an unknown plugin. A wheel install needs nothing.
+    """
+    import hydra_plugins
+
+    spec = importlib.util.find_spec("hydra_plugins.fxtrain_vmap_launcher")
+    if spec is not None and spec.origin is not None:
+        where = str(pathlib.Path(spec.origin).parent.parent)
+        if where not in list(hydra_plugins.__path__):
+            hydra_plugins.__path__.append(where)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m fxtrain.train [overrides]``: checks group choices, joins torchrun's group, runs Hydra."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    _expose_launcher()
     try:
         build.check_overrides(argv)  # every entry of Hydra's search path: --config-dir, hydra.searchpath
     except build.ConfigError as e:

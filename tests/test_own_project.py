@@ -122,19 +122,22 @@ def test_own_model_data_and_task_train_through_config_dir_with_three_loggers(pro
 
 @pytest.mark.slow
 def test_a_sweep_over_own_and_builtin_options_through_hydra_searchpath(project):
-    # hydra.searchpath instead of --config-dir, the user's task, and a sweep over their model and fxtrain's mlp.
-    run = _run(project, "-m", f"hydra.searchpath=[file://{project / 'conf'}]", "model=mine,mlp", "data=mine",
-               "task=huber", "trainer.max_steps=20", "hydra.sweep.dir=sweep")
+    # hydra.searchpath instead of --config-dir, the user's task, and a sweep over their model and fxtrain's mlp,
+    # with fxtrain's vmap launcher (found by Hydra's plugin scan from outside the checkout): each model's two
+    # seeds train as one vmapped process.
+    run = _run(project, "-m", f"hydra.searchpath=[file://{project / 'conf'}]", "hydra/launcher=vmap",
+               "model=mine,mlp", "seed=0,1", "data=mine", "task=huber", "trainer.max_steps=20", "hydra.sweep.dir=sweep")
     assert run.returncode == 0, run.stderr[-3000:]
-    for job in ("0", "1"):
+    assert "vmap   jobs 0,1 as one process" in run.stdout and "vmap   jobs 2,3 as one process" in run.stdout
+    for job in ("0", "1", "2", "3"):
         summary = json.loads((project / "sweep" / job / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["optimized_metric"] == "test_within_half"
         assert 0 <= summary["value"] <= 1 and "test_within_half" in summary["metrics"]
     import csv
 
     rows = list(csv.DictReader((project / "sweep" / "summary.csv").read_text().splitlines()))
-    assert [(r["model"], r["task"], r["status"]) for r in rows] == [("mine", "huber", "completed"),
-                                                                     ("mlp", "huber", "completed")]
+    assert [(r["model"], r["seed"], r["status"]) for r in rows] == [
+        ("mine", "0", "completed"), ("mine", "1", "completed"), ("mlp", "0", "completed"), ("mlp", "1", "completed")]
 
 
 def test_unknown_options_list_every_search_path_entry(project):
