@@ -142,7 +142,25 @@ class Loggers:
         return f"Loggers({', '.join(self.loggers)})"
 
 
-class JsonlLogger:
+class _FileLogger:
+    """What every logger shares: a context manager that closes it, and a repr naming where it writes (``path``)."""
+
+    path: pathlib.Path
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r})"
+
+
+class JsonlLogger(_FileLogger):
     """Appends one JSON object per logged step to ``dir/filename``, flushed at once.
 
     Every line written survives a crash or a NaN stop. Non-finite values are written as JSON's
@@ -175,17 +193,9 @@ class JsonlLogger:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "JsonlLogger":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"JsonlLogger({str(self.path)!r})"
 
 
-class CsvLogger:
+class CsvLogger(_FileLogger):
     """A wide CSV, ``dir/filename``: a ``step`` column, then one column per metric in the order they appear.
 
     Rows are appended and flushed. A metric seen for the first time (the eval ones, a few steps in) widens
@@ -253,17 +263,9 @@ class CsvLogger:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "CsvLogger":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"CsvLogger({str(self.path)!r})"
 
 
-class TensorBoardLogger:
+class TensorBoardLogger(_FileLogger):
     """TensorBoard event files in ``dir/subdir``: one scalar series per metric name, flushed at every log.
 
     Written with ``torch.utils.tensorboard.SummaryWriter``; ``tensorboard --logdir outputs`` shows every run.
@@ -305,17 +307,9 @@ class TensorBoardLogger:
     def close(self) -> None:
         self._writer.close()
 
-    def __enter__(self) -> "TensorBoardLogger":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"TensorBoardLogger({str(self.path)!r})"
 
 
-class WandbLogger:
+class WandbLogger(_FileLogger):
     """A Weights & Biases run, offline by default: its files go to ``dir/wandb/offline-run-*``, nothing is sent.
 
     ``wandb sync <dir>/wandb/offline-run-*`` uploads an offline run later. Each launch is its own wandb run
@@ -354,17 +348,9 @@ class WandbLogger:
     def close(self) -> None:
         self.run.finish()
 
-    def __enter__(self) -> "WandbLogger":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"WandbLogger({str(self.path)!r})"
 
 
-class MlflowLogger:
+class MlflowLogger(_FileLogger):
     """An MLflow run in a local file store, ``dir/mlruns`` by default: metrics by step, the config as params.
 
     The params are the run's config flattened to dotted keys (``optim.chain.adamw.learning_rate``). Each
@@ -419,12 +405,6 @@ class MlflowLogger:
     def close(self) -> None:
         with mlflow_file_store():
             self._client.set_terminated(self.run_id)
-
-    def __enter__(self) -> "MlflowLogger":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"MlflowLogger({self.tracking_uri!r})"
