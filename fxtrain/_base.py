@@ -176,6 +176,19 @@ def with_traits(tx: GradientTransformation, **changes: Any) -> GradientTransform
     return GradientTransformation(tx.init, _Update(kernel(tx), label, traits(tx)._replace(**changes)))
 
 
+def forwarded(*inner: GradientTransformation) -> dict[str, Any]:
+    """The traits a wrapper passes on from the transforms it runs, for :func:`with_traits`: whether any reads
+    extra arguments (``value=``...), and which of their reported hyperparameters are constants.
+
+    >>> import fxtrain as fx
+    >>> sorted(forwarded(fx.inject_hyperparams(fx.adam)(learning_rate=0.1))["constant_reports"])
+    ['b1', 'b2', 'eps', 'eps_root']
+    """
+    ts = [traits(tx) for tx in inner]
+    return {"extra_args": any(t.extra_args for t in ts),
+            "constant_reports": frozenset().union(*(t.constant_reports for t in ts))}
+
+
 def named(tx: GradientTransformation, name: str) -> GradientTransformation:
     """``tx`` printed as ``name``: in its repr, a chain's, the runner's ``stack`` line and error messages.
 

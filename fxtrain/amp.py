@@ -66,7 +66,7 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from fxtrain import distributed, tree
-from fxtrain._base import (GradientTransformation, call, public_factory, report, traits, transform, with_traits,
+from fxtrain._base import (forwarded, GradientTransformation, call, public_factory, report, transform, with_traits,
                            wrap_loss)
 from fxtrain.transforms._conditionality import seen_grad_norm, select, skip_where_
 from fxtrain.transforms._hyperparams import param_device
@@ -559,7 +559,7 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
 
         return amp_loss
 
-    return with_traits(GradientTransformation(init_fn, update_fn), wrap_loss=wrap, extra_args=traits(inner).extra_args)
+    return with_traits(GradientTransformation(init_fn, update_fn), wrap_loss=wrap, **forwarded(inner))
 
 
 _factory.__name__ = _factory.__qualname__ = "amp_cast"  # the name the decorator prints

@@ -135,6 +135,11 @@ def test_train_step_reports_what_varies_and_the_state_keeps_every_hyperparameter
         (fx.chain(fx.clip_by_global_norm(1.0), adam(learning_rate=fx.constant_schedule(0.1))),
          {"learning_rate", "grad_norm"}),
         (fx.named_chain(("opt", adam(learning_rate=0.1, eps=fx.constant_schedule(1e-6)))), {"learning_rate", "eps"}),
+        # Through the wrappers of the runner's stack (fxtrain._base.forwarded passes the constants on).
+        (fx.accumulate(fx.amp_cast(fx.chain(fx.clip_by_global_norm(1.0), fx.sharded_apply(adam(learning_rate=0.1))),
+                                   "params=float32,compute=float32,output=float32"), every=1),
+         {"learning_rate", "grad_norm", "emitted", "skipped", "loss_scale"}),
+        (fx.apply_if_finite(adam(learning_rate=0.1), 3), {"learning_rate", "total_notfinite"}),
     ]
     for tx, shown in cases:
         params = {"w": torch.zeros(2)}

@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import (EmptyState, GradientTransformation, Params, apply_updates, call, is_elementwise,
+from fxtrain._base import (forwarded, EmptyState, GradientTransformation, Params, apply_updates, call, is_elementwise,
                            transform, with_traits)
 from fxtrain import distributed
 from fxtrain.distributed import match_placements
@@ -184,9 +184,9 @@ def sam(optimizer: GradientTransformation, adv_optimizer: GradientTransformation
                                  adv_state=adv_state, cache=None)
 
     if opaque_mode:
-        return with_traits(GradientTransformation(init_fn, opaque_update_fn), elementwise=False)
+        return with_traits(GradientTransformation(init_fn, opaque_update_fn), elementwise=False, **forwarded(optimizer))
     return with_traits(GradientTransformation(init_fn, transparent_update_fn),
-                       elementwise=is_elementwise(optimizer) and is_elementwise(adv_optimizer))
+                       elementwise=is_elementwise(optimizer) and is_elementwise(adv_optimizer), **forwarded(optimizer))
 
 
 def _assign(out: Any, new: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import (GradientTransformation, Params, call, chain, check_nonnegative, is_elementwise,
+from fxtrain._base import (forwarded, GradientTransformation, Params, call, chain, check_nonnegative, is_elementwise,
                            transform, with_traits)
 from fxtrain.optimizers import sgd
 from fxtrain.schedules import linear_schedule
@@ -164,7 +164,8 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate: Learnin
             b1=state.b1, weight_sum=weight_sum, step_count=safe_increment_(state.step_count), max_lr=max_lr,
             base_optimizer_state=base_state, z=tree.put(state.z, base_updates, z))
 
-    return with_traits(GradientTransformation(init_fn, update_fn), elementwise=is_elementwise(base_optimizer))
+    return with_traits(GradientTransformation(init_fn, update_fn), elementwise=is_elementwise(base_optimizer),
+                       **forwarded(base_optimizer))
 
 
 def _warmup(learning_rate: Scalar, warmup_steps: int | None) -> LearningRate:

@@ -67,7 +67,7 @@ import optree
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, _name, call, kernel, traits, transform, with_traits
+from fxtrain._base import forwarded, GradientTransformation, _name, call, kernel, transform, with_traits
 from fxtrain.transforms._hyperparams import safe_increment_
 from fxtrain.transforms._moments import as_dtype, param_device
 
@@ -257,7 +257,7 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
     # a skip test must see the reduced gradients.
     return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=should_skip_update_fn is None,
                        host=True,
-                       wrap_loss=None if tx.wrap_loss is None else wrap_loss, extra_args=traits(tx).extra_args)
+                       wrap_loss=None if tx.wrap_loss is None else wrap_loss, **forwarded(tx))
 
 
 _WINDOWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # accumulate's kernel -> its window length

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, _combined, call, report, traits, transform, with_traits
+from fxtrain._base import forwarded, GradientTransformation, _combined, call, report, traits, transform, with_traits
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "ConditionallyTransformState", "conditionally_transform",
@@ -120,7 +120,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         return inner.wrap_loss(loss_fn, state.inner_state)
 
     return with_traits(GradientTransformation(init_fn, update_fn),
-                       wrap_loss=None if inner.wrap_loss is None else wrap_loss, extra_args=traits(inner).extra_args)
+                       wrap_loss=None if inner.wrap_loss is None else wrap_loss, **forwarded(inner))
 
 
 def _all_finite(xs: list) -> torch.Tensor:

@@ -51,7 +51,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, call, is_elementwise, public_factory, traits, transform, with_traits
+from fxtrain._base import forwarded, GradientTransformation, call, is_elementwise, public_factory, transform, with_traits
 from fxtrain.distributed._collectives import check_same_mesh, redistribute
 
 __all__ = ["sharded_apply"]
@@ -182,7 +182,7 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
     # reduce-scattered, the rest reduced here, packed.
     # ZeRO leaves need collectives: not nestable in a local map, hence not elementwise with shard_over.
     return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=True, elementwise=shard_over is None,
-                       extra_args=traits(tx).extra_args)
+                       **forwarded(tx))
 
 
 _factory.__name__ = _factory.__qualname__ = "sharded_apply"
