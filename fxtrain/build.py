@@ -42,7 +42,7 @@ import fxtrain as fx
 from fxtrain import distributed
 
 __all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
-           "constant_hyperparams", "check_overrides", "search_path", "dataset", "DATA_KEYS", "task", "eval_hooks", "early_stopping",
+           "check_overrides", "search_path", "dataset", "DATA_KEYS", "task", "eval_hooks", "early_stopping",
            "ScaledSchedule"]
 
 
@@ -485,26 +485,6 @@ def _call(fn: Callable, key: str, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from e
-
-
-def constant_hyperparams(cfg: DictConfig) -> set[str]:
-    """Names of the hyperparameters :func:`stack` injects only to schedule the learning rate (``b1``, ``eps``...).
-
-    ``inject_hyperparams`` puts every numeric argument (defaults included) in the state, and the step
-    reports them all; apart from ``learning_rate`` they stay constant for the whole run (``config.yaml``
-    has them), so the script leaves them out of its logs.
-    """
-    if cfg.get("schedule") is None:
-        return set()
-    names: set[str] = set()
-    for name, node in (cfg.optim.get("chain") or {}).items():
-        factory, kwargs = target(node, f"optim.chain.{name}")
-        if "learning_rate" in kwargs:
-            bound = inspect.signature(factory).bind_partial(**kwargs)
-            bound.apply_defaults()
-            names.update(k for k, v in bound.arguments.items()
-                         if k != "learning_rate" and isinstance(v, (int, float)) and not isinstance(v, bool))
-    return names
 
 
 def _values_under(values: dict[str, Any], key: str) -> dict[str, Any]:

@@ -487,7 +487,7 @@ def _train_group(group: Group) -> list[Result]:
     datas = [b["data"] for b in built]
     apply = built[0]["apply"]  # the jobs' modules differ only in their tensors, which the trees carry
 
-    constants = build.constant_hyperparams(cfg)
+    constants = fx.traits(built[0]["tx"]).constant_reports
     run_steps = vmapped_steps(cfg, apply, batch_per_job=not shared_data)
 
     def batches(first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,7 +209,7 @@ def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt
     """Steps ``start + 1 .. max_steps``: step, log, evaluate, checkpoint; stops early when
     ``trainer.early_stopping`` says so. Returns the last train and eval metrics (and ``"stopped_early"``)."""
     trainer, dims = cfg.trainer, run.dims
-    constants = build.constant_hyperparams(cfg)  # b1, eps...: reported by the stack, constant, in config.yaml
+    constants = fx.traits(built.tx).constant_reports  # b1, eps...: constant, in config.yaml (strategies' own steps report them)
     hooks = build.eval_hooks(cfg)
     stopper = build.early_stopping(cfg)
     logger = (loggers.open_loggers(cfg.get("logger"), run.out, start=start,  # metrics.jsonl and the listed ones
