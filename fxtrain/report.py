@@ -21,6 +21,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -144,23 +145,39 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def write_csv(rows: list[dict[str, Any]], path: str | pathlib.Path) -> pathlib.Path:
-    """Writes the rows to ``path`` (one column per key of any row)."""
+    """Writes the rows to ``path`` (one column per key of any row), atomically: jobs of a submitit launcher
+    rewrite it concurrently, and a reader sees the old file or the new one, never a partial one."""
     path = pathlib.Path(path)
-    with open(path, "w", newline="") as f:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=_columns(rows))
         writer.writeheader()
         writer.writerows(rows)
+    os.replace(tmp, path)
     return path
 
 
 def best(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
-    """The completed row with the best ``metric``: lowest for losses and errors, highest otherwise."""
+    """The completed row with the best ``metric``: lowest for losses and errors, highest otherwise. Ties (many
+    jobs at test_accuracy 1.0) go to the lowest ``test_loss``, then ``loss``, then the first job.
+
+    >>> rows = [{"job": 0, "status": "completed", "test_accuracy": 1.0, "test_loss": 0.3},
+    ...         {"job": 1, "status": "completed", "test_accuracy": 1.0, "test_loss": 0.1}]
+    >>> best(rows, "test_accuracy")["job"]
+    1
+    """
     done = [r for r in rows if r.get("status") == "completed" and isinstance(r.get(metric), (int, float))
             and math.isfinite(r[metric])]
     if not done:
         return None
-    lower = "loss" in metric or "error" in metric
-    return (min if lower else max)(done, key=lambda r: r[metric])
+    sign = 1 if "loss" in metric or "error" in metric else -1
+
+    def rank(r: dict) -> tuple:
+        ties = [r.get(k) if isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) else math.inf
+                for k in ("test_loss", "loss")]
+        return (sign * r[metric], *ties)
+
+    return min(done, key=rank)
 
 
 def _metric_of(sweep_dir: pathlib.Path, rows: list[dict]) -> str | None:
