@@ -337,6 +337,25 @@ def test_torchrun_two_ranks_data_parallel(tmp_path):
         assert dp[k] == pytest.approx(ref[k], rel=1e-4)
 
 
+@pytest.mark.slow
+def test_torchrun_data_parallel_on_a_users_data_and_task(tmp_path):
+    # Any data source (here scikit-learn's make_regression: numpy (X, y)) is split and batched by the runner and
+    # each rank takes its half of every global batch: the same numbers as one process, for task=regression.
+    args = ["experiment=smoke", "task=regression", "data._target_=sklearn.datasets.make_regression",
+            "~data.num_examples", "+data.n_samples=256", "+data.n_features=64", "data.noise=0.1",
+            "+data.random_state=0", "data.input_shape=[64]", "data.num_classes=1", "trainer.max_steps=6",
+            "trainer.log_every=2", "trainer.eval_every=6"]
+    stdout, run = torchrun_train(tmp_path, "parallel=dp", *args)
+    assert "data   synthetic: 192 train examples, 64 test, batch 32\n" in stdout  # named by its data= choice
+    assert "task   regression, optimizes test_loss" in stdout
+    runner.train(cfg_of(*args, *FAST), tmp_path / "single")
+    dp = json.loads((run / "summary.json").read_text())["metrics"]
+    ref = json.loads((tmp_path / "single" / "summary.json").read_text())["metrics"]
+    assert {"loss", "mae", "test_loss", "test_mae"} <= set(dp)
+    for k in ("loss", "mae", "test_loss", "test_mae"):
+        assert dp[k] == pytest.approx(ref[k], rel=1e-4)
+
+
 def state_bytes_line(stdout):
     (line,) = [line for line in stdout.splitlines() if line.startswith("state  ")]
     return int(line.split()[1].replace(",", ""))
