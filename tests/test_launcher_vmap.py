@@ -14,7 +14,6 @@ import json
 import math
 import pathlib
 
-import pytest
 import torch
 
 import fxtrain as fx

@@ -2,7 +2,6 @@
 runner driving them (task=regression, eval hooks, early stopping recorded and resumed)."""
 
 import json
-import math
 
 import pytest
 import torch
