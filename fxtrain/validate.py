@@ -76,6 +76,9 @@ def check(cfg: DictConfig) -> None:
     _data(cfg)
     _optim(cfg)
     _schedule(cfg)
+    build.task(cfg)            # the task's loss and metrics import
+    build.eval_hooks(cfg)      # each hook's _target_ and keys
+    build.early_stopping(cfg)  # patience, mode, min_delta
 
 
 # --- one setting at a time ----------------------------------------------------------------------------

@@ -114,6 +114,22 @@ def test_early_stopping_settings_are_checked():
     assert build.early_stopping(cfg_of()) is None
 
 
+
+def test_bad_task_hook_and_early_stopping_settings_stop_before_anything_is_written(tmp_path):
+    for bad, message in [
+        (["trainer.early_stopping.metric=loss", "trainer.early_stopping.mode=lowest"],
+         r"trainer.early_stopping.mode='lowest': expected auto, min or max"),
+        (["+trainer.eval_hooks.cal._target_=tests.test_tasks.calibration", "+trainer.eval_hooks.cal.binz=3"],
+         r"trainer.eval_hooks.cal: binz is not an argument of tests.test_tasks.calibration \(did you mean bins\?\)"),
+        (["task._target_=fxtrain.tasks.Task", "+task.loss=mylib_missing.huber"],
+         r"task.loss=mylib_missing.huber: cannot import it"),
+        (["+task.loss=mylib.huber"], r"task: loss is not an argument of fxtrain.tasks.classification"),
+    ]:
+        with pytest.raises(build.ConfigError, match=message):
+            runner.train(cfg_of("experiment=smoke", *bad, *FAST), tmp_path / "run")
+        assert not (tmp_path / "run").exists()
+
+
 def calibration(ctx, bins=4):
     """An eval hook: the mean top-class probability on the test split, and how many bins it was asked for."""
     x, _ = ctx.data.test
