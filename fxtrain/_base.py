@@ -231,8 +231,7 @@ def merge_traits(children: Sequence[GradientTransformation], states_of: Callable
 
     return Traits(elementwise=all(t.elementwise for t in ts), partial_grads=first.partial_grads,
                   host=first.host, fused=_fused.combine(children, states_of), wrap_loss=wrap,
-                  extra_args=any(t.extra_args for t in ts),
-                  constant_reports=frozenset().union(*(t.constant_reports for t in ts)))
+                  **forwarded(*children))
 
 
 def update_(tx: GradientTransformation, updates: Updates, state: State, params: Params = None, **extra_args: Any):

@@ -227,9 +227,9 @@ def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt
         metrics = built.evaluate(params, buffers, built.data.test, trainer.eval_batch_size)
         ctx = tasks.EvalContext(step, strategies.forward(built.apply, params, buffers), params, buffers, built.data,
                                 built.task, trainer.eval_batch_size)
-        for name, hook in hooks:
-            metrics.update(_hook_metrics(name, hook(ctx)))
-        return metrics
+        mine = {k: v for name, hook in hooks for k, v in _hook_metrics(name, hook(ctx)).items()}
+        # A hook may see only its rank's part: averaged, so every rank logs and early-stops on the same line.
+        return {**metrics, **distributed.mean_across_ranks(mine, dims.world)}
 
     bar = tqdm(total=max_steps, initial=start, desc="train", disable=run.rank != 0 or not trainer.progress,
                dynamic_ncols=True)
@@ -255,15 +255,18 @@ def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt
                     _check_metric_name(cfg.optimized_metric, [*train_metrics, *eval_metrics])
             if record:
                 _stop_if_not_finite(record, i, last_checkpoint)
+                if stopper is not None and stopper.update(record, i) and i < max_steps:
+                    stopped = {"step": i, **stopper.describe()}
+                    run.say(f"stop   early at step {i}: {stopper.metric} has not improved on {stopper.best:.4g} "
+                            f"(step {stopper.best_step}) for {stopper.patience} logged values")
+                    if i % trainer.eval_every:  # the summary's test metrics are those of the params it stops with
+                        eval_metrics = run_eval(i)
+                        record.update(eval_metrics)
                 record["time_s"] = round(time.perf_counter() - t0, 3)
                 if logger is not None:
                     logger.log(i, record)
                 bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "learning_rate", "test_accuracy")
                                  if k in record})
-                if stopper is not None and stopper.update(record, i) and i < max_steps:
-                    stopped = {"step": i, **stopper.describe()}
-                    run.say(f"stop   early at step {i}: {stopper.metric} has not improved on {stopper.best:.4g} "
-                            f"(step {stopper.best_step}) for {stopper.patience} logged values")
 
             if run.ckpt_dir is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0)
                                              or i == max_steps or stopped):
@@ -272,8 +275,6 @@ def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt
             if stopped:
                 break
     final = {**train_metrics, **eval_metrics}
-    if not eval_metrics and stopped:  # stopped on a train metric between evaluations: evaluate the final params
-        final.update(run_eval(stopped["step"]))
     if cfg.optimized_metric not in final and run.out is not None:  # resumed at max_steps: the logged train metrics
         final = {**_last_record(run.out / "metrics.jsonl", max_steps), **final}
     if stopped:

@@ -175,6 +175,9 @@ def test_early_stopping_replays_the_logged_lines_on_resume(tmp_path):
     whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
     stop = whole["stopped_early"]["step"]
     assert 8 < stop < 60
+    # Stopped between evaluations: the params it stops with are evaluated, logged on the stop line and summarised.
+    last = read_jsonl(tmp_path / "whole" / "metrics.jsonl")[-1]
+    assert last["step"] == stop and whole["value"] == last["test_accuracy"] == whole["metrics"]["test_accuracy"]
     runner.train(cfg_of(*args, f"resume={tmp_path / 'whole' / 'checkpoints' / f'step_{stop - 1:07d}'}"),
                  tmp_path / "resumed")
     resumed = json.loads((tmp_path / "resumed" / "summary.json").read_text())
