@@ -201,7 +201,8 @@ DATA_KEYS = ("batch_size", "test_fraction", "split_seed", "seed", "test_batches"
 def dataset(node: DictConfig | dict, name: str = "data") -> Any:
     """The run's :class:`fxtrain.data.Dataset` from the data config ``node``, whatever its ``_target_`` returns.
 
-    The target gets the keys its signature takes; the runner's keys (:data:`DATA_KEYS`: ``batch_size``,
+    The target gets the keys its signature takes (all of them with ``**kwargs``); the runner's keys
+    (:data:`DATA_KEYS`: ``batch_size``,
     ``test_fraction``, ``split_seed``, ``seed``, ``test_batches`` and the facts ``input_shape``,
     ``num_classes``) go to :func:`fxtrain.data.from_source`, which splits, shuffles and checks what the
     target returned: a ``Dataset``, tensors ``(x, y)``, a map-style dataset or an iterable of batches.
@@ -228,7 +229,7 @@ def dataset(node: DictConfig | dict, name: str = "data") -> Any:
                               + (f" (did you mean {close[0]}?)" if close else "")
                               + f"; the runner's keys are {', '.join(DATA_KEYS)}")
     own = {k: v for k, v in spec.items() if k != "_target_" and (takes is None or k in takes or k not in DATA_KEYS)}
-    runner = {k: spec[k] for k in DATA_KEYS if k in spec and k not in own}
+    runner = {k: spec[k] for k in DATA_KEYS if k in spec}  # also when the target took them: the facts are checked
     made = _build({"_target_": spec["_target_"], **own}, "data", {})
     try:
         return data.from_source(made, name=name, **runner)

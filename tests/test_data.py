@@ -267,3 +267,21 @@ def test_facts_and_bad_input_are_named():
     with pytest.raises(ValueError, match=r"a pass of list .* yields no training batches after the "
                                          r"test_batches=2 held out"):
         from_source([(x, y)] * 2, name="mine", batch_size=40, test_batches=2)
+
+
+def rows_any(**kwargs):
+    """A data target that takes any keyword (and so is handed the runner's keys too)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(kwargs.get("n", 40), 3, generator=g), torch.randn(kwargs.get("n", 40), generator=g)
+
+
+def test_build_dataset_hands_the_runner_its_keys_whatever_the_target_takes():
+    from fxtrain import build
+
+    for target in ("tests.test_data.rows_any", "sklearn.datasets.make_regression"):
+        extra = {"n": 40} if target.endswith("rows_any") else {"n_samples": 40, "n_features": 3}
+        data = build.dataset({"_target_": target, **extra, "batch_size": 8, "test_fraction": 0.25,
+                              "input_shape": [3]}, "mine")
+        assert repr(data) == "mine: 30 train examples, 10 test, batch 8"
+    with pytest.raises(build.ConfigError, match=r"input_shape"):
+        build.dataset({"_target_": "tests.test_data.rows_any", "batch_size": 8, "input_shape": [4]}, "mine")
