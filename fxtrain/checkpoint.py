@@ -63,9 +63,11 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pathlib
+import pickle
 import re
 import shutil
 import socket
@@ -82,7 +84,7 @@ from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 
-__all__ = ["TrainState", "save", "load", "rng_state", "set_rng_state", "latest", "CheckpointError"]
+__all__ = ["TrainState", "save", "load", "rng_state", "set_rng_state", "latest", "CheckpointError", "read_dcp_metadata"]
 
 MANIFEST = "fxtrain.json"
 _FORMAT = "fxtrain-checkpoint"
@@ -491,7 +493,7 @@ def load(path: str | os.PathLike, *, like: Any, verify: bool = True) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), no_dist=not _distributed())
+            dcp.load(tensors, storage_reader=_SafeReader(path), no_dist=not _distributed())
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; say which checkpoint it was
         raise CheckpointError(f"checkpoint {path} could not be read: {str(e).splitlines()[0]}") from e
     tensors = {k: _as_partial(v, likes[k]) for k, v in tensors.items()}
@@ -604,10 +606,7 @@ def _check_files(path: pathlib.Path, manifest: dict[str, Any], verify: bool) -> 
 
 def _check_dcp(path: pathlib.Path, manifest: dict[str, Any]) -> None:
     """The manifest's tensor leaves are exactly the tensors DCP's ``.metadata`` holds, in files it lists."""
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as e:  # noqa: BLE001 - an unpickling error of any kind: say which checkpoint it was
-        raise CheckpointError(f"checkpoint {path} could not be read: .metadata: {str(e).splitlines()[0]}") from e
+    metadata = _SafeReader(path).read_metadata()
     stored = set(metadata.state_dict_metadata)
     listed = [e["path"] for e in manifest["leaves"] if e["kind"] == "tensor"]
     for p in listed:
@@ -620,6 +619,97 @@ def _check_dcp(path: pathlib.Path, manifest: dict[str, Any]) -> None:
     for name in sorted({info.relative_path for info in metadata.storage_data.values()} - set(manifest["files"])):
         raise CheckpointError(f"checkpoint {path}: DCP's .metadata refers to {name}, which {MANIFEST} does not "
                               f"list; {_REDO}")
+
+
+# --- DCP's .metadata, read without running code ------------------------------------------------------
+# DCP writes .metadata as a pickle and reads it with pickle.load, which runs whatever callable the file names:
+# a crafted checkpoint would run code at load. It is read here by an unpickler that resolves only the classes
+# and values DCP's metadata of fx.save's tensors is made of (listed from the files torch writes), and refuses
+# any other global, naming the file. BytesStorageMetadata is not among them: fx.save writes no pickled objects,
+# and DCP reads those with an unrestricted torch.load. The tensor files are read by DCP with
+# torch.load(weights_only=True). The manifest's digest detects damage, not tampering (it has no key): what keeps
+# a checkpoint from running code is that nothing in it is read by a loader that can.
+
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a layout by name (torch.strided)
+    "torch": {"Size"},                        # and the dtypes, below
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+}
+
+
+class _Refused(pickle.UnpicklingError):
+    """What the metadata names is not on the allow-list (as opposed to a damaged pickle)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`_DCP_CLASSES` and torch dtypes; anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_CLASSES.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                      torch.dtype)):
+            return super().find_class(module, name)
+        raise _Refused(f"it names {module}.{name}, which DCP's metadata never holds (a crafted file "
+                                     "would run it: refused, nothing was run)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused("it holds a persistent id, which DCP's metadata never does")
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> Any:
+    """DCP's ``Metadata`` of the checkpoint directory ``path``, unpickled without running any code it names.
+
+    Raises:
+      CheckpointError: ``.metadata`` names a class or function DCP's metadata of tensors does not hold (a
+        crafted file), or does not unpickle, or is not DCP's ``Metadata``; naming the file.
+
+    >>> import tempfile; d = pathlib.Path(tempfile.mkdtemp())
+    >>> sorted(read_dcp_metadata(save(d / "ck", {"w": torch.ones(2)})).state_dict_metadata)
+    ['w']
+    >>> _ = (d / "ck" / ".metadata").write_bytes(pickle.dumps(print))
+    >>> read_dcp_metadata(d / "ck")
+    Traceback (most recent call last):
+    ...
+    fxtrain.checkpoint.CheckpointError: checkpoint .../ck: .metadata is refused: it names builtins.print, ...
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = pathlib.Path(path)
+    f = path / ".metadata"
+    try:
+        data = f.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read ({e.strerror or e})") from None
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise CheckpointError(f"checkpoint {path}: .metadata is refused: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a damaged pickle fails in many ways; none of them runs code
+        raise CheckpointError(f"checkpoint {path}: .metadata is damaged ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); {_REDO}") from None
+    if type(metadata) is not Metadata or not isinstance(getattr(metadata, "state_dict_metadata", None), dict) \
+            or not isinstance(getattr(metadata, "storage_data", None), dict):
+        raise CheckpointError(f"checkpoint {path}: .metadata is not DCP's metadata (a {type(metadata).__name__}); "
+                              f"{_REDO}")
+    return metadata
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with :func:`read_dcp_metadata` in place of its ``pickle.load`` of ``.metadata``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("rank") is not None:  # per-rank metadata files: fx.save never writes them
+            raise CheckpointError(f"checkpoint {self.path}: per-rank DCP metadata is not read by fxtrain")
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = read_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _crc(f: pathlib.Path, fsync: bool = False) -> int:
