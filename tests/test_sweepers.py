@@ -95,16 +95,17 @@ def test_vmap_submitit_local_runs_each_group_as_one_submitit_job(monkeypatch, ca
     assert code == 0
     out = capsys.readouterr().out
     assert "[vmap] jobs 0,1,2,3: submitit job " in out and "[vmap] jobs 4,5,6,7: submitit job " in out
-    logs = {p.parent.name: p.read_text() for p in pathlib.Path("submitit/.submitit").glob("*/*_log.out")}
-    assert len(logs) == 2
-    assert any("vmap   jobs 0,1,2,3 as one process: 4 jobs" in text for text in logs.values())
-    assert any("[vmap] jobs 4,5,6,7 run one by one: the vmapped step raised RuntimeError" in text
-               for text in logs.values())
+    assert len(list(pathlib.Path("submitit/.submitit").glob("*/*_result.pkl"))) == 2  # two submitit jobs
     rows = summary_rows("submitit")
     assert [(r["job"], r["status"]) for r in rows] == [(str(j), "completed") for j in range(8)]
+    # How each job ran, from what its run recorded (train.log's run line; not the submitit job's console, whose
+    # logging setup is the machine's): jobs 0-3 in one vmapped process, jobs 4-7 each in a run of its own.
     for j in range(8):
         assert pathlib.Path("submitit", str(j), ".hydra", "overrides.yaml").exists()
-        assert "done   10 steps" in pathlib.Path("submitit", str(j), "train.log").read_text()
+        log = pathlib.Path("submitit", str(j), "train.log").read_text()
+        others = ",".join(str(o) for o in range(4) if o != j)
+        assert (f"  [vmap: one process with jobs {others}]" in log) == (j < 4), (j, log.splitlines()[0])
+        assert "done   10 steps" in log
 
     assert run_main("-m", "hydra/launcher=vmap", *grid, *FAST, "trainer.max_steps=10", "hydra.sweep.dir=vmap") == 0
     for j in map(str, range(4)):

@@ -61,9 +61,15 @@ class VmapLauncher(Launcher):
         self.config: DictConfig | None = None
         self.task_function: TaskFunction | None = None
         self.hydra_context: HydraContext | None = None
+        self.unbatchable: str | None = None  # why no job of this launch can be vmapped (None: they can)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
+        # Decided here, in the launching process, where the task function is still itself: a submitit job gets
+        # this launcher through cloudpickle, which pickles the task function by value and (cloudpickle >= 3.1)
+        # renames its source file "<dynamic-code>", so the same check there saw a foreign task function and
+        # ran every group job by job, silently.
+        self.unbatchable = _not_batchable_launch(config, task_function)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Runs the jobs (``job_overrides[k]`` is job ``initial_job_idx + k``); returns their ``JobReturn``s in order."""
@@ -117,7 +123,7 @@ class VmapLauncher(Launcher):
         assert self.config is not None and self.task_function is not None
         alone = [sweep.Group([sweep.Job(int(c.hydra.job.num), c, pathlib.Path(), [])], {}, "a group of one")
                  for c in configs]
-        why = _not_batchable_launch(self.config, self.task_function)
+        why = self.unbatchable
         if why is not None:
             if notes:
                 log.info(f"[vmap] every job runs one by one: {why}")
