@@ -101,9 +101,14 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8, eps_
             g = tree.div_(tree.copy_(g, m), d)
         else:
             # The gradient is no longer needed: build bc1 * (sqrt(v_hat) + eps) in its buffer, then
-            # u = 1 / (that / m) = m_hat / (sqrt(v_hat) + eps) without a temporary.
-            g = tree.copy_(g, v)
-            g = tree.reciprocal_(tree.div_(denominator_(g, bc1, bc2), m))
+            # u = 1 / (that / m) = m_hat / (sqrt(v_hat) + eps) without a temporary. Out of place (under
+            # autograd or torch.func) the plain quotient m / d: the derivative of 1 / (d / m) at m = 0 is
+            # 0 * inf = NaN, a NaN meta-gradient wherever a gradient coordinate is 0 (a dead ReLU unit).
+            g = denominator_(tree.copy_(g, v), bc1, bc2)
+            if tree.is_functional():
+                g = tree.div_(m, g)
+            else:
+                g = tree.reciprocal_(tree.div_(g, m))
         return tree.put(updates, updates, g), ScaleByAdamState(
             count, tree.put(state.mu, updates, mu), tree.put(state.nu, updates, nu))
 
