@@ -123,6 +123,9 @@ class _Update:
         except ValueError as e:  # name the transform the user built, not only the inner one
             if str(e).startswith(self.label.split("(")[0] + "("):  # named already (e.g. by an inner call)
                 raise
+            if type(e) is not ValueError:  # a subclass (a user's, DonatedGradError...) keeps its type and message
+                e.add_note(f"in the update of {self.label}")
+                raise
             raise ValueError(f"{self.label}: {e}") from None
 
     def _run(self, updates: Updates, state: State, params: Params, extra_args: dict) -> tuple[Updates, State]:

@@ -135,6 +135,25 @@ def test_update_error_names_transform():
         tx.update({}, tx.init({}))
 
 
+def test_update_error_subclass_keeps_its_type():
+    """A ValueError subclass raised inside an update (a user's, or checkpoint/donation errors) comes out as
+    itself, message untouched, the transform named in a note (issue 25: it was rewrapped as a plain ValueError)."""
+
+    class UserError(ValueError):
+        def __init__(self, code):
+            super().__init__(f"code {code}")
+            self.code = code
+
+    def bad(u, s, p=None):
+        raise UserError(7)
+
+    tx = fx.chain(fx.GradientTransformation(lambda p: fx.EmptyState(), bad))
+    with pytest.raises(UserError) as info:
+        tx.update({}, tx.init({}))
+    assert type(info.value) is UserError and info.value.code == 7 and str(info.value) == "code 7"
+    assert any(note.startswith("in the update of chain(") for note in info.value.__notes__)
+
+
 def test_report_collects_from_nested_states():
     class S(tuple):
         pass
