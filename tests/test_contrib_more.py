@@ -129,6 +129,34 @@ def test_gradient_through_updates_is_finite(build):
     assert torch.isfinite(torch.func.grad(loss)(torch.tensor([1.0, 2.0]))).all()
 
 
+def test_dog_default_init_under_vmap_and_grad():
+    """Issue 25: dog's default init (the heuristic r_eps = a (1 + |x_0|)) took the norm through the packed
+    kernel, which vmap cannot batch and which under grad raised an error about DTensor leaves."""
+    tx = C.dog()
+    members = [{"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(i), dtype=torch.float64),
+                "b": torch.full((2,), 0.1 * i, dtype=torch.float64)} for i in range(3)]
+    batched = torch.func.vmap(tx.init)(fx.tree.map(lambda *xs: torch.stack(xs), *members))
+    for i, p in enumerate(members):
+        assert_trees_close(fx.tree.map(lambda x: x[i], batched), tx.init(p), rtol=1e-15, atol=0)
+
+    def loss(w):
+        p = {"w": w, "b": torch.ones(2, dtype=torch.float64)}
+        state = tx.init(p)
+        for _ in range(3):
+            u, state = tx.update(fx.tree.map(lambda x: x ** 3 + x, p), state, p)
+            p = fx.apply_updates(p, u)
+        return sum((x ** 2).sum() for x in fx.tree.leaves(p))
+
+    w0 = members[1]["w"]
+    by_grad = torch.func.grad(loss)(w0)
+    h, fd = 1e-6, torch.zeros_like(w0)
+    for i in range(w0.numel()):
+        e = torch.zeros(w0.numel(), dtype=torch.float64)
+        e[i] = h
+        fd.view(-1)[i] = (loss(w0 + e.view_as(w0)) - loss(w0 - e.view_as(w0))) / (2 * h)
+    torch.testing.assert_close(by_grad, fd, rtol=1e-6, atol=1e-9)
+
+
 # Transforms that read the loss (value=): their own 20-step parity loop.
 WITH_VALUE = {
     "momo-default": ("momo", {}),

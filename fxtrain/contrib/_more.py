@@ -105,7 +105,10 @@ def scale_by_dog(init_step: tuple[Literal["distance", "learning_rate", "heuristi
         if kind == "distance":
             r_eps = value
         elif kind == "heuristic":
-            r_eps = value * (1 + distributed.global_norm(params))
+            # Out of place: plain leaves get Optax's leaf-by-leaf sum, which vmap and grad see through (the
+            # packed kernel of the donated path has no batching rule); DTensor leaves still take the engine.
+            with tree.functional():
+                r_eps = value * (1 + distributed.global_norm(params))
         else:
             r_eps = 0.0
         return DoGState(is_init_step=torch.ones((), dtype=torch.bool, device=param_device(params)),
