@@ -13,6 +13,7 @@ import math
 import sys
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -783,6 +784,105 @@ def test_microbatch_accumulators_keywords_and_errors():
     out = torch.func.vmap(lambda w: fx.microbatch(lambda xs: xs @ w, 0, 3, A.CONCAT)(xs))(ws)
     assert_trees_close(out, torch.einsum("nd,kdo->kno", xs, ws),
                        rtol=1e-5, atol=1e-6)
+
+
+# Optax's CallingConventionTest (optax/microbatching/_microbatching_test.py): argnums and argnames name the
+# function's parameters, however the call passes them. (fun, argnums, argnames, call) each.
+def _named_fun(a, b, c):
+    return (a + b + c).sum(0)
+
+
+def _kwonly_fun(a, b, *, c):
+    return (a + b + c).sum(0)
+
+
+def _wrapped_fun(*args, **kwargs):
+    return _named_fun(*args, **kwargs)
+
+
+def _mixed_fun1(*args, b, **kwargs):
+    return (b + sum(args) + sum(kwargs.values())).sum(0)
+
+
+def _mixed_fun2(a, *args, **kwargs):
+    return (a + sum(args) + sum(kwargs.values())).sum(0)
+
+
+CALLING_CONVENTIONS = [
+    (_named_fun, (0, 1), ("c",), lambda f, a, b, c: f(a, b, c)),
+    (_named_fun, (0, 1), ("c",), lambda f, a, b, c: f(a, b, c=c)),
+    (_named_fun, (0, 1), ("c",), lambda f, a, b, c: f(a, b=b, c=c)),
+    (_named_fun, (0, 1), ("c",), lambda f, a, b, c: f(a=a, b=b, c=c)),
+    (_named_fun, (), ("a", "b", "c"), lambda f, a, b, c: f(a, b, c)),
+    (_named_fun, (), ("a", "b", "c"), lambda f, a, b, c: f(a=a, b=b, c=c)),
+    (_kwonly_fun, (0, 1), ("c",), lambda f, a, b, c: f(a, b, c=c)),
+    (_kwonly_fun, (0, 1), ("c",), lambda f, a, b, c: f(a=a, b=b, c=c)),
+    (_kwonly_fun, (), ("a", "b", "c"), lambda f, a, b, c: f(a, b, c=c)),
+    (_wrapped_fun, (0, 1, 2), (), lambda f, a, b, c: f(a, b, c)),
+    (_wrapped_fun, (0,), ("b", "c"), lambda f, a, b, c: f(a, b=b, c=c)),
+    (_wrapped_fun, (), ("a", "b", "c"), lambda f, a, b, c: f(a=a, b=b, c=c)),
+    (_mixed_fun1, (0,), ("b", "c"), lambda f, a, b, c: f(a, b=b, c=c)),
+    (_mixed_fun1, (0, 1), ("b",), lambda f, a, b, c: f(a, c, b=b)),
+    (_mixed_fun1, (), ("a", "b", "c"), lambda f, a, b, c: f(a=a, b=b, c=c)),
+    (_mixed_fun2, (0, 1, 2), (), lambda f, a, b, c: f(a, b, c)),
+    (_mixed_fun2, (0, 1), ("c",), lambda f, a, b, c: f(a, b, c=c)),
+    (_mixed_fun2, (), ("a", "b", "c"), lambda f, a, b, c: f(a=a, b=b, c=c)),
+    (_mixed_fun2, (0,), ("b", "c"), lambda f, a, b, c: f(a=a, b=b, c=c)),
+]
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("i", range(len(CALLING_CONVENTIONS)))
+def test_microbatch_calling_conventions_match_optax(i):
+    """Each of Optax's 19 calling conventions (7 crashed: argnums/argnames were read off the call, not the
+    signature) gives the unsplit function's value, the one Optax's own test asserts under JAX; where the
+    installed Optax binds that convention (current Optax binds all), also Optax's microbatch value."""
+    pytest.importorskip("optax")
+    import jax.numpy as jnp
+    import optax
+
+    fun, argnums, argnames, call = CALLING_CONVENTIONS[i]
+    a, b, c = (torch.randn(4, 3, generator=torch.Generator().manual_seed(k)) for k in range(3))
+    ours = call(fx.microbatch(fun, argnums=argnums, argnames=argnames, microbatch_size=2), a, b, c)
+    ja, jb, jc = (jnp.asarray(x.numpy()) for x in (a, b, c))
+    expected = torch.tensor(np.asarray(jnp.sum(ja + jb + jc, axis=0)))  # Optax's test: _named_fun(a, b, c)
+    assert_trees_close(ours, expected, rtol=1e-6, atol=1e-6)
+    try:
+        theirs = call(optax.microbatching.microbatch(fun, argnums=argnums, argnames=argnames, microbatch_size=2),
+                      ja, jb, jc)
+    except (KeyError, IndexError):  # an Optax older than its signature binding (0.2.8 has the bug fixed here)
+        return
+    assert_trees_close(ours, torch.tensor(np.asarray(theirs)), rtol=1e-6, atol=1e-6)
+
+
+def test_microbatch_binds_defaults_and_names_a_missing_batch_argument():
+    """A batch argument left at its default is not split (Optax's binding drops defaults and crashes there);
+    a positional parameter skipped before one given by keyword keeps its position."""
+    def fun(x, y=None, *, z=1.0):
+        return (x * z).sum(0) if y is None else (x * y * z).sum(0)
+
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    assert_trees_close(fx.microbatch(fun, 0, 2, argnames="y")(x), fun(x), rtol=1e-6, atol=1e-6)
+    assert_trees_close(fx.microbatch(fun, (), 2, argnames=("x", "y"))(x=x, y=y), fun(x, y), rtol=1e-6, atol=1e-6)
+
+    def late(x, w=None, s=None):
+        return (x * s).sum(0)
+
+    assert_trees_close(fx.microbatch(late, 0, 2, argnames="s")(x, s=y), late(x, s=y), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="microbatch: the batch argument 'x' .* is not in this call"):
+        fx.microbatch(lambda **kw: kw["y"].sum(0), (), 2, argnames="x")(y=y)
+
+
+def test_microbatch_empty_batch_as_optax():
+    """A batch of size 0 runs no micro-batch (Optax's test_zero_batch_size_microbatch*): SUM gives zeros of the
+    output's shape, MEAN 0/0 = NaN, CONCAT an empty batch; fun's output shape comes from one micro-batch."""
+    A = fx.AccumulationType
+    empty = torch.zeros(0, 4)
+    total = fx.microbatch(lambda x: x.sum(0), 0, 2, A.SUM)(empty)
+    assert total.shape == (4,) and bool((total == 0).all())
+    mean = fx.microbatch(lambda x: x.mean(0), 0, 2, A.MEAN)(empty)
+    assert mean.shape == (4,) and bool(mean.isnan().all())
+    assert fx.microbatch(lambda x: x * 2, 0, 2, A.CONCAT)(empty).shape == (0, 4)
 
 
 # --- data parallel: 2 gloo ranks, one spawn (tests/_worlds.py) ----------------------------------------------

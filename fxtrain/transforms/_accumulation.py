@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import numbers
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
@@ -681,6 +682,12 @@ def microbatch(fun: Callable, argnums: int | Sequence[int], microbatch_size: int
     ``(values, total)`` output). ``CONCAT`` gives the rows back in the batch's order. With
     ``num_real_microbatches`` only the first that many run (``MEAN`` still divides by :math:`n`).
 
+    ``argnums`` and ``argnames`` name ``fun``'s parameters, whatever way a call passes them (as Optax: the
+    call is bound to ``inspect.signature(fun)``, so ``argnames="c"`` finds ``c`` given positionally and
+    ``argnums=0`` finds ``a`` given as ``a=``); a batch argument the call leaves at its default is not split.
+    A batch of size 0 runs no micro-batch, as Optax: ``SUM`` gives zeros shaped like one micro-batch's
+    output (found by running ``fun`` once on zeros), ``MEAN`` NaN (0/0), ``CONCAT`` an empty batch.
+
     Only one micro-batch's intermediates are alive at a time when ``fun`` returns values without a graph
     (``torch.func.grad(loss)`` as ``fun``: summed gradients, the memory of one micro-batch). The loop is
     Python (Optax's is ``lax.fori_loop``); everything is out of place, so ``torch.func`` transforms
@@ -728,12 +735,19 @@ def microbatch(fun: Callable, argnums: int | Sequence[int], microbatch_size: int
         raise ValueError(f"microbatch: in_axes={in_axes!r} needs one axis per argument of argnums {argnums} "
                          f"and argnames {argnames}")
     m = int(microbatch_size)
-
-    batched = [(0, i) for i in argnums] + [(1, k) for k in argnames]  # (args or kwargs, position or name)
+    sig = _signature(fun)
+    batched = _batch_slots(sig, argnums, argnames)  # [(args or kwargs, position or name)], in_axes order
 
     def microbatched(*args, **kwargs):
+        args, kwargs, passed = _normalized(sig, args, kwargs)
         given = (args, kwargs)
-        sizes = [x.shape[ax] for (s, key), ax in zip(batched, axes) for x in tree.leaves(given[s][key])]
+        for (where, key), wrote in zip(batched, argnums + argnames):
+            if (key >= len(args)) if where == 0 else (key not in kwargs):
+                raise ValueError(f"microbatch: the batch argument {wrote!r} (argnums {argnums}, argnames {argnames}) "
+                                 "is not in this call")
+        # A batch argument left at its default (not passed) is not split: it has no batch axis of the call's.
+        slots = [(slot, ax) for slot, ax in zip(batched, axes) if passed is None or _name_of(sig, *slot) in passed]
+        sizes = [x.shape[ax] for (where, key), ax in slots for x in tree.leaves(given[where][key])]
         if len(set(sizes)) > 1:
             raise ValueError(f"microbatch: the batch arguments must have equal-size batch axes, found {sizes}")
         if not sizes:
@@ -742,23 +756,66 @@ def microbatch(fun: Callable, argnums: int | Sequence[int], microbatch_size: int
             raise ValueError(f"microbatch: batch_size={sizes[0]} must be divisible by microbatch_size={m}")
         n = sizes[0] // m
 
-        def piece(i):
+        def piece(i, cut):
             new = (list(args), dict(kwargs))
-            for (s, key), ax in zip(batched, axes):
-                # rows i, i+n, i+2n...: Optax's reshape to (n, m) in column-major order, then take(i)
-                new[s][key] = optree.tree_map(lambda x: x.unflatten(ax % x.ndim, (m, n)).select(ax % x.ndim + 1, i), given[s][key],
-                                              namespace=_NS)
+            for (where, key), ax in slots:
+                new[where][key] = optree.tree_map(lambda x: cut(x, ax % x.ndim, i), given[where][key], namespace=_NS)
             return fun(*new[0], **new[1])
 
-        runs = n if num_real_microbatches is None else int(num_real_microbatches)
-        first = piece(0)
+        # rows i, i+n, i+2n...: Optax's reshape to (n, m) in column-major order, then take(i)
+        rows = lambda x, ax, i: x.unflatten(ax, (m, n)).select(ax + 1, i)  # noqa: E731
         acc = _composed(accumulator, n)
+        if n == 0:  # an empty batch (Optax): no micro-batch runs; the output's shape from one of zeros
+            zeros = lambda x, ax, i: x.new_zeros((*x.shape[:ax], m, *x.shape[ax + 1:]))  # noqa: E731
+            return acc.finalize(acc.init(piece(0, zeros)))
+        runs = n if num_real_microbatches is None else int(num_real_microbatches)
+        first = piece(0, rows)
         carry = acc.init(first)
         for i in range(runs):
-            carry = acc.update(carry, first if i == 0 else piece(i), i)
+            carry = acc.update(carry, first if i == 0 else piece(i, rows), i)
         return acc.finalize(carry)
 
     return microbatched
+
+
+def _signature(fun: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fun)
+    except (TypeError, ValueError):  # some builtins have none: the call's own positions and names are used
+        return None
+
+
+def _batch_slots(sig: inspect.Signature | None, argnums: tuple, argnames: tuple) -> list[tuple[int, Any]]:
+    """Where each batch argument sits in a call normalized by :func:`_normalized` (Optax's rule): a name of a
+    parameter that can be positional is its position, any other name a keyword."""
+    params = list(sig.parameters.values()) if sig is not None else []
+    positional = {p.name: i for i, p in enumerate(params)
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    return [(0, i) for i in argnums] + [(0, positional[k]) if k in positional else (1, k) for k in argnames]
+
+
+def _normalized(sig: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[list, dict, set | None]:
+    """The call bound to ``fun``'s signature: positional parameters positional (defaults filled in up to the
+    last one), the rest keywords, and the names the caller passed (``None`` without a signature)."""
+    if sig is None:
+        return list(args), dict(kwargs), None
+    bound = sig.bind(*args, **kwargs)
+    passed = set(bound.arguments)
+    for p in sig.parameters.values():
+        if p.kind == inspect.Parameter.VAR_KEYWORD:  # names given through **kwargs
+            passed |= set(bound.arguments.get(p.name, {}))
+    bound.apply_defaults()
+    return list(bound.args), dict(bound.kwargs), passed
+
+
+def _name_of(sig: inspect.Signature | None, where: int, key: Any) -> str:
+    """The parameter name of a normalized slot (``*args``' name for positions past the named ones)."""
+    if where == 1:
+        return key
+    positional = [p.name for p in sig.parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    rest = [p.name for p in sig.parameters.values() if p.kind == inspect.Parameter.VAR_POSITIONAL]
+    return positional[key] if key < len(positional) else (rest or [str(key)])[0]
 
 
 def _composed(accumulator: Any, n: int) -> Accumulator:
