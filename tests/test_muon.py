@@ -345,3 +345,66 @@ test_case = _worlds.tests(__file__, CASES, timeout_s=240)
 
 if __name__ == "__main__":
     _worlds.worker(CASES, *sys.argv[1:])
+
+
+# --- vmap over inject_hyperparams(muon)'s state (issue 25) ---------------------------------------
+# inject_hyperparams keeps the integer ns_steps in the state (as Optax does); vmap(init) batches it, and the
+# Newton-Schulz loop read it with .item(), which vmap refuses.
+
+def _muon_members():
+    return [{"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(i)),
+             "b": torch.randn(2, generator=torch.Generator().manual_seed(10 + i))} for i in range(3)]
+
+
+def _muon_vmapped(tx, members, ns_steps=None):
+    stack = lambda ts: fx.tree.map(lambda *xs: torch.stack(xs), *ts)  # noqa: E731
+    params = stack(members)
+    state = torch.func.vmap(tx.init)(params)
+    if ns_steps is not None:
+        state.hyperparams["ns_steps"] = torch.tensor(ns_steps, dtype=torch.int32)
+    out = []
+    for k in range(3):
+        g = fx.tree.map(lambda p: p * (k + 1) - 0.5, params)
+        u, state = torch.func.vmap(tx.update)(g, state, params)
+        params = fx.apply_updates(params, u)
+        out.append(u)
+    return out
+
+
+def _muon_member(build, p, ns_steps):
+    tx = build(ns_steps)
+    state, out = tx.init(p), []
+    for k in range(3):
+        u, state = tx.update(fx.tree.map(lambda x: x * (k + 1) - 0.5, p), state, p)
+        p = fx.apply_updates(p, u)
+        out.append(u)
+    return out
+
+
+def test_vmap_over_injected_muon_state_equals_a_loop():
+    build = lambda n: fx.inject_hyperparams(fx.contrib.muon)(learning_rate=0.02, ns_steps=n)  # noqa: E731
+    members = _muon_members()
+    for counts in (None, [5, 2, 3]):  # the state's ns_steps as init made it, then one count per member
+        batched = _muon_vmapped(build(5), members, counts)
+        for i, p in enumerate(members):
+            alone = _muon_member(build, p, 5 if counts is None else counts[i])
+            for k in range(3):
+                assert_trees_close(fx.tree.map(lambda x: x[i], batched[k]), alone[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.optax
+def test_vmap_over_injected_muon_state_matches_optax():
+    optax = pytest.importorskip("optax")
+    import jax
+
+    from fxtrain.testing import from_jnp, to_jnp
+
+    members = _muon_members()
+    ours = _muon_vmapped(fx.inject_hyperparams(fx.contrib.muon)(learning_rate=0.02), members)
+    otx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=0.02)
+    params = to_jnp(fx.tree.map(lambda *xs: torch.stack(xs), *members))
+    state, update = jax.vmap(otx.init)(params), jax.jit(jax.vmap(otx.update))
+    for k in range(3):
+        u, state = update(jax.tree.map(lambda p: p * (k + 1) - 0.5, params), state, params)
+        params = optax.apply_updates(params, u)
+        assert_trees_close(ours[k], from_jnp(u), rtol=1e-4, atol=1e-6)

@@ -102,7 +102,8 @@ def _newton_schulz(x: torch.Tensor, steps: list, preconditioning: str, eps: Scal
         x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
     elif preconditioning == "spectral":
         x = x / (torch.linalg.matrix_norm(x, ord=2, keepdim=True) + eps)
-    for i, (a, b, c) in enumerate(steps):
+    for i, (a, b, c, on) in enumerate(steps):
+        before = x
         if i == 0 and preconditioning == "aol":  # rows rescaled by their Gram row sums (Boissin et al.)
             gram = x @ x.mH
             s = gram.abs().sum(-1).clamp_min(_FLOOR).rsqrt().unsqueeze(-1)
@@ -114,14 +115,36 @@ def _newton_schulz(x: torch.Tensor, steps: list, preconditioning: str, eps: Scal
         else:
             gram = x @ x.mH
         x = a * x + (b * gram + c * gram @ gram) @ x
+        if on is not None:  # a step past this member's ns_steps (a batched count): keep the iterate
+            x = torch.where(on, x, before)
     return x
 
 
-def _coefficient_rows(ns_coeffs: torch.Tensor, ns_steps: int, dtype: torch.dtype) -> list:
-    """One (a, b, c) per step, in ``dtype``: a (3,) vector repeated ``ns_steps`` times, or the rows of a matrix."""
+def _coefficient_rows(ns_coeffs: torch.Tensor, ns_steps: int | torch.Tensor, dtype: torch.dtype) -> list:
+    """One (a, b, c, on) per step, in ``dtype``: a (3,) vector repeated ``ns_steps`` times, or the rows of a
+    matrix; ``on`` is ``None``, or for a batched ``ns_steps`` whether the step is within this member's count."""
     coeffs = ns_coeffs.to(dtype)
-    rows = [coeffs] * ns_steps if coeffs.ndim == 1 else list(coeffs)
-    return [(r[0], r[1], r[2]) for r in rows]
+    if coeffs.ndim != 1:
+        return [(r[0], r[1], r[2], None) for r in coeffs.unbind()]
+    bound, batched = _loop_count(ns_steps)
+    return [(coeffs[0], coeffs[1], coeffs[2], None if batched is None else i < batched) for i in range(bound)]
+
+
+def _loop_count(n: int | torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """``(steps to run, per-member count or None)`` for ``ns_steps``, a Python int or an integer tensor
+    (``inject_hyperparams(muon)`` keeps it in the state, as Optax does).
+
+    A loop in Python runs a host-known number of times: an integer tensor is read (its largest value over
+    a ``torch.func.vmap`` batch, the wrappers taken off), and where the members' counts differ, the steps
+    past a member's count leave its iterate unchanged (what ``jax.lax.fori_loop`` does under ``jax.vmap``).
+    """
+    if not isinstance(n, torch.Tensor):
+        return int(n), None
+    physical = n
+    while torch._C._functorch.is_functorch_wrapped_tensor(physical):
+        physical = torch._C._functorch.get_unwrapped(physical)
+    bound = int(physical.max())
+    return bound, (n if physical.numel() > 1 else None)
 
 
 def orthogonalize_via_newton_schulz(x: torch.Tensor, ns_coeffs: torch.Tensor | Sequence, ns_steps: int = 5,
