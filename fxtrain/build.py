@@ -43,7 +43,7 @@ from fxtrain import distributed
 
 __all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
            "check_overrides", "search_path", "dataset", "DATA_KEYS", "task", "eval_hooks", "early_stopping",
-           "ScaledSchedule"]
+           "ScaledSchedule", "user_search_path", "user_configs_first"]
 
 
 class ConfigError(ValueError, CompactHydraException):
@@ -543,11 +543,16 @@ PRIMARY_CONFIG = "pkg://fxtrain.conf"  # conf/ at the repository root, installed
 _CHOICE = re.compile(r"^(?:\+\+|\+|~)?(?P<group>[\w/]+)(?:@[\w.]+)?=(?P<value>.*)$")
 
 
-def search_path(argv: list[str], primary: str = PRIMARY_CONFIG) -> tuple[Any, list[str]]:
-    """Hydra's config search path for the command line ``argv``, and its overrides: ``(ConfigRepository, overrides)``.
+USER_CONFIGS = "fxtrain: yours first"  # the provider of the user's entries that precede fxtrain's configs
 
-    Built as Hydra builds it (its own pieces): Hydra's configs, the ``primary`` configs, the search-path
-    plugins, ``--config-dir`` and ``hydra.searchpath`` (from the command line, or else the primary config).
+
+def search_path(argv: list[str], primary: str = PRIMARY_CONFIG) -> tuple[Any, list[str]]:
+    """The config search path ``python -m fxtrain.train argv`` composes from, and its overrides:
+    ``(ConfigRepository, overrides)``.
+
+    Built as Hydra builds it (its own pieces, with fxtrain's search-path plugin): Hydra's configs, the
+    user's entries (:func:`user_search_path`), the ``primary`` configs (fxtrain's ``conf/``), the other
+    search-path plugins' (Hydra lists the user's entries once more there, after ours: they find nothing new).
 
     >>> repo, overrides = search_path(["-m", "model=mlp,resnet"])
     >>> overrides, repo.group_exists("model"), "mlp" in repo.get_group_options("model")
@@ -555,34 +560,71 @@ def search_path(argv: list[str], primary: str = PRIMARY_CONFIG) -> tuple[Any, li
     """
     from hydra._internal.config_repository import ConfigRepository
     from hydra._internal.utils import create_config_search_path, get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    path = create_config_search_path(primary)
+    path.get_path()[:] = [e for e in path.get_path() if e.provider != USER_CONFIGS]  # put there for sys.argv
+    user_configs_first(path, argv, primary)
+    return ConfigRepository(path), list(args.overrides)
+
+
+def user_configs_first(path: Any, argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
+    """Puts the user's entries of the command line ``argv`` (:func:`user_search_path`) before ``primary`` in
+    Hydra's ``path`` (a ``ConfigSearchPath``), so that a user's option shadows fxtrain's of the same name.
+
+    Hydra takes an option (``model/mlp.yaml``) from the first search-path entry that has it, and puts the
+    app's primary config directory (``pkg://fxtrain.conf`` for ``python -m fxtrain.train``) before
+    ``--config-dir`` and ``hydra.searchpath``: a user's ``conf/model/mlp.yaml`` or
+    ``conf/hparams_search/<name>.yaml`` was silently replaced by fxtrain's. fxtrain's search-path plugin
+    (``hydra_plugins/fxtrain_vmap_launcher/search_path.py``) calls this for the runner's command line; a
+    search path without ``primary`` (another Hydra app, a compose by directory) is left as it is.
+
+    >>> from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+    >>> path = ConfigSearchPathImpl()
+    >>> path.append("hydra", "pkg://hydra.conf"); path.append("main", "pkg://fxtrain.conf")
+    >>> user_configs_first(path, ["hydra.searchpath=[pkg://mine.conf]", "model=mlp"])
+    >>> [e.path for e in path.get_path()]
+    ['pkg://hydra.conf', 'pkg://mine.conf', 'pkg://fxtrain.conf']
+    """
     from hydra.core.config_search_path import SearchPathQuery
+
+    main = SearchPathQuery(provider="main", path=primary)
+    if path.find_first_match(main) == -1:
+        return
+    for entry in user_search_path(argv, primary):  # each before primary: their order kept
+        path.prepend(provider=USER_CONFIGS, path=entry, anchor=main)
+
+
+def user_search_path(argv: list[str], primary: str = PRIMARY_CONFIG) -> list[str]:
+    """The config search-path entries of the user's command line ``argv``, in Hydra's order: ``--config-dir``,
+    then ``hydra.searchpath`` (from the command line, or else the primary config's, as Hydra reads it).
+
+    >>> user_search_path(["--config-dir", "/", "hydra.searchpath=[pkg://mine.conf]", "model=mlp"])
+    ['file:///', 'pkg://mine.conf']
+    """
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+    from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     args, _ = get_args_parser().parse_known_args(argv)
-    path = create_config_search_path(primary)
+    entries = []
     if args.config_dir is not None:
         where = pathlib.Path(args.config_dir).expanduser().resolve()
         if not where.is_dir():
             raise ConfigError(f"--config-dir {args.config_dir}: no such directory ({where})")
-        path.prepend(provider="command-line", path=f"file://{where}", anchor=SearchPathQuery(provider="schema"))
-    repo = ConfigRepository(path)
-    extra = None
+        entries.append(f"file://{where}")
     try:
         for o in OverridesParser.create().parse_overrides([a for a in args.overrides if a.startswith("hydra.searchpath=")]):
-            extra = [str(v) for v in o.value()]
+            return [*entries, *(str(v) for v in o.value())]
     except HydraException as e:
         raise ConfigError(f"hydra.searchpath: {e}") from None
-    if extra is None:
-        primary_cfg = repo.load_config(args.config_name or "train")
-        extra = list(OmegaConf.select(primary_cfg.config, "hydra.searchpath") or []) if primary_cfg else []
-    if extra:
-        schema = path.get_path().pop(-1)  # Hydra appends hydra.searchpath before its structured configs
-        for entry in extra:
-            path.append(provider="hydra.searchpath", path=entry)
-        path.append(schema.provider, schema.path)
-        repo = ConfigRepository(path)
-    return repo, list(args.overrides)
+    path = ConfigSearchPathImpl()  # where the primary config is looked for (no plugins: they may call this)
+    for entry in ["pkg://hydra.conf", *entries, primary, "structured://"]:
+        path.append("fxtrain", entry)
+    primary_cfg = ConfigRepository(path).load_config(args.config_name or "train")
+    return [*entries, *(OmegaConf.select(primary_cfg.config, "hydra.searchpath") or [] if primary_cfg else [])]
 
 
 def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:

@@ -9,9 +9,12 @@ import sys
 import textwrap
 
 import pytest
+import yaml
+from omegaconf import OmegaConf
 
 from fxtrain import build
 from fxtrain.report import read_jsonl
+from tests._runner import isolate, run_main  # noqa: F401 - isolate: autouse (Hydra's state, logging, cwd)
 
 MYLIB = '''
 """A researcher's own code: a model, a regression dataset and a loss, nothing from fxtrain."""
@@ -140,14 +143,72 @@ def test_a_sweep_over_own_and_builtin_options_through_hydra_searchpath(project):
         ("mine", "0", "completed"), ("mine", "1", "completed"), ("mlp", "0", "completed"), ("mlp", "1", "completed")]
 
 
+# The user's options named like fxtrain's: a narrower mlp, and an Optuna search of their own.
+SHADOWING = {
+    "model/mlp.yaml": """
+        _target_: fxtrain.models.MLP
+        input_shape: ${data.input_shape}
+        hidden: [7]              # fxtrain's conf/model/mlp.yaml has [256, 256]
+        num_classes: ${data.num_classes}
+    """,
+    "hparams_search/digits_optuna.yaml": """
+        # @package _global_
+        defaults:
+          - override /hydra/sweeper: optuna
+        optimized_metric: test_loss
+        hydra:
+          mode: MULTIRUN
+          sweeper:
+            study_name: mine
+            direction: minimize
+            n_trials: 2
+            params:
+              seed: choice(0, 1)
+    """,
+}
+
+
+@pytest.fixture
+def shadowing(project) -> pathlib.Path:
+    """The throwaway project, plus ``conf/model/mlp.yaml`` and ``conf/hparams_search/digits_optuna.yaml`` of its own."""
+    for name, text in SHADOWING.items():
+        path = project / "conf" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    return project
+
+
+@pytest.mark.parametrize("where", ["--config-dir", "hydra.searchpath"])
+def test_own_option_named_like_fxtrains_is_the_one_that_runs(shadowing, where, monkeypatch, capsys):
+    # Hydra takes an option from the first search-path entry that has it; fxtrain's conf/ used to come first (the
+    # app's primary config directory), so the user's mlp.yaml was silently replaced by fxtrain's.
+    from fxtrain.models import MLP, count_params
+
+    monkeypatch.chdir(shadowing)
+    conf = shadowing / "conf"
+    search = ["--config-dir", str(conf)] if where == "--config-dir" else [f"hydra.searchpath=[file://{conf}]"]
+    # model: mlp is train.yaml's default: no model= on the command line
+    assert run_main(*search, "data=synthetic", "trainer.max_steps=2", "trainer.progress=false",
+                    "trainer.device=cpu", "hydra.run.dir=run") == 0
+    built = count_params(dict(MLP([1, 8, 8], hidden=[7], num_classes=10).named_parameters()))
+    assert f"model  MLP: {built:,} params on cpu" in (shadowing / "run" / "train.log").read_text()
+    assert OmegaConf.load(shadowing / "run" / "config.yaml").model.hidden == [7]
+    # Their hparams_search file, composed as the sweep would run it (--cfg: nothing runs).
+    capsys.readouterr()
+    assert run_main(*search, "hparams_search=digits_optuna", "--cfg", "hydra") == 0
+    sweeper = yaml.safe_load(capsys.readouterr().out)["hydra"]["sweeper"]
+    assert (sweeper["study_name"], sweeper["n_trials"], sweeper["params"]) == ("mine", 2, {"seed": "choice(0, 1)"})
+
+
 def test_unknown_options_list_every_search_path_entry(project):
     conf = f"file://{project / 'conf'}"
     with pytest.raises(build.ConfigError) as e:
         build.check_overrides(["--config-dir", str(project / "conf"), "-m", "model=mine,widedeep"])
-    assert str(e.value) == (f"model=mine,widedeep: no option 'widedeep' in model; available: mlp, moe, resnet, "
-                            f"transformer (pkg://fxtrain.conf); mine ({conf})")
+    # In search-path order: the user's entries first (their options shadow fxtrain's of the same name).
+    assert str(e.value) == (f"model=mine,widedeep: no option 'widedeep' in model; available: mine ({conf}); mlp, moe, "
+                            f"resnet, transformer (pkg://fxtrain.conf)")
     with pytest.raises(build.ConfigError, match=r"^task=hubr: no option 'hubr' in task \(did you mean huber\?\); "
-                       r"available: classification, lm, regression \(pkg://fxtrain.conf\); huber \(file://"):
+                       r"available: huber \(file://.*\); classification, lm, regression \(pkg://fxtrain.conf\)$"):
         build.check_overrides([f"hydra.searchpath=[{conf}]", "task=hubr"])
     build.check_overrides([f"hydra.searchpath=[{conf}]", "model=mine", "data=mine", "task=huber"])  # all there
     with pytest.raises(build.ConfigError, match=r"^--config-dir nowhere: no such directory"):
