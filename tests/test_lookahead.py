@@ -58,6 +58,50 @@ def test_optax_lookahead_state_reset(reset_state):
     assert_trees_close(state.fast_state, expected, rtol=0, atol=0)
 
 
+class _HostState(NamedTuple):
+    aggregate_grads: Any
+    is_reset: bool = True  # a Python bool, as in Optax's own test
+
+
+def _host_test_optimizer(step_size, lib):
+    """Optax's lookahead_test fast optimizer itself: its state keeps a Python bool, in fxtrain or in Optax."""
+    tree_map = fx.tree.map if lib is fx else __import__("jax").tree.map
+    zeros = torch.zeros_like if lib is fx else __import__("jax").numpy.zeros_like
+    apply = fx.apply_updates if lib is fx else __import__("optax").apply_updates
+    GT = fx.GradientTransformation if lib is fx else __import__("optax").GradientTransformation
+
+    def init_fn(params):
+        return _HostState(tree_map(zeros, params), is_reset=True)
+
+    def update_fn(updates, state, params):
+        return tree_map(lambda u: step_size * u, updates), _HostState(apply(state.aggregate_grads, updates), False)
+
+    return GT(init_fn, update_fn)
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("steps", [3, 4, 6])
+def test_reset_state_resets_host_leaves_as_optax(steps, donate):
+    """reset_state=True resets every leaf of the fast state, the Python bool too (it was kept from the updated
+    state: is_reset stayed False after a synchronization); values against Optax's lookahead running the same
+    fast optimizer (Optax's lookahead_test), over syncs (3, 6) and between them (4)."""
+    optax = pytest.importorskip("optax")
+    import jax
+
+    tx = fx.lookahead(_host_test_optimizer(-0.5, fx), sync_period=3, slow_step_size=0.5, reset_state=True)
+    otx = optax.lookahead(_host_test_optimizer(-0.5, optax), sync_period=3, slow_step_size=0.5, reset_state=True)
+    _, state = _loop(tx, steps, fx.LookaheadParams.init_synced(INITIAL), donate)
+    p = optax.LookaheadParams.init_synced(to_jnp(INITIAL))
+    with jax.disable_jit():
+        ostate = otx.init(p)
+        for _ in range(steps):
+            u, ostate = otx.update(to_jnp(GRADS), ostate, p)
+            p = optax.apply_updates(p, u)
+    assert bool(state.fast_state.is_reset) == bool(ostate.fast_state.is_reset) == (steps % 3 == 0)
+    assert_trees_close(state.fast_state.aggregate_grads, from_jnp(ostate.fast_state.aggregate_grads), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("sync_period, slow_step_size, x", [(1, 0.5, 1.0), (1, 0.0, 3.0), (1, 1.0, -1.0),
                                                             (2, 1.0, -1.0)])
 def test_optax_lookahead_edge_cases(sync_period, slow_step_size, x):

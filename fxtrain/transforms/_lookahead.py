@@ -118,7 +118,7 @@ def lookahead(fast_optimizer: GradientTransformation, sync_period: int, slow_ste
         us = tree.add_(us, diff, alpha=-(s * (1 - slow_step_size)))
         slow = tree.scale_(diff, s * slow_step_size)
         if reset_state:  # the fresh state where this call synchronizes, on device
-            fast_state = select(~sync, fast_state, fast_optimizer.init(params.fast), what="fast optimizer state")
+            fast_state = _reset_where(sync, fast_state, fast_optimizer.init(params.fast))
         steps = tree.inc_(state.steps_since_sync)
         steps = steps % sync_period if tree.is_functional() else steps.remainder_(sync_period)
         new = LookaheadParams(fast=tree.put(updates, updates, us), slow=_tree_like(updates, slow))
@@ -126,6 +126,40 @@ def lookahead(fast_optimizer: GradientTransformation, sync_period: int, slow_ste
 
     # The updates are a (fast, slow) pair: no Partial gradients (the step reduces them first).
     return with_traits(_combined(init_fn, update_fn, (fast_optimizer,)), partial_grads=False)
+
+
+def _reset_where(sync: torch.Tensor, state: Any, fresh: Any) -> Any:
+    """``fresh`` where the 0-dim ``sync`` is true, else ``state``, every leaf (Optax blends every leaf).
+
+    Tensors are selected on device (:func:`select`). A host number (a Python bool or int in a hand-written
+    state) that differs from its fresh value, or meets a tensor there, cannot wait for a device decision
+    as a number: it becomes a 0-dim tensor selected on device, as Optax's blend turns it into an array.
+    Equal host values stay as they are.
+    """
+    old, spec = tree.flatten(state)
+    new = tree.flatten(fresh)[0]
+    if len(new) != len(old):
+        raise ValueError(f"lookahead(reset_state=True): the fast optimizer's init state differs in structure from "
+                         f"its updated state at '{tree.first_mismatch(state, fresh)}'")
+    host = [i for i, (a, b) in enumerate(zip(old, new))
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) and not _same(a, b)]
+    for i in host:
+        if not all(isinstance(v, (numbers.Number, torch.Tensor)) for v in (old[i], new[i])):
+            raise ValueError(f"lookahead(reset_state=True): the fast optimizer's state leaf "
+                             f"'{tree.paths(state)[i]}' is {old[i]!r}, not a tensor or a number, and differs from "
+                             f"its init value {new[i]!r}: it cannot be reset on device; keep it a tensor")
+        old[i], new[i] = (torch.as_tensor(v, device=sync.device) for v in (old[i], new[i]))
+    return select(~sync, tree.unflatten(spec, old), tree.unflatten(spec, new), what="fast optimizer state")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal host values of the same type (a tensor is never the same as a number)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # values that do not compare to a bool (arrays): taken as different
+        return False
 
 
 def _sum(xs: list, ys: list) -> list:
