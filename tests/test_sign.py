@@ -94,3 +94,16 @@ def test_signum_float32_accumulator_with_bfloat16_params():
 def test_errors_name_the_argument(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize("factory", [fx.rprop, fx.scale_by_rprop])
+def test_rprop_refuses_a_schedule_at_construction(factory):
+    """Optax's rprop takes a float (the initial step sizes): a schedule was accepted and failed at the first
+    update; it is refused when built, naming the argument. inject_hyperparams still schedules it (its
+    value at each step is a tensor), as in Optax."""
+    with pytest.raises(ValueError, match=r"^(scale_by_)?rprop: learning_rate must be a number or a 0-dim tensor"):
+        factory(learning_rate=fx.linear_schedule(0.1, 0.01, 10))
+    tx = fx.inject_hyperparams(factory)(learning_rate=fx.linear_schedule(0.1, 0.01, 10))
+    params = {"w": torch.tensor([1.0, -2.0])}
+    u, _ = tx.update({"w": torch.tensor([1.0, 1.0])}, tx.init(params), params)
+    assert bool(torch.isfinite(u["w"]).all())

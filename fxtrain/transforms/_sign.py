@@ -157,6 +157,7 @@ def scale_by_rprop(learning_rate: Scalar, eta_minus: Scalar = 0.5, eta_plus: Sca
       Riedmiller and Braun, `A Direct Adaptive Method for Faster Backpropagation Learning: The RPROP
       Algorithm <https://ieeexplore.ieee.org/document/298623>`_, 1993.
     """
+    _no_schedule("scale_by_rprop", learning_rate)
     check_nonnegative("scale_by_rprop", learning_rate=learning_rate, eta_minus=eta_minus, eta_plus=eta_plus,
                       min_step_size=min_step_size, max_step_size=max_step_size)
 
@@ -195,7 +196,8 @@ def rprop(learning_rate: Scalar, eta_minus: Scalar = 0.5, eta_plus: Scalar = 1.2
     Meant for full-batch training: sign flips of noisy minibatch gradients shrink every step size.
 
     Args:
-      learning_rate: the initial step size (a number or a 0-dim tensor; no schedule, as in Optax).
+      learning_rate: the initial step size (a number or a 0-dim tensor; a schedule is refused: Optax's rprop
+        takes a float, the step sizes adapt by themselves).
       eta_minus: factor of the step size after a sign change.
       eta_plus: factor of the step size when the sign is kept.
       min_step_size: smallest step size.
@@ -216,5 +218,13 @@ def rprop(learning_rate: Scalar, eta_minus: Scalar = 0.5, eta_plus: Scalar = 1.2
       Riedmiller and Braun, `A Direct Adaptive Method for Faster Backpropagation Learning: The RPROP
       Algorithm <https://ieeexplore.ieee.org/document/298623>`_, 1993.
     """
+    _no_schedule("rprop", learning_rate)
     _check("rprop", learning_rate=learning_rate)
     return chain(scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size), scale(-1.0))
+
+
+def _no_schedule(owner: str, learning_rate: object) -> None:
+    """Optax's rprop takes a number: ``learning_rate`` is the initial step size of each element, read once."""
+    if callable(learning_rate):
+        raise ValueError(f"{owner}: learning_rate must be a number or a 0-dim tensor (the initial step size; "
+                         f"a schedule is not supported, as in Optax), got {learning_rate!r}")
