@@ -651,7 +651,7 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
         group = m["group"]
         kind = "transform" if group == "optim/transform" else "option"
         options = repo.get_group_options(group, ObjectType.CONFIG)
-        for value in _choices(m["value"]):
+        for value in _named_options(arg):
             if value not in options:
                 close = difflib.get_close_matches(value, options, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
@@ -659,14 +659,29 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
                                   if source.is_group(group) and (found := sorted(
                                       source.list(group, ObjectType.CONFIG))))
                 raise ConfigError(f"{arg}: no {kind} {value!r} in {group}{hint}; available: {where}")
-        if group == "hparams_search" and any(v != "null" for v in _choices(m["value"])):
+        if group == "hparams_search" and _named_options(arg):
             _require_optuna(arg)
 
 
-def _choices(value: str) -> list[str]:
-    value = re.sub(r"^\w+\((.*)\)$", r"\1", value.strip())  # choice(a,b), glob(...) sweeps
-    value = value.strip("[]")
-    return [v.strip() for v in value.split(",") if v.strip() and v.strip() != "null"]
+def _named_options(arg: str) -> list[str]:
+    """The options a group override names, read with Hydra's own override grammar: ``model=a``, a list
+    ``optim/transform@optim.chain=[a,b]``, and sweeps of either (``model=a,b``, ``choice(...)``, the structure
+    sweep ``'optim/transform@optim.chain=[a,b],[c,d]'``); ``null`` names none, nor does a ``glob(...)``
+    (Hydra matches it against the options). One Hydra cannot parse names none: Hydra says what is wrong.
+
+    >>> _named_options("optim/transform@optim.chain=[sgd],[clip,adamw]")
+    ['sgd', 'clip', 'adamw']
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        override = OverridesParser.create().parse_overrides([arg])[0]
+    except HydraException:
+        return []
+    value = override.value()
+    values = (getattr(value, "list", None) or []) if override.is_sweep_override() else [value]  # glob, range: none
+    return [str(name) for v in values for name in (v if isinstance(v, list) else [v]) if name is not None]
 
 
 def _require_optuna(arg: str) -> None:
