@@ -94,6 +94,28 @@ def test_matches_optax(case):
 
 
 @pytest.mark.optax
+@pytest.mark.parametrize("weight_decay", [0.1, "schedule"])
+def test_adabelief_weight_decay_matches_optax(weight_decay):
+    """adabelief(weight_decay=, weight_decay_mask=) as current Optax (issue 25: fxtrain lacked them):
+    chain(scale_by_belief, add_decayed_weights(weight_decay, mask), scale_by_learning_rate); default None,
+    no decay. The installed Optax may predate the argument: then its definition is built from its pieces."""
+    import inspect
+
+    import jax
+    optax = pytest.importorskip("optax")
+    assert inspect.signature(fx.adabelief).parameters["weight_decay"].default is None
+    wd = (lambda lib: lib.linear_schedule(0.2, 0.0, 10)) if weight_decay == "schedule" else (lambda lib: weight_decay)
+    tx = fx.adabelief(1e-2, weight_decay=wd(fx), weight_decay_mask=_ndim_mask(fx.tree.map))
+    if "weight_decay" in inspect.signature(optax.adabelief).parameters:
+        otx = optax.adabelief(1e-2, weight_decay=wd(optax), weight_decay_mask=_ndim_mask(jax.tree.map))
+    else:
+        otx = optax.chain(optax.scale_by_belief(), optax.add_decayed_weights(wd(optax), _ndim_mask(jax.tree.map)),
+                          optax.scale_by_learning_rate(1e-2))
+    assert_parity(tx, otx, check_state=False)
+    assert repr(fx.adabelief(1e-2)) == "adabelief(0.01)"  # None: the chain without decay, as before
+
+
+@pytest.mark.optax
 @pytest.mark.parametrize("name", ["yogi"])
 def test_tensor_hyperparameters_match_optax_inject_hyperparams(name):
     optax = pytest.importorskip("optax")

@@ -769,12 +769,16 @@ def scale_by_optimistic_gradient(alpha: Scalar = 1.0, beta: Scalar = 1.0) -> Gra
 
 @transform(elementwise=None)
 def adabelief(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-16,
-              eps_root: Scalar = 1e-16, *, nesterov: bool = False) -> GradientTransformation:
+              eps_root: Scalar = 1e-16, weight_decay: Scalar | Callable | None = None,
+              weight_decay_mask: Mask | None = None, *, nesterov: bool = False) -> GradientTransformation:
     r"""AdaBelief (Optax's ``adabelief``): Adam whose step grows where gradients match their running mean.
 
-    .. math:: \theta_{t+1} = \theta_t - \eta\, \frac{\hat m_t}{\sqrt{\hat s_t} + \epsilon}
+    .. math:: \theta_{t+1} = \theta_t - \eta\, \left(\frac{\hat m_t}{\sqrt{\hat s_t} + \epsilon}
+        + \lambda \theta_t\right)
 
-    with :math:`\hat s_t` the bias-corrected second moment of :math:`g_t - m_t` (:func:`scale_by_belief`).
+    with :math:`\hat s_t` the bias-corrected second moment of :math:`g_t - m_t` (:func:`scale_by_belief`)
+    and :math:`\lambda` = ``weight_decay`` (0 by default: none), decoupled as in :func:`fxtrain.adamw`
+    and multiplied by the learning rate (Optax's ``adabelief``).
 
     Args:
       learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
@@ -782,10 +786,14 @@ def adabelief(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999,
       b2: decay of the second moment of the prediction error.
       eps: added to the denominator outside the square root.
       eps_root: added to the second moment at every step.
+      weight_decay: :math:`\lambda`, a number, a 0-dim tensor or a schedule; ``None`` (Optax's default):
+        no weight decay.
+      weight_decay_mask: where to decay (see :func:`fxtrain.adamw`'s ``mask``).
       nesterov: use Nesterov momentum.
 
     Returns:
-      ``chain(scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov), scale_by_learning_rate(learning_rate))``.
+      ``chain(scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov), add_decayed_weights(weight_decay,
+      weight_decay_mask)`` (only if ``weight_decay`` is not ``None``) ``, scale_by_learning_rate(learning_rate))``.
 
     Example:
         >>> import torch, fxtrain as fx
@@ -799,8 +807,11 @@ def adabelief(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999,
       Zhuang et al., `AdaBelief Optimizer: Adapting Stepsizes by the Belief in Observed Gradients
       <https://arxiv.org/abs/2010.07468>`_, 2020.
     """
-    _check("adabelief", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
-    return chain(scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov), scale_by_learning_rate(learning_rate))
+    _check("adabelief", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+           weight_decay=weight_decay)
+    decay = [] if weight_decay is None else [add_decayed_weights(weight_decay, weight_decay_mask)]
+    return chain(scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov), *decay,
+                 scale_by_learning_rate(learning_rate))
 
 
 @transform(elementwise=None)
