@@ -42,8 +42,8 @@ import fxtrain as fx
 from fxtrain import distributed
 
 __all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
-           "check_overrides", "search_path", "dataset", "DATA_KEYS", "task", "eval_hooks", "early_stopping",
-           "ScaledSchedule", "user_search_path", "user_configs_first"]
+           "check_overrides", "search_path", "dataset", "data_keys", "floats_where_expected", "DATA_KEYS", "task",
+           "eval_hooks", "early_stopping", "ScaledSchedule", "user_search_path", "user_configs_first"]
 
 
 class ConfigError(ValueError, CompactHydraException):
@@ -220,6 +220,26 @@ def dataset(node: DictConfig | dict, name: str = "data") -> Any:
     from fxtrain import data
 
     spec = _resolve(node, "data")
+    fn, takes = data_keys(spec)
+    own = {k: v for k, v in spec.items() if k != "_target_" and (takes is None or k in takes or k not in DATA_KEYS)}
+    runner = {k: spec[k] for k in DATA_KEYS if k in spec}  # also when the target took them: the facts are checked
+    made = _build({"_target_": spec["_target_"], **own}, "data", {})
+    try:
+        return data.from_source(made, name=name, **runner)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"data ({spec['_target_']}): {e}") from None
+
+
+def data_keys(spec: dict) -> tuple[Callable, set[str] | None]:
+    """Checks the keys of the resolved data config ``spec``: its target's arguments and :data:`DATA_KEYS`.
+
+    Returns the target and the arguments it takes (``None``: any). Nothing is built.
+
+    >>> data_keys({"_target_": "fxtrain.data.digits", "batch_sise": 8})
+    Traceback (most recent call last):
+    ...
+    fxtrain.build.ConfigError: data: batch_sise is not an argument of fxtrain.data.digits nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, split_seed, seed, test_batches, input_shape, num_classes
+    """
     fn = _locate(spec, "data")
     takes = _arguments(fn)
     for k in spec:
@@ -228,13 +248,39 @@ def dataset(node: DictConfig | dict, name: str = "data") -> Any:
             raise ConfigError(f"data: {k} is not an argument of {spec['_target_']} nor a runner key"
                               + (f" (did you mean {close[0]}?)" if close else "")
                               + f"; the runner's keys are {', '.join(DATA_KEYS)}")
-    own = {k: v for k, v in spec.items() if k != "_target_" and (takes is None or k in takes or k not in DATA_KEYS)}
-    runner = {k: spec[k] for k in DATA_KEYS if k in spec}  # also when the target took them: the facts are checked
-    made = _build({"_target_": spec["_target_"], **own}, "data", {})
+    return fn, takes
+
+
+_FLOAT_ANNOTATION = re.compile(r"\b(float|Scalar|LearningRate|Value)\b")
+
+
+def floats_where_expected(fn: Callable, kwargs: dict) -> dict:
+    """``kwargs`` with each ``int`` made a ``float`` where ``fn`` expects a float (its annotation names one and no
+    ``int``, or it has no annotation and a float default): YAML and Hydra read ``weight_decay: 0`` as an int.
+
+    >>> import fxtrain as fx
+    >>> floats_where_expected(fx.adamw, {"learning_rate": 1, "weight_decay": 0, "b1": 0})
+    {'learning_rate': 1.0, 'weight_decay': 0.0, 'b1': 0.0}
+    >>> floats_where_expected(fx.models.MLP, {"hidden": [8], "num_classes": 3})   # ints stay ints
+    {'hidden': [8], 'num_classes': 3}
+    """
     try:
-        return data.from_source(made, name=name, **runner)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"data ({spec['_target_']}): {e}") from None
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    out = dict(kwargs)
+    for k, v in kwargs.items():
+        p = params.get(k)
+        if type(v) is not int or p is None:
+            continue
+        if p.annotation is p.empty:
+            floaty = isinstance(p.default, float)
+        else:
+            text = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", str(p.annotation))
+            floaty = bool(_FLOAT_ANNOTATION.search(text)) and not re.search(r"\bint\b", text)
+        if floaty:
+            out[k] = float(v)
+    return out
 
 
 def _arguments(fn: Callable) -> set[str] | None:
@@ -508,6 +554,7 @@ def _accepted(node: DictConfig, extra: dict[str, Any]) -> dict[str, Any]:
 def _transform(node: DictConfig, key: str, shape: Callable | None, every: int,
                given: dict[str, Any]) -> fx.GradientTransformation:
     factory, kwargs = _parts(_resolve(node, key), key, given)
+    kwargs = floats_where_expected(factory, kwargs)  # weight_decay=0 from the command line: 0.0
     if "learning_rate" in kwargs and shape is not None:
         lr = kwargs.pop("learning_rate")
         if isinstance(lr, torch.Tensor) and lr.ndim == 0 and lr.is_floating_point():

@@ -73,6 +73,9 @@ class Task:
       metrics: ``metrics(outputs, targets) -> {name: 0-dim tensor}`` (batch means), or ``None``.
       optimized_metric: the metric sweepers optimize by default (``test_loss``, ``test_<metric>``...).
       name: for messages and the run's ``task`` line; defaults to the loss function's name.
+      metric_names: the names ``metrics`` returns (``("mae",)``), or ``None`` when not declared. Declared,
+        ``optimized_metric`` and ``trainer.early_stopping.metric`` are checked against them (and the step's
+        metrics) before a run starts; the built-in tasks declare theirs.
 
     >>> Task(loss="torch.nn.functional.l1_loss").name
     'l1_loss'
@@ -82,6 +85,7 @@ class Task:
     metrics: Metrics | str | None = None
     optimized_metric: str = "test_loss"
     name: str | None = None
+    metric_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         loss = _callable(self.loss, "task.loss")
@@ -91,6 +95,11 @@ class Task:
         object.__setattr__(self, "metrics", _callable(self.metrics, "task.metrics"))
         if self.name is None:
             object.__setattr__(self, "name", getattr(loss, "__name__", type(loss).__name__))
+        if self.metric_names is not None:
+            names = [self.metric_names] if isinstance(self.metric_names, str) else list(self.metric_names)
+            if not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"task.metric_names={self.metric_names!r}: expected a list of metric names")
+            object.__setattr__(self, "metric_names", tuple(names))
         if not (isinstance(self.optimized_metric, str) and self.optimized_metric):
             raise ValueError(f"task.optimized_metric={self.optimized_metric!r}: expected a metric name, e.g. test_loss")
 
@@ -153,7 +162,7 @@ def classification(optimized_metric: str = "test_accuracy") -> Task:
     >>> classification().compute(torch.tensor([[2.0, 0.0], [0.0, 2.0]]), torch.tensor([0, 0]))[1]["accuracy"]
     tensor(0.5000)
     """
-    return Task(_cross_entropy, _accuracy, optimized_metric, name="classification")
+    return Task(_cross_entropy, _accuracy, optimized_metric, name="classification", metric_names=("accuracy",))
 
 
 def regression(optimized_metric: str = "test_loss") -> Task:
@@ -163,7 +172,7 @@ def regression(optimized_metric: str = "test_loss") -> Task:
     >>> float(regression().loss(torch.tensor([[1.0], [2.0]]), torch.tensor([1.0, 0.0])))
     2.0
     """
-    return Task(_mse, _mae, optimized_metric, name="regression")
+    return Task(_mse, _mae, optimized_metric, name="regression", metric_names=("mae",))
 
 
 def lm(optimized_metric: str = "test_loss") -> Task:
@@ -174,7 +183,7 @@ def lm(optimized_metric: str = "test_loss") -> Task:
     >>> round(float(lm().loss(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]]))), 4)   # log(4): uniform over 4
     1.3863
     """
-    return Task(_cross_entropy, _accuracy, optimized_metric, name="lm")
+    return Task(_cross_entropy, _accuracy, optimized_metric, name="lm", metric_names=("accuracy",))
 
 
 # --- evaluation ------------------------------------------------------------------------------------

@@ -1,16 +1,31 @@
 """Settings checked before a run writes anything, and the errors a user reads as one line.
 
-* :func:`check` reads every ``trainer``, ``data`` and ``optim`` setting (and ``seed``, ``schedule``) of a
-  composed config and raises :class:`fxtrain.build.ConfigError` at the first bad one, with a message that
-  names the key and the value as written, says why, and what to do::
+* :func:`check` reads every setting of a composed config against its schema and raises
+  :class:`fxtrain.build.ConfigError` at the first bad one, with a message that names the key and the value
+  as written, says why, and what to do::
 
-      trainer.max_steps=abc: expected a positive whole number (optimizer steps, counted in batches); e.g. trainer.max_steps=1000
+      trainer.max_steps=abc: expected a positive whole number (optimizer steps, counted in batches; at most 2**31-1); e.g. trainer.max_steps=1000
 
-  The optimizer entries get the library's own checks (each factory is called with the config's values, so
-  ``optim.chain.adamw.learning_rate=-1`` is refused exactly as ``fx.adamw(-1)`` is), and a chain must
-  descend: one entry at least takes a ``learning_rate`` (an optimizer: ``sgd``, ``adamw``...). A chain
-  without one (``[clip_by_global_norm]``, ``[add_decayed_weights]``) moves the params along the gradient
-  or only decays them; it runs only with ``trainer.allow_no_descent=true``.
+  The schema: the config's own nodes (the top level, ``trainer``, ``trainer.early_stopping``, ``amp``,
+  ``accumulate``, ``parallel``) take the keys their options in ``conf/`` give them (:func:`schema`): any other
+  is refused with the nearest name (``+trainer.max_step=5``: did you mean trainer.max_steps?), and a key whose
+  default there is a boolean takes only ``true`` or ``false``. A ``_target_`` node (``model``, ``data``,
+  ``task``, ``schedule``, each ``optim.chain`` entry, each logger and eval hook) takes its target's arguments;
+  fxtrain's own targets' values are checked by name (:data:`ARG_RULES`: ``b1`` in [0, 1), ``eps`` finite and
+  >= 0, ``hidden`` a list of positive whole numbers...; an int is a float's value, ``weight_decay=0``), then
+  by the library itself (each optimizer factory is called with the config's values, so
+  ``optim.chain.adamw.learning_rate=-1`` is refused exactly as ``fx.adamw(-1)`` is; the model is built on the
+  meta device). Settings that this run does not use (the loss scale without ``amp.policy``, early stopping's
+  ``patience`` while its ``metric`` is null, ``parallel.dp`` under one process) are checked all the same.
+  ``optimized_metric`` and ``trainer.early_stopping.metric`` must be metrics the run logs (the step's loss,
+  the stack's reports such as ``grad_norm`` and ``learning_rate``, the task's declared metrics and their
+  ``test_`` forms); with eval hooks, whose names are known once they ran, the runner checks at the first
+  evaluation.
+* The chain must descend: the product of the signs of its scaling entries is -1 (each optimizer negates the
+  gradient once, a ``scale`` multiplies by its ``step_size``, the ``schedule`` is probed from step 0 to the
+  last step). A chain without an optimizer (``[clip_by_global_norm]``, ``[add_decayed_weights]``), two
+  optimizers, a negative ``scale`` or a zero learning rate would move the params along the gradient or
+  not at all; such a chain runs only with ``trainer.allow_no_descent=true``.
 * :func:`one_line_errors` is how ``python -m fxtrain.train`` reports them: a :class:`~fxtrain.build.ConfigError`
   (or a full disk) prints as ``Error: <message>`` and exits 1, without a traceback; ``HYDRA_FULL_ERROR=1``
   shows the traceback. Any other exception keeps its traceback.
@@ -23,26 +38,39 @@ Example:
     >>> check(cfg)
     Traceback (most recent call last):
     ...
-    fxtrain.build.ConfigError: trainer.log_every=0: expected a positive whole number (steps between metrics.jsonl lines); e.g. trainer.log_every=10
+    fxtrain.build.ConfigError: trainer.log_every=0: expected a positive whole number (steps between metrics.jsonl lines; at most 2**31-1); e.g. trainer.log_every=10
+    >>> with initialize_config_dir(config_dir=str(train.CONF_DIR), version_base="1.3"):
+    ...     cfg = compose("train", overrides=["+trainer.max_step=5"])
+    >>> check(cfg)
+    Traceback (most recent call last):
+    ...
+    fxtrain.build.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, device, cpu_threads, progress, allow_no_descent, early_stopping, eval_hooks
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import errno
+import functools
+import importlib.resources
 import inspect
+import math
 import os
-from typing import Any, Iterator
+import pathlib
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import fxtrain as fx
 from fxtrain import build, distributed
 from fxtrain.build import ConfigError
 
-__all__ = ["check", "one_line_errors", "message", "DiskFull"]
+__all__ = ["check", "one_line_errors", "message", "DiskFull", "metric_names", "SCHEMA", "ARG_RULES"]
 
 # (key, smallest value, what it counts, an example): the whole-number settings of the trainer group.
 _TRAINER_COUNTS = [
@@ -66,24 +94,170 @@ _DATA_COUNTS = [
 
 def check(cfg: DictConfig) -> None:
     """Raises :class:`~fxtrain.build.ConfigError` naming the first bad setting of ``cfg`` (see the module doc)."""
+    cfg = _resolved(cfg)
+    _known_keys(cfg)  # a misspelled key (+trainer.max_step=5) is refused before any value is read
     for key, smallest, what, example in _TRAINER_COUNTS:  # max_steps first: the defaults of the others follow it
         _whole(cfg, key, smallest, what, example)
-    _whole(cfg, "seed", None, "params init and batch order", 0)
+    _seed(cfg, "seed")
     _optional_whole(cfg, "trainer.cpu_threads", "torch CPU threads; null: torch's default")
-    for key in ("trainer.progress", "trainer.allow_no_descent"):
+    for key in ("trainer.progress", "trainer.allow_no_descent", "resume_force", "resume_relayout"):
         _flag(cfg, key)
     _device(cfg)
+    _resume(cfg)
+    _task_values(cfg)  # task.optimized_metric before the optimized_metric that follows it
+    _text(cfg, "optimized_metric")
+    _early_stopping_values(cfg)
+    _amp(cfg)
+    _accumulate(cfg)
+    _parallel(cfg)
     _data(cfg)
+    _model(cfg)
     _optim(cfg)
     _schedule(cfg)
-    build.task(cfg)            # the task's loss and metrics import
-    build.eval_hooks(cfg)      # each hook's _target_ and keys
+    task = build.task(cfg)     # the task's loss and metrics import
+    _hook_nodes(cfg)
+    hooks = build.eval_hooks(cfg)  # each hook's _target_ and keys
     build.early_stopping(cfg)  # patience, mode, min_delta
+    _loggers(cfg)
+    _metrics(cfg, task, hooks)
+    _descent(cfg)
+
+
+class _Node(dict):
+    """A resolved config node: a plain dict read like a ``DictConfig`` (``node.key``, ``node.get``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _nodes(value: Any) -> Any:
+    if isinstance(value, dict):
+        return _Node({k: _nodes(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return [_nodes(v) for v in value]
+    return value
+
+
+def _resolved(cfg: DictConfig) -> Any:
+    """``cfg`` with its interpolations resolved once, as plain nodes (OmegaConf parses an interpolation at each
+    read), or ``cfg`` itself when one fails to resolve: the checks then read it key by key and name the one
+    at fault (``trainer.max_steps=abc`` under ``log_every``'s default)."""
+    if not isinstance(cfg, DictConfig):
+        return cfg
+    try:
+        return _nodes(OmegaConf.to_container(cfg, resolve=True))
+    except Exception:
+        return cfg
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+# Checks that build something (the model on the meta device, the stack's reports, the schedule's probes)
+# remember what they found for the same resolved settings: a sweep or a test checks many similar configs.
+_MEMO: dict[tuple, Any] = {}
+
+
+def _memo(key: tuple, make: Callable[[], Any]) -> Any:
+    if key not in _MEMO:
+        if len(_MEMO) > 256:
+            _MEMO.clear()
+        _MEMO[key] = make()
+    return _MEMO[key]
+
+
+# --- the schema: which keys there are --------------------------------------------------------------------
+# The config's own nodes (not _target_ nodes, whose keys are their target's arguments): every key the
+# options of conf/ give them (tests/test_settings_fuzz.py checks that this lists every one of them).
+SCHEMA: dict[str, tuple[str, ...]] = {
+    "": ("seed", "optimized_metric", "resume", "resume_force", "resume_relayout", "model", "data", "task", "optim", "schedule", "amp", "accumulate",
+         "parallel", "trainer", "logger"),
+    "optim": ("chain",),
+    "trainer": ("max_steps", "log_every", "eval_every", "eval_batch_size", "checkpoint_every", "keep_last", "device",
+                "cpu_threads", "progress", "allow_no_descent", "early_stopping", "eval_hooks"),
+    "trainer.early_stopping": ("metric", "patience", "mode", "min_delta"),
+    "amp": ("policy", "loss_scale"),
+    "accumulate": ("every", "mean", "accumulator_dtype"),
+    "parallel": ("strategy", "dp", "tp", "pp", "ep", "shard_optimizer", "schedule", "microbatches"),
+}
+# Nodes whose entries are named by the user, each a _target_ node: their keys are checked against the target.
+TARGET_NODES = ("model", "data", "task", "schedule")
+NAMED_TARGETS = ("optim.chain", "logger", "trainer.eval_hooks")
+
+# Whole numbers count steps, examples, bytes, widths: the optimizer's step count is an int32 tensor, and no
+# size of 2**31 or more fits a tensor on any machine fxtrain runs on, so larger values are typos.
+MAX_COUNT = 2**31 - 1
+# A static float16 loss scale above 2**24: every gradient above 65504 / 2**24 (about 0.004) overflows and
+# its step is skipped (torch's GradScaler starts at 2**16).
+MAX_STATIC_FP16_SCALE = 2.0**24
+
+
+@functools.lru_cache(maxsize=None)
+def schema() -> tuple[dict[str, tuple[str, ...]], frozenset[str]]:
+    """``(keys, flags)``: :data:`SCHEMA` with every key that ``conf/train.yaml`` and the options of ``conf/trainer``,
+    ``amp``, ``accumulate`` and ``parallel`` give these nodes, and the keys whose default there is a boolean.
+
+    >>> keys, flags = schema()
+    >>> "max_steps" in keys["trainer"], "trainer.progress" in flags
+    (True, True)
+    """
+    conf = pathlib.Path(str(importlib.resources.files("fxtrain.conf")))
+    keys = {node: list(names) for node, names in SCHEMA.items()}
+    flags = set()
+
+    def add(node_key: str, node: DictConfig) -> None:
+        for name in node:
+            if name in ("defaults", "hydra") or not isinstance(name, str):
+                continue
+            if name not in keys[node_key]:
+                keys[node_key].append(name)
+            key = f"{node_key}.{name}" if node_key else name
+            child = node._get_node(name)
+            if isinstance(child, DictConfig) and key in keys:
+                add(key, child)
+            elif not OmegaConf.is_config(child) and isinstance(child._value(), bool):
+                flags.add(key)
+
+    add("", OmegaConf.load(conf / "train.yaml"))
+    for group in ("trainer", "amp", "accumulate", "parallel"):
+        for option in sorted((conf / group).glob("*.yaml")):
+            add(group, OmegaConf.load(option))
+    return {node: tuple(names) for node, names in keys.items()}, frozenset(flags)
+
+
+def _known_keys(cfg: DictConfig) -> None:
+    known, flags = schema()
+    for node_key, keys in known.items():
+        node = cfg if not node_key else _value(cfg, node_key)
+        if not isinstance(node, Mapping):
+            if node_key and node is not None:  # trainer=5: a node replaced by a value
+                raise ConfigError(f"{node_key}={_show(node)}: expected a config node with the keys {', '.join(keys)}")
+            continue
+        for name in node:
+            if name not in keys:
+                key = f"{node_key}.{name}" if node_key else str(name)
+                close = difflib.get_close_matches(str(name), keys, n=1)
+                hint = f" (did you mean {node_key + '.' if node_key else ''}{close[0]}?)" if close else ""
+                where = f"{node_key}'s settings" if node_key else "the top-level settings"
+                raise ConfigError(f"{key}: not a setting fxtrain reads{hint}; {where} are {', '.join(keys)}")
+    for key in sorted(flags):  # a boolean in conf/ is a boolean on the command line: nesterov=abc is not true
+        _flag(cfg, key)
 
 
 # --- one setting at a time ----------------------------------------------------------------------------
 
 def _value(cfg: DictConfig, key: str, default: Any = None) -> Any:
+    if not isinstance(cfg, DictConfig):  # resolved nodes
+        node = cfg
+        for part in key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return default
+            node = node[part]
+        return node
     try:
         return OmegaConf.select(cfg, key, default=default)
     except OmegaConfBaseException as e:
@@ -97,7 +271,7 @@ def _show(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (DictConfig, dict, list)) or OmegaConf.is_config(value):
-        return str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value).replace(" ", "")
+        return str(_plain(value)).replace(" ", "")
     return str(value) if str(value) else "''"
 
 
@@ -109,18 +283,31 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_real(value: Any) -> bool:
+    """A finite number (an int is a float's value: ``weight_decay=0``)."""
+    return _is_number(value) and math.isfinite(value)
+
+
 def _whole(cfg: DictConfig, key: str, smallest: int | None, what: str, example: Any) -> None:
     value = _value(cfg, key)
-    if _is_whole(value) and (smallest is None or value >= smallest):
+    if _is_whole(value) and (smallest is None or value >= smallest) and value <= MAX_COUNT:
         return
     need = {None: "a whole number", 0: "a whole number >= 0", 1: "a positive whole number"}[smallest]
-    raise ConfigError(f"{key}={_show(value)}: expected {need} ({what}); e.g. {key}={example}")
+    raise ConfigError(f"{key}={_show(value)}: expected {need} ({what}; at most 2**31-1); e.g. {key}={example}")
+
+
+def _seed(cfg: DictConfig, key: str) -> None:
+    value = _value(cfg, key)
+    if not (_is_whole(value) and 0 <= value < 2**64):  # what torch.manual_seed and numpy's generators take
+        raise ConfigError(f"{key}={_show(value)}: expected a whole number (params init and batch order; 0 to "
+                          f"2**64-1); e.g. {key}=0")
 
 
 def _optional_whole(cfg: DictConfig, key: str, what: str) -> None:
     value = _value(cfg, key)
-    if value is not None and not (_is_whole(value) and value >= 1):
-        raise ConfigError(f"{key}={_show(value)}: expected a positive whole number or null ({what}); e.g. {key}=1")
+    if value is not None and not (_is_whole(value) and 1 <= value <= 1024):
+        raise ConfigError(f"{key}={_show(value)}: expected a positive whole number or null ({what}; at most "
+                          f"1024); e.g. {key}=1")
 
 
 def _flag(cfg: DictConfig, key: str) -> None:
@@ -129,11 +316,59 @@ def _flag(cfg: DictConfig, key: str) -> None:
         raise ConfigError(f"{key}={_show(value)}: expected true or false")
 
 
+def _text(cfg: DictConfig, key: str) -> None:
+    value = _value(cfg, key)
+    if not (isinstance(value, str) and value.strip()):
+        raise ConfigError(f"{key}={_show(value)}: expected a metric name, e.g. {key}=test_loss")
+
+
+def _resume(cfg: DictConfig) -> None:
+    value = _value(cfg, "resume")
+    if value is None or value == "":  # resume= on the command line: null, as the runner reads it
+        return
+    if not (isinstance(value, str) and value.strip()):
+        raise ConfigError(f"resume={_show(value)}: expected null (start at step 0), auto (this run's newest checkpoint) "
+                          "or the path of a checkpoint or run directory")
+    if value != "auto":
+        from fxtrain import checkpoint
+
+        path = pathlib.Path(value)
+        if not ((path / checkpoint.MANIFEST).exists() or checkpoint.latest(path / "checkpoints")
+                or checkpoint.latest(path)):
+            raise ConfigError(f"resume={value}: no checkpoint there (expected a checkpoint directory such as "
+                              "<run>/checkpoints/step_0000100, or a run directory that has checkpoints/; "
+                              "resume=auto for this run's own)")
+
+
+def _task_values(cfg: DictConfig) -> None:
+    node = _value(cfg, "task")
+    if node is None:
+        return
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"task={_show(node)}: expected a task config; pick one with task=regression (conf/task)")
+    _target_values("task", build._resolve(node, "task"))
+
+
+def _hook_nodes(cfg: DictConfig) -> None:
+    hooks = _value(cfg, "trainer.eval_hooks")
+    if hooks is None:
+        return
+    if not isinstance(hooks, Mapping):
+        raise ConfigError(f"trainer.eval_hooks={_show(hooks)}: expected named hooks, each a _target_ node "
+                          "(+trainer.eval_hooks.mine._target_=mylib.hook), or {} for none")
+    for name, node in hooks.items():
+        if not (isinstance(node, Mapping) and "_target_" in node):
+            raise ConfigError(f"trainer.eval_hooks.{name}={_show(node)}: expected a _target_ node "
+                              f"(+trainer.eval_hooks.{name}._target_=mylib.hook)")
+
+
 def _device(cfg: DictConfig) -> None:
     name = _value(cfg, "trainer.device")
     if name == "auto":
         return
     try:
+        if not isinstance(name, str):
+            raise TypeError(name)
         device = torch.device(name)
     except (RuntimeError, TypeError):
         raise ConfigError(f"trainer.device={_show(name)}: not a device torch knows; use auto (CUDA when there is "
@@ -148,27 +383,249 @@ def _device(cfg: DictConfig) -> None:
                               f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); use one of them, or auto")
 
 
+def _early_stopping_values(cfg: DictConfig) -> None:
+    """Its values also while ``metric`` is null (early stopping off): a later ``metric=...`` must not meet them."""
+    node = "trainer.early_stopping"
+    metric = _value(cfg, f"{node}.metric")
+    if metric is not None and not (isinstance(metric, str) and metric.strip()):
+        raise ConfigError(f"{node}.metric={_show(metric)}: expected a metric name (test_loss, loss...) or null (off)")
+    patience = _value(cfg, f"{node}.patience", default=5)
+    if not (_is_whole(patience) and 1 <= patience <= MAX_COUNT):
+        raise ConfigError(f"{node}.patience={patience!r}: expected a whole number >= 1 (logged values without "
+                          "improvement before stopping)")
+    mode = _value(cfg, f"{node}.mode", default="auto")
+    if mode not in ("auto", "min", "max"):
+        raise ConfigError(f"{node}.mode={mode!r}: expected auto, min or max")
+    delta = _value(cfg, f"{node}.min_delta", default=0.0)
+    if not (_is_real(delta) and delta >= 0):
+        raise ConfigError(f"{node}.min_delta={_show(delta)}: expected a finite number >= 0 (the least change that "
+                          "counts as an improvement)")
+
+
+# --- amp, accumulate, parallel: checked whatever is active ------------------------------------------------
+
+def _amp(cfg: DictConfig) -> None:
+    policy = _value(cfg, "amp.policy")
+    if policy is not None and not (isinstance(policy, str) and policy.strip()):
+        raise ConfigError(f"amp.policy={_show(policy)}: expected a policy such as p=f32,c=bf16,o=f32, a preset name "
+                          "(bf16, fp16...) or null (no mixed precision)")
+    parsed = None
+    if policy is not None:
+        try:
+            parsed = fx.Policy.parse(policy)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"amp.policy={_show(policy)}: {str(e).splitlines()[0]}") from None
+    scale = _value(cfg, "amp.loss_scale")
+    if isinstance(scale, Mapping):
+        _loss_scale_fields(cfg)
+        scale = dict(_plain(scale))
+    elif scale is not None and not (isinstance(scale, str) and scale in ("none", "dynamic")):
+        if not (_is_real(scale) and scale > 0):
+            raise ConfigError(f"amp.loss_scale={_show(scale)}: expected null (the policy's default), none, dynamic, "
+                              "a finite number > 0 (a static scale) or DynamicLossScale's settings")
+        half = parsed is not None and torch.float16 in (parsed.compute_dtype, parsed.output_dtype, parsed.param_dtype)
+        if half and scale > MAX_STATIC_FP16_SCALE:
+            raise ConfigError(f"amp.loss_scale={_show(scale)}: a static float16 loss scale above 2**24 overflows every "
+                              "gradient above 65504/2**24 and skips its step; use dynamic, or at most 16777216")
+    try:  # the library's own checks, also for a loss scale that no policy uses (amp.policy=null)
+        fx.amp_cast(fx.identity(), policy if policy is not None else "p=f32,c=f32,o=f32", loss_scale=scale)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"amp.loss_scale={_show(scale)}: {str(e).splitlines()[0]}") from None
+
+
+def _loss_scale_fields(cfg: DictConfig) -> None:
+    fields = {f.name: f for f in dataclasses.fields(fx.DynamicLossScale)}
+    node = _value(cfg, "amp.loss_scale")
+    for name in node:
+        key = f"amp.loss_scale.{name}"
+        if name not in fields:
+            close = difflib.get_close_matches(str(name), list(fields), n=1)
+            hint = f" (did you mean amp.loss_scale.{close[0]}?)" if close else ""
+            raise ConfigError(f"{key}: not a setting of DynamicLossScale{hint}; it takes {', '.join(fields)}")
+        value = _value(cfg, key)
+        if name in ("growth_interval", "hysteresis"):
+            ok, need = _is_whole(value) and 1 <= value <= MAX_COUNT, "a whole number >= 1"
+        elif name in ("min_scale", "max_scale"):
+            ok, need = value is None or (_is_real(value) and value > 0), "a finite number > 0, or null"
+        elif name == "backoff_factor":
+            ok, need = _is_real(value) and 0 < value < 1, "a number between 0 and 1"
+        elif name == "growth_factor":
+            ok, need = _is_real(value) and value > 1, "a finite number > 1"
+        else:
+            ok, need = _is_real(value) and value > 0, "a finite number > 0"
+        if not ok:
+            raise ConfigError(f"{key}={_show(value)}: expected {need}")
+
+
+_DTYPES = ("float32", "float64", "bfloat16", "float16", "f32", "f64", "bf16", "f16")
+
+
+def _accumulate(cfg: DictConfig) -> None:
+    every = _value(cfg, "accumulate.every", default=1)
+    if not (_is_whole(every) and 1 <= every <= MAX_COUNT):
+        raise ConfigError(f"accumulate.every={_show(every)}: expected a positive whole number (batches per optimizer "
+                          "update); e.g. accumulate.every=4")
+    _flag(cfg, "accumulate.mean")
+    dtype = _value(cfg, "accumulate.accumulator_dtype")
+    if dtype is not None and dtype not in _DTYPES:
+        raise ConfigError(f"accumulate.accumulator_dtype={_show(dtype)}: expected null (the gradients' dtype) or one "
+                          f"of {', '.join(_DTYPES)}")
+    max_steps = cfg.trainer.max_steps
+    if max_steps % every:
+        raise ConfigError(f"accumulate.every={every}: trainer.max_steps={max_steps} is not a multiple of it (both "
+                          "count batches); make max_steps a multiple")
+
+
+def _parallel(cfg: DictConfig) -> None:
+    strategy = _value(cfg, "parallel.strategy")
+    if strategy not in distributed.STRATEGIES:
+        raise ConfigError(f"parallel.strategy={_show(strategy)}: expected one of {', '.join(distributed.STRATEGIES)} "
+                          "(pick it with parallel=dp...)")
+    for dim in ("dp", "tp", "pp", "ep"):
+        size = _value(cfg, f"parallel.{dim}")
+        if size is not None and not (_is_whole(size) and (size == -1 or 1 <= size <= MAX_COUNT)):
+            raise ConfigError(f"parallel.{dim}={_show(size)}: expected a positive whole number of ranks, or -1 (the "
+                              "rest of the world)")
+    _flag(cfg, "parallel.shard_optimizer")
+    schedule = _value(cfg, "parallel.schedule")
+    if schedule is not None and schedule not in ("gpipe", "1f1b"):
+        raise ConfigError(f"parallel.schedule={_show(schedule)}: expected gpipe or 1f1b (the pipeline schedule)")
+    micro = _value(cfg, "parallel.microbatches")
+    if micro is not None and not (_is_whole(micro) and 1 <= micro <= MAX_COUNT):
+        raise ConfigError(f"parallel.microbatches={_show(micro)}: expected a positive whole number (micro-batches "
+                          "per batch)")
+
+
+# --- _target_ nodes: their keys are their target's arguments, checked by name --------------------------------
+# Rules for the arguments of fxtrain's own targets, by name: (check, what is expected). Numbers are finite;
+# an int is accepted where a float is expected (build converts it). A user's target gets its signature only.
+
+def _real(lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False):
+    def ok(v: Any) -> bool:
+        return (_is_real(v) and (lo is None or (v > lo if lo_open else v >= lo))
+                and (hi is None or (v < hi if hi_open else v <= hi)))
+    if lo is not None and hi is not None:
+        text = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    elif lo is not None:
+        text = f"a finite number {'>' if lo_open else '>='} {lo:g}"
+    else:
+        text = "a finite number"
+    return ok, text
+
+
+def _count(lo: int):
+    return (lambda v: _is_whole(v) and lo <= v <= MAX_COUNT), f"a whole number >= {lo} (up to 2**31-1)"
+
+
+def _counts(lo: int, empty: bool):
+    return ((lambda v: isinstance(v, (list, tuple)) and (empty or len(v) > 0)
+             and all(_is_whole(x) and lo <= x <= MAX_COUNT for x in v)),
+            f"a{'' if empty else ' non-empty'} list of whole numbers >= {lo}")
+
+
+def _optional(rule):
+    ok, text = rule
+    return (lambda v: v is None or ok(v)), f"{text}, or null"
+
+
+def _choice(*options: str):
+    return (lambda v: v in options), f"one of {', '.join(options)}"
+
+
+_FLAG = ((lambda v: isinstance(v, bool)), "true or false")
+_NAME = ((lambda v: isinstance(v, str) and bool(v.strip())), "a non-empty name")
+_MOMENT = _real(0, 1, hi_open=True)
+_MULTIPLE = _real(0)  # a schedule's multiple of the learning rate
+
+ARG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # transforms and optimizers; the sign of learning_rate and step_size is the descent check's
+    "learning_rate": _real(), "step_size": _real(),
+    "b1": _MOMENT, "b2": _MOMENT, "decay": _MOMENT, "momentum": _optional(_MOMENT),
+    "eps": _real(0), "eps_root": _real(0), "weight_decay": _real(0), "initial_accumulator_value": _real(0),
+    "max_norm": _real(0, lo_open=True), "max_delta": _real(0, lo_open=True),
+    "nesterov": _FLAG, "centered": _FLAG, "flip_sign": _FLAG,
+    # schedules: multiples of the optimizer's learning_rate
+    "value": _MULTIPLE, "init_value": _MULTIPLE, "peak_value": _MULTIPLE, "end_value": _MULTIPLE,
+    "alpha": _real(0, 1), "exponent": _real(0, lo_open=True), "power": _real(0, lo_open=True),
+    "warmup_steps": _count(0), "decay_steps": _count(1), "transition_steps": _count(1),
+    # models
+    "input_shape": _counts(1, empty=False), "hidden": _counts(1, empty=True), "blocks": _counts(1, empty=False),
+    "num_classes": _count(1), "width": _count(1), "vocab_size": _count(1), "context": _count(1),
+    "d_model": _count(1), "n_layers": _count(1), "n_heads": _count(1), "experts": _count(1), "top_k": _count(1),
+    "activation": _choice("relu", "gelu", "tanh", "silu"),
+    # data
+    "batch_size": _count(1), "num_examples": _count(2), "max_bytes": _count(1), "eval_windows": _count(1),
+    "test_batches": _count(1), "test_fraction": _real(0, 1, lo_open=True, hi_open=True), "noise": _real(0),
+    "split_seed": ((lambda v: _is_whole(v) and 0 <= v < 2**64), "a whole number from 0 to 2**64-1"),
+    "seed": ((lambda v: _is_whole(v) and 0 <= v < 2**64), "a whole number from 0 to 2**64-1"),
+    # tasks and loggers
+    "optimized_metric": _NAME, "filename": _NAME, "subdir": _NAME,
+}
+FLAGS = frozenset(n for n, rule in ARG_RULES.items() if rule is _FLAG)
+NUMBERS = frozenset(("learning_rate", "step_size", "b1", "b2", "decay", "momentum", "eps", "eps_root", "weight_decay",
+                     "initial_accumulator_value", "max_norm", "max_delta", "value", "init_value", "peak_value",
+                     "end_value", "alpha", "exponent", "power", "warmup_steps", "decay_steps", "transition_steps"))
+OPTIONAL_NUMBERS = frozenset(("momentum",))
+
+
+def _is_fxtrain(spec: dict) -> bool:
+    return isinstance(spec.get("_target_"), str) and spec["_target_"].split(".")[0] == "fxtrain"
+
+
+def _target_values(key: str, spec: dict, skip: tuple[str, ...] = ()) -> None:
+    """The values of an fxtrain target's arguments against :data:`ARG_RULES` (and bool/int annotations)."""
+    if not _is_fxtrain(spec):
+        return
+    for name, value in spec.items():
+        if name == "_target_" or name in skip or (isinstance(value, dict) and "_target_" in value):
+            continue
+        rule = ARG_RULES.get(name)
+        if rule is not None and not rule[0](value):
+            raise ConfigError(f"{key}.{name}={_show(value)}: expected {rule[1]}")
+        if rule is None and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}.{name}={_show(value)}: expected a finite number")
+
+
 def _data(cfg: DictConfig) -> None:
     node = _value(cfg, "data")
-    if not isinstance(node, DictConfig):
+    if not isinstance(node, Mapping):
         raise ConfigError(f"data={_show(node)}: expected a data config; pick one with data=digits (conf/data)")
     for name, smallest, what, example in _DATA_COUNTS:
-        if name in node:
+        if name in node and name != "split_seed":
             _whole(cfg, f"data.{name}", smallest, what, example)
     if "test_fraction" in node:
         value = _value(cfg, "data.test_fraction")
         if not (_is_number(value) and 0 < value < 1):
             raise ConfigError(f"data.test_fraction={_show(value)}: expected a number between 0 and 1 (the share "
                               "held out for evaluation); e.g. data.test_fraction=0.25")
+    spec = build._resolve(node, "data")
+    build.data_keys(spec)
+    _target_values("data", spec)
 
 
-# --- the optimizer ----------------------------------------------------------------------------------
+def _model(cfg: DictConfig) -> None:
+    """The model's values, then the model built on the meta device (no memory, no random numbers drawn):
+    its own checks (``d_model`` divisible by ``n_heads``, ``top_k`` <= ``experts``) before anything is written."""
+    node = _value(cfg, "model")
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"model={_show(node)}: expected a model config; pick one with model=mlp (conf/model)")
+    spec = build._resolve(node, "model")
+    build.target(node, "model")  # its keys against the target's signature
+    _target_values("model", spec)
+    if _is_fxtrain(spec):
+        def meta() -> bool:
+            with torch.device("meta"):
+                build.instantiate(spec, "model")
+            return True
+        _memo(("model", repr(spec)), meta)
+
 
 def _optim(cfg: DictConfig) -> None:
     chain = _value(cfg, "optim.chain")
     # An entry without _target_ is a setting left for a transform the chain does not list (an experiment's
     # optim.chain.adamw.learning_rate after optim/transform@optim.chain=[sgd]).
-    names = [n for n in chain if "_target_" in chain[n]] if isinstance(chain, DictConfig) else []
+    names = [n for n in chain if isinstance(chain[n], Mapping) and "_target_" in chain[n]] \
+        if isinstance(chain, Mapping) else []
     if not names:
         raise ConfigError("optim.chain=[]: no transform, so nothing would update the params; pick some, e.g. "
                           "'optim/transform@optim.chain=[clip_by_global_norm,adamw]'")
@@ -177,27 +634,33 @@ def _optim(cfg: DictConfig) -> None:
             raise ConfigError(f"optim.chain.{name}={_show(chain[name])}: {name} is not in the chain "
                               f"(optim/transform@optim.chain=[{','.join(names)}]); add it there, or remove the "
                               f"setting with '~optim.chain.{name}'")
-    descends = False
     for name in names:
         key = f"optim.chain.{name}"
         factory, kwargs = build.target(chain[name], key)  # keys checked against the factory's signature
-        takes_lr = "learning_rate" in _arguments(factory)
-        if takes_lr:
+        spec = build._resolve(chain[name], key)
+        if "learning_rate" in _arguments(factory):
             lr = kwargs.get("learning_rate")
-            if not _is_number(lr):
+            if not _is_real(lr):
                 # fx.adam(None) leaves the updates unscaled: params would move by +1 along Adam's direction.
                 raise ConfigError(f"{key}.learning_rate={_show(lr)}: expected a number >= 0 (the schedule's peak); "
                                   f"e.g. {key}.learning_rate=1e-3")
-            descends = descends or kwargs.get("flip_sign", True) is not False
+        if _is_fxtrain(spec):
+            _types(key, spec)
         try:
-            factory(**kwargs)  # the library's own checks (signs, ranges), on the config's plain values
+            factory(**kwargs)  # the library's own checks, on the config's plain values (ints where floats go too)
         except (TypeError, ValueError) as e:
             raise ConfigError(_library_message(key, kwargs, e)) from None
-    if not descends and not _value(cfg, "trainer.allow_no_descent", default=False):
-        raise ConfigError(f"optim.chain=[{','.join(names)}]: no entry takes a learning_rate, so nothing steps against "
-                          "the gradient (the params would move along it, or only decay); add an optimizer "
-                          f"('optim/transform@optim.chain=[{','.join(names)},sgd]'), or pass "
-                          "trainer.allow_no_descent=true if that is what you want")
+        _target_values(key, spec)
+
+
+def _types(key: str, spec: dict) -> None:
+    """Types first, so that the library's checks see numbers: a flag is a bool (``nesterov=abc`` is not read as
+    true), a number is finite; the ranges of :data:`ARG_RULES` follow the library's own checks."""
+    for name, value in spec.items():
+        if name in FLAGS and not isinstance(value, bool):
+            raise ConfigError(f"{key}.{name}={_show(value)}: expected true or false")
+        if name in NUMBERS and not (_is_real(value) or (value is None and name in OPTIONAL_NUMBERS)):
+            raise ConfigError(f"{key}.{name}={_show(value)}: expected {ARG_RULES[name][1]}")
 
 
 def _arguments(factory: Any) -> set[str]:
@@ -222,6 +685,9 @@ def _schedule(cfg: DictConfig) -> None:
     node = _value(cfg, "schedule")
     if node is None:
         return
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"schedule={_show(node)}: expected a schedule config; pick one with schedule=cosine "
+                          "(conf/schedule)")
     max_steps = cfg.trainer.max_steps
     warmup = _value(cfg, "schedule.warmup_steps") if "warmup_steps" in node else None
     if warmup is not None:
@@ -238,12 +704,149 @@ def _schedule(cfg: DictConfig) -> None:
             if _is_number(value) and value < 0:
                 raise ConfigError(f"schedule.{name}={_show(value)}: the schedule multiplies the optimizer's "
                                   "learning_rate, and a negative multiple would climb the loss; use a value >= 0")
-    shape = build.instantiate(node, "schedule")
-    for step in sorted({0, 1, max_steps // 2, max_steps - 1, max_steps}):
-        multiple = float(shape(step))
-        if multiple < 0:
-            raise ConfigError(f"schedule: the learning-rate multiple at step {step} is {multiple:g} (< 0), which "
-                              "would climb the loss; change the schedule's values")
+    spec = build._resolve(node, "schedule")
+    if _is_fxtrain(spec):
+        _types("schedule", spec)
+    _target_values("schedule", spec)
+    build.instantiate(node, "schedule")
+
+
+def _multiples(cfg: DictConfig) -> list[tuple[int, float]]:
+    """``(step, multiple)`` of the schedule at step 0, its quarters and its last step (all 1 without one)."""
+    max_steps = cfg.trainer.max_steps
+    steps = sorted({0, 1, max_steps // 4, max_steps // 2, 3 * max_steps // 4, max_steps - 1, max_steps})
+    if cfg.get("schedule") is None:
+        return [(s, 1.0) for s in steps]
+    spec = build._resolve(cfg.schedule, "schedule")
+
+    def probe() -> list[tuple[int, float]]:
+        shape = build.instantiate(spec, "schedule")
+        return [(s, float(shape(s))) for s in steps]
+    return _memo(("schedule", repr(spec), max_steps), probe)
+
+
+# --- what the chain does to the gradient ---------------------------------------------------------------
+
+def _descent(cfg: DictConfig) -> None:
+    """The chain must step against the gradient: the product of the signs of its scaling entries is -1.
+
+    An entry that takes a ``learning_rate`` (an optimizer, ``scale_by_learning_rate``) multiplies by
+    ``-learning_rate * schedule`` (``+`` with ``flip_sign=false``); ``scale`` by its ``step_size``; the
+    others keep the direction. Two optimizers in one chain flip twice (an ascent), a negative ``scale``
+    flips once, a zero learning rate (or a schedule that is 0 at every probed step) moves nothing.
+    """
+    chain = cfg.optim.chain
+    names = [n for n in chain if "_target_" in chain[n]]
+    multiples = _multiples(cfg)
+    for step, multiple in multiples:
+        if not math.isfinite(multiple) or multiple < 0:
+            raise ConfigError(f"schedule: the learning-rate multiple at step {step} is {multiple:g}, which would "
+                              f"{'climb the loss' if multiple < 0 else 'not train'}; change the schedule's values "
+                              f"({_settings(cfg, 'schedule')})")
+    moves = any(m > 0 for _, m in multiples)
+    sign, flips, lr_entries = 1, [], []
+    for name in names:
+        key = f"optim.chain.{name}"
+        factory, kwargs = build.target(chain[name], key)
+        if "learning_rate" in _arguments(factory):
+            lr = kwargs["learning_rate"]
+            lr_entries.append(f"{key}.learning_rate={_show(lr)}")
+            if lr == 0 or not moves:
+                if _value(cfg, "trainer.allow_no_descent", default=False):
+                    continue
+                where = (f"{key}.learning_rate=0" if lr == 0 else
+                         f"{key}.learning_rate={_show(lr)} times the schedule ({_settings(cfg, 'schedule')}), 0 at "
+                         "every probed step")
+                raise ConfigError(f"{where}: the params would not move; use a learning rate > 0 (or "
+                                  "trainer.allow_no_descent=true)")
+            entry = -1 if kwargs.get("flip_sign", True) is not False else 1
+        elif factory is getattr(fx, "scale", None) and _is_number(kwargs.get("step_size")):
+            entry = 1 if kwargs["step_size"] > 0 else -1 if kwargs["step_size"] < 0 else 0
+            if entry != 1:
+                flips.append(f"{key}.step_size={_show(kwargs['step_size'])}")
+        else:
+            continue
+        sign *= entry
+    if sign == -1 or _value(cfg, "trainer.allow_no_descent", default=False):
+        return
+    listed = ",".join(names)
+    if not lr_entries:
+        raise ConfigError(f"optim.chain=[{listed}]: no entry takes a learning_rate, so nothing steps against "
+                          "the gradient (the params would move along it, or only decay); add an optimizer "
+                          f"('optim/transform@optim.chain=[{listed},sgd]'), or pass "
+                          "trainer.allow_no_descent=true if that is what you want")
+    culprits = flips or lr_entries[1:]
+    raise ConfigError(f"{culprits[0]}: the chain [{listed}] would {'not move the params' if sign == 0 else 'climb the loss'} "
+                      f"(its entries' signs: {' '.join([*lr_entries, *flips])}; each optimizer negates the gradient "
+                      "once); keep one optimizer and positive scales, or pass trainer.allow_no_descent=true")
+
+
+def _settings(cfg: DictConfig, key: str) -> str:
+    node = _plain(_value(cfg, key))
+    return " ".join(f"{key}.{k}={_show(v)}" for k, v in node.items() if k != "_target_")
+
+
+# --- loggers and metrics ----------------------------------------------------------------------------
+
+def _loggers(cfg: DictConfig) -> None:
+    node = _value(cfg, "logger")
+    if node is None:
+        return
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"logger={_show(node)}: expected named loggers; pick them with 'logger=[jsonl,csv]'")
+    if "_target_" in node:
+        return  # open_loggers names this layout
+    for name in node:
+        key = f"logger.{name}"
+        spec = build._resolve(node[name], key)
+        fn = build._locate(spec, key)
+        kwargs = {k: v for k, v in spec.items() if k != "_target_"}
+        build.check_args(fn, {**kwargs, "dir": ".", "start": 0, "config": {}}, key, spec["_target_"])
+        _target_values(key, spec)
+
+
+STEP_METRICS = ("loss",)  # every step's; the stack's reports (grad_norm, learning_rate...) are found by building it
+
+
+def metric_names(cfg: DictConfig, task: Any) -> list[str] | None:
+    """The metrics a run of ``cfg`` logs, in the runner's order, or ``None`` when its task does not declare them.
+
+    The step's loss and the task's metrics, the reports of the transform stack (built on a small tensor:
+    ``grad_norm``, ``learning_rate``, ``loss_scale``, ``skipped``... less the constants), then ``test_loss``
+    and ``test_<metric>`` of the task's.
+    """
+    declared = getattr(task, "metric_names", None)
+    if declared is None:
+        return None
+    from fxtrain import _base
+
+    def reports() -> list[str]:
+        tx = build.stack(cfg)
+        with torch.random.fork_rng(devices=[]):
+            state = tx.init({"w": torch.zeros(2)})
+        return [k for k in _base.report(state) if k not in fx.traits(tx).constant_reports]
+    # What build.stack reads: the chain, the schedule and the wrappers' groups.
+    made = _memo(("reports", *(repr(_plain(_value(cfg, k))) for k in
+                               ("optim", "schedule", "amp", "accumulate", "parallel", "trainer.max_steps"))), reports)
+    train = [*STEP_METRICS, *made, *(m for m in declared if m not in made)]
+    return [*dict.fromkeys(train), "test_loss", *(f"test_{m}" for m in declared)]
+
+
+def _metrics(cfg: DictConfig, task: Any, hooks: list) -> None:
+    """``optimized_metric`` and ``trainer.early_stopping.metric`` against what the run logs (an eval hook's names
+    are known only once it ran: with hooks, the runner checks at the first evaluation)."""
+    if hooks:
+        return
+    names = metric_names(cfg, task)
+    if names is None:
+        return
+    for key in ("optimized_metric", "trainer.early_stopping.metric"):
+        name = _value(cfg, key)
+        if name is None or name in names:
+            continue
+        close = difflib.get_close_matches(str(name), names, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{key}={name} is not a metric of this run; it has: {', '.join(names)}{hint}")
 
 
 # --- errors a user reads ----------------------------------------------------------------------------

@@ -1,0 +1,196 @@
+"""Every setting fuzzed: each leaf key of the composed configs x {wrong type, negative, zero, NaN, inf, huge, empty,
+unknown sibling} is refused by fxtrain.validate.check with one line naming the key, or legitimately accepted.
+
+In process, on hydra.compose'd configs (no process per case): 0 tracebacks (any other exception fails), 0
+silently wrong (an accepted case must be in ACCEPTED below, with its reason). The numbers are printed
+(``pytest -s``): commands, accepted, refused naming the key.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import math
+import pathlib
+
+import pytest
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from fxtrain import build, validate
+from tests._runner import CONF, cfg_of, isolate  # noqa: F401 - isolate: autouse (runs in tmp_path)
+
+# The composed configs fuzzed: the default, the experiments, and the options whose keys the default lacks.
+BASES = {
+    "default": [],
+    "tiny_lm": ["experiment=tiny_lm"],
+    "digits_resnet": ["experiment=digits_resnet"],
+    "moe_pp_fp16": ["model=moe", "data=stdlib_text", "task=lm", "parallel=pp", "amp=naive_fp16", "accumulate=k4",
+                    "schedule=linear", "optim/transform@optim.chain=[clip,trace,sgd]"],
+    "others": ["data=synthetic", "schedule=constant", "parallel=fsdp_tp", "amp=fp16",
+               "optim/transform@optim.chain=[add_decayed_weights,rmsprop]", "logger=[jsonl,csv]"],
+    "more": ["schedule=cosine", "parallel=ep", "optim/transform@optim.chain=[lion]", "amp=pure_bf16"],
+    "adagrad": ["optim/transform@optim.chain=[clip_by_global_norm,adagrad]", "parallel=dp", "amp=bf16"],
+    "adam": ["optim/transform@optim.chain=[adam]", "parallel=tp", "trainer.early_stopping.metric=test_loss"],
+}
+CASES = ("wrong_type", "negative", "zero", "nan", "inf", "huge", "empty", "unknown")
+
+# (key pattern, case): why accepting it is right. Anything accepted that is not here fails the test.
+ACCEPTED = {
+    ("seed", "zero"): "any seed from 0 to 2**64-1 seeds torch and numpy",
+    ("seed", "huge"): "any seed from 0 to 2**64-1 seeds torch and numpy",
+    ("data.seed", "zero"): "a seed",
+    ("data.seed", "huge"): "a seed",
+    ("data.split_seed", "zero"): "a seed",
+    ("data.split_seed", "huge"): "a seed",
+    ("resume", "empty"): "resume= is null, as the runner reads it",
+    ("trainer.checkpoint_every", "zero"): "documented: 0 = only at the end",
+    ("trainer.keep_last", "zero"): "documented: 0 = keep every checkpoint",
+    ("trainer.early_stopping.min_delta", "zero"): "any improvement counts",
+    ("trainer.early_stopping.min_delta", "huge"): "a choice: only improvements that large count (no upper bound)",
+    ("model.hidden", "empty"): "hidden=[]: a linear model, a legitimate baseline",
+    ("optim.chain.*.learning_rate", "huge"): "no upper bound on a learning rate; a diverging run stops at its "
+                                             "first non-finite loss (train.py)",
+    ("optim.chain.*.weight_decay", "zero"): "no decay",
+    ("optim.chain.*.weight_decay", "huge"): "no upper bound (it multiplies the learning rate)",
+    ("optim.chain.*.eps", "zero"): "allowed by Adam/RMSprop (torch.optim too); the denominator is then sqrt(v)",
+    ("optim.chain.*.eps", "huge"): "no upper bound: a large eps makes the step lr*m/eps (momentum SGD)",
+    ("optim.chain.*.b1", "zero"): "no first-moment averaging (RMSprop-like)",
+    ("optim.chain.*.b2", "zero"): "the second moment is the last gradient's square",
+    ("optim.chain.*.decay", "zero"): "no averaging (rmsprop: the last square; trace: no momentum)",
+    ("optim.chain.*.momentum", "zero"): "plain SGD",
+    ("optim.chain.*.initial_accumulator_value", "zero"): "Adagrad from 0 (eps keeps it finite)",
+    ("optim.chain.*.initial_accumulator_value", "huge"): "no upper bound",
+    ("optim.chain.*.max_norm", "huge"): "clipping that never binds",
+    ("optim.chain.*.max_delta", "huge"): "clipping that never binds",
+    ("schedule.init_value", "zero"): "warmup from 0 / decay from 0 needs another value > 0 (checked: a schedule "
+                                     "that is 0 at every probed step is refused)",
+    ("schedule.init_value", "huge"): "multiples of the learning rate have no upper bound (like learning_rate)",
+    ("schedule.peak_value", "huge"): "multiples of the learning rate have no upper bound (like learning_rate)",
+    ("schedule.value", "huge"): "multiples of the learning rate have no upper bound (like learning_rate)",
+    ("schedule.end_value", "zero"): "decay to 0",
+    ("schedule.end_value", "huge"): "multiples of the learning rate have no upper bound",
+    ("schedule.alpha", "zero"): "cosine to 0",
+    ("schedule.warmup_steps", "zero"): "no warmup",
+    ("schedule.decay_steps", "huge"): "a decay longer than the run, not yet at its end when it stops",
+    ("schedule.transition_steps", "huge"): "a decay longer than the run",
+    ("amp.loss_scale", "huge"): "a static scale of 1e12 is finite in float32/bfloat16 (refused under float16)",
+    ("amp.loss_scale.max_scale", "huge"): "a ceiling that never binds",
+    ("amp.loss_scale.init_scale", "huge"): "dynamic: it backs off on overflow",
+    ("amp.loss_scale.growth_factor", "huge"): "no upper bound",
+    ("amp.loss_scale.growth_interval", "huge"): "never grows: a choice",
+    ("amp.loss_scale.hysteresis", "huge"): "never backs off: a choice (Megatron's naive amp)",
+    ("data.noise", "zero"): "noise-free prototypes",
+    ("data.noise", "huge"): "noise std has no upper bound",
+    ("parallel.*", "negative"): "documented: -1 = the rest of the world",
+}
+
+
+def _leaves(node: DictConfig, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for k in node:
+        child = node._get_node(k)
+        key = f"{prefix}{k}"
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_interpolation() and len(child):
+            out += _leaves(child, key + ".")
+        else:
+            out.append((key, child._value() if not isinstance(child, (DictConfig, ListConfig)) else child))
+    return out
+
+
+def _value(case: str, original: object) -> object:
+    as_list = isinstance(original, ListConfig)
+    number = {"negative": -1, "zero": 0, "nan": math.nan, "inf": math.inf,
+              "huge": 1e30 if isinstance(original, float) else 10**12}.get(case)
+    if case == "wrong_type":
+        return True if isinstance(original, str) and not str(original).startswith("${") else "abc"
+    if case == "empty":
+        return [] if as_list else ""
+    return [number] if as_list else number
+
+
+def _accepted_reason(key: str, case: str) -> str | None:
+    for (pattern, c), reason in ACCEPTED.items():
+        if c == case and fnmatch.fnmatchcase(key, pattern):
+            return reason
+    return None
+
+
+def _names(key: str, message: str) -> bool:
+    parent, _, leaf = key.rpartition(".")
+    return key in message or (bool(parent) and parent in message and leaf in message)
+
+
+def _fuzz(base: list[str], skip: dict | None = None) -> dict[str, list]:
+    """Every case of every leaf of ``cfg_of(*base)`` (those with the same value in ``skip`` left out)."""
+    cfg = cfg_of(*base)
+    validate.check(cfg)  # the base config itself is fine
+    out: dict[str, list] = {"refused": [], "accepted": [], "tracebacks": [], "silent": [], "unnamed": []}
+    for key, original in _leaves(cfg):
+        if skip is not None and key in skip and repr(skip[key]) == repr(original):
+            continue
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        for case in CASES:
+            where = f"{key}x" if case == "unknown" else key
+            # In place and put back (a deep copy per case would take most of the time).
+            with open_dict(parent):
+                parent[where.rpartition(".")[2]] = 1 if case == "unknown" else _value(case, original)
+            try:
+                validate.check(cfg)
+            except build.ConfigError as e:
+                message = str(e)
+                if "\n" in message or not _names(where, message):
+                    out["unnamed"].append((where, case, message))
+                else:
+                    out["refused"].append((where, case))
+            except Exception as e:  # noqa: BLE001 - any other exception is a traceback for the user
+                out["tracebacks"].append((where, case, f"{type(e).__name__}: {e}"))
+            else:
+                if _accepted_reason(key, case) is None:
+                    out["silent"].append((where, case))
+                else:
+                    out["accepted"].append((where, case))
+            finally:
+                with open_dict(parent):
+                    if case == "unknown":
+                        del parent[where.rpartition(".")[2]]
+                    else:
+                        parent[leaf] = original
+    return out
+
+
+@pytest.fixture
+def parse_once(monkeypatch):
+    """OmegaConf parses an interpolation string at every resolution (ANTLR, about 1 ms): the fuzz resolves the
+    same few strings thousands of times. Parsing is a pure function of the string and the parse tree is only
+    read by the resolution, so the cases see the same values; this only makes the test fast."""
+    import omegaconf.base
+
+    monkeypatch.setattr(omegaconf.base, "parse", functools.lru_cache(maxsize=256)(omegaconf.base.parse))
+
+
+@pytest.mark.parametrize("name", list(BASES))
+@pytest.mark.usefixtures("parse_once")
+def test_every_setting_is_refused_naming_its_key_or_legitimately_accepted(name):
+    # The first two fuzz every key; the others only the keys they add or change (the options' own keys).
+    found = _fuzz(BASES[name], None if name in ("default", "tiny_lm") else dict(_leaves(cfg_of())))
+    total = sum(len(v) for v in found.values())
+    print(f"\n{name}: {total} commands, {len(found['accepted'])} accepted (legit), {len(found['refused'])} refused "
+          f"naming the key, {len(found['tracebacks'])} tracebacks, {len(found['silent'])} silently accepted, "
+          f"{len(found['unnamed'])} not naming the key")
+    assert not found["tracebacks"], found["tracebacks"][:10]
+    assert not found["silent"], found["silent"]
+    assert not found["unnamed"], found["unnamed"][:10]
+    assert total > (400 if name in ("default", "tiny_lm") else 20)
+
+
+def test_the_schema_lists_every_key_of_every_option_of_conf():
+    """A key added to conf/ (trainer, amp, accumulate, parallel...) without a rule in validate.SCHEMA fails here."""
+    for group, keys in validate.SCHEMA.items():
+        folder = pathlib.Path(CONF) / group.replace(".", "/")
+        if not group or not folder.is_dir():
+            continue
+        for option in folder.glob("*.yaml"):
+            node = OmegaConf.load(option)
+            missing = [k for k in node if k != "defaults" and k not in keys]
+            assert not missing, f"{option}: {missing} not in validate.SCHEMA[{group!r}]"
