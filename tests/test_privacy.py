@@ -1,6 +1,8 @@
 """dpsgd and differentially_private_aggregate (fxtrain/contrib/_privacy.py): Optax's privacy cases, exact
 parity with noise_multiplier=0, noise statistics, reproducibility from the state."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -101,13 +103,26 @@ DPSGD = {
 }
 
 
+def _optax_dpsgd(**kwargs):
+    """Optax's dpsgd with ``key=``; an Optax from before ``key`` (0.2.8: ``seed``) gets it as its ``seed``."""
+    import inspect
+
+    import optax
+
+    dpsgd = optax.contrib.dpsgd
+    if "key" in inspect.signature(dpsgd).parameters:
+        return dpsgd(**kwargs)
+    kwargs["seed"] = kwargs.pop("key")
+    with pytest.warns(DeprecationWarning):  # that Optax's dpsgd passes its seed on as a deprecated seed=
+        return dpsgd(**kwargs)
+
+
 @pytest.mark.optax
 @pytest.mark.parametrize("kwargs", DPSGD.values(), ids=DPSGD.keys())
 def test_dpsgd_without_noise_matches_optax(kwargs):
     optax = pytest.importorskip("optax")
-    tx = C.dpsgd(noise_multiplier=0.0, seed=3, **kwargs)
-    with pytest.warns(DeprecationWarning):  # Optax's dpsgd passes its deprecated seed= on
-        otx = optax.contrib.dpsgd(noise_multiplier=0.0, seed=3, **kwargs)
+    tx = C.dpsgd(noise_multiplier=0.0, key=3, **kwargs)
+    otx = _optax_dpsgd(noise_multiplier=0.0, key=3, **kwargs)
     params = nested_params()
     jparams = to_jnp(params)
     state, ostate = tx.init(params), otx.init(jparams)
@@ -131,12 +146,12 @@ def _run(tx, steps, state=None, start=0):
 
 
 def test_noise_is_a_function_of_the_state():
-    tx = C.dpsgd(0.1, 1.0, 1.0, seed=5, momentum=0.5)
+    tx = C.dpsgd(0.1, 1.0, 1.0, key=5, momentum=0.5)
     full, _ = _run(tx, 4)
     first, mid = _run(tx, 2)
     rest, _ = _run(tx, 2, state=fx.tree.clone(mid), start=2)  # resumed from a saved state
     assert_trees_close(first + rest, full, rtol=0, atol=0)
-    other, _ = _run(C.dpsgd(0.1, 1.0, 1.0, seed=6, momentum=0.5), 1)
+    other, _ = _run(C.dpsgd(0.1, 1.0, 1.0, key=6, momentum=0.5), 1)
     assert not torch.equal(other[0]["dense"]["w"], full[0]["dense"]["w"])
     assert not torch.equal(full[1]["dense"]["w"] - full[0]["dense"]["w"], torch.zeros(()))
 
@@ -155,7 +170,7 @@ def test_donated_equals_pure_and_none_leaves_pass():
 
 
 def test_bfloat16_gradients_give_bfloat16_updates():
-    tx = C.dpsgd(0.1, 1.0, 1.0, seed=0)
+    tx = C.dpsgd(0.1, 1.0, 1.0, key=0)
     g = fx.tree.map(lambda x: x.to(torch.bfloat16), _grads(nested_params(), 0))
     u, _ = tx.update(g, tx.init(g))
     assert all(x.dtype == torch.bfloat16 and torch.isfinite(x).all() for x in fx.tree.leaves(u))
@@ -172,7 +187,7 @@ def test_vmap_members_with_their_own_keys_draw_their_own_noise():
 
 
 def test_grad_flows_through_the_clipping():
-    tx = C.dpsgd(0.1, 1.0, 0.5, seed=0)
+    tx = C.dpsgd(0.1, 1.0, 0.5, key=0)
     g = torch.randn(4, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
     (u,), _ = tx.update([g], tx.init([torch.zeros(3)]))
     (gg,) = torch.autograd.grad(u.sum(), [g])
@@ -187,5 +202,54 @@ def test_keys_and_errors():
     with pytest.raises(ValueError, match=r"differentially_private_aggregate: noise_multiplier=-1.0 must be >= 0"):
         C.differentially_private_aggregate(1.0, -1.0, key=0)
     with pytest.raises(ValueError, match=r"dpsgd: learning_rate=-0.1 must be >= 0"):
-        C.dpsgd(-0.1, 1.0, 1.0, seed=0)
-    assert repr(C.dpsgd(0.1, 1.0, 1.1, seed=3, momentum=0.9)) == "dpsgd(0.1, 1.0, 1.1, seed=3, momentum=0.9)"
+        C.dpsgd(-0.1, 1.0, 1.0, key=0)
+    assert repr(C.dpsgd(0.1, 1.0, 1.1, key=3, momentum=0.9)) == "dpsgd(0.1, 1.0, 1.1, key=3, momentum=0.9)"
+
+
+def test_dpsgd_key_as_current_optax_and_seed_deprecated():
+    """dpsgd(learning_rate, l2_norm_clip, noise_multiplier, key=None, momentum, nesterov, *, seed) as current
+    Optax: key is the fourth argument (fxtrain's old seed position: positional calls are unchanged);
+    seed= still works, deprecated (a DeprecationWarning, as Optax), and draws the same noise as key=."""
+    import inspect
+
+    assert list(inspect.signature(C.dpsgd).parameters)[3] == "key"
+    by_key, _ = _run(C.dpsgd(0.1, 1.0, 1.0, key=5), 2)
+    by_position, _ = _run(C.dpsgd(0.1, 1.0, 1.0, 5), 2)
+    with pytest.warns(DeprecationWarning, match='dpsgd: "seed" is deprecated'):
+        tx = C.dpsgd(0.1, 1.0, 1.0, seed=5)
+    by_seed, _ = _run(tx, 2)
+    assert_trees_close(by_position, by_key, rtol=0, atol=0)
+    assert_trees_close(by_seed, by_key, rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="dpsgd: pass one of key=1 or seed=2"):
+        C.dpsgd(0.1, 1.0, 1.0, key=1, seed=2)
+    with pytest.warns(UserWarning, match="dpsgd: no key given, using key=0"):
+        C.dpsgd(0.1, 1.0, 1.0)
+
+
+@pytest.mark.optax
+def test_inject_hyperparams_dpsgd_matches_optax():
+    """inject_hyperparams(dpsgd) with an int key (an int32 hyperparameter tensor there; it failed: the key had
+    to be a Python int): the same noise as dpsgd(key=) itself, and without noise Optax's numbers under
+    optax.inject_hyperparams(dpsgd)."""
+    optax = pytest.importorskip("optax")
+    import inspect
+
+    tx = fx.inject_hyperparams(C.dpsgd)(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0, key=5)
+    ours, _ = _run(tx, 3)
+    plain, _ = _run(C.dpsgd(0.1, 1.0, 1.0, key=5), 3)
+    assert_trees_close(ours, plain, rtol=0, atol=0)
+    name = "key" if "key" in inspect.signature(optax.contrib.dpsgd).parameters else "seed"
+    tx = fx.inject_hyperparams(C.dpsgd)(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.0, key=5,
+                                        momentum=0.5)
+    otx = optax.inject_hyperparams(optax.contrib.dpsgd)(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.0,
+                                                        momentum=0.5, **{name: 5})
+    params = nested_params()
+    jparams = to_jnp(params)
+    with warnings.catch_warnings():  # an Optax from before key= warns about its own seed= at every update
+        warnings.simplefilter("ignore", DeprecationWarning)
+        state, ostate = tx.init(params), otx.init(jparams)
+        for step in range(3):
+            u, state = tx.update(_grads(params, step), state, params)
+            ou, ostate = otx.update(_grads(None, step, jparams), ostate, jparams)
+            assert_trees_close(u, from_jnp(ou), rtol=1e-5, atol=1e-6)
+    assert int(state.hyperparams["key"]) == 5 and state.hyperparams["key"].dtype == torch.int32

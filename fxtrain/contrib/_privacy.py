@@ -77,12 +77,14 @@ def gaussian(rng_key: torch.Tensor, n: int) -> torch.Tensor:
     return (-2.0 * u1.log()).sqrt() * torch.cos((2 * math.pi) * u2)
 
 
-def _seed(key: Any, seed: int | None, owner: str) -> int:
-    """Optax's ``key`` / deprecated ``seed`` handling; a ``torch.Generator`` gives its initial seed."""
+def _seed(key: Any, seed: Any, owner: str) -> int | torch.Tensor:
+    """Optax's ``key`` / deprecated ``seed`` handling, folded to 32 bits; a ``torch.Generator`` gives its
+    initial seed. A 0-dim integer tensor (``inject_hyperparams`` makes one of an int; a vmapped member's own
+    key) is folded on device: no host sync."""
     if seed is not None:
         warnings.warn(f'{owner}: "seed" is deprecated (as in Optax), use "key"', DeprecationWarning, stacklevel=3)
         if key is not None:
-            raise ValueError(f"{owner}: pass one of key={key!r} or seed={seed!r}, not both")
+            raise ValueError(f"{owner}: pass one of key={_name(key)} or seed={_name(seed)}, not both")
         key = seed
     if key is None:
         warnings.warn(f"{owner}: no key given, using key=0 (as Optax does); pass key= for your own noise",
@@ -90,13 +92,19 @@ def _seed(key: Any, seed: int | None, owner: str) -> int:
         key = 0
     if isinstance(key, torch.Generator):
         key = key.initial_seed()
-    if not isinstance(key, int) or isinstance(key, bool):
-        raise TypeError(f"{owner}: key must be an int or a torch.Generator, got {type(key).__name__}")
+    if isinstance(key, torch.Tensor) and key.ndim == 0 and not (key.is_floating_point() or key.is_complex()
+                                                                 or key.dtype == torch.bool):
+        key = key.to(torch.int64)
+    elif not isinstance(key, int) or isinstance(key, bool):
+        raise TypeError(f"{owner}: key must be an int, a 0-dim integer tensor or a torch.Generator, got "
+                        f"{type(key).__name__}" + (f" of shape {tuple(key.shape)} and dtype {key.dtype}"
+                                                   if isinstance(key, torch.Tensor) else ""))
     return (key & _M32) ^ ((key >> 32) & _M32)
 
 
-def differentially_private_aggregate(l2_norm_clip: Any, noise_multiplier: Any, key: int | torch.Generator | None = None,
-                                     *, seed: int | None = None) -> GradientTransformation:
+def differentially_private_aggregate(l2_norm_clip: Any, noise_multiplier: Any,
+                                     key: int | None = None, *, seed: int | None = None) -> GradientTransformation:
+    # (key: int | None, though a 0-dim integer tensor or a torch.Generator is taken too: see dpsgd)
     r"""Aggregates per-example gradients as DP-SGD does: clip each, sum, add Gaussian noise, average (Optax's).
 
     For the :math:`B` per-example gradients :math:`g_i` (a leading batch axis on every leaf), clip norm
@@ -113,8 +121,8 @@ def differentially_private_aggregate(l2_norm_clip: Any, noise_multiplier: Any, k
     Args:
       l2_norm_clip: :math:`C`, the maximum L2 norm of each example's gradient (a number or a 0-dim tensor).
       noise_multiplier: :math:`\sigma`, the noise's standard deviation relative to :math:`C`.
-      key: the noise's seed: an int or a ``torch.Generator`` (its initial seed). ``None``: 0, with a
-        warning (as in Optax).
+      key: the noise's seed: an int, a 0-dim integer tensor or a ``torch.Generator`` (its initial seed).
+        ``None``: 0, with a warning (as in Optax).
       seed: deprecated name of ``key`` (as in Optax).
 
     Returns:
@@ -142,7 +150,8 @@ def differentially_private_aggregate(l2_norm_clip: Any, noise_multiplier: Any, k
 
     def init_fn(params):
         device = next((x.device for x in tree.leaves(params) if isinstance(x, torch.Tensor)), torch.device("cpu"))
-        return DifferentiallyPrivateAggregateState(torch.tensor([seed32, 0], dtype=torch.int64, device=device))
+        first = torch.as_tensor(seed32, dtype=torch.int64).to(device)
+        return DifferentiallyPrivateAggregateState(torch.stack([first, torch.zeros_like(first)]))
 
     def update_fn(updates, state, params=None):
         del params
@@ -163,12 +172,15 @@ def differentially_private_aggregate(l2_norm_clip: Any, noise_multiplier: Any, k
                 DifferentiallyPrivateAggregateState(new_key))
 
     label = lambda: (f"{owner}({_name(l2_norm_clip)}, {_name(noise_multiplier)}"  # noqa: E731
-                     f"{'' if key is None and seed is None else f', key={seed32}'})")
+                     f"{'' if key is None and seed is None else f', key={_name(seed32)}'})")
     return GradientTransformation(init_fn, _Update(update_fn, label, Traits(elementwise=False)))
 
 
-def dpsgd(learning_rate: Any, l2_norm_clip: Any, noise_multiplier: Any, seed: int | torch.Generator,
-          momentum: Any = None, nesterov: bool = False) -> GradientTransformation:
+def dpsgd(learning_rate: Any, l2_norm_clip: Any, noise_multiplier: Any,
+          key: int | None = None, momentum: Any = None, nesterov: bool = False, *,
+          seed: int | None = None) -> GradientTransformation:
+    # (key: int | None, though a 0-dim integer tensor or a torch.Generator is taken too: inject_hyperparams
+    # keeps an int argument an int32 tensor by its annotation, where other numbers become floats)
     r"""DP-SGD: :func:`differentially_private_aggregate`, then SGD with optional momentum (Optax's ``dpsgd``).
 
     .. math:: t_k = \tilde g_k + \beta t_{k-1}, \qquad \theta_{k+1} = \theta_k - \eta\, t_k
@@ -179,12 +191,16 @@ def dpsgd(learning_rate: Any, l2_norm_clip: Any, noise_multiplier: Any, seed: in
       learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
       l2_norm_clip: the maximum L2 norm of each example's gradient.
       noise_multiplier: the noise's standard deviation relative to ``l2_norm_clip``.
-      seed: the noise's seed (an int or a ``torch.Generator``): Optax's ``seed``.
+      key: the noise's seed (an int, a 0-dim integer tensor or a ``torch.Generator``), current Optax's
+        ``key``; ``None``: 0, with a warning.
       momentum: :math:`\beta`; ``None`` for none.
       nesterov: use Nesterov momentum.
+      seed: deprecated name of ``key`` (as in Optax, with a ``DeprecationWarning``): ``seed=s`` is ``key=s``,
+        the same noise. fxtrain's earlier ``dpsgd(lr, clip, noise, seed)`` took it in ``key``'s position, so
+        positional calls are unchanged.
 
     Returns:
-      ``chain(differentially_private_aggregate(l2_norm_clip, noise_multiplier, key=seed), trace(momentum,
+      ``chain(differentially_private_aggregate(l2_norm_clip, noise_multiplier, key), trace(momentum,
       nesterov) or identity(), scale_by_learning_rate(learning_rate))``; it takes per-example gradients.
 
     Example:
@@ -192,7 +208,7 @@ def dpsgd(learning_rate: Any, l2_norm_clip: Any, noise_multiplier: Any, seed: in
         >>> loss_fn = lambda p, batch: ((batch @ p["w"]) ** 2).mean()
         >>> params = {"w": torch.ones(2)}
         >>> grads = fx.per_example_grads(loss_fn)(params, torch.eye(2))   # per example: 2 * e_i
-        >>> tx = fx.contrib.dpsgd(learning_rate=0.5, l2_norm_clip=1.0, noise_multiplier=0.0, seed=0)
+        >>> tx = fx.contrib.dpsgd(learning_rate=0.5, l2_norm_clip=1.0, noise_multiplier=0.0, key=0)
         >>> u, _ = tx.update(grads, tx.init(params), params)   # each clipped to norm 1, averaged
         >>> fx.apply_updates(params, u)["w"].tolist()
         [0.75, 0.75]
@@ -204,10 +220,20 @@ def dpsgd(learning_rate: Any, l2_norm_clip: Any, noise_multiplier: Any, seed: in
         raise ValueError("dpsgd: learning_rate=None would apply the raw update direction; pass a number, a 0-dim "
                          "tensor or a schedule")
     check_nonnegative("dpsgd", learning_rate=learning_rate, momentum=momentum)
-    tx = chain(differentially_private_aggregate(l2_norm_clip, noise_multiplier, key=seed),
+    if seed is not None:
+        warnings.warn('dpsgd: "seed" is deprecated (as in Optax), use "key" (the same noise)', DeprecationWarning,
+                      stacklevel=2)
+        if key is not None:
+            raise ValueError(f"dpsgd: pass one of key={_name(key)} or seed={_name(seed)}, not both")
+        key = seed
+    if key is None:
+        warnings.warn("dpsgd: no key given, using key=0 (as Optax does); pass key= for your own noise", UserWarning,
+                      stacklevel=2)
+        key = 0
+    tx = chain(differentially_private_aggregate(l2_norm_clip, noise_multiplier, key=key),
                trace(decay=momentum, nesterov=nesterov) if momentum is not None else identity(),
                scale_by_learning_rate(learning_rate))
-    args = [_name(learning_rate), _name(l2_norm_clip), _name(noise_multiplier), f"seed={_name(seed)}"]
+    args = [_name(learning_rate), _name(l2_norm_clip), _name(noise_multiplier), f"key={_name(key)}"]
     if momentum is not None:
         args.append(f"momentum={_name(momentum)}")
     if nesterov:
