@@ -175,7 +175,12 @@ def fully_sharded_step(loss_fn: Callable, tx: Any, module: nn.Module, *, has_aux
     def step(params: Params, opt_state: Any, batch: Any) -> tuple[Params, Any, dict]:
         # Before the forward pass: whether FSDP's backward must reduce-scatter (read on the host from
         # accumulate's CPU counters, so no sync), and whether this is a window's first held call.
-        engine.position = _window_position(tx, opt_state)
+        engine.position = position = _window_position(tx, opt_state)
+        if position is not None and 0 < position[0] and position[0] + 1 >= position[1]:
+            # The window's last call: its held sums go back to FSDP, whose reduce-scatter adds this call's
+            # gradients and reduces the window once; accumulate adds them to zeros, as when FSDP held them.
+            engine.owner.put_held(tree.leaves(opt_state.acc))
+            opt_state = opt_state._replace(acc=tree.unflatten(engine.owner.spec, list(tree.zeros_like(engine.owner.leaves))))
         return inner(params, opt_state, batch)
 
     step.__qualname__ = step.__name__ = f"fully_sharded_step({engine.owner.label})"
@@ -205,6 +210,57 @@ class _Owner:
         self.leaves, self.spec = tree.flatten(self.tree)
         self.names = tree.paths(self.tree)
         self.params = tree.flatten(dict(named))[0]
+        by_param = {id(fp.sharded_param): fp for m in self.fsdp for g in m._get_fsdp_state()._fsdp_param_groups
+                    for fp in g.fsdp_params}
+        self.fsdp_params = [by_param[id(p)] for p in self.params]
+
+    def take_held(self, zeros: bool) -> list:
+        """The gradient sums FSDP holds after a held call (``set_requires_gradient_sync(False)``: each rank's
+        unsharded, unreduced sum), taken out of FSDP as ``Partial("avg")`` DTensors of the params' global shapes
+        on their meshes, so that they are ``accumulate``'s state (saved in checkpoints, exactly) and FSDP holds
+        nothing between calls. A parameter without one: zeros when ``zeros``, else ``None``."""
+        from torch.distributed.tensor import Partial
+
+        out = []
+        for fp, leaf in zip(self.fsdp_params, self.leaves):
+            unsharded = getattr(fp, "_unsharded_param", None)
+            g = fp.unsharded_accumulated_grad
+            if g is None and unsharded is not None:
+                g = unsharded.grad
+            fp.unsharded_accumulated_grad = None
+            if unsharded is not None:
+                unsharded.grad = None
+            if g is None:
+                if not zeros:
+                    out.append(None)
+                    continue
+                dtype = fp.reduce_dtype or fp.param_dtype or fp.orig_dtype
+                local, inner = torch.zeros(fp._orig_size, dtype=dtype, device=leaf.device), None
+                if fp.is_dtensor:
+                    inner = fp._unsharded_dtensor_spec.placements
+            elif isinstance(g, DTensor):
+                local, inner = g._local_tensor, g.placements
+            else:
+                local, inner = g, None
+            mesh = leaf.device_mesh
+            placements = (Partial("avg"),) * (mesh.ndim - len(inner or ())) + tuple(inner or ())
+            out.append(DTensor.from_local(local, mesh, placements, run_check=False, shape=leaf.shape,
+                                          stride=_contiguous(leaf.shape)))
+        return out
+
+    def put_held(self, held: list) -> None:
+        """Gives FSDP back the sums :meth:`take_held` took (the window's last call reduces them with its own)."""
+        for fp, x in zip(self.fsdp_params, held):
+            local = x._local_tensor if isinstance(x, DTensor) else x
+            if fp.is_dtensor:
+                spec = fp._unsharded_dtensor_spec
+                inner = x.placements[x.device_mesh.ndim - spec.mesh.ndim:]
+                local = DTensor.from_local(local, spec.mesh, inner, run_check=False, shape=x.shape,
+                                           stride=_contiguous(x.shape))
+            fp.unsharded_accumulated_grad = local
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
 
     def check(self, params: Any, where: str) -> list:
         """The leaves of ``params``, checked to be the ones handed out (identity: one C-level pass)."""
@@ -304,10 +360,10 @@ class _Engine:
         for p in owner.params:  # zero_grad(set_to_none=True): FSDP assigns a fresh .grad next time
             p.grad = None
         if held:
-            # FSDP keeps this micro-batch's gradients unsharded and unreduced until the window's last call,
-            # which hands accumulate the sum of the whole window. accumulate keeps the first held call's
-            # gradients as its accumulator: zeros there, nothing (None) on the other held calls.
-            grads = list(tree.zeros_like(owner.leaves)) if self.position[0] == 0 else [None] * len(grads)
+            # FSDP summed this micro-batch's gradients unsharded and unreduced: taken out as accumulate's
+            # Partial accumulator (the first held call's become it, the next ones add to it), and given back
+            # to FSDP at the window's last call (see step), whose reduce-scatter reduces the window's sum.
+            grads = owner.take_held(zeros=self.position[0] == 0)
         elif all(g is None for g in grads):
             raise ValueError(self._no_gradient())
         else:  # a parameter the loss did not use: a zero gradient, as train_step's own engine gives
@@ -319,6 +375,14 @@ class _Engine:
         label = self.owner.label
         return (f"fully_sharded_step({label}): no gradient reaches any parameter of {label}: loss_fn must run the "
                 f"apply_fn of fx.distributed.fully_sharded(module) for the module given to the step ({label})")
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= max(n, 1)
+    return tuple(reversed(out))
 
 
 def _window_position(tx: Any, state: Any) -> tuple[int, int] | None:

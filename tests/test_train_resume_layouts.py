@@ -1,0 +1,109 @@
+"""Resume inside an accumulation window, under every parallel layout (fxtrain/train.py, fxtrain/strategies.py,
+fxtrain/checkpoint.py): one 2-rank gloo world runs, per layout, the tiny LM uninterrupted and then killed after a
+checkpoint taken mid-window (accumulate every 4, checkpoint at step 3) and resumed with ``resume=auto``. The
+resumed run logs and ends bit for bit where the uninterrupted one does: same layout on both sides, so the same
+kernels run in the same order, and only what the checkpoint held can make a difference.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import sys
+
+import torch
+
+import fxtrain as fx
+from tests import _worlds
+
+CASES, case = _worlds.registry(worlds=(2,))
+
+TINY = ["experiment=tiny_lm", "data.max_bytes=20000", "data.eval_windows=16", "model.d_model=16", "model.n_heads=2",
+        "model.n_layers=2", "data.batch_size=8", "data.context=16", "trainer.max_steps=8", "trainer.log_every=1",
+        "trainer.eval_every=8", "trainer.keep_last=0", "schedule.warmup_steps=1", "amp=off"]
+LAYOUTS = {"dp": ["parallel=dp"], "fsdp": ["parallel=fsdp"], "tp": ["parallel=tp"], "fsdp_tp": ["parallel=fsdp_tp"],
+           "pp": ["parallel=pp", "parallel.microbatches=2"], "ep": ["parallel=ep", "model=moe"]}
+
+
+def _records(run: pathlib.Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in lines]
+
+
+def _train(out: pathlib.Path, *overrides: str) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fxtrain import train as runner
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides))
+    runner.train(cfg, out)
+
+
+def _mid_window_resume(name: str, *overrides: str) -> None:
+    root = _worlds.OUT_DIR / name
+    rank = torch.distributed.get_rank()
+    _train(root / "whole", *TINY, *overrides, "trainer.checkpoint_every=0")
+    args = [*TINY, *overrides, "trainer.checkpoint_every=3", "resume=auto"]
+    _train(root / "killed", *args)
+    torch.distributed.barrier()
+    if rank == 0:  # killed after step 3's checkpoint (3 of 4 micro-batches of the window held)
+        for later in ("step_0000006", "step_0000008"):
+            shutil.rmtree(root / "killed" / "checkpoints" / later)
+        (root / "killed" / "summary.json").unlink()
+    torch.distributed.barrier()
+    _train(root / "killed", *args)
+    whole, resumed = _records(root / "whole"), _records(root / "killed")
+    assert resumed == whole, (name, [r.get("grad_norm") for r in whole], [r.get("grad_norm") for r in resumed])
+    if name == "pp":  # every stage's params and state are in the checkpoint: resume=PATH from it, into a new run
+        _train(root / "path", *TINY, *overrides, "trainer.checkpoint_every=3",
+               f"resume={root / 'killed' / 'checkpoints' / 'step_0000003'}")
+        assert _records(root / "path")[3:] == whole[3:]
+        # fx.load into the whole model's state (what one process builds): every stage's leaves, bit for bit
+        from hydra.core.global_hydra import GlobalHydra
+
+        from tests._runner import cfg_of, load_checkpoint
+
+        GlobalHydra.instance().clear()
+        cfg = cfg_of(*TINY, *overrides)
+        whole_state = load_checkpoint(root / "whole" / "checkpoints" / "step_0000008", cfg)
+        resumed_state = load_checkpoint(root / "killed" / "checkpoints" / "step_0000008", cfg)
+        for path, x, y in zip(fx.tree.paths(whole_state), fx.tree.leaves(whole_state), fx.tree.leaves(resumed_state)):
+            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), path
+
+
+def _layout_case(name: str):
+    def run(world):
+        _mid_window_resume(name, *LAYOUTS[name])
+
+    run.__name__ = f"case_{name}"
+    return case()(run)
+
+
+for _name in LAYOUTS:
+    _layout_case(_name)
+
+
+test_case = _worlds.tests(__file__, CASES, timeout_s=600)
+
+
+def test_none_resumes_mid_window_bit_exact(tmp_path):
+    """parallel=none, one process: the same check."""
+    from tests._runner import cfg_of
+    from fxtrain import train as runner
+
+    runner.train(cfg_of(*TINY, "trainer.checkpoint_every=0"), tmp_path / "whole")
+    args = [*TINY, "trainer.checkpoint_every=3", "resume=auto"]
+    runner.train(cfg_of(*args), tmp_path / "killed")
+    for later in ("step_0000006", "step_0000008"):
+        shutil.rmtree(tmp_path / "killed" / "checkpoints" / later)
+    (tmp_path / "killed" / "summary.json").unlink()
+    runner.train(cfg_of(*args), tmp_path / "killed")
+    assert _records(tmp_path / "killed") == _records(tmp_path / "whole")
+
+
+if __name__ == "__main__":
+    _worlds.worker(CASES, *sys.argv[1:])
