@@ -43,7 +43,8 @@ from fxtrain import distributed
 
 __all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
            "check_overrides", "search_path", "dataset", "data_keys", "floats_where_expected", "DATA_KEYS", "task",
-           "eval_hooks", "early_stopping", "ScaledSchedule", "user_search_path", "user_configs_first"]
+           "eval_hooks", "early_stopping", "ScaledSchedule", "user_search_path", "user_configs_first",
+           "settle_optimized_metric"]
 
 
 class ConfigError(ValueError, CompactHydraException):
@@ -312,6 +313,27 @@ def task(cfg: DictConfig) -> Any:
                           "fxtrain.tasks.Task; point _target_ at fxtrain.tasks.Task with loss: and metrics: "
                           "(dotted paths to your functions), or at a function of yours that returns one")
     return built
+
+
+def settle_optimized_metric(cfg: DictConfig) -> str:
+    """Sets ``cfg.optimized_metric`` to the metric the run's task declares where the config leaves it to the
+    task, and returns it: what ``summary.json``'s value, the sweep's ``best:``, the report and the plot rank by.
+
+    ``conf/train.yaml``'s default, ``${oc.select:task.optimized_metric,test_loss}``, reads the task config's
+    key; a task built by a ``_target_`` function of yours declares its metric in the :class:`fxtrain.tasks.Task`
+    it returns, which the config cannot see (the run header said ``optimizes test_accuracy`` while
+    everything ranked by ``test_loss``). A value the config sets itself (``optimized_metric=test_loss``, an
+    ``hparams_search`` file's) is kept.
+
+    >>> from omegaconf import OmegaConf
+    >>> cfg = OmegaConf.create({"task": {"_target_": "fxtrain.tasks.classification"},
+    ...                         "optimized_metric": "${oc.select:task.optimized_metric,test_loss}"})
+    >>> settle_optimized_metric(cfg), cfg.optimized_metric
+    ('test_accuracy', 'test_accuracy')
+    """
+    if OmegaConf.is_interpolation(cfg, "optimized_metric") and "optimized_metric" not in (cfg.get("task") or {}):
+        cfg.optimized_metric = task(cfg).optimized_metric
+    return str(cfg.optimized_metric)
 
 
 def eval_hooks(cfg: DictConfig) -> list[tuple[str, Callable]]:

@@ -86,6 +86,7 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
       fxtrain.build.ConfigError: a config that cannot be built, naming the key.
       fxtrain.rundir.RunDirError: ``out_dir`` holds another run, this run without ``resume``, or a live process.
     """
+    build.settle_optimized_metric(cfg)  # the task's own where the config leaves it to the task (a _target_ function's)
     validate.check(cfg)  # every setting, before anything is written (fxtrain/validate.py)
     with rundir.claim(out_dir, cfg):  # one run, one live process per directory (fxtrain/rundir.py)
         return _train(cfg, out_dir)

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from fxtrain import report
+from tests._runner import isolate, run_main  # noqa: F401 - isolate: autouse (cwd, Hydra's state, logging)
 
 
 def make_job(sweep, job, overrides, summary, curve=()):
@@ -212,3 +213,36 @@ def test_plot_few_jobs_legend_beside_the_panels(sweep, tmp_path):
     fig = report.figure(one)
     assert not fig.legends and [len(ax.get_lines()) for ax in fig.axes] == [1, 1]
     assert report.plot(one, tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- the metric a task declares ranks every sweep -------------------------------------------------
+
+def accuracy_task():
+    """A task built by a ``_target_`` function of the user's: it declares test_accuracy, its config cannot."""
+    from fxtrain import tasks
+
+    base = tasks.classification()
+    return tasks.Task(base.loss, base.metrics, optimized_metric="test_accuracy", name="mine")
+
+
+@pytest.mark.parametrize("launcher", ["basic", "vmap"])
+def test_the_metric_a_task_function_declares_ranks_the_sweep(launcher, tmp_path, monkeypatch, capsys):
+    # The header said "optimizes test_accuracy" while summary.json's value, the sweep's best: line and the plot
+    # ranked by test_loss (conf/train.yaml's optimized_metric reads only the task config's key).
+    (tmp_path / "conf" / "task").mkdir(parents=True)
+    (tmp_path / "conf" / "task" / "mine.yaml").write_text("_target_: tests.test_report.accuracy_task\n")
+    monkeypatch.chdir(tmp_path)
+    assert run_main("-m", "--config-dir", "conf", "task=mine", "seed=0,1,2", f"hydra/launcher={launcher}",
+                    "experiment=smoke", "trainer.max_steps=4", "trainer.cpu_threads=1", "hydra.sweep.dir=sweep") == 0
+    rows = report.collect("sweep")
+    for job in ("0", "1", "2"):
+        summary = json.loads((tmp_path / "sweep" / job / "summary.json").read_text())
+        assert summary["optimized_metric"] == "test_accuracy"
+        assert summary["value"] == summary["metrics"]["test_accuracy"]
+        assert "task   mine, optimizes test_accuracy" in (tmp_path / "sweep" / job / "train.log").read_text()
+    top = max(rows, key=lambda r: (r["test_accuracy"], -r["test_loss"]))  # highest accuracy; ties: lowest test_loss
+    assert report.best(rows, "test_accuracy") == top
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("best: ")]
+    assert printed == [line for line in report.describe("sweep").splitlines() if line.startswith("best: ")]
+    assert printed[0].startswith(f"best: job {top['job']} (test_accuracy ") and printed[0].endswith(f"seed={top['seed']}")
+    assert f"best (black): job {top['job']}, test_accuracy" in report.figure("sweep")._suptitle.get_text()

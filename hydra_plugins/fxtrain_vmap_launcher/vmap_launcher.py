@@ -247,7 +247,7 @@ def _not_batchable_launch(config: DictConfig, task_function: Callable) -> str | 
 def _job(sweep_config: DictConfig) -> Any:
     """The :class:`fxtrain.sweep.Job` of one sweep config: its run directory as ``run_job`` names it, and its
     task config resolved with Hydra's config set to this job's (``${hydra:...}``); ``None`` if it does not resolve."""
-    from fxtrain import sweep
+    from fxtrain import build, sweep
 
     saved = HydraConfig.instance().cfg
     try:
@@ -256,6 +256,7 @@ def _job(sweep_config: DictConfig) -> Any:
         with read_write(sweep_config.hydra.runtime), open_dict(sweep_config.hydra.runtime):
             sweep_config.hydra.runtime.output_dir = out  # as run_job sets it again
         HydraConfig.instance().set_config(sweep_config)
+        build.settle_optimized_metric(sweep_config)  # the task's own, as the job's own run would settle it
         task = {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
                 for k, v in sweep_config.items() if k != "hydra"}
         overrides = [str(o) for o in OmegaConf.to_container(sweep_config.hydra.overrides.task)]
