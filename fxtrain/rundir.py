@@ -44,11 +44,14 @@ import shutil
 import socket
 from typing import Any, Iterator
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from fxtrain import build, checkpoint, distributed, report
 
-__all__ = ["RunDirError", "UNHASHED", "config_hash", "claim", "rewind", "prune", "write_json", "read_summary"]
+__all__ = ["RunDirError", "UNHASHED", "config_hash", "claim", "rewind", "prune", "write_json", "read_summary",
+           "check_layout", "describe_layout", "write_refused", "HydraFiles"]
 
 OWNER = "run.json"  # {"config_sha256": ..., "config": {...}}: the run this directory belongs to
 LOCK = "run.lock"   # flock'ed by the live process; holds its pid and host
@@ -56,7 +59,7 @@ SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 # Keys (or whole nodes) that do not change what a run computes, only how it is launched or recorded: a relaunch
 # may change them.
-UNHASHED = ("resume", "trainer.progress", "trainer.cpu_threads", "trainer.keep_last", "trainer.eval_batch_size",
+UNHASHED = ("resume", "resume_force", "resume_relayout", "trainer.progress", "trainer.cpu_threads", "trainer.keep_last", "trainer.eval_batch_size",
             "logger")
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -109,7 +112,9 @@ def claim(out: str | os.PathLike | None, cfg: DictConfig) -> Iterator[None]:
     if rank == 0:
         try:
             fd = _lock(out)
-            _check_owner(out, cfg)
+            _check_owner(out, cfg, _identity(cfg, world))
+            _hold(fd)
+            _write_hydra_files(out, cfg)
         except RunDirError as e:
             why = str(e)
             if fd is not None:
@@ -123,12 +128,82 @@ def claim(out: str | os.PathLike | None, cfg: DictConfig) -> Iterator[None]:
         why = box[0]
     if why is not None:
         raise RunDirError(why)
+    if rank == 0:
+        _ACCEPTED.add(str(out.resolve()))
     try:
         yield
     finally:
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+_ACCEPTED: set[str] = set()  # run directories this process claimed (rank 0): Hydra's files may be written there
+
+
+def _hydra_node() -> DictConfig | None:
+    """Hydra's config of the job this process runs (``{"hydra": ...}``), or ``None`` outside a Hydra job."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.instance().cfg if HydraConfig.initialized() else None
+
+
+def _write_hydra_files(out: pathlib.Path, cfg: DictConfig, hydra_cfg: DictConfig | None = None) -> None:
+    """Writes Hydra's ``.hydra/{config,hydra,overrides}.yaml`` into ``out``, as Hydra's ``run_job`` would, when
+    ``out`` is the output directory of the Hydra job (``hydra_cfg``, by default the one running).
+
+    ``conf/train.yaml`` sets ``hydra.output_subdir: null``, so Hydra itself writes nothing before the task
+    runs: these files are written only once a launch is accepted (:func:`claim`), and a refused launch
+    leaves the directory it was refused by as it was (another run's ``.hydra/`` is never rewritten).
+    """
+    hydra_cfg = _hydra_node() if hydra_cfg is None else hydra_cfg
+    if hydra_cfg is None or "hydra" not in hydra_cfg:
+        return
+    node = hydra_cfg.hydra
+    try:
+        if pathlib.Path(str(node.runtime.output_dir)).resolve() != out.resolve():
+            return
+    except (OmegaConfBaseException, OSError):
+        return
+    if node.get("output_subdir") not in (None, ".hydra"):
+        return  # a user who asked for Hydra's files elsewhere has them there, from Hydra
+    target = out / ".hydra"
+    target.mkdir(parents=True, exist_ok=True)
+    shown = OmegaConf.create({"hydra": OmegaConf.to_container(node)})  # the files say where they are
+    shown.hydra.output_subdir = ".hydra"
+    task = OmegaConf.create(OmegaConf.to_container(cfg))
+    if "hydra" in task:
+        del task["hydra"]
+    for name, node_cfg in (("config.yaml", task), ("hydra.yaml", shown), ("overrides.yaml", node.overrides.task)):
+        (target / name).write_text(OmegaConf.to_yaml(node_cfg), encoding="utf-8")
+
+
+class HydraFiles(Callback):
+    """Hydra callback (``conf/train.yaml``): writes ``.hydra/`` of a job whose directory this process claimed,
+    when the job ends. :func:`claim` writes them itself when the job runs in the claiming process's Hydra
+    job; this covers jobs claimed outside ``run_job`` (``hydra/launcher=vmap`` trains a group first)."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        try:
+            out = pathlib.Path(str(config.hydra.runtime.output_dir)).resolve()
+        except (OmegaConfBaseException, OSError):
+            return
+        if str(out) in _ACCEPTED and job_return.cfg is not None:
+            _write_hydra_files(out, job_return.cfg, OmegaConf.create({"hydra": config.hydra}))
+
+
+def write_refused(out: str | os.PathLike, cfg: DictConfig, error: BaseException) -> bool:
+    """Records a launch refused for a setting (``status: refused`` and its one-line error in ``summary.json``,
+    and Hydra's files) in ``out`` when ``out`` holds no run: a sweep job's fresh directory, so that
+    ``summary.csv`` says why the job did not run. Never writes where a run is. Returns whether it wrote."""
+    out = pathlib.Path(out)
+    if (out / OWNER).exists() or _progress(out) is not None:
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / SUMMARY, {"status": "refused", "error": f"{type(error).__name__}: {error}",
+                               "optimized_metric": cfg.get("optimized_metric")})
+    _write_hydra_files(out, cfg)
+    return True
 
 
 def _lock(out: pathlib.Path) -> int:
@@ -145,21 +220,28 @@ def _lock(out: pathlib.Path) -> int:
         who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}"
         raise RunDirError(f"run directory {out} is in use by {who} ({out / LOCK} is locked): one process per run "
                           "directory; wait for it to end, or pass another hydra.run.dir") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode())
     return fd
 
 
-def _check_owner(out: pathlib.Path, cfg: DictConfig) -> None:
-    """Refuses ``cfg`` in ``out`` (see the module doc), or records ``cfg`` as the owner of ``out``."""
+def _hold(fd: int) -> None:
+    """Records this process in the lock file, once the launch is accepted (a refused one changes nothing)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode(), 0)
+
+
+def _check_owner(out: pathlib.Path, cfg: DictConfig, identity: dict[str, Any]) -> None:
+    """Refuses ``cfg`` in ``out`` (see the module doc), or records ``cfg`` and ``identity`` as the owner of ``out``."""
     digest, flat = config_hash(cfg)
     progress = _progress(out)
+    try:
+        owner = json.loads((out / OWNER).read_text())
+    except (OSError, ValueError):
+        owner = None
+    owner = owner if isinstance(owner, dict) else {}
+    if progress is not None and _failed_early(out):
+        progress = None  # a launch that failed before its first checkpoint: nothing to continue, rerun it here
     if progress is not None:
-        try:
-            owner = json.loads((out / OWNER).read_text())
-        except (OSError, ValueError):
-            owner = None
-        there = owner.get("config") if isinstance(owner, dict) else None
+        there = owner.get("config")
         resume = cfg.get("resume") not in (None, "")
         if isinstance(there, dict):
             # Keys on one side only (one that a newer fxtrain added, at its default) do not make another run.
@@ -174,13 +256,80 @@ def _check_owner(out: pathlib.Path, cfg: DictConfig) -> None:
                 raise RunDirError(f"run directory {out} holds this run already, {progress}: pass resume=auto to "
                                   f"{then}, or another hydra.run.dir to start a new run (resume=null never mixes two "
                                   "runs in one directory)")
-            if owner.get("config_sha256") == digest:
+            if checkpoint.latest(out / "checkpoints") is not None:
+                check_layout(f"run directory {out}", _identity_of(owner), identity, cfg)
+            if owner.get("config_sha256") == digest and _identity_of(owner) == identity:
                 return
         elif not resume:
             raise RunDirError(f"run directory {out} holds a run without {OWNER} (from before run directories were "
                               f"recorded), {progress}: pass resume=auto to continue it with this config, or another "
                               "hydra.run.dir to start a new run")
-    write_json(out / OWNER, {"config_sha256": digest, "config": flat})
+    write_json(out / OWNER, {"config_sha256": digest, "config": flat, **identity})
+
+
+def _failed_early(out: pathlib.Path) -> bool:
+    """Whether ``out`` holds a launch that failed (or was refused) before writing any checkpoint."""
+    try:
+        summary = read_summary(out)
+    except RunDirError:
+        return False
+    return (summary is not None and summary.get("status") in ("failed", "refused")
+            and not _steps(out / "checkpoints"))
+
+
+def _identity(cfg: DictConfig, world: int) -> dict[str, Any]:
+    """The run's world size and parallel layout (``parallel=fsdp [fsdp=2]``): part of what it computes."""
+    try:
+        layout = build.parallel_dims(cfg, world).describe()
+    except build.ConfigError:
+        layout = None  # refused later, by the runner's own check, naming the key
+    return {"world_size": world, "layout": layout}
+
+
+def _identity_of(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``{"world_size", "layout"}`` a run.json or checkpoint record holds, or ``None`` (older records)."""
+    if not isinstance(record, dict) or "world_size" not in record:
+        return None
+    return {"world_size": record.get("world_size"), "layout": record.get("layout")}
+
+
+def describe_layout(identity: dict[str, Any]) -> str:
+    """``2 ranks, parallel=fsdp [fsdp=2]`` (or ``1 process``) for messages and the run's start line.
+
+    >>> describe_layout({"world_size": 4, "layout": "parallel=fsdp [fsdp=4]"})
+    '4 ranks, parallel=fsdp [fsdp=4]'
+    """
+    n = identity.get("world_size")
+    head = "1 process" if n == 1 else f"{n} ranks"
+    return head + (f", {identity['layout']}" if identity.get("layout") else "")
+
+
+def check_layout(what: str, then: dict[str, Any] | None, now: dict[str, Any], cfg: DictConfig) -> str | None:
+    """Refuses to continue ``what`` (a run directory, a checkpoint) trained on ``then`` (world size and layout)
+    on another one ``now``, unless ``cfg.resume_relayout`` is true; returns the note the run's start line
+    gives then (``relayout from 2 ranks, parallel=dp [dp=2]``), or ``None`` when nothing changed.
+
+    A checkpoint that records only its world size (``fx.save`` without ``meta``) is compared by world size.
+
+    Raises:
+      RunDirError: another world size or layout, without ``resume_relayout=true``.
+      fxtrain.build.ConfigError: ``resume_relayout`` is not a boolean.
+    """
+    if then is None:
+        return None
+    same = then["world_size"] == now["world_size"] and (then.get("layout") is None or then["layout"] == now["layout"])
+    if same:
+        return None
+    relayout = cfg.get("resume_relayout", False)
+    if not isinstance(relayout, bool):
+        raise build.ConfigError(f"resume_relayout={relayout!r}: expected true (continue a run on another world size "
+                                "or layout, resharding its checkpoint) or false")
+    if not relayout:
+        raise RunDirError(f"{what} was trained on {describe_layout(then)}; this launch is {describe_layout(now)}: "
+                          "another world size or layout changes what the run computes (batches per rank, reduction "
+                          f"order), so it is not resumed silently. Launch it on {describe_layout(then)}, or pass "
+                          "resume_relayout=true to continue it on this layout (its checkpoint is resharded)")
+    return f"relayout from {describe_layout(then)} to {describe_layout(now)}"
 
 
 def _progress(out: pathlib.Path) -> str | None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import importlib.resources
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -86,7 +87,6 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
       fxtrain.build.ConfigError: a config that cannot be built, naming the key.
       fxtrain.rundir.RunDirError: ``out_dir`` holds another run, this run without ``resume``, or a live process.
     """
-    build.settle_optimized_metric(cfg)  # the task's own where the config leaves it to the task (a _target_ function's)
     validate.check(cfg)  # every setting, before anything is written (fxtrain/validate.py)
     with rundir.claim(out_dir, cfg):  # one run, one live process per directory (fxtrain/rundir.py)
         return _train(cfg, out_dir)
@@ -114,6 +114,8 @@ class _Run(NamedTuple):
     ckpt_dir: pathlib.Path | None  # every rank writes its shards here
     source: pathlib.Path | str | None  # the checkpoint to resume from, or "completed"
     say: Callable[[str], Any]
+    meta: dict[str, Any] | None = None  # recorded in every checkpoint's manifest: config hash, world size, layout
+    note: str | None = None  # how the resume differs ("relayout from 2 ranks, parallel=dp [dp=2] to 1 process")
 
 
 def _setup(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> _Run:
@@ -122,7 +124,9 @@ def _setup(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> _Run:
     say = log.info if rank == 0 else (lambda *args: None)
     out = pathlib.Path(out_dir) if out_dir is not None and rank == 0 else None
     ckpt_dir = pathlib.Path(out_dir) / "checkpoints" if out_dir is not None else None
-    source = _resume_source(cfg, ckpt_dir)
+    digest, flat = rundir.config_hash(cfg)
+    meta = {"config_sha256": digest, "config": flat, "world_size": world, "layout": dims.describe()}
+    source, note = _resume_plan(cfg, ckpt_dir, meta)
     device = distributed.device(cfg.trainer.device)
     if source != "completed":
         if out is not None:
@@ -131,7 +135,7 @@ def _setup(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> _Run:
         if device.type == "cpu" and cfg.trainer.cpu_threads:
             torch.set_num_threads(cfg.trainer.cpu_threads)
         dims = dims.build(device.type)
-    return _Run(rank, dims, device, out, ckpt_dir, source, say)
+    return _Run(rank, dims, device, out, ckpt_dir, source, say, meta, note)
 
 
 class Built(NamedTuple):
@@ -179,8 +183,7 @@ def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, An
     """``(start, params, opt_state, buffers)``: the checkpoint's, or step 0's; says the run's first lines."""
     start, params, opt_state, buffers, resumed = 0, built.params, built.opt_state, built.buffers, "from step 0"
     if run.source is not None:
-        state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers),
-                        saved_placements=True)  # a held gradient keeps its own (it may differ from its param's)
+        state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers))
         # Into the built trees, in place: FSDP and pipeline stages compute with their modules' own tensors,
         # which these leaves are (a new tree would train a copy the module never sees).
         with torch.no_grad():
@@ -191,7 +194,7 @@ def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, An
         if start > cfg.trainer.max_steps:
             raise build.ConfigError(f"resume: the checkpoint {run.source} is at step {start}, beyond "
                                     f"trainer.max_steps={cfg.trainer.max_steps}")
-        resumed = f"from {run.source} (step {start})"
+        resumed = f"from {run.source} (step {start})" + (f", {run.note}" if run.note else "")
     elif cfg.get("resume") == "auto":
         resumed = f"from step 0 (resume=auto: no checkpoint in {run.ckpt_dir})"
     rundir.rewind(run.out, start)  # no summary, no checkpoint or metrics.jsonl line after `start`: one timeline
@@ -273,11 +276,12 @@ def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt
             if run.ckpt_dir is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0)
                                              or i == max_steps or stopped):
                 state = fx.TrainState(i, params, opt_state, fx.rng_state(), buffers)
-                last_checkpoint = (i, save_checkpoint(run.ckpt_dir, state, trainer.keep_last, last_checkpoint, run.rank))
+                last_checkpoint = (i, save_checkpoint(run.ckpt_dir, state, trainer.keep_last, last_checkpoint, run.rank,
+                                                      run.meta))
             if stopped:
                 break
     final = {**train_metrics, **eval_metrics}
-    if cfg.optimized_metric not in final and run.out is not None:  # resumed at max_steps: the logged train metrics
+    if start == max_steps and run.out is not None:  # resumed at max_steps: the train metrics its last line logged
         final = {**_last_record(run.out / "metrics.jsonl", max_steps), **final}
     if stopped:
         final["stopped_early"] = stopped
@@ -365,13 +369,30 @@ def state_bytes(opt_state: Any) -> int:
 
 
 def save_checkpoint(directory: pathlib.Path, state: fx.TrainState, keep_last: int,
-                    previous: tuple[int, pathlib.Path] | None, rank: int) -> pathlib.Path:
-    """Writes ``state`` to ``directory/step_<N>`` (:func:`fxtrain.save`: atomic), refusing non-finite params,
-    then deletes older ones beyond the newest ``keep_last`` (``0`` keeps all; :func:`fxtrain.rundir.prune`).
-    Every rank calls it."""
+                    previous: tuple[int, pathlib.Path] | None, rank: int,
+                    meta: dict[str, Any] | None = None) -> pathlib.Path:
+    """Writes ``state`` to ``directory/step_<N>`` (:func:`fxtrain.save`: atomic; ``meta`` into its manifest),
+    refusing non-finite params, then deletes older ones beyond the newest ``keep_last`` (``0`` keeps all;
+    :func:`fxtrain.rundir.prune`). Every rank calls it.
+
+    Raises:
+      fxtrain.CheckpointError: the save failed (a full disk: its ``OSError`` is the cause, so the runner
+        reports it as one line); the previous checkpoint is intact. DCP reports a failed write as a
+        ``BaseException``, which would pass by every handler meant for errors: it is turned into this one.
+    """
     if not bool(tree.all_finite(distributed.local_leaves(state.params))):
         _raise_not_finite(f"params are not finite after step {state.step}", previous)
-    path = fx.save(directory / f"step_{state.step:07d}", state)
+    target = directory / f"step_{state.step:07d}"
+    try:
+        path = fx.save(target, state, meta=meta)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception
+        cause = checkpoint.first_failure(e)
+        kept = (f"the last checkpoint is step {previous[0]} ({previous[1]}), intact" if previous
+                else "no checkpoint was written yet")
+        raise checkpoint.CheckpointError(f"could not write the checkpoint {target}: {type(cause).__name__}: "
+                                         f"{(str(cause).splitlines() or [''])[0]}; {kept}") from cause
     if rank == 0:
         rundir.prune(directory, keep_last, state.step)
     return path
@@ -379,13 +400,32 @@ def save_checkpoint(directory: pathlib.Path, state: fx.TrainState, keep_last: in
 
 def _resume_source(cfg: DictConfig, ckpt_dir: pathlib.Path | None) -> pathlib.Path | str | None:
     """The checkpoint ``cfg.resume`` asks for, ``None`` to start at step 0, or ``"completed"`` (see the module doc)."""
+    return _resume_plan(cfg, ckpt_dir)[0]
+
+
+def _resume_plan(cfg: DictConfig, ckpt_dir: pathlib.Path | None,
+                 meta: dict[str, Any] | None = None) -> tuple[pathlib.Path | str | None, str | None]:
+    """``(source, note)``: :func:`_resume_source`'s answer, checked, and how the resume differs from the run that
+    wrote the checkpoint (a re-layout), for the start line.
+
+    ``resume=auto`` takes the newest checkpoint that verifies (a damaged one is named in a warning, and the
+    previous one is taken); ``resume=PATH`` refuses a checkpoint of another config unless ``resume_force=true``.
+    Both refuse another world size or layout than the checkpoint's unless ``resume_relayout=true``.
+
+    Raises:
+      fxtrain.rundir.RunDirError: a checkpoint that does not verify (none does, for ``resume=auto``), of
+        another config, or of another layout; nothing was written.
+      fxtrain.build.ConfigError: ``resume=PATH`` with no checkpoint there, or ``resume_force`` not a boolean.
+    """
     resume = cfg.get("resume")
     if resume in (None, ""):
-        return None
+        return None, None
+    if meta is None:
+        world = distributed.rank_and_world()[1]
+        meta = {"world_size": world, "layout": build.parallel_dims(cfg, world).describe()}
     if resume == "auto":
         if ckpt_dir is None:
-            return None
-        found = checkpoint.latest(ckpt_dir)
+            return None, None
         try:
             done = rundir.read_summary(ckpt_dir.parent) or {}
         except rundir.RunDirError as e:  # the newest checkpoint has what it lacks: go on from there
@@ -394,16 +434,77 @@ def _resume_source(cfg: DictConfig, ckpt_dir: pathlib.Path | None) -> pathlib.Pa
         if done:
             finished = done.get("step") == cfg.trainer.max_steps or "stopped_early" in done
             if done.get("status") == "completed" and finished and "value" in done:
-                return "completed"
-        return found
-    path = pathlib.Path(str(resume))
-    if (path / checkpoint.MANIFEST).exists():
-        return path
-    found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path)
+                return "completed", None
+        found, manifest = _newest_verified(ckpt_dir)
+    else:
+        path = pathlib.Path(str(resume))
+        if (path / checkpoint.MANIFEST).exists():
+            found = path
+        else:
+            found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path)
+        if found is None:
+            raise build.ConfigError(f"resume={resume}: no checkpoint there (expected a checkpoint directory such as "
+                                    "<run>/checkpoints/step_0000100, or a run directory that has checkpoints/)")
+        manifest = _verified(found, f"resume={resume}")
+        _check_same_config(cfg, found, manifest)
     if found is None:
-        raise build.ConfigError(f"resume={resume}: no checkpoint there (expected a checkpoint directory such as "
-                                "<run>/checkpoints/step_0000100, or a run directory that has checkpoints/)")
-    return found
+        return None, None
+    recorded = manifest["meta"] if "world_size" in manifest["meta"] else {"world_size": manifest["world_size"]}
+    note = rundir.check_layout(f"the checkpoint {found}", recorded, meta, cfg)
+    return found, note
+
+
+def _verified(path: pathlib.Path, who: str) -> dict[str, Any]:
+    """The manifest of the checkpoint ``path`` once :func:`fxtrain.checkpoint.verify` accepts it, or one line."""
+    try:
+        return checkpoint.verify(path)
+    except (checkpoint.CheckpointError, OSError) as e:
+        raise rundir.RunDirError(f"{who}: {e}") from None
+
+
+def _newest_verified(ckpt_dir: pathlib.Path) -> tuple[pathlib.Path | None, dict[str, Any]]:
+    """The newest checkpoint of ``ckpt_dir`` that verifies and its manifest (``(None, {})`` when there is none);
+    a damaged newer one is named in a warning. None verifying is an error, never a silent start at step 0."""
+    found = checkpoint.candidates(ckpt_dir)
+    first = None
+    for i, path in enumerate(found):
+        try:
+            manifest = checkpoint.verify(path)
+        except (checkpoint.CheckpointError, OSError) as e:
+            first = first or e
+            if i + 1 == len(found):
+                raise rundir.RunDirError(f"resume=auto: {first}" + (f" (and every older checkpoint in {ckpt_dir} "
+                                                                    "too)" if i else "")) from None
+            log.warning(f"resume=auto: {e}; going on from the previous checkpoint, {found[i + 1].name} (the damaged "
+                        "one is removed when training goes on past it)")
+            continue
+        return path, manifest
+    return None, {}
+
+
+def _check_same_config(cfg: DictConfig, path: pathlib.Path, manifest: dict[str, Any]) -> None:
+    """Refuses ``resume=PATH`` to a checkpoint of another config (recorded in its manifest, or in its run's
+    ``run.json``) unless ``resume_force=true``: its state would continue under this run's name."""
+    force = cfg.get("resume_force", False)
+    if not isinstance(force, bool):
+        raise build.ConfigError(f"resume_force={force!r}: expected true (resume=PATH may load a checkpoint of "
+                                "another config) or false")
+    there = manifest["meta"].get("config")
+    if not isinstance(there, dict):
+        try:
+            there = json.loads((path.parent.parent / rundir.OWNER).read_text()).get("config")
+        except (OSError, ValueError, AttributeError):
+            there = None
+    if not isinstance(there, dict) or force:
+        return
+    _, flat = rundir.config_hash(cfg)
+    diff = [k for k in sorted(set(there) & set(flat)) if there[k] != flat[k]]
+    if diff:
+        shown = ", ".join(f"{k}={there[k]} there, {flat[k]} here" for k in diff[:3])
+        raise rundir.RunDirError(f"resume={cfg.resume}: the checkpoint is of another config ({shown}"
+                                 f"{', ...' if len(diff) > 3 else ''}): resuming it would continue another run's state "
+                                 "under this run's name; launch with that config, or pass resume_force=true to continue "
+                                 "its state under this config")
 
 
 def _last_record(path: pathlib.Path, step: int) -> dict[str, float]:
@@ -461,8 +562,14 @@ def _task(cfg: DictConfig) -> float:
     """Hydra's task function: one run (one job of a sweep) in Hydra's output directory."""
     out = pathlib.Path(HydraConfig.get().runtime.output_dir)
     # A setting's error prints as one line, without a traceback (HYDRA_FULL_ERROR=1 shows it).
-    with validate.one_line_errors(multirun=HydraConfig.get().mode == RunMode.MULTIRUN):
-        validate.check(cfg)  # a bad setting writes nothing here, not even a failed summary.json
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    with validate.one_line_errors(multirun=multirun):
+        try:
+            validate.check(cfg)  # a bad setting writes nothing where a run is, not even a failed summary.json
+        except build.ConfigError as e:
+            if multirun and distributed.rank_and_world()[0] == 0:  # a sweep job's own new directory: say why there
+                rundir.write_refused(out, cfg, e)
+            raise
         try:
             return train(cfg, out)
         except Exception as e:

@@ -3,6 +3,7 @@ refused and the run there untouched, resume=PATH into an older step rewinds the 
 deletes the newest checkpoint, a second live process is refused naming the first, a cut-off summary.json is
 reported by name and resume=auto goes on from the newest checkpoint."""
 
+import csv
 import json
 import os
 import pathlib
@@ -13,6 +14,7 @@ import time
 
 import pytest
 
+import fxtrain as fx
 from fxtrain import build, loggers, rundir, train as runner
 from fxtrain.report import read_jsonl
 from tests._runner import cfg_of, isolate  # noqa: F401 - isolate: autouse
@@ -151,3 +153,139 @@ def test_summary_is_written_atomically(tmp_path, monkeypatch):
     runner.train(cfg_of(*RUN, "trainer.max_steps=2"), tmp_path)
     assert (tmp_path / ".summary.json.tmp", tmp_path / "summary.json") in replaced
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+# --- issue 25 part 5: run directories never lie or block -----------------------------------------------
+
+SHORT = [*RUN, "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.keep_last=0", "trainer.eval_every=2"]
+
+
+def every_file(run_dir):
+    """Every file under ``run_dir`` (the lock and Hydra's files included), as bytes."""
+    return {p: p.read_bytes() for p in pathlib.Path(run_dir).rglob("*") if p.is_file()}
+
+
+def redigest(path, edit):
+    """Edits the manifest of the checkpoint ``path`` and recomputes its checksum, as fx.save computes it."""
+    from fxtrain import checkpoint
+
+    f = path / checkpoint.MANIFEST
+    m = edit(json.loads(f.read_text()))
+    m["digest"] = checkpoint._digest(m)
+    f.write_text(json.dumps(m, indent=1))
+
+
+def test_a_refused_relaunch_leaves_the_run_directory_byte_identical(tmp_path, capsys):
+    """Hydra wrote .hydra/ before fxtrain refused, so the report showed the refused launch's lr: now .hydra/ is
+    written once the launch is accepted, and a refused one changes no byte (the lock's holder record included)."""
+    from tests._runner import run_main
+
+    assert run_main(*SHORT, "hydra.run.dir=run") == 0
+    run = tmp_path / "run"
+    assert "- trainer.max_steps=4" in (run / ".hydra" / "overrides.yaml").read_text()
+    assert (run / ".hydra" / "config.yaml").exists() and (run / ".hydra" / "hydra.yaml").exists()
+    before = every_file(run)
+    for refused in (["optim.chain.adamw.learning_rate=0.05"], [], ["resume=auto", "trainer.log_every=0"]):
+        code = run_main(*SHORT, "hydra.run.dir=run", *refused)
+        assert isinstance(code, str) and code.startswith("Error: "), (refused, code)
+        assert every_file(run) == before, refused
+    # the report still reads the run's own overrides
+    from fxtrain import report
+
+    [row] = report.collect(run)
+    assert row["status"] == "completed" and "optim.chain.adamw.learning_rate" not in row
+
+
+def test_resume_path_refuses_another_runs_checkpoint_unless_forced(tmp_path):
+    """resume=<another run's checkpoint> into a completed run deleted its later checkpoints and metrics and went
+    on with the other run's state: refused, naming the keys that differ, unless resume_force=true."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    runner.train(cfg_of(*SHORT), a)
+    runner.train(cfg_of(*SHORT, "optim.chain.adamw.learning_rate=0.03"), b)
+    before = files(a)
+    other = f"resume={b / 'checkpoints' / 'step_0000002'}"
+    with pytest.raises(rundir.RunDirError, match=r"resume=.*step_0000002: the checkpoint is of another config "
+                                                 r"\(optim\.chain\.adamw\.learning_rate=0\.03 there, 0\.01 here\).*"
+                                                 r"resume_force=true"):
+        runner.train(cfg_of(*SHORT, other), a)
+    assert files(a) == before                                             # a's checkpoints and metrics kept
+    # its own older checkpoint is this run's: resume=PATH into an older step still rewinds
+    runner.train(cfg_of(*SHORT, f"resume={a / 'checkpoints' / 'step_0000002'}"), a)
+    forced = runner.train(cfg_of(*SHORT, other, "resume_force=true"), tmp_path / "c")
+    assert [r["step"] for r in records(tmp_path / "c")] == [3, 4]
+    assert forced == forced  # finished, from b's state under this config
+    with pytest.raises(build.ConfigError, match=r"resume_force='?yes'?: expected true"):
+        runner.train(cfg_of(*SHORT, other, "resume_force=yes"), tmp_path / "d")
+
+
+def test_another_world_size_or_layout_is_refused_unless_relayout(tmp_path, caplog):
+    """fsdp 2 -> 4 ranks, dp 2 ranks -> 1 process resumed without a word: the world size and layout are in
+    run.json and in every checkpoint's manifest, and a change is refused unless resume_relayout=true; the
+    start line then says so. (The 2-rank run is stood for by its records: a checkpoint's manifest and run.json
+    rewritten as a torchrun dp=2 run writes them.)"""
+    run = tmp_path / "run"
+    cfg = [*SHORT, "parallel=dp"]
+    runner.train(cfg_of(*cfg), run)
+    owner = json.loads((run / "run.json").read_text())
+    assert (owner["world_size"], owner["layout"]) == (1, "parallel=none")
+    (run / "summary.json").unlink()                                       # killed after its step-4 checkpoint
+    two = {"world_size": 2, "layout": "parallel=dp [dp=2]"}
+    for step in ("step_0000002", "step_0000004"):
+        path = run / "checkpoints" / step
+        assert fx.checkpoint.verify(path)["meta"]["layout"] == "parallel=none"
+        redigest(path, lambda m: {**m, "world_size": 2, "meta": {**m["meta"], **two}})
+    rundir.write_json(run / "run.json", {**owner, **two})
+    before = files(run)
+    for resume in ("resume=auto", f"resume={run / 'checkpoints' / 'step_0000002'}"):
+        with pytest.raises(rundir.RunDirError, match=r"was trained on 2 ranks, parallel=dp \[dp=2\]; this launch is "
+                                                     r"1 process, parallel=none.*resume_relayout=true"):
+            runner.train(cfg_of(*cfg, resume), run)
+    assert files(run) == before
+    # into another directory: the checkpoint's own manifest says it (no run.json there to tell)
+    with pytest.raises(rundir.RunDirError, match=r"the checkpoint .*step_0000002 was trained on 2 ranks"):
+        runner.train(cfg_of(*cfg, f"resume={run / 'checkpoints' / 'step_0000002'}"), tmp_path / "elsewhere")
+    with caplog.at_level("INFO", logger="fxtrain"):
+        runner.train(cfg_of(*cfg, "resume=auto", "resume_relayout=true"), run)
+    assert ("(step 4), relayout from 2 ranks, parallel=dp [dp=2] to 1 process, parallel=none" in caplog.text)
+    owner = json.loads((run / "run.json").read_text())
+    assert (owner["world_size"], owner["layout"]) == (1, "parallel=none")
+
+
+def test_a_launch_that_failed_before_its_first_checkpoint_can_be_rerun_corrected(tmp_path, monkeypatch):
+    """A launch that failed at step 1 blocked its directory (the corrected command was refused, advising
+    resume=auto): with no checkpoint there, it is rerun into the same directory, from step 0, one timeline."""
+    from tests._runner import run_main
+
+    log = loggers.JsonlLogger.log
+
+    def failing_log(self, step, metrics):
+        log(self, step, metrics)
+        raise RuntimeError("a bug at step 1")
+
+    monkeypatch.setattr(loggers.JsonlLogger, "log", failing_log)
+    assert run_main(*SHORT, "hydra.run.dir=run", "optim.chain.adamw.learning_rate=0.5") == 1
+    run = tmp_path / "run"
+    assert json.loads((run / "summary.json").read_text())["error"] == "RuntimeError: a bug at step 1"
+    assert [r["step"] for r in records(run)] == [1] and not (run / "checkpoints").exists()
+    monkeypatch.setattr(loggers.JsonlLogger, "log", log)                  # (undo() would undo isolate's chdir too)
+
+    code = run_main(*SHORT, "hydra.run.dir=run")
+    assert code == 0, code                                                # corrected: accepted, starts over
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4]
+    assert "- optim.chain.adamw.learning_rate=0.5" not in (run / ".hydra" / "overrides.yaml").read_text()
+    assert json.loads((run / "run.json").read_text())["config"]["optim.chain.adamw.learning_rate"] == 0.01
+
+
+def test_a_sweep_job_refused_for_a_setting_says_why_in_summary_csv(tmp_path):
+    from tests._runner import run_main
+
+    run_main("-m", *SHORT, "hydra.sweep.dir=sweep", "trainer.log_every=1,0")
+    with open(tmp_path / "sweep" / "summary.csv", newline="") as f:
+        rows = {r["job"]: r for r in csv.DictReader(f)}
+    assert rows["0"]["status"] == "completed"
+    assert rows["1"]["status"] == "refused"
+    assert rows["1"]["error"].startswith("ConfigError: trainer.log_every=0: expected a positive whole number")
+    assert rows["1"]["trainer.log_every"] == "0"                           # its overrides, from its .hydra/
+    summary = json.loads((tmp_path / "sweep" / "1" / "summary.json").read_text())
+    assert summary["status"] == "refused" and "trainer.log_every=0" in summary["error"]

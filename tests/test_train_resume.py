@@ -90,3 +90,111 @@ def test_resume_from_a_path_continues_in_a_new_run_directory(tmp_path):
     assert_same_final_state(final_state(tmp_path / "b", cfg), final_state(tmp_path / "a", cfg))
     with pytest.raises(build.ConfigError, match=r"resume=.*nowhere: no checkpoint there"):
         runner.train(cfg_of(*RUN, f"resume={tmp_path / 'nowhere'}"), tmp_path / "c")
+
+
+# --- issue 25 parts 4 and 5: resume loads no code, falls back past a damaged checkpoint, a full disk is one
+# line, the final summary carries every metric after any kill ------------------------------------------------
+
+SHORT = [*RUN, "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.keep_last=0", "trainer.eval_every=2"]
+
+
+def killed_after(run, step):
+    """``run`` as a kill right after its step-``step`` checkpoint leaves it: no summary, no later checkpoint."""
+    (run / "summary.json").unlink()
+    for p in (run / "checkpoints").iterdir():
+        if int(p.name.split("_")[1]) > step:
+            for f in p.iterdir():
+                f.unlink()
+            p.rmdir()
+
+
+def test_resume_refuses_a_crafted_checkpoint_and_runs_nothing(tmp_path):
+    """A crafted .metadata ran its payload through resume=auto and resume=PATH, and the run finished normally."""
+    from tests._runner import run_main
+    from tests.test_checkpoint_safety import craft
+
+    run = tmp_path / "run"
+    runner.train(cfg_of(*SHORT), run)
+    killed_after(run, 2)
+    ckpt = run / "checkpoints" / "step_0000002"
+    marker = tmp_path / "marker"
+    craft(ckpt, marker)
+    for resume, where in (("resume=auto", "run"), (f"resume={ckpt}", "run"), (f"resume={ckpt}", "other")):
+        code = run_main(*SHORT, f"hydra.run.dir={where}", resume)
+        assert code == f"Error: {resume}: checkpoint {ckpt}: .metadata is refused: it names builtins.exec, which " \
+                       "DCP's metadata never holds (a crafted file would run it: refused, nothing was run)", code
+        assert not marker.exists()
+    assert not (run / "summary.json").exists() and not (tmp_path / "other" / "summary.json").exists()
+
+
+def test_resume_auto_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog):
+    whole = runner.train(cfg_of(*SHORT), tmp_path / "whole")
+    run = tmp_path / "run"
+    runner.train(cfg_of(*SHORT), run)
+    killed_after(run, 4)
+    newest = run / "checkpoints" / "step_0000004"
+    [data] = newest.glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))                                          # a bit flipped on disk
+    with caplog.at_level("INFO", logger="fxtrain"):
+        assert runner.train(cfg_of(*SHORT, "resume=auto"), run) == whole
+    assert f"resume=auto: checkpoint {newest} is corrupted: {data.name} does not match its checksum; going on " \
+           "from the previous checkpoint, step_0000002" in caplog.text
+    assert f"start  from {run / 'checkpoints' / 'step_0000002'} (step 2)" in caplog.text
+    assert records(run) == records(tmp_path / "whole")
+    fx.checkpoint.verify(newest)                                          # written again
+    # none that verifies: refused, never a silent start at step 0
+    killed_after(run, 4)
+    for p in (run / "checkpoints").iterdir():
+        (p / ".metadata").write_bytes(b"damaged")
+    with pytest.raises(Exception, match=r"resume=auto: checkpoint .*step_0000004 is truncated.*\(and every older "
+                                        r"checkpoint in .* too\)"):
+        runner.train(cfg_of(*SHORT, "resume=auto"), run)
+
+
+def test_disk_full_during_a_save_is_one_line_and_a_failed_summary(tmp_path, monkeypatch, capsys):
+    """DCP's CheckpointException is not an Exception: a full disk gave an 82-line traceback and no summary."""
+    import errno
+    import torch.distributed.checkpoint as dcp
+    from tests._runner import run_main
+
+    write = dcp.FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        if "step_0000004" in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full_disk)
+    code = run_main(*SHORT, "hydra.run.dir=run")
+    err = capsys.readouterr().err
+    assert code == ("Error: no space left on the device: the run stopped, its complete checkpoints are intact; free "
+                    "some space and relaunch with resume=auto, or write elsewhere (hydra.run.dir=...)"), code
+    assert "Traceback" not in err
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["error"].startswith(f"CheckpointError: could not write the checkpoint {run / 'checkpoints'}"
+                                       "/step_0000004: OSError: [Errno 28] No space left on device; the last "
+                                       "checkpoint is step 2")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000002"]   # no .saving left over
+    fx.checkpoint.verify(run / "checkpoints" / "step_0000002")
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write)
+    assert run_main(*SHORT, "hydra.run.dir=run", "resume=auto") == 0     # space freed: it goes on from step 2
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_kill_after_the_final_checkpoint_keeps_every_metric_in_the_summary(tmp_path):
+    run = tmp_path / "run"
+    runner.train(cfg_of(*SHORT), run)
+    whole = json.loads((run / "summary.json").read_text())
+    assert {"loss", "accuracy", "grad_norm", "learning_rate", "test_loss", "test_accuracy"} <= set(whole["metrics"])
+    killed_after(run, 4)
+    runner.train(cfg_of(*SHORT, "resume=auto"), run)                    # evaluates step 4 again
+    resumed = json.loads((run / "summary.json").read_text())
+    assert set(resumed["metrics"]) == set(whole["metrics"])
+    for k in ("loss", "accuracy", "grad_norm", "learning_rate"):         # the train metrics of step 4's log line
+        assert resumed["metrics"][k] == whole["metrics"][k], k
+    for k in ("test_loss", "test_accuracy"):                             # the same params evaluated again
+        assert resumed["metrics"][k] == pytest.approx(whole["metrics"][k], rel=1e-6), k
