@@ -182,6 +182,8 @@ def save(path: str | os.PathLike, state: Any, *, meta: dict[str, Any] | None = N
             tensors[p] = x.detach()
     tensors = _reduced(tensors)
     rank, world = distributed.rank_and_world()
+    merged = _every_rank(state, leaves) if _distributed() else leaves
+    partitioned, leaves = merged is not leaves, merged
     tmp, _ = _siblings(path)
     _on_rank0(rank, path, "start saving", lambda: _start(path))
     try:
@@ -189,13 +191,53 @@ def save(path: str | os.PathLike, state: Any, *, meta: dict[str, Any] | None = N
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
         # DCP's coordinator writes .metadata only after every rank reported its writes done: rank 0 sees all files.
-        _on_rank0(rank, path, "commit", lambda: _commit(path, leaves, world, meta))
+        _on_rank0(rank, path, "commit", lambda: _commit(path, leaves, world, meta, partitioned))
     except BaseException:
         # DCP raises on every rank once every rank is done writing, _on_rank0 too: nobody writes into tmp any more.
         if rank == 0:
             _undo(path)
         raise
     return path
+
+
+class _Ref:
+    """A leaf of a rank's tree in :func:`_every_rank`: which rank's entry, and which of its leaves."""
+
+    def __init__(self, rank: int, index: int):
+        self.rank, self.index = rank, index
+
+
+def _every_rank(state: Any, leaves: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The manifest's leaves: every rank's, when ranks hold different trees (pipeline stages: each stage's own
+    params and state under their own paths), merged into one tree in its flatten order (the whole model's, for
+    stages of one model), a path held by several ranks listed once (rank 0's entry); ``leaves`` when every rank
+    holds the same tree (one small all-gather of the leaf lists)."""
+    world = dist.get_world_size()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, [e["path"] for e in leaves])
+    if all(g == gathered[0] for g in gathered):
+        return leaves
+    spec = tree.structure(state)
+    refs = tree.unflatten(spec, [_Ref(dist.get_rank(), i) for i in range(spec.num_leaves)])
+    every: list = [None] * world
+    dist.all_gather_object(every, (refs, leaves))
+    merged = every[0][0]
+    for other, _ in every[1:]:
+        merged = _merge(merged, other)
+    flat = optree.tree_leaves(merged, none_is_leaf=True, namespace="fxtrain")
+    return [every[r.rank][1][r.index] for r in flat]
+
+
+def _merge(a: Any, b: Any) -> Any:
+    """The union of two trees of :class:`_Ref` (dicts by key, sequences and NamedTuples position by position);
+    where both hold a leaf, ``a``'s."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = list(a) + [k for k in b if k not in a]
+        return type(a)((k, _merge(a[k], b[k]) if k in a and k in b else (a[k] if k in a else b[k])) for k in keys)
+    if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
+        items = [_merge(x, y) for x, y in zip(a, b)]
+        return type(a)(*items) if hasattr(a, "_fields") else type(a)(items)
+    return a
 
 
 def _start(path: pathlib.Path) -> None:
@@ -211,11 +253,14 @@ def _start(path: pathlib.Path) -> None:
         raise
 
 
-def _commit(path: pathlib.Path, leaves: list[dict[str, Any]], world: int, meta: dict[str, Any] | None = None) -> None:
+def _commit(path: pathlib.Path, leaves: list[dict[str, Any]], world: int, meta: dict[str, Any] | None = None,
+            partitioned: bool = False) -> None:
     """Lists and checksums what DCP wrote into ``.<name>.saving``, writes the manifest, renames it to ``path``."""
     tmp, old = _siblings(path)
     files = {f.name: _fsync_and_crc(f) for f in sorted(tmp.iterdir())}
     manifest = {"format": _FORMAT, "version": _VERSION, "world_size": world, "leaves": leaves, "files": files}
+    if partitioned:  # ranks saved different trees (pipeline stages): each loads its own part (see load)
+        manifest["partitioned"] = True
     if meta is not None:
         manifest["meta"] = meta
     manifest["digest"] = _digest(manifest)
@@ -236,6 +281,7 @@ def _describe(path: str, x: Any) -> dict[str, Any]:
         entry = {"path": path, "kind": "tensor", "shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
         if isinstance(x, DTensor):
             entry["placements"] = [str(p) for p in x.placements]
+            entry["layout"] = _layout(x)
         return entry
     if isinstance(x, _VALUE_TYPES):
         return {"path": path, "kind": type(x).__name__, "value": x}
@@ -449,7 +495,7 @@ def _remove(d: pathlib.Path) -> None:
 
 # --- load -----------------------------------------------------------------------------------------
 
-def load(path: str | os.PathLike, *, like: Any, verify: bool = True) -> Any:
+def load(path: str | os.PathLike, *, like: Any, verify: bool = True, saved_placements: bool = False) -> Any:
     """Reads the checkpoint at ``path`` into a new tree shaped like ``like``.
 
     ``like`` gives the structure, and for each tensor leaf the shape, dtype, device and (for DTensors)
@@ -462,6 +508,11 @@ def load(path: str | os.PathLike, *, like: Any, verify: bool = True) -> Any:
       like: a tree of the same structure (``tx.init(params)`` of a freshly built model, say).
       verify: check every file's size and CRC32 against the manifest first (reads the whole checkpoint
         once more; ``False`` only checks sizes).
+      saved_placements: DTensor leaves keep the placements they were saved with where ``like``'s mesh has the
+        shape of the one they were saved on (a resume: an accumulated gradient's placements may differ from
+        its param's); ``False``: ``like``'s. ``Partial`` leaves keep theirs either way (their terms, exactly).
+        A checkpoint whose ranks saved different trees (pipeline stages) loads into a ``like`` that is one
+        rank's part, or the whole tree.
 
     Returns:
       The loaded tree, with ``like``'s containers.
@@ -491,10 +542,14 @@ def load(path: str | os.PathLike, *, like: Any, verify: bool = True) -> Any:
     manifest = _manifest(path)
     _check_files(path, manifest, verify)
     saved = manifest["leaves"]
+    if manifest.get("partitioned") is True:  # pipeline stages: `like` is one stage's part (or the whole tree)
+        mine = set(like_paths)
+        saved = [e for e in saved if e["path"] in mine] if mine <= {e["path"] for e in saved} else saved
     _check_like(path, saved, like_paths, flat)
     _check_dcp(path, manifest)
     likes = {e["path"]: x for e, x in zip(saved, flat) if e["kind"] == "tensor"}
-    tensors = {k: _empty_like(x) for k, x in likes.items()}
+    entries = {e["path"]: e for e in saved}
+    tensors = {k: _empty_like(x, entries[k], saved_placements) for k, x in likes.items()}
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -505,7 +560,7 @@ def load(path: str | os.PathLike, *, like: Any, verify: bool = True) -> Any:
         cause = first_failure(e)
         raise CheckpointError(f"checkpoint {path} could not be read: {type(cause).__name__}: "
                               f"{(str(cause).splitlines() or [''])[0]}") from cause
-    tensors = {k: _as_partial(v, likes[k]) for k, v in tensors.items()}
+    tensors = {k: _loaded(v, likes[k], entries[k]) for k, v in tensors.items()}
     out = [tensors[e["path"]] if e["kind"] == "tensor" else e.get("value") for e in saved]
     return tree.unflatten(spec, out)
 
@@ -800,21 +855,119 @@ def _kind(e: dict) -> str:
     return {"tensor": "a tensor", "none": "None"}.get(e["kind"], f"a Python {e['kind']}")
 
 
-def _empty_like(x: torch.Tensor) -> torch.Tensor:
-    # DCP loads in place; empty_like of a DTensor is a DTensor on the same mesh with the same placements
-    # (Partial ones as Replicate: the checkpoint holds their reduced value, see _reduced).
-    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
-        return DTensor.from_local(torch.empty_like(x._local_tensor), x.device_mesh, _replicated(x.placements),
-                                  run_check=False, shape=x.shape, stride=x.stride())
-    return torch.empty_like(x.detach(), memory_format=torch.contiguous_format)
+def _empty_like(x: torch.Tensor, entry: dict[str, Any], saved: bool = False) -> torch.Tensor:
+    """The tensor DCP loads ``entry`` into, in place: ``x``'s mesh with the placements the leaf was saved with
+    (a gradient held by ``accumulate`` keeps its own, which may differ from its param's), Partial ones as their
+    stacked terms (see :func:`_stacked`); a plain tensor for a plain ``x`` (a Partial leaf: all its terms)."""
+    if not isinstance(x, DTensor):
+        terms = _saved_terms(entry)
+        return torch.empty((*terms, *x.shape), dtype=x.dtype, device=x.device) if terms else \
+            torch.empty_like(x.detach(), memory_format=torch.contiguous_format)
+    placements = _saved_placements(entry, x)
+    if placements is not None and not saved and not _saved_terms(entry):
+        placements = tuple(x.placements)
+    if placements is None:  # saved on another mesh: the full value, on every rank, then placed like x
+        terms = _saved_terms(entry)
+        return torch.empty((*terms, *x.shape), dtype=x.dtype, device=x._local_tensor.device)
+    target = DTensor.from_local(torch.empty_like(x._local_tensor), x.device_mesh, x.placements, run_check=False,
+                                shape=x.shape, stride=x.stride())
+    if placements != tuple(x.placements):
+        target = torch.distributed.tensor.empty(x.shape, dtype=x.dtype, device_mesh=x.device_mesh,
+                                                placements=_replicated(placements))
+        target = DTensor.from_local(target._local_tensor, x.device_mesh, placements, run_check=False,
+                                    shape=x.shape, stride=_contiguous(x.shape))
+    return _stacked(target)
 
 
-# --- Partial DTensors (accumulate's window sum under data parallelism) --------------------------------
-# DCP refuses Partial placements: each rank's piece is a term of a sum, not a part of a tensor. Saved, they
-# are reduced (their value, Replicate: one bucketed all-reduce); loaded, the value goes back as one term on
-# the first rank of each Partial dim and zeros elsewhere (avg: the value on every rank), so it sums to the
-# same value. Between accumulation windows the accumulator is never read (it is replaced), so a checkpoint
-# at a window boundary resumes bit for bit; inside a window, up to the summation order.
+# --- DTensors: placements and Partial terms -------------------------------------------------------------
+# DCP refuses Partial placements: each rank's piece is a term of a sum, not a part of a tensor. A Partial
+# DTensor (accumulate's window sum under data parallelism) is saved as its terms, exactly: one new leading
+# dim per Partial mesh dim, sharded over that mesh dim (Shard), so every rank writes its own term and loads
+# it back bit for bit. The manifest records each DTensor's placements ("layout"), so a leaf loads with the
+# placements it was saved with on the same mesh (a held gradient's, which may differ from its param's), and
+# a resumed run adds into an accumulator laid out as the uninterrupted run's. Loaded into a plain tensor or
+# onto another mesh, the terms are reduced (sum, or mean for avg) and the value placed like `like`.
+
+_PLACEMENT_KINDS = {"S": "Shard", "SS": "_StridedShard", "R": "Replicate", "P": "Partial"}
+
+
+def _layout(x: DTensor) -> dict[str, Any]:
+    """``x``'s mesh shape and placements as JSON (``["S", dim]``, ``["SS", dim, split]``, ``["R"]``, ``["P", op]``)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def one(p: Any) -> list:
+        if isinstance(p, _StridedShard):
+            return ["SS", p.dim, p.split_factor]
+        if p.is_shard():
+            return ["S", p.dim]
+        if p.is_partial():
+            return ["P", p.reduce_op]
+        return ["R"]
+
+    return {"mesh": list(x.device_mesh.shape), "placements": [one(p) for p in x.placements]}
+
+
+def _saved_placements(entry: dict[str, Any], like: DTensor) -> tuple | None:
+    """The placements ``entry`` was saved with, for ``like``'s mesh; ``like``'s own when the manifest has none
+    (saved as a plain tensor); ``None`` when it was saved on a mesh of another shape."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    layout = entry.get("layout")
+    if not isinstance(layout, dict):
+        return tuple(like.placements)
+    if layout.get("mesh") != list(like.device_mesh.shape):
+        return None
+    make = {"S": lambda d: Shard(d), "SS": lambda d, f: _StridedShard(d, split_factor=f), "R": Replicate,
+            "P": lambda op: Partial(op)}
+    try:
+        return tuple(make[p[0]](*p[1:]) for p in layout["placements"])
+    except (KeyError, TypeError, IndexError, ValueError):
+        raise CheckpointError(f"checkpoint: the leaf '{entry['path']}' has layout {layout!r}, not a mesh shape and "
+                              f"placements; {_REDO}") from None
+
+
+def _saved_terms(entry: dict[str, Any]) -> tuple[int, ...]:
+    """The sizes of the Partial mesh dims a leaf was saved with: its stacked terms (``()``: none)."""
+    layout = entry.get("layout")
+    if not isinstance(layout, dict):
+        return ()
+    return tuple(n for n, p in zip(layout.get("mesh", ()), layout.get("placements", ())) if p and p[0] == "P")
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _stacked(x: torch.Tensor) -> torch.Tensor:
+    """A Partial DTensor as its terms: a new leading dim per Partial mesh dim, Shard on it; others as they are."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not (isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)):
+        return x
+    mesh, n = x.device_mesh, sum(p.is_partial() for p in x.placements)
+    placements, k = [], 0
+    for p in x.placements:
+        if p.is_partial():
+            placements.append(Shard(k))
+            k += 1
+        elif isinstance(p, _StridedShard):
+            placements.append(_StridedShard(p.dim + n, split_factor=p.split_factor))
+        elif p.is_shard():
+            placements.append(Shard(p.dim + n))
+        else:
+            placements.append(p)
+    sizes = tuple(mesh.size(d) for d, p in enumerate(x.placements) if p.is_partial())
+    shape = (*sizes, *x.shape)
+    local = x._local_tensor.reshape((1,) * n + tuple(x._local_tensor.shape))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous(shape))
+
 
 def _replicated(placements: tuple) -> tuple:
     from torch.distributed.tensor import Replicate
@@ -823,14 +976,35 @@ def _replicated(placements: tuple) -> tuple:
 
 
 def _reduced(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    partial = [k for k, x in tensors.items() if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)]
-    if not partial:
-        return tensors
-    reduced = distributed.reduce_partials([tensors[k] for k in partial])
-    return {**tensors, **dict(zip(partial, reduced))}
+    """The tensors DCP writes: Partial DTensors as their stacked terms (no communication, exact)."""
+    return {k: _stacked(x) for k, x in tensors.items()}
+
+
+def _loaded(loaded: torch.Tensor, like: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
+    """What DCP loaded, back in the form the tree holds: terms unstacked into Partial, or reduced."""
+    terms = _saved_terms(entry)
+    if isinstance(like, DTensor) and isinstance(loaded, DTensor):
+        if terms:
+            placements = _saved_placements(entry, like)  # the terms of this rank, on the mesh they were saved from
+            local = loaded._local_tensor.reshape(loaded._local_tensor.shape[len(terms):])
+            return DTensor.from_local(local, like.device_mesh, placements, run_check=False, shape=like.shape,
+                                      stride=_contiguous(like.shape))
+        return loaded
+    if terms:  # every term, as a plain tensor: their value
+        ops = [p[1] for p in entry["layout"]["placements"] if p[0] == "P"]
+        value = loaded.sum(dim=tuple(range(len(terms)))) if "avg" not in ops else loaded.mean(dim=tuple(range(len(terms))))
+        loaded = value.to(like.dtype)
+    if isinstance(like, DTensor):  # saved on another mesh: placed like `like` from the full value on every rank
+        from torch.distributed.tensor import distribute_tensor
+
+        placed = distribute_tensor(loaded, like.device_mesh, _replicated(like.placements), src_data_rank=None)
+        return _as_partial(placed, like)
+    return loaded
 
 
 def _as_partial(loaded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A Replicate value as ``like``'s Partial placements: the value on the first rank of each sum dim, zeros
+    elsewhere (avg: the value everywhere)."""
     if not (isinstance(like, DTensor) and any(p.is_partial() for p in like.placements)):
         return loaded
     local = loaded._local_tensor

@@ -87,6 +87,7 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
       fxtrain.build.ConfigError: a config that cannot be built, naming the key.
       fxtrain.rundir.RunDirError: ``out_dir`` holds another run, this run without ``resume``, or a live process.
     """
+    build.settle_optimized_metric(cfg)  # the task's own where the config leaves it to the task (a _target_ function's)
     validate.check(cfg)  # every setting, before anything is written (fxtrain/validate.py)
     with rundir.claim(out_dir, cfg):  # one run, one live process per directory (fxtrain/rundir.py)
         return _train(cfg, out_dir)
@@ -183,7 +184,8 @@ def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, An
     """``(start, params, opt_state, buffers)``: the checkpoint's, or step 0's; says the run's first lines."""
     start, params, opt_state, buffers, resumed = 0, built.params, built.opt_state, built.buffers, "from step 0"
     if run.source is not None:
-        state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers))
+        state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers),
+                        saved_placements=True)  # a held gradient keeps its own (it may differ from its param's)
         # Into the built trees, in place: FSDP and pipeline stages compute with their modules' own tensors,
         # which these leaves are (a new tree would train a copy the module never sees).
         with torch.no_grad():
