@@ -14,10 +14,18 @@ launch does can mix into it or delete from it.
   - its config is the same but ``resume`` is ``null``: starting over would mix two runs into one
     ``metrics.jsonl``, so the same config is **refused, never silently resumed**; ``resume=auto`` continues it.
 
-  A directory without progress (a launch that failed before its first log line) is claimed anew. A key
+  A directory without progress, or whose launch failed (or was refused) before its first checkpoint, is
+  claimed anew: the corrected command reruns there from step 0. With a checkpoint, the run's world size
+  and layout (``run.json`` records them) must be this launch's, unless ``resume_relayout=true``
+  (:func:`check_layout`). A key
   present on one side only (one a newer fxtrain added, at its default) does not make another run:
   ``resume`` continues and records the new config. A directory with progress but no ``run.json`` (written
   before run directories were recorded) is continued only with ``resume``.
+* **Nothing written before acceptance.** ``conf/train.yaml`` sets ``hydra.output_subdir: null``: Hydra's
+  ``.hydra/{config,hydra,overrides}.yaml`` are written by :func:`claim` once the launch is accepted (and by
+  the :class:`HydraFiles` callback for jobs claimed outside Hydra's ``run_job``), the lock's holder record
+  too, so a refused launch leaves the directory byte-identical. A sweep job refused for a setting records
+  ``status: refused`` and its error in its own new directory (:func:`write_refused`), for ``summary.csv``.
 * **One live process.** :func:`claim` holds an exclusive advisory lock (``fcntl.flock``) on ``run.lock``,
   which records the holder's pid and host, for the whole run; a second process is refused with a message
   naming the holder. The lock dies with its process (``kill -9`` included), so a relaunch never finds a

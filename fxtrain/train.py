@@ -27,7 +27,16 @@ config, and only rank 0 writes or prints (checkpoints are written by all ranks t
   ``resume=auto``. A run whose ``summary.json`` says it completed ``trainer.max_steps`` steps is left
   alone: nothing is trained or written, and its recorded value is returned.
 * ``resume=PATH``: a checkpoint directory (``.../checkpoints/step_<N>``) or a run directory (its newest
-  checkpoint); training continues in this run's own directory.
+  checkpoint); training continues in this run's own directory. The checkpoint must be of this config (the
+  config hash its manifest, or its run's ``run.json``, records): another run's is refused unless
+  ``resume_force=true``.
+
+Both verify the checkpoint first (:func:`fxtrain.checkpoint.verify`; nothing in it is read by a loader that
+runs code): ``resume=auto`` goes back past a newest checkpoint that does not verify to the previous one,
+naming the damaged one in a warning (none verifying is an error, never a silent start at step 0). The world
+size and the parallel layout are part of the run (recorded in ``run.json`` and every checkpoint's manifest):
+resuming on another is refused unless ``resume_relayout=true`` (the checkpoint is resharded; the start line
+says ``relayout from 2 ranks, parallel=dp [dp=2] to 1 process, parallel=none``).
 
 In both cases ``metrics.jsonl`` is cut back to the checkpoint's step before training goes on (the lines
 a killed run logged after its last checkpoint are logged again by the resumed one), so it holds every
