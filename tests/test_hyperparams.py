@@ -419,3 +419,64 @@ def test_bad_hyperparameter_tensors_are_named():
     state.hyperparams["learning_rate"] = 1  # a Python int for a float hyperparameter: a float, as in the state
     u, state = tx.update(params, state, params)
     assert state.hyperparams["learning_rate"].dtype == torch.float32
+
+
+# --- integers where floats are expected (issue 25) ------------------------------------------------
+# Hydra reads `weight_decay=0` as an int; inject_hyperparams made it an int32 tensor, which the optimizer
+# refused with a traceback. Integers given for a float argument become floats of the params' dtype: the
+# updates are those with the float given, bit for bit; counts stay int32 (as in Optax).
+INTEGER_HYPERPARAMS = {
+    "adamw.weight_decay": (fx.adamw, dict(learning_rate=1e-2, weight_decay=0), dict(weight_decay=0.0)),
+    "adamw.learning_rate": (fx.adamw, dict(learning_rate=1, weight_decay=1e-2), dict(learning_rate=1.0)),
+    "sgd.momentum": (fx.sgd, dict(learning_rate=1, momentum=0), dict(learning_rate=1.0, momentum=0.0)),
+    "adam.b1_eps": (fx.adam, dict(learning_rate=1e-2, b1=0, eps=0), dict(b1=0.0, eps=0.0)),
+    "lion.b1": (fx.lion, dict(learning_rate=1, b1=0), dict(learning_rate=1.0, b1=0.0)),
+    "rmsprop": (fx.rmsprop, dict(learning_rate=1, decay=1, momentum=0), dict(learning_rate=1.0, decay=1.0,
+                                                                          momentum=0.0)),
+    "clip_by_global_norm": (fx.clip_by_global_norm, dict(max_norm=1), dict(max_norm=1.0)),
+    "muon": (fx.contrib.muon, dict(learning_rate=0.02, weight_decay=0, adam_eps_root=0),
+             dict(weight_decay=0.0, adam_eps_root=0.0)),
+}
+
+
+def _run_three(tx, params, donate):
+    state, out = tx.init(params), []
+    for k in range(3):
+        g = fx.tree.map(lambda p: 0.5 * p - 0.1 * k, params)
+        if donate:
+            u, state = fx.update_(tx, fx.tree.clone(g), state, params)
+        else:
+            with torch.enable_grad():
+                u, state = tx.update(g, state, params)
+        out.append(u)
+        params = fx.apply_updates(params, u)
+    return out, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("case", INTEGER_HYPERPARAMS)
+def test_integer_given_for_a_float_hyperparameter(case, donate, dtype):
+    factory, ints, floats = INTEGER_HYPERPARAMS[case]
+    params = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(0), dtype=dtype),
+              "b": torch.tensor([-1.0, 0.3, 0.7], dtype=dtype)}
+    for build in (factory, fx.inject_hyperparams(factory)):  # each against itself with the floats given
+        expected, _ = _run_three(build(**{**ints, **floats}), params, donate)
+        actual, state = _run_three(build(**ints), params, donate)
+        for a, e in zip(actual, expected):
+            assert_trees_close(a, e, rtol=0, atol=0)
+    for k in floats:  # the injected value is a float of the params' dtype
+        assert state.hyperparams[k].dtype == dtype, (k, state.hyperparams[k])
+
+
+def test_integer_for_a_counting_hyperparameter_stays_an_integer():
+    state = fx.inject_hyperparams(fx.contrib.muon)(learning_rate=1, ns_steps=3).init({"w": torch.ones(2, 2)})
+    assert state.hyperparams["ns_steps"].dtype == torch.int32
+    assert state.hyperparams["learning_rate"].dtype == torch.float32
+    # an int written into the state later for a float argument is read as a float too
+    tx = fx.inject_hyperparams(fx.sgd)(learning_rate=1)
+    p = {"w": torch.ones(2)}
+    state = tx.init(p)
+    state.hyperparams["learning_rate"] = 2
+    u, state = tx.update(p, state, p)
+    assert u["w"].tolist() == [-2.0, -2.0] and state.hyperparams["learning_rate"].dtype == torch.float32

@@ -51,7 +51,10 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
     As in Optax, callables are schedules unless named in ``static_args``; bools, strings, ``None`` and
     other non-numbers are static (passed unchanged). Float values become tensors of ``hyperparam_dtype``,
     by default the widest floating dtype of the params but at least float32 (Optax would round, say,
-    ``b2=0.999`` to 1.0 in bfloat16); ints become int32 tensors; tensors keep their dtype.
+    ``b2=0.999`` to 1.0 in bfloat16), and so do integers given for a float argument (``weight_decay=0``,
+    ``learning_rate=1``: JAX would promote them in the math, torch's kernels take floats); integers for an
+    argument that counts (an int default or annotation: ``ns_steps``, ``memory_size``) become int32
+    tensors, as in Optax; tensors keep their dtype.
 
     The hyperparameters in the state are ordinary inputs of the pure ``update``: ``torch.func.grad``
     (or plain autograd) of a loss after some updates with respect to ``state.hyperparams["learning_rate"]``
@@ -128,7 +131,10 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
             else:
                 other[k] = v
         # Float hyperparameters stay float: a value written into the state later is checked against this.
-        floats = {k for k, v in numeric.items() if _is_float(v)}
+        # An integer given where the factory takes a float (weight_decay=0, learning_rate=1: what Hydra
+        # passes for "0") is a float too; integers stay integers only where the factory counts
+        # (ns_steps=5, memory_size=10: an int default or an int annotation).
+        floats = {k for k, v in numeric.items() if _is_float(v) or not _counts(sig.parameters[k], v)}
         # Built once now with plain values: checks the arguments early and gives the traits to forward.
         try:
             proto = inner_factory(**other, **numeric, **{k: f(0) for k, f in schedules.items()})
@@ -201,6 +207,20 @@ def _is_float(v: Any) -> bool:
     if isinstance(v, (np.ndarray, np.generic)):
         return not np.issubdtype(np.asarray(v).dtype, np.integer)
     return not isinstance(v, numbers.Integral)
+
+
+def _counts(param: inspect.Parameter, v: Any) -> bool:
+    """Whether an integer value ``v`` of the factory argument ``param`` stays an integer: a Python or NumPy
+    integer (not an integer tensor, kept as given) for an argument whose default is an int (not a bool) or
+    whose annotation names ``int`` and no floating type."""
+    if isinstance(v, torch.Tensor):
+        return True
+    default = param.default
+    if isinstance(default, numbers.Integral) and not isinstance(default, bool):
+        return True
+    note = param.annotation if isinstance(param.annotation, str) else getattr(param.annotation, "__name__", "")
+    kinds = {t.strip() for t in note.split("|")} - {"None"}
+    return kinds == {"int"}
 
 
 def _checked(owner: str, what: str, v: Any, is_float: bool) -> Any:
