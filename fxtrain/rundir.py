@@ -59,7 +59,7 @@ from omegaconf.errors import OmegaConfBaseException
 from fxtrain import build, checkpoint, distributed, report
 
 __all__ = ["RunDirError", "UNHASHED", "config_hash", "claim", "rewind", "prune", "write_json", "read_summary",
-           "check_layout", "describe_layout", "write_refused", "HydraFiles"]
+           "check_layout", "describe_layout", "differing", "write_refused", "HydraFiles"]
 
 OWNER = "run.json"  # {"config_sha256": ..., "config": {...}}: the run this directory belongs to
 LOCK = "run.lock"   # flock'ed by the live process; holds its pid and host
@@ -253,7 +253,7 @@ def _check_owner(out: pathlib.Path, cfg: DictConfig, identity: dict[str, Any]) -
         resume = cfg.get("resume") not in (None, "")
         if isinstance(there, dict):
             # Keys on one side only (one that a newer fxtrain added, at its default) do not make another run.
-            diff = [k for k in sorted(set(there) & set(flat)) if there[k] != flat[k]]
+            diff = differing(there, flat, cfg)
             if diff:
                 shown = ", ".join(f"{k}={there[k]} there, {flat[k]} here" for k in diff[:3])
                 raise RunDirError(f"run directory {out} holds another run's config ({shown}"
@@ -273,6 +273,20 @@ def _check_owner(out: pathlib.Path, cfg: DictConfig, identity: dict[str, Any]) -
                               f"recorded), {progress}: pass resume=auto to continue it with this config, or another "
                               "hydra.run.dir to start a new run")
     write_json(out / OWNER, {"config_sha256": digest, "config": flat, **identity})
+
+
+def differing(there: dict[str, Any], here: dict[str, Any], cfg: DictConfig) -> list[str]:
+    """The keys of two flat configs (:func:`config_hash`) whose values differ, sorted. Keys on one side only
+    (one that a newer fxtrain added, at its default) do not count; nor do the ``parallel.*`` keys when
+    ``cfg.resume_relayout`` is true: they are the layout, which :func:`check_layout` compares.
+
+    >>> differing({"a": 1, "parallel.strategy": "fsdp"}, {"a": 2, "parallel.strategy": "none", "b": 0},
+    ...           OmegaConf.create({"resume_relayout": True}))
+    ['a']
+    """
+    relayout = cfg.get("resume_relayout", False) is True
+    return [k for k in sorted(set(there) & set(here))
+            if there[k] != here[k] and not (relayout and k.startswith("parallel."))]
 
 
 def _failed_early(out: pathlib.Path) -> bool:

@@ -509,7 +509,7 @@ def _check_same_config(cfg: DictConfig, path: pathlib.Path, manifest: dict[str, 
     if not isinstance(there, dict) or force:
         return
     _, flat = rundir.config_hash(cfg)
-    diff = [k for k in sorted(set(there) & set(flat)) if there[k] != flat[k]]
+    diff = rundir.differing(there, flat, cfg)
     if diff:
         shown = ", ".join(f"{k}={there[k]} there, {flat[k]} here" for k in diff[:3])
         raise rundir.RunDirError(f"resume={cfg.resume}: the checkpoint is of another config ({shown}"

@@ -244,6 +244,11 @@ def test_another_world_size_or_layout_is_refused_unless_relayout(tmp_path, caplo
     # into another directory: the checkpoint's own manifest says it (no run.json there to tell)
     with pytest.raises(rundir.RunDirError, match=r"the checkpoint .*step_0000002 was trained on 2 ranks"):
         runner.train(cfg_of(*cfg, f"resume={run / 'checkpoints' / 'step_0000002'}"), tmp_path / "elsewhere")
+    # parallel=none is the same run on another layout: its parallel.* keys are the layout, not another config
+    with pytest.raises(rundir.RunDirError, match=r"another config \(parallel\.strategy=dp there, none here\)"):
+        runner.train(cfg_of(*SHORT, f"resume={run / 'checkpoints' / 'step_0000002'}"), tmp_path / "none")
+    runner.train(cfg_of(*SHORT, f"resume={run / 'checkpoints' / 'step_0000002'}", "resume_relayout=true"),
+                 tmp_path / "none")
     with caplog.at_level("INFO", logger="fxtrain"):
         runner.train(cfg_of(*cfg, "resume=auto", "resume_relayout=true"), run)
     assert ("(step 4), relayout from 2 ranks, parallel=dp [dp=2] to 1 process, parallel=none" in caplog.text)

@@ -89,5 +89,6 @@ def test_resume_on_the_same_layout_is_bit_exact(tmp_path):
     assert summary(run) == full
     # On another layout: one process resumes from FSDP's sharded checkpoint (DCP reshards into full tensors).
     one = tmp_path / "one"
-    runner.train(cfg_of(*EXACT, f"resume={run / 'checkpoints' / 'step_0000004'}"), one)
+    # Another layout is another computation: asked for (resume_relayout=true), or refused (tests/test_rundir.py).
+    runner.train(cfg_of(*EXACT, f"resume={run / 'checkpoints' / 'step_0000004'}", "resume_relayout=true"), one)
     close(summary(one), full, rel=1e-4)
