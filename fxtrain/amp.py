@@ -20,7 +20,7 @@ The seeds' modes as presets (:func:`amp_preset`; the Hydra group ``amp/`` has th
 
     preset       policy               loss scale                               seeds' name
     -----------  -------------------  ---------------------------------------  --------------------------------------
-    off          p=f32,c=f32,o=f32    none                                     fp32 / apex O0
+    off          off (no cast at all)  none                                    full precision / apex O0
     bf16         p=f32,c=bf16,o=f32   none                                     torch-amp bf16 (O1-like; no GradScaler)
     fp16         p=f32,c=f16,o=f32    DynamicLossScale()  (GradScaler)         torch-amp fp16 + GradScaler (O1-like);
                                                                                apex O2's fp32 master weights
@@ -116,8 +116,10 @@ class Policy:
     A preset's name (``off``, ``bf16``, ``fp16``, ``naive_fp16``, ``pure_bf16``, ``pure_fp16``; see
     :data:`PRESETS`) means the preset's policy, as ``amp=<name>`` does in the runner. Two of them shadow
     jmp's bare names: ``"bf16"`` is ``p=f32,c=bf16,o=f32`` here (jmp: all three bf16, which is
-    ``"pure_bf16"`` or ``"p=bf16"``), and ``"off"`` is all float32. Other bare names keep jmp's meaning
-    (``"half"``, ``"bfloat16"``: all three in that dtype).
+    ``"pure_bf16"`` or ``"p=bf16"``), and ``"off"`` casts nothing: params, inputs and loss keep their own
+    dtypes (a float64 run stays float64; jmp's ``"f32"`` would cast it to float32). Other bare names keep
+    jmp's meaning (``"half"``, ``"bfloat16"``: all three in that dtype). ``Policy(None, None, None)`` is
+    ``"off"``: ``None`` for ``param_dtype`` means "as given", and then the other two must be ``None`` too.
 
     Its ``repr`` is the short grammar form in quotes, so a stack prints as
     ``amp_cast(policy='p=f32,c=bf16,o=f32', ...)`` and ``Policy.parse(eval(repr(p))) == p``.
@@ -133,11 +135,16 @@ class Policy:
         torch.bfloat16
     """
 
-    param_dtype: torch.dtype = torch.float32
+    param_dtype: torch.dtype | None = torch.float32  # None: "off", every dtype as given
     compute_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
 
     def __post_init__(self):
+        if self.param_dtype is None:  # "off": every dtype as given
+            if self.compute_dtype is not None or self.output_dtype is not None:
+                raise ValueError("Policy: param_dtype=None keeps every dtype as given ('off'); give a param "
+                                 "dtype to set the compute or output dtype")
+            return
         p = _dtype(self.param_dtype, "Policy param_dtype")
         c = p if self.compute_dtype is None else _dtype(self.compute_dtype, "Policy compute_dtype")
         o = c if self.output_dtype is None else _dtype(self.output_dtype, "Policy output_dtype")
@@ -155,6 +162,8 @@ class Policy:
             return policy
         if not isinstance(policy, str):
             raise ValueError(f"amp policy must be a string like 'p=f32,c=bf16,o=f32' or a fx.Policy, got {policy!r}")
+        if policy.strip() == "off":
+            return cls(None, None, None)
         if policy.strip() in PRESETS:  # a preset's name means the preset (the runner's amp=<name>), not jmp's
             return cls.parse(PRESETS[policy.strip()][0])
         if "=" not in policy:
@@ -187,6 +196,8 @@ class Policy:
         return tree.cast(t, self.output_dtype)
 
     def __str__(self) -> str:
+        if self.param_dtype is None:
+            return "off"
         return f"p={_SHORT[self.param_dtype]},c={_SHORT[self.compute_dtype]},o={_SHORT[self.output_dtype]}"
 
     def __repr__(self) -> str:
@@ -685,7 +696,7 @@ def _unscale_(xs: list[torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
 # --- presets ------------------------------------------------------------------------------------------
 
 PRESETS: dict[str, tuple[str, Any]] = {
-    "off": ("p=f32,c=f32,o=f32", "none"),
+    "off": ("off", "none"),  # no cast: a float64 run stays float64 end to end
     "bf16": ("p=f32,c=bf16,o=f32", "none"),
     "fp16": ("p=f32,c=f16,o=f32", DynamicLossScale()),
     "naive_fp16": ("p=f32,c=f16,o=f32",

@@ -451,7 +451,7 @@ def test_presets_build_and_train(name):
     kw = fx.amp_preset(name)
     tx = fx.amp_cast(fx.sgd(0.1), **kw)
     assert repr(tx).startswith("amp_cast(policy=")
-    dtype = fx.Policy.parse(kw["policy"]).param_dtype
+    dtype = fx.Policy.parse(kw["policy"]).param_dtype or torch.float32  # off: the params' own dtype
     params = fx.tree.cast(_init(), dtype)
     out, _, history = _run(tx, _batches(3), params=params)
     assert all(v.dtype == dtype for v in fx.tree.leaves(out))
@@ -473,10 +473,11 @@ def test_amp_cast_takes_a_preset_by_name(name):
     assert math.isfinite(float(history[-1][1]["loss"]))  # (naive_fp16 starts at 2**32: it skips first)
 
 
-def test_bf16_by_name_is_mixed_and_off_is_float32():
+def test_bf16_by_name_is_mixed_and_off_casts_nothing():
     expected = "amp_cast(policy='p=f32,c=bf16,o=f32', loss_scale=NoLossScale(), sgd(0.1))"
     assert repr(fx.amp_cast(fx.sgd(0.1), "bf16")) == expected
-    assert str(fx.amp_cast(fx.sgd(0.1), "off")).startswith("amp_cast(policy='p=f32,c=f32,o=f32'")
+    assert str(fx.amp_cast(fx.sgd(0.1), "off")).startswith("amp_cast(policy='off'")
+    assert fx.Policy.parse(eval(repr(fx.Policy.parse("off")))) == fx.Policy(None, None, None)
     # An explicit loss scale wins over the preset's; the explicit grammar stays jmp's.
     assert "loss_scale=StaticLossScale(scale=8.0)" in repr(fx.amp_cast(fx.sgd(0.1), "fp16", loss_scale=8.0))
     assert str(fx.Policy.parse("p=bf16,c=bf16,o=bf16")) == "p=bf16,c=bf16,o=bf16"
@@ -493,8 +494,8 @@ def test_runner_amp_configs_are_the_presets(name):
     conf = yaml.safe_load((pathlib.Path(__file__).parents[1] / "conf" / "amp" / f"{name}.yaml").read_text())
     preset = fx.amp_preset(name)
     policy = fx.Policy.parse(preset["policy"])
-    if conf["policy"] is None:  # amp=off: no amp_cast at all, i.e. float32 throughout
-        assert name == "off" and policy == fx.Policy.parse("f32")
+    if conf["policy"] is None:  # amp=off: no amp_cast at all, i.e. every dtype as given
+        assert name == "off" and policy == fx.Policy.parse("off") == fx.Policy(None, None, None)
         return
     assert fx.Policy.parse(conf["policy"]) == policy == fx.Policy.parse(name)
     assert amp._as_loss_scale(conf["loss_scale"], policy) == amp._as_loss_scale(preset["loss_scale"], policy)
@@ -756,3 +757,32 @@ def test_uncast_is_unwrapped_for_the_loss_without_amp():
         fx.train_step(loss_fn, tx, donate=donate)(params, tx.init(params), batch)
     assert seen == [dict, dict]
     assert repr(fx.amp.Uncast(torch.zeros(1, dtype=torch.float64))).startswith("Uncast(")
+
+
+# --- issue 25: amp "off" casts nothing (a float64 run stays float64 end to end) ----------------------
+
+@pytest.mark.parametrize("how", ["name", "preset", "policy"])
+def test_off_keeps_float64_end_to_end(how):
+    tx = {"name": lambda: fx.amp_cast(fx.sgd(0.1), "off"),
+          "preset": lambda: fx.amp_cast(fx.sgd(0.1), **fx.amp_preset("off")),
+          "policy": lambda: fx.amp_cast(fx.sgd(0.1), fx.Policy(None, None, None))}[how]()
+    seen = []
+
+    def loss_fn(p, x):
+        seen.append((p["w"].dtype, x.dtype))
+        return ((p["w"] * x) ** 2).sum()
+
+    params = {"w": torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64) / 3}
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64) / 7
+    step = fx.train_step(loss_fn, tx, donate=False)
+    new, _, metrics = step(params, tx.init(params), x)
+    assert seen == [(torch.float64, torch.float64)]
+    assert new["w"].dtype == metrics["loss"].dtype == torch.float64
+    # exactly plain float64 SGD: the gradient 2 w x^2, not rounded through float32
+    torch.testing.assert_close(new["w"], params["w"] - 0.1 * 2 * params["w"] * x ** 2, rtol=1e-15, atol=0)
+    assert fx.Policy.parse("off").cast_to_compute(params)["w"].dtype == torch.float64
+
+
+def test_off_with_a_compute_dtype_is_refused():
+    with pytest.raises(ValueError, match="param_dtype=None keeps every dtype"):
+        fx.Policy(None, torch.bfloat16)
