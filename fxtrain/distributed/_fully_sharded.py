@@ -28,9 +28,12 @@ What each layer does with FSDP2, and what it must not:
   hooks would replace the cast params): give it a policy whose compute dtype is the params' dtype
   (``amp_cast(tx, "p=f32,c=f32,o=f32", loss_scale="dynamic")``); a casting policy is refused by name.
 * **Accumulation**: with ``accumulate(tx, every=k)`` outermost, held micro-batches run with
-  ``set_requires_gradient_sync(False)`` (FSDP keeps the unsharded gradient sum locally, no
-  reduce-scatter) and the emitting call syncs the whole window's sum in one reduce-scatter per FSDP module,
-  torch's own recipe. ``accumulate`` then divides by ``k``: the same update as one batch of ``k`` micro-batches.
+  ``set_requires_gradient_sync(False)`` (no reduce-scatter; FSDP sums the unsharded gradients locally). After
+  each held call the step takes FSDP's held sums out as ``accumulate``'s accumulator (``Partial("avg")``
+  DTensors: each rank's unsharded sum), so a checkpoint inside a window holds them and a resume is exact;
+  the window's last call gives them back to FSDP, whose one reduce-scatter per FSDP module reduces the
+  window's sum, torch's own recipe. ``accumulate`` then divides by ``k``: the same update as one batch of
+  ``k`` micro-batches.
 
 Example (two ranks; not a doctest)::
 
