@@ -157,20 +157,26 @@ def write_csv(rows: list[dict[str, Any]], path: str | pathlib.Path) -> pathlib.P
     return path
 
 
-def best(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
-    """The completed row with the best ``metric``: lowest for losses and errors, highest otherwise. Ties (many
-    jobs at test_accuracy 1.0) go to the lowest ``test_loss``, then ``loss``, then the first job.
+# Metrics where lower is better: "loss" or "error" in the name, or one of these words (test_mae, val_rmse, test_ppl).
+_LOWER_IS_BETTER = {"err", "mae", "mse", "rmse", "nll", "perplexity", "ppl", "regret"}
 
-    >>> rows = [{"job": 0, "status": "completed", "test_accuracy": 1.0, "test_loss": 0.3},
-    ...         {"job": 1, "status": "completed", "test_accuracy": 1.0, "test_loss": 0.1}]
-    >>> best(rows, "test_accuracy")["job"]
-    1
+
+def best(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
+    """The completed row with the best ``metric``: lowest for losses and errors (``test_loss``, ``test_mae``,
+    ``test_mse``, a perplexity...), highest otherwise (``test_accuracy``). Ties (many jobs at test_accuracy
+    1.0) go to the lowest ``test_loss``, then ``loss``, then the first job.
+
+    >>> rows = [{"job": 0, "status": "completed", "test_accuracy": 1.0, "test_loss": 0.3, "test_mae": 0.2},
+    ...         {"job": 1, "status": "completed", "test_accuracy": 1.0, "test_loss": 0.1, "test_mae": 0.4}]
+    >>> best(rows, "test_accuracy")["job"], best(rows, "test_mae")["job"]
+    (1, 0)
     """
     done = [r for r in rows if r.get("status") == "completed" and isinstance(r.get(metric), (int, float))
             and math.isfinite(r[metric])]
     if not done:
         return None
-    sign = 1 if "loss" in metric or "error" in metric else -1
+    name = metric.lower()
+    sign = 1 if "loss" in name or "error" in name or _LOWER_IS_BETTER & set(name.split("_")) else -1
 
     def rank(r: dict) -> tuple:
         ties = [r.get(k) if isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) else math.inf

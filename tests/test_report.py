@@ -215,6 +215,16 @@ def test_plot_few_jobs_legend_beside_the_panels(sweep, tmp_path):
     assert report.plot(one, tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_best_is_the_lowest_error_and_the_highest_accuracy():
+    # A task may declare any metric (fxtrain/tasks.py's example: test_mae): an error ranks lowest-first.
+    rows = [{"job": j, "status": "completed", "test_mae": v, "test_rmse": v, "test_ppl": v, "val_error_rate": v,
+             "test_accuracy": v, "test_within_half": v} for j, v in enumerate([0.3, 0.1, 0.2])]
+    for metric in ("test_mae", "test_rmse", "test_ppl", "val_error_rate"):
+        assert report.best(rows, metric)["job"] == 1, metric
+    for metric in ("test_accuracy", "test_within_half"):
+        assert report.best(rows, metric)["job"] == 0, metric
+
+
 # --- the metric a task declares ranks every sweep -------------------------------------------------
 
 def accuracy_task():
