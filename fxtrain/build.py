@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import functools
 import importlib
@@ -675,9 +676,15 @@ def user_search_path(argv: list[str], primary: str = PRIMARY_CONFIG) -> list[str
     from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.plugins import Plugins
     from hydra.errors import HydraException
 
-    args, _ = get_args_parser().parse_known_args(argv)
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    try:
+        args, _ = parser.parse_known_args(argv)
+    except argparse.ArgumentError:  # not a command line Hydra runs (this process's: pytest -rA): no entries of it
+        return []
     entries = []
     if args.config_dir is not None:
         where = pathlib.Path(args.config_dir).expanduser().resolve()
@@ -689,6 +696,7 @@ def user_search_path(argv: list[str], primary: str = PRIMARY_CONFIG) -> list[str
             return [*entries, *(str(v) for v in o.value())]
     except HydraException as e:
         raise ConfigError(f"hydra.searchpath: {e}") from None
+    Plugins.instance()  # registers Hydra's config sources (pkg://, file://)
     path = ConfigSearchPathImpl()  # where the primary config is looked for (no plugins: they may call this)
     for entry in ["pkg://hydra.conf", *entries, primary, "structured://"]:
         path.append("fxtrain", entry)

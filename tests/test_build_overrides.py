@@ -1,6 +1,7 @@
 """fxtrain.build.check_overrides: the command line's group choices, checked before Hydra composes."""
 
 import pathlib
+import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -29,3 +30,12 @@ def test_a_structure_sweep_gives_each_job_its_chain():
     assert chains == [["clip_by_global_norm", "adamw"], ["sgd"]]
     for job in ("0", "1"):
         assert "done   2 steps" in pathlib.Path("sweep", job, "train.log").read_text()
+
+
+def test_the_search_path_of_another_command_line_is_hydras_own(monkeypatch):
+    # fxtrain's search-path plugin reads this process's command line, which may be pytest's (-rA, -c FILE): one
+    # Hydra cannot parse adds no entries, and stops nothing.
+    assert build.user_search_path(["-rA", "-c", "pyproject.toml"]) == []
+    monkeypatch.setattr(sys, "argv", ["pytest", "-rA"])
+    build.check_overrides(["model=mlp"])
+    assert run_main("-rA", "--cfg", "job") == 2  # the runner's own command line: Hydra's usage error, as before
