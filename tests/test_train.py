@@ -305,14 +305,14 @@ def test_multirun_two_jobs_write_directories_and_summary(capsys):
 
 
 def test_multirun_failing_job_is_reported_and_the_others_finish(capsys):
-    code = run_main("-m", "experiment=smoke", "schedule=constant", "optim.chain.adamw.learning_rate=inf,0.01",
+    code = run_main("-m", "experiment=smoke", "schedule=constant", "optim.chain.adamw.learning_rate=1e30,0.01",
                     "trainer.max_steps=4", "trainer.log_every=1", "hydra.sweep.dir=sweep")
     assert code == 1
     rows = list(csv.DictReader(pathlib.Path("sweep/summary.csv").read_text().splitlines()))
     assert [(r["job"], r["status"]) for r in rows] == [("0", "failed"), ("1", "completed")]
     assert rows[0]["error"].startswith("FloatingPointError: loss is nan at step 2")
     captured = capsys.readouterr()
-    assert ("[fxtrain] job 0 failed (experiment=smoke schedule=constant optim.chain.adamw.learning_rate=inf "
+    assert ("[fxtrain] job 0 failed (experiment=smoke schedule=constant optim.chain.adamw.learning_rate=1e+30 "
             "trainer.max_steps=4 trainer.log_every=1): FloatingPointError: loss is nan at step 2") in captured.err
     assert "not completed: job 0" in captured.out
 
