@@ -7,10 +7,12 @@ shows the call, e.g. ``adamw(0.001, weight_decay=0.1)``. Learning rates are non-
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import torch
 
+from fxtrain import tree
 from fxtrain._base import GradientTransformation, chain, check_nonnegative, identity, transform
 from fxtrain.transforms import _fused
 from fxtrain.transforms._adam import scale_by_adam
@@ -35,14 +37,52 @@ def _fused_adam_covers(eps_root: Scalar, mu_dtype, nesterov: bool) -> bool:
 
 def _check(name: str, **values) -> None:
     """The optimizers' argument checks: a learning rate is required (``None`` would leave the raw direction,
-    an ascent with step size 1), then :func:`fxtrain._base.check_nonnegative`."""
-    if values.get("learning_rate", 0) is None:
+    an ascent with step size 1), then :func:`fxtrain._base.check_nonnegative`; a schedule is probed at step 0
+    (a negative value there would climb the loss). A tensor's sign is checked by :func:`_descends` at ``init``."""
+    learning_rate = values.get("learning_rate", 0)
+    if learning_rate is None:
         raise ValueError(f"{name}: learning_rate=None would apply the raw update direction (an ascent with step "
                          "size 1); pass a number, a 0-dim tensor or a schedule")
     check_nonnegative(name, **values)
+    if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
+        try:
+            first = learning_rate(torch.zeros((), dtype=torch.int32))
+            first = float(first.detach()) if isinstance(first, torch.Tensor) and first.ndim == 0 else first
+        except Exception:  # noqa: BLE001 - a schedule that cannot be probed here reports at its first update
+            return
+        if isinstance(first, (int, float)) and first < 0:
+            raise ValueError(f"{name}: learning_rate is a schedule whose value at step 0 is {first:g}; it must be "
+                             ">= 0 (a negative learning rate climbs the loss)")
+
+
+def _descends(factory: Callable) -> Callable:
+    """``factory``'s transforms refuse, at ``init``, a 0-dim tensor ``learning_rate`` below 0 (it would climb the loss).
+
+    At ``init``, not at construction: ``inject_hyperparams`` rebuilds the optimizer with its tensors at every
+    update, where reading a value would be a host sync; ``init`` runs once. Under a ``torch.func`` transform
+    (a vmapped sweep's batched rates) the value is not read.
+    """
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
+        tx = factory(*args, **kwargs)
+        learning_rate = args[0] if args else kwargs.get("learning_rate")
+        if not isinstance(learning_rate, torch.Tensor):
+            return tx
+        init = tx.init
+
+        def init_fn(params):
+            if (not tree.transformed() and learning_rate.ndim == 0 and learning_rate.device.type != "meta"
+                    and not learning_rate.is_complex() and bool(learning_rate.detach() < 0)):
+                raise ValueError(f"{factory.__name__}: learning_rate={float(learning_rate):g} (a tensor) must be >= 0 "
+                                 "(a negative learning rate climbs the loss)")
+            return init(params)
+        return tx._replace(init=init_fn)
+
+    return build
 
 
 @transform(elementwise=None)
+@_descends
 def sgd(learning_rate: LearningRate, momentum: Scalar | None = None, nesterov: bool = False,
         accumulator_dtype: torch.dtype | str | None = None) -> GradientTransformation:
     r"""Stochastic gradient descent, with optional (Nesterov) momentum (Optax's ``sgd``).
@@ -85,6 +125,7 @@ def sgd(learning_rate: LearningRate, momentum: Scalar | None = None, nesterov: b
 
 
 @transform(elementwise=None)
+@_descends
 def adam(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
          eps_root: Scalar = 0.0, mu_dtype: torch.dtype | str | None = None, *, nesterov: bool = False
          ) -> GradientTransformation:
@@ -129,6 +170,7 @@ def adam(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps:
 
 
 @transform(elementwise=None)
+@_descends
 def adamw(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
           eps_root: Scalar = 0.0, mu_dtype: torch.dtype | str | None = None,
           weight_decay: Scalar | Callable = 1e-4, mask: Mask | None = None, *, nesterov: bool = False
@@ -182,6 +224,7 @@ def adamw(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps
 
 
 @transform(elementwise=None)
+@_descends
 def lion(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.99,
          mu_dtype: torch.dtype | str | None = None, weight_decay: Scalar | Callable = 1e-3,
          mask: Mask | None = None) -> GradientTransformation:
@@ -223,6 +266,7 @@ def lion(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.99,
 
 
 @transform(elementwise=None)
+@_descends
 def rmsprop(learning_rate: LearningRate, decay: Scalar = 0.9, eps: Scalar = 1e-8,
             initial_scale: Scalar = 0.0, eps_in_sqrt: bool = True, centered: bool = False,
             momentum: Scalar | None = None, nesterov: bool = False, bias_correction: bool = False
@@ -272,6 +316,7 @@ def rmsprop(learning_rate: LearningRate, decay: Scalar = 0.9, eps: Scalar = 1e-8
 
 
 @transform(elementwise=None)
+@_descends
 def adagrad(learning_rate: LearningRate, initial_accumulator_value: Scalar = 0.1, eps: Scalar = 1e-7
             ) -> GradientTransformation:
     r"""Adagrad: steps divided by the root of the sum of all squared gradients (Optax's ``adagrad``).

@@ -174,8 +174,8 @@ def _memo(key: tuple, make: Callable[[], Any]) -> Any:
 # The config's own nodes (not _target_ nodes, whose keys are their target's arguments): every key the
 # options of conf/ give them (tests/test_settings_fuzz.py checks that this lists every one of them).
 SCHEMA: dict[str, tuple[str, ...]] = {
-    "": ("seed", "optimized_metric", "resume", "resume_force", "resume_relayout", "model", "data", "task", "optim", "schedule", "amp", "accumulate",
-         "parallel", "trainer", "logger"),
+    "": ("seed", "optimized_metric", "resume", "resume_force", "resume_relayout", "model", "data", "task", "optim",
+         "schedule", "amp", "accumulate", "parallel", "trainer", "logger"),
     "optim": ("chain",),
     "trainer": ("max_steps", "log_every", "eval_every", "eval_batch_size", "checkpoint_every", "keep_last", "device",
                 "cpu_threads", "progress", "allow_no_descent", "early_stopping", "eval_hooks"),
@@ -776,7 +776,8 @@ def _descent(cfg: DictConfig) -> None:
                           f"('optim/transform@optim.chain=[{listed},sgd]'), or pass "
                           "trainer.allow_no_descent=true if that is what you want")
     culprits = flips or lr_entries[1:]
-    raise ConfigError(f"{culprits[0]}: the chain [{listed}] would {'not move the params' if sign == 0 else 'climb the loss'} "
+    would = "not move the params" if sign == 0 else "climb the loss"
+    raise ConfigError(f"{culprits[0]}: the chain [{listed}] would {would} "
                       f"(its entries' signs: {' '.join([*lr_entries, *flips])}; each optimizer negates the gradient "
                       "once); keep one optimizer and positive scales, or pass trainer.allow_no_descent=true")
 

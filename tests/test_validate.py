@@ -1,6 +1,7 @@
 """fxtrain/validate.py: every setting checked before a run writes anything, errors as one line, short-run defaults."""
 
 import csv
+import math
 import errno
 import os
 import pathlib
@@ -208,3 +209,135 @@ def test_resolved_config_records_the_numbers():
         validate.check(cfg)
     text = runner._resolved_yaml(cfg_of("trainer.max_steps=300"))
     assert "eval_every: 30\n" in text and "warmup_steps: 15\n" in text and "log_every: 8\n" in text
+
+
+# --- the schema of the composed config (issue 25 part 3; tests/test_settings_fuzz.py fuzzes every key) ----------
+
+@pytest.mark.parametrize("override, message", [
+    ("+trainer.max_step=5", "trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?)"),
+    ("+max_steps=5", "max_steps: not a setting fxtrain reads; the top-level settings are seed,"),
+    ("+amp.polcy=bf16", "amp.polcy: not a setting fxtrain reads (did you mean amp.policy?)"),
+    ("+accumulate.evry=2", "accumulate.evry: not a setting fxtrain reads (did you mean accumulate.every?)"),
+    ("+parallel.stratgy=dp", "parallel.stratgy: not a setting fxtrain reads (did you mean parallel.strategy?)"),
+    # early stopping is off (metric null): its keys were not read at all
+    ("+trainer.early_stopping.patiense=3", "trainer.early_stopping.patiense: not a setting fxtrain reads (did you "
+                                           "mean trainer.early_stopping.patience?)"),
+])
+def test_unknown_keys_are_refused_with_the_nearest_name(override, message):
+    assert refused(override).startswith(message)  # was: ignored, the full run trained (+trainer.max_step=5)
+
+
+def test_a_misspelled_metric_is_refused_with_the_nearest_name():
+    # was: early stopping on test_los never fired; optimized_metric=acc failed after the first step
+    assert refused("trainer.early_stopping.metric=test_los").startswith(
+        "trainer.early_stopping.metric=test_los is not a metric of this run; it has: loss, grad_norm, learning_rate, "
+        "accuracy, test_loss, test_accuracy (did you mean test_loss?)")
+    assert refused("optimized_metric=test_acuracy").endswith("(did you mean test_accuracy?)")
+    assert refused("task=regression", "trainer.early_stopping.metric=test_mea").endswith("(did you mean test_mae?)")
+    validate.check(cfg_of(*FAST, "trainer.early_stopping.metric=grad_norm"))  # the stack's reports are metrics
+    validate.check(cfg_of(*FAST, "amp=fp16", "trainer.early_stopping.metric=loss_scale"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.chain.sgd.nesterov=abc", "optim.chain.sgd.nesterov=abc: expected true or false"),
+    ("optim.chain.sgd.nesterov=1", "optim.chain.sgd.nesterov=1: expected true or false"),
+    ("accumulate.mean=yes", "accumulate.mean=yes: expected true or false"),
+    ("parallel.shard_optimizer=1", "parallel.shard_optimizer=1: expected true or false"),
+])
+def test_booleans_are_strict(override, message):
+    assert refused("optim/transform@optim.chain=[sgd]", override, base=CHAIN).startswith(message)  # was: truthiness
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.hidden=[0]"], "model.hidden=[0]: expected a list of whole numbers >= 1"),
+    (["model=transformer", "data=stdlib_text", "task=lm", "model.n_layers=-1"],
+     "model.n_layers=-1: expected a whole number >= 1"),
+    (["model=moe", "data=stdlib_text", "task=lm", "model.experts=0"], "model.experts=0: expected a whole number >= 1"),
+    (["model=transformer", "data=stdlib_text", "task=lm", "model.n_heads=3"],
+     "model (fxtrain.models.TransformerLM): TransformerLM: d_model=128 is not divisible by n_heads=3"),
+    (["optim.chain.adamw.eps=inf"], "optim.chain.adamw.eps=inf: expected a finite number >= 0"),
+    (["optim.chain.adamw.b2=1.5"], "optim.chain.adamw.b2=1.5: expected a number in [0, 1)"),
+    (["optim/transform@optim.chain=[lion]", "optim.chain.lion.b1=nan"],
+     "optim.chain.lion.b1=nan: expected a number in [0, 1)"),
+    (["amp=fp16", "amp.loss_scale=1e9"], "amp.loss_scale=1000000000.0: a static float16 loss scale above 2**24"),
+    (["schedule=constant", "schedule.value=nan"], "schedule.value=nan: expected a finite number >= 0"),
+    (["data.test_fraction=nan"], "data.test_fraction=nan: expected a number between 0 and 1"),
+    (["trainer.max_steps=4294967296"], "trainer.max_steps=4294967296: expected a positive whole number"),
+])
+def test_values_that_would_change_what_is_trained_are_refused(overrides, message):
+    base = CHAIN if overrides[0].startswith(("optim/", "model=")) else FAST
+    assert refused(*overrides, base=base).startswith(message)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("amp.loss_scale=-1", "amp.loss_scale=-1: expected null (the policy's default), none, dynamic, a finite number"),
+    ("amp.loss_scale=abc", "amp.loss_scale=abc: expected null"),
+    ("trainer.early_stopping.patience=0", "trainer.early_stopping.patience=0: expected a whole number >= 1"),
+    ("trainer.early_stopping.mode=lowest", "trainer.early_stopping.mode='lowest': expected auto, min or max"),
+    ("+parallel.dp=0", "parallel.dp=0: expected a positive whole number of ranks, or -1"),
+    ("+parallel.microbatches=0", "parallel.microbatches=0: expected a positive whole number"),
+    ("accumulate.accumulator_dtype=float17", "accumulate.accumulator_dtype=float17: expected null"),
+])
+def test_settings_this_run_does_not_use_are_checked_all_the_same(override, message):
+    # amp off, early stopping off, parallel=none: each was accepted, waiting for the run that uses it
+    assert refused(override).startswith(message)
+
+
+def test_integers_where_floats_go_are_accepted_and_train(tmp_path):
+    overrides = ["optim.chain.adamw.weight_decay=0", "optim.chain.adamw.b1=0", "optim.chain.adamw.learning_rate=1",
+                 "optim.chain.adamw.eps=0"]
+    validate.check(cfg_of(*FAST, *overrides))
+    validate.check(cfg_of("optim/transform@optim.chain=[sgd]", "optim.chain.sgd.momentum=0",
+                          "optim.chain.sgd.learning_rate=1", *CHAIN))
+    # was: a traceback from inject_hyperparams' int32 tensor; build gives the factories floats
+    cfg = cfg_of(*FAST, "optim.chain.adamw.weight_decay=0", "optim.chain.adamw.b1=0", "trainer.max_steps=3")
+    assert math.isfinite(runner.train(cfg, tmp_path / "run"))
+    tx = build.stack(cfg)
+    state = tx.init({"w": torch.zeros(2)})
+    hyper = state[1].hyperparams
+    assert hyper["weight_decay"].is_floating_point() and hyper["b1"].is_floating_point()
+    cfg = cfg_of("optim/transform@optim.chain=[clip_by_global_norm,sgd]", "optim.chain.sgd.momentum=0",
+                 "optim.chain.sgd.learning_rate=1", *CHAIN)
+    assert math.isfinite(runner.train(cfg, tmp_path / "sgd"))
+
+
+# --- the chain descends: signs of every scaling entry, the schedule from its first step to its last ---------------
+
+FLIP = ["+optim.chain.flip._target_=fxtrain.scale", "+optim.chain.flip.step_size=-1"]
+
+
+def test_a_chain_that_flips_the_sign_is_refused(tmp_path):
+    # was: loss 3.8 -> 8.6, exit 0
+    assert refused(*FLIP).startswith("optim.chain.flip.step_size=-1: the chain [clip_by_global_norm,adamw,flip] would "
+                                     "climb the loss")
+    with pytest.raises(build.ConfigError, match=r"^optim.chain.flip.step_size=0: the chain .* would not move"):
+        validate.check(cfg_of(*FAST, *FLIP[:1], "+optim.chain.flip.step_size=0"))
+    validate.check(cfg_of(*FAST, *FLIP[:1], "+optim.chain.flip.step_size=0.5"))  # a positive scale descends
+    two = cfg_of("optim/transform@optim.chain=[adamw,sgd]", *CHAIN)  # each optimizer negates once: an ascent
+    with pytest.raises(build.ConfigError, match=r"^optim.chain.sgd.learning_rate=0.1: the chain \[adamw,sgd\] would "
+                                                r"climb the loss"):
+        validate.check(two)
+    cfg = cfg_of(*FAST, *FLIP, "trainer.allow_no_descent=true", "trainer.max_steps=2")
+    validate.check(cfg)  # asked for
+    assert math.isfinite(runner.train(cfg, tmp_path / "run"))
+
+
+def test_a_zero_learning_rate_is_refused():
+    assert refused("optim.chain.adamw.learning_rate=0").startswith(
+        "optim.chain.adamw.learning_rate=0: the params would not move")
+    assert refused("schedule=constant", "schedule.value=0").startswith(
+        "optim.chain.adamw.learning_rate=0.01 times the schedule (schedule.value=0), 0 at every probed step")
+
+
+def test_the_library_refuses_a_negative_tensor_or_schedule_learning_rate():
+    params = {"w": torch.ones(2)}
+    with pytest.raises(ValueError, match=r"^adam: learning_rate=-1 \(a tensor\) must be >= 0"):
+        fx.adam(torch.tensor(-1.0)).init(params)  # was: ascended
+    with pytest.raises(ValueError, match=r"^adam: learning_rate is a schedule whose value at step 0 is -0.001"):
+        fx.adam(lambda count: -1e-3)
+    with pytest.raises(ValueError, match=r"learning_rate=-0.5 \(a tensor\) must be >= 0"):
+        fx.inject_hyperparams(fx.sgd)(learning_rate=torch.tensor(-0.5)).init(params)
+    fx.adam(torch.tensor(0.1)).init(params)
+    fx.sgd(fx.linear_schedule(0.1, 0.0, 10)).init(params)
+    # a vmapped sweep's rates are batched tensors: their values are not read
+    torch.func.vmap(lambda lr: fx.adam(lr).init(params)[0].mu["w"])(torch.tensor([0.1, 0.2]))
