@@ -22,6 +22,7 @@ ep       ``fx.distributed.expert_parallel`` (MoE experts over ep)     ``fx.train
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, NamedTuple
 
@@ -89,17 +90,19 @@ def _ep(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
 
 
 def _fsdp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, mp_policy: Any = None) -> Parallel:
+    twin = _twin(model)
     _fully_shard(model, dims.mesh["dp"] if dims.mesh.ndim > 1 else dims.mesh, mp_policy)
-    return _fully_sharded(model, tx, task)
+    return _fully_sharded(model, tx, task, twin)
 
 
 def _fsdp_tp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, mp_policy: Any = None) -> Parallel:
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = _plan(model, dims)
+    twin = _twin(model)
     parallelize_module(model, dims.mesh["tp"], plan)
     _fully_shard(model, dims.mesh["dp"], mp_policy)
-    return _fully_sharded(model, tx, task)
+    return _fully_sharded(model, tx, task, twin)
 
 
 def _pp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: dict | None = None) -> Parallel:
@@ -169,10 +172,24 @@ def _autograd(apply: Callable, params: Any, buffers: Any, tx, task: tasks.Task) 
     return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply, task))
 
 
-def _fully_sharded(model: nn.Module, tx, task: tasks.Task) -> Parallel:
+def _fully_sharded(model: nn.Module, tx, task: tasks.Task, twin: nn.Module) -> Parallel:
     apply, params, buffers = fx.distributed.fully_sharded(model)
     train = fx.distributed.fully_sharded_step(loss_function(apply, task), tx, model, has_aux=True)
-    return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply, task))
+    twin_apply = fx.functional(twin)[0]
+
+    def evaluate_full(params, buffers, test, batch_size):
+        # In the params' dtype, as every layout evaluates (see evaluate): FSDP's hooks would compute in its
+        # MixedPrecisionPolicy's param_dtype, so the gathered params run through the model's plain twin.
+        full = {k: v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v for k, v in params.items()}
+        return evaluate(twin_apply, full, buffers, test, batch_size, task)
+
+    return Parallel(apply, params, buffers, _with_buffers(train), evaluate_full)
+
+
+def _twin(model: nn.Module) -> nn.Module:
+    """The model's structure without storage (meta device), taken before torch's parallel modules change it:
+    evaluation runs it with the full params (``fx.functional``'s apply)."""
+    return copy.deepcopy(model).to("meta")
 
 
 def _with_buffers(train: Callable) -> Callable:
@@ -254,7 +271,14 @@ def _evaluator(apply: Callable, task: tasks.Task) -> Callable:
 def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], batch_size: int,
              task: tasks.Task | None = None) -> dict[str, float]:
     """The task's ``test_loss`` and ``test_<metric>`` (classification: ``test_accuracy``) on the whole held-out
-    split: :func:`fxtrain.tasks.evaluate` of :func:`forward`."""
+    split: :func:`fxtrain.tasks.evaluate` of :func:`forward`.
+
+    **One precision in every layout**: evaluation computes in the params' dtype (the float32 master weights
+    under ``amp=bf16``/``fp16``; bf16/fp16 for the pure half modes, whose params are stored so), never in the
+    amp policy's compute dtype: ``none``, ``dp``, ``tp`` and ``ep`` run this function; ``fsdp`` and ``fsdp_tp``
+    run it on the gathered params (FSDP's hooks would compute in its ``MixedPrecisionPolicy``); ``pp`` runs the
+    stages' forward on their own params. The same params give the same ``test_loss`` in every layout, up to
+    the summation order of sharded matmuls."""
     return tasks.evaluate(task or tasks.classification(), forward(apply, params, buffers), test, batch_size)
 
 

@@ -322,6 +322,40 @@ def case_refuses_a_stack_that_sees_one_stage(world):
 
 
 @case(2)
+def case_amp_cast_bf16_computes_like_one_process(world):
+    """amp_cast(bf16) on the pipeline: the stage modules compute with amp_cast's bf16 casts of their params, as
+    one process's train_step does with the whole model (issue 25: pp refused the bf16 preset)."""
+    import fxtrain as fx
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    pp, data = pp_mesh(world), batches()
+    amp = lambda tx: fx.amp_cast(tx, "p=f64,c=bf16,o=f64", loss_scale="none")  # noqa: E731
+    wide = lambda logits, y: loss_fn(logits.double(), y)  # noqa: E731 - the loss of bf16 logits, in float64
+
+    def one_process(tx):
+        apply, params, buffers = fx.functional(full_model())
+        step, state, metrics = fx.train_step(lambda p, b: wide(apply(p, buffers, b[0], train=True)[0], b[1]), tx), \
+            tx.init(params), []
+        for batch in data:
+            params, state, m = step(params, state, batch)
+            metrics.append(m)
+        return params, metrics
+
+    ref_params, ref_metrics = one_process(amp(stack()))
+    _, off_metrics = one_process(stack())
+    module, schedule = build(lambda stage, n, loss_fn: ScheduleGPipe(stage, n, loss_fn=wide), world)
+    params, metrics = run_pipeline(schedule, module, amp(stack(groups=(pp["pp"],))), pp["pp"], data)
+    for i, (m, r, off) in enumerate(zip(metrics, ref_metrics, off_metrics)):
+        # bf16 forward passes as one process's: the same loss from the same params (step 0), then apart by the
+        # micro-batches' bf16 gradients; far from float64's
+        assert_close(m["loss"], r["loss"], f"loss at step {i}", tol=1e-6 if i == 0 else 1e-3)
+        assert abs(float(m["loss"]) - float(off["loss"])) > 1e-4, (float(m["loss"]), float(off["loss"]))
+    for name, p in params.items():
+        assert p.dtype == torch.float64  # master weights keep their dtype
+        assert_close(p.detach(), ref_params[name], f"param {name}", tol=1e-2)  # Adam: sign-like steps
+
+
+@case(2)
 def case_refuses_wrong_group_amp_and_forward_only(world):
     import fxtrain as fx
     from torch.distributed.pipelining import ScheduleGPipe
@@ -332,8 +366,9 @@ def case_refuses_wrong_group_amp_and_forward_only(world):
     with pytest.raises(ValueError, match=rf"pp_group \(a process group\) has ranks \[{rank}\], but stage {rank} "
                                          r"sends over ranks \[0, 1\]: pass the group \(or mesh\)"):
         fx.distributed.pipeline_step(schedule, stack(groups=(solo,)), pp_group=solo)
-    with pytest.raises(ValueError, match=r"amp_cast\(.*acts on the forward pass \(wrap_loss.*torch.autocast"):
-        fx.distributed.pipeline_step(schedule, fx.amp_cast(stack(groups=(pp,)), "bf16"), pp_group=pp)
+    with pytest.raises(ValueError, match=r"^pipeline_step: amp_cast scales the loss \(fp16\), which the schedule's "
+                                         r"own loss_fn cannot take; use bf16 \(amp=bf16: no loss scale\)$"):
+        fx.distributed.pipeline_step(schedule, fx.amp_cast(stack(groups=(pp,)), "p=f64,c=f16,o=f64"), pp_group=pp)
     _, forward_only = build(lambda stage, n, loss_fn: ScheduleGPipe(stage, n), world)
     with pytest.raises(ValueError, match=r"ScheduleGPipe has no loss_fn, so it runs no backward"):
         fx.distributed.pipeline_step(forward_only, stack(groups=(pp,)), pp_group=pp)

@@ -11,9 +11,12 @@ this rank's stage params, in place.
 What the step decides, and why:
 
 * **The schedule owns the loss.** ``loss_fn`` is the schedule's (``loss_fn(output, target)`` on the last
-  stage); the step differentiates nothing itself. So a stack that acts on the forward pass
-  (``wrap_loss``: :func:`fxtrain.amp_cast` casts params and scales the loss) cannot reach it and is
-  refused when the step is built; cast inside the stage modules (``torch.autocast``) instead.
+  stage); the step differentiates nothing itself. A stack that acts on the forward pass (``wrap_loss``:
+  :func:`fxtrain.amp_cast`) casts as in one process: its ``wrap_loss`` casts the stage modules' own params
+  and the floating inputs to the compute dtype, and the schedule runs with the modules computing with those
+  casts (their gradients land in ``.grad`` in the params' dtype); activations travel between stages in the
+  params' dtype (exact for bf16 values). A loss scale (fp16) cannot reach the schedule's ``loss_fn`` and
+  is refused when the step is built: use bf16.
 * **Global transforms must span the stages.** Each rank holds a disjoint part of the model, as plain
   tensors, so a norm over "the tree" is a norm over one stage unless the pp group is summed over: torch's
   per-stage ``clip_grad_norm_`` makes exactly that mistake. The step does not rewrite the stack behind the
@@ -47,6 +50,7 @@ own loop too).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -88,7 +92,7 @@ def pipeline_step(schedule: Any, tx: GradientTransformation, *, pp_group: Any) -
 
     Raises:
       ValueError: a schedule without backward (no ``loss_fn``), a ``pp_group`` that is not the stages'
-        group, a stack with ``wrap_loss`` (``amp_cast``); at the first call (on every rank at once), params
+        group, a stack that scales the loss (``amp_cast`` with fp16's loss scale); at the first call (on every rank at once), params
         that are not the stage modules' parameters, or a stack whose reported values differ across stages
         (a global transform that sees only its own stage).
 
@@ -111,14 +115,11 @@ def pipeline_step(schedule: Any, tx: GradientTransformation, *, pp_group: Any) -
 
     stages = _stages(schedule)
     group = _group(pp_group, stages)
-    if tx.wrap_loss is not None:
-        raise ValueError(f"pipeline_step: {tx!r} acts on the forward pass (wrap_loss: amp_cast casts the params "
-                         "and scales the loss), but the schedule runs the forward with the stage modules' own "
-                         "params and its own loss_fn, which the stack cannot wrap. Compute in low precision "
-                         "inside the stage modules (torch.autocast; bf16 needs no loss scale) and pass the "
-                         "inner stack")
+    if tx.wrap_loss is not None and _scales_the_loss(tx):
+        raise ValueError("pipeline_step: amp_cast scales the loss (fp16), which the schedule's own loss_fn "
+                         "cannot take; use bf16 (amp=bf16: no loss scale)")
     engine = _Engine(schedule, stages, group, tx)
-    update = donated_step(_schedule_owns_the_loss, tx, grads=engine)
+    update = donated_step(engine.forward, tx, grads=engine)
 
     def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict]:
         engine.check(params, opt_state)
@@ -139,6 +140,7 @@ class _Engine:
         self.sources: list[torch.Tensor] = []  # the stage parameter behind each leaf, in flatten order
         self.stack_checked = False
         self.pending: Any = None  # the loss's all_reduce, in flight during the update
+        self.run: Any = None  # (inputs, targets, losses) of the step under way with a wrap_loss (amp_cast)
 
     def check(self, params: Any, opt_state: Any) -> None:
         """Refuses params that are not the stages' own, or a stack that sees one stage; on every rank at once
@@ -172,19 +174,48 @@ class _Engine:
                              "its error names the cause")
 
     def __call__(self, fn: Callable, params: Any, batch: Any, tx: GradientTransformation):
-        del fn, tx  # the schedule runs its own loss_fn (pipeline_step refuses a stack that would wrap it)
         inputs, targets = _split_batch(batch)
         for stage in self.stages:  # torch accumulates into .grad; stale gradients would add in
             stage.submod.zero_grad(set_to_none=True)
         losses: list = []
-        with torch.enable_grad():
-            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
+        if tx.wrap_loss is None:
+            with torch.enable_grad():
+                self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
+        else:
+            self._cast_step(fn, params, inputs, targets, losses)
         # Unused stage params get zeros, as train_step's autograd engine gives them (jax.grad's rule).
         grads = iter([torch.zeros_like(p) if p.grad is None else p.grad for p in self.sources])
         for stage in self.stages:  # the buffers are the step's now (they become the updates)
             stage.submod.zero_grad(set_to_none=True)
         flat, spec = tree.flatten(params)
         return tree.unflatten(spec, [None if x is None else next(grads) for x in flat]), self._loss(losses), None
+
+    def _cast_step(self, fn: Callable, params: Any, inputs: tuple, targets: Any, losses: list) -> None:
+        """The schedule's step under the stack's ``wrap_loss`` (``amp_cast``): ``fn`` casts the stage params (the
+        modules' own, so the casts are differentiable and their gradients land in ``.grad`` in the params'
+        dtype) and the floating inputs to the compute dtype, then calls :meth:`forward`, which runs the
+        schedule with the stage modules computing with those casts, as ``amp_cast`` makes one process
+        compute. A scaled loss (fp16's loss scale) cannot reach the schedule's own ``loss_fn``: refused."""
+        flat, spec = tree.flatten(params)
+        it = iter(self.sources)
+        sources = tree.unflatten(spec, [None if x is None else next(it) for x in flat])
+        self.run = (inputs, targets, losses)
+        try:
+            fn(sources, inputs)
+        finally:
+            self.run = None
+
+    def forward(self, params: Any, inputs: Any) -> torch.Tensor:
+        """The loss function ``wrap_loss`` wraps: ``params`` and ``inputs`` as cast by it; runs the schedule."""
+        if self.run is None:
+            raise AssertionError("pipeline_step: the schedule computes the loss; this function runs inside its step")
+        _, targets, losses = self.run
+        cast = dict(zip(map(id, self.sources), [x for x in tree.leaves(params) if x is not None]))
+        with contextlib.ExitStack() as stack, torch.enable_grad():
+            for stage in self.stages:
+                stack.enter_context(_computing_with(stage, cast))
+            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
+        return torch.ones((), dtype=torch.float32)
 
     def _loss(self, losses: list) -> torch.Tensor:
         # The objective the gradients are of: the schedule scales them by 1/n_microbatches (scale_grads).
@@ -200,8 +231,39 @@ class _Engine:
         return loss
 
 
-def _schedule_owns_the_loss(params: Any, batch: Any) -> torch.Tensor:
-    raise AssertionError("pipeline_step: the schedule computes the loss; this function is never called")
+def _scales_the_loss(tx: GradientTransformation) -> bool:
+    """Whether ``tx``'s ``wrap_loss`` multiplies the objective (amp_cast's loss scale), asked on an empty tree."""
+    one = torch.ones((), dtype=torch.float32)
+    objective = tx.wrap_loss(lambda params, batch: (one, (one, None)), tx.init({}))({}, ())[0]
+    return bool(objective != one)
+
+
+@contextlib.contextmanager
+def _computing_with(stage: Any, cast: dict) -> Any:
+    """``stage``'s module computing with ``cast[id(param)]`` for its params (amp_cast's compute-dtype casts) and
+    its floating inputs in their dtype; the activations it sends on travel in the params' dtype (exact: a bf16
+    value is a float32 value), so the stages' buffers, shaped by the first step, serve evaluation too, which
+    computes in the params' dtype. The last stage's output goes to the loss as it is, as in one process."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    module = stage.submod
+    named = {n: cast[id(p)] for n, p in module.named_parameters() if id(p) in cast}
+    dtype = next((x.dtype for x in named.values() if x.is_floating_point()), None)
+    master = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+    def to(x: Any, d: Any) -> Any:
+        return x.to(d) if isinstance(x, torch.Tensor) and x.is_floating_point() and d is not None else x
+
+    hooks = [module.register_forward_pre_hook(lambda m, args: tuple(to(a, dtype) for a in args))]
+    if not stage.is_last:
+        hooks.append(module.register_forward_hook(
+            lambda m, args, out: tuple(to(o, master) for o in out) if isinstance(out, tuple) else to(out, master)))
+    try:
+        with _reparametrize_module(module, named):
+            yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _stages(schedule: Any) -> list:
