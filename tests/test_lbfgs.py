@@ -274,6 +274,174 @@ def test_grad_through_updates_matches_optax():
     assert_trees_close(ours, from_jnp(theirs), rtol=1e-4, atol=1e-5)
 
 
+# --- cost: the zoom line search stops at the first accepted step, as Optax's while loop ----------------
+
+def _counted(fn):
+    def counting(*args, **kwargs):
+        counting.calls += 1
+        return fn(*args, **kwargs)
+
+    counting.calls = 0
+    return counting
+
+
+def _run_counting(tx, fn, params, steps):
+    """``steps`` updates; the value_fn calls (each a value and gradient evaluation) of each update."""
+    value_and_grad, counting = fx.value_and_grad_from_state(fn), _counted(fn)
+    state, calls, out = tx.init(params), [], []
+    for _ in range(steps):
+        value, grad = value_and_grad(params, state=state)
+        before = counting.calls
+        u, state = tx.update(grad, state, params, value=value, grad=grad, value_fn=counting)
+        calls.append(counting.calls - before)
+        if not _branchless(tx):  # the state counts the trials that decided (Optax's), the calls when stopped early
+            assert calls[-1] == int(state[-1].info.num_linesearch_steps)
+        params = fx.apply_updates(params, u)
+        out.append(params)
+    return calls, out
+
+
+BRANCHLESS = dict(max_linesearch_steps=20, initial_guess_strategy="one", branchless=True)
+
+
+def _branchless(tx) -> bool:
+    return "branchless=True" in repr(tx)
+
+
+@pytest.mark.optax
+def test_default_lbfgs_evaluates_as_often_as_optax():
+    """The default lbfgs() on Rosenbrock's function (float64, 15 updates): the value_fn calls of each update
+    equal Optax's trials (its state's num_linesearch_steps, jitted; under jax.disable_jit a counting value_fn
+    gives the same), 19 calls for 15 updates (1.27 per update: issue 25 measured 20 per update before), and
+    the iterates equal Optax's to 1e-12. branchless=True: 20 calls every update, the same iterates bit for bit."""
+    optax = pytest.importorskip("optax")
+    import jax
+
+    x0 = torch.tensor([-1.2, 1.0, 0.5, -0.3], dtype=torch.float64)
+    calls, ours = _run_counting(fx.lbfgs(), rosenbrock, x0, 15)
+    with jax.enable_x64(True):
+        otx = optax.lbfgs()
+        value_and_grad = optax.value_and_grad_from_state(rosenbrock)
+
+        @jax.jit
+        def step(x, state):
+            value, grad = value_and_grad(x, state=state)
+            u, state = otx.update(grad, state, x, value=value, grad=grad, value_fn=rosenbrock)
+            return optax.apply_updates(x, u), state
+
+        x, state, theirs, their_calls = to_jnp(x0), otx.init(to_jnp(x0)), [], []
+        for _ in range(15):
+            x, state = step(x, state)
+            theirs.append(from_jnp(x))
+            their_calls.append(int(optax.tree.get(state, "num_linesearch_steps")))
+    assert calls == their_calls and sum(calls) == 19, (calls, their_calls)
+    assert_same_trajectory(ours, theirs, rtol=1e-12, atol=1e-13)
+    branchless_calls, branchless = _run_counting(fx.lbfgs(linesearch=fx.scale_by_zoom_linesearch(**BRANCHLESS)),
+                                                 rosenbrock, x0, 15)
+    assert branchless_calls == [20] * 15
+    assert_same_trajectory(branchless, ours, rtol=0, atol=0)
+
+
+def test_zoom_stops_at_the_first_accepted_step_and_branchless_vmaps():
+    """Without Optax: on the ill-conditioned quadratic the default search accepts its first trial every
+    update (1 call, where it made 20); under vmap (no host decision possible) the default and
+    branchless=True searches both run every trial and each member equals its own run."""
+    calls, ours = _run_counting(fx.lbfgs(), quadratic, torch.zeros(6), 8)
+    assert calls == [1] * 8
+    assert float(quadratic(ours[-1])) < 1e-6 * float(quadratic(torch.zeros(6)))
+    xs = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    for tx in (fx.lbfgs(memory_size=3), fx.lbfgs(memory_size=3, linesearch=fx.scale_by_zoom_linesearch(**BRANCHLESS))):
+        def run(x, tx=tx):
+            return run_fx(tx, rosenbrock, x, 3)[0][-1]
+
+        batched = torch.func.vmap(run)(xs)
+        for i in range(3):
+            assert_trees_close(batched[i], run(xs[i]), rtol=1e-5, atol=1e-6)
+    assert "branchless=True" in repr(fx.scale_by_zoom_linesearch(**BRANCHLESS))
+
+
+# --- gradients through the zoom line search (meta-learning through L-BFGS) ------------------------------
+
+def _unrolled(tx_factory, fn, steps):
+    """``x0 -> sum(x_steps ** 2)`` after ``steps`` updates of ``tx_factory()`` on ``fn`` from ``x0``."""
+    def meta(x):
+        tx = tx_factory()
+        state = tx.init(x)
+        for _ in range(steps):
+            grad, value = torch.func.grad_and_value(fn)(x)
+            u, state = tx.update(grad, state, x, value=value, grad=grad, value_fn=fn)
+            x = x + u
+        return (x ** 2).sum()
+
+    return meta
+
+
+@pytest.mark.parametrize("name", ["lbfgs", "zoom"])
+def test_grad_through_zoom_linesearch_equals_finite_differences(name):
+    """torch.func.grad (branchless search) and plain autograd (the search stopping early) through 3 updates
+    equal central finite differences in float64 (it was all NaN: the interpolations of the branches not
+    taken, and the trials a branchless search discards, gave 0 * NaN). lbfgs without scale_init_precond:
+    its first step's scale is a stop_gradient in Optax and here, which finite differences do not see."""
+    make = (lambda: fx.lbfgs(scale_init_precond=False)) if name == "lbfgs" else (
+        lambda: fx.chain(fx.sgd(1e-3), fx.scale_by_zoom_linesearch(10)))
+    meta = _unrolled(make, rosenbrock, 3)
+    x0 = torch.tensor([-1.2, 1.0, 0.5], dtype=torch.float64)
+    by_func = torch.func.grad(meta)(x0)
+    x = x0.clone().requires_grad_()
+    (by_autograd,) = torch.autograd.grad(meta(x), x)
+    eps = 1e-6
+    fd = torch.stack([(meta(x0 + eps * e) - meta(x0 - eps * e)) / (2 * eps) for e in torch.eye(3, dtype=torch.float64)])
+    assert torch.isfinite(by_func).all()
+    assert_trees_close(by_func, fd, rtol=1e-6, atol=1e-6)
+    assert_trees_close(by_autograd, by_func, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.optax
+def test_grad_through_default_lbfgs_matches_optax():
+    """The gradient of a loss after 2 default lbfgs() updates w.r.t. the initial params equals Optax's under
+    JAX differentiation: forward mode (jax.jacfwd), as jax.grad cannot reverse Optax's while_loop under jit
+    and op by op its unguarded interpolation gives NaN (0 * NaN in the branch not taken)."""
+    pytest.importorskip("optax")
+    import jax
+    import optax
+
+    def optax_meta(x):
+        tx = optax.lbfgs()
+        state = tx.init(x)
+        for _ in range(2):
+            value, grad = jax.value_and_grad(rosenbrock)(x)
+            u, state = tx.update(grad, state, x, value=value, grad=grad, value_fn=rosenbrock)
+            x = x + u
+        return (x ** 2).sum()
+
+    x0 = torch.tensor([-1.2, 1.0, 0.5])
+    ours = torch.func.grad(_unrolled(fx.lbfgs, rosenbrock, 2))(x0)
+    with jax.disable_jit():
+        theirs = jax.jacfwd(optax_meta)(to_jnp(x0))
+    assert torch.isfinite(ours).all()
+    assert_trees_close(ours, from_jnp(theirs), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.optax
+def test_inject_hyperparams_lbfgs_matches_optax():
+    """inject_hyperparams(lbfgs): memory_size becomes a 0-dim int32 tensor (as Optax makes an array of it); it
+    sizes the memory at init and update reads it off the state (no host sync). It failed ("memory_size must
+    be an int"); now Optax's numbers, with the default line search (its extra arguments passed through)."""
+    optax = pytest.importorskip("optax")
+    import jax
+
+    params = {"x": torch.tensor([-1.2, 1.0, 0.5, -0.3])}
+    fn = lambda p: rosenbrock(p["x"])  # noqa: E731
+    tx = fx.inject_hyperparams(fx.lbfgs)(memory_size=3)
+    otx = optax.inject_hyperparams(optax.lbfgs)(memory_size=3)
+    ours, state = run_fx(tx, fn, params, 5)
+    with jax.disable_jit():
+        theirs, _ = run_optax(otx, fn, params, 5)
+    assert_same_trajectory(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert state.hyperparams["memory_size"].dtype == torch.int32
+    assert state.inner_state[0].diff_params_memory["x"].shape == (3, 4)
+
+
 # --- DTensor leaves: 2 gloo ranks, one spawn (tests/_worlds.py) ------------------------------------------
 
 CASES, case = _worlds.registry(worlds=(2,))

@@ -47,7 +47,8 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
     \cdot\rangle`.
 
     Args:
-      memory_size: how many past differences to keep (:math:`m`).
+      memory_size: how many past differences to keep (:math:`m`): an int, or a 0-dim integer tensor (as
+        ``inject_hyperparams`` gives it; read at ``init``, where it sizes the memory).
       scale_init_precond: scale the initial inverse Hessian by :math:`\gamma_k`.
 
     Returns:
@@ -68,24 +69,27 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
       Liu and Nocedal, `On the limited memory BFGS method for large scale optimization
       <https://users.iems.northwestern.edu/~nocedal/PDFfiles/limited-memory.pdf>`_, 1989.
     """
-    if not isinstance(memory_size, int) or memory_size < 1:
-        raise ValueError(f"scale_by_lbfgs: memory_size={memory_size!r} must be an int >= 1")
+    _check_memory_size(memory_size)
 
     def init_fn(params):
+        memory = int(memory_size)  # a shape: read on the host once, here (update reads it off the state)
+        if memory < 1:
+            raise ValueError(f"scale_by_lbfgs: memory_size={memory} must be an int >= 1")
         return ScaleByLBFGSState(
             count=counter(params), params=tree.zeros_like(params), updates=tree.zeros_like(params),
-            diff_params_memory=tree.map(lambda x: _stacked_zeros(x, memory_size), params),
-            diff_updates_memory=tree.map(lambda x: _stacked_zeros(x, memory_size), params),
-            weights_memory=torch.zeros(memory_size, dtype=_weights_dtype(params), device=param_device(params)))
+            diff_params_memory=tree.map(lambda x: _stacked_zeros(x, memory), params),
+            diff_updates_memory=tree.map(lambda x: _stacked_zeros(x, memory), params),
+            weights_memory=torch.zeros(memory, dtype=_weights_dtype(params), device=param_device(params)))
 
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError("update needs params: tx.update(grads, state, params)")
         u, p, old_p, old_u, dw_mem, du_mem = tree.align(updates, params, state.params, state.updates,
                                                         state.diff_params_memory, state.diff_updates_memory)
+        memory = state.weights_memory.shape[0]  # memory_size, as a shape (no host sync on a tensor)
         first = state.count == 0
-        idx = (state.count % memory_size).long()
-        prev = ((state.count - 1) % memory_size).long()  # the slot of the newest difference
+        idx = (state.count % memory).long()
+        prev = ((state.count - 1) % memory).long()  # the slot of the newest difference
         # 1. The newest differences (zero at the first step, when there is no previous point).
         with tree.functional():
             dw = tree.zero_where_(first, tree.add_(list(p), old_p, -1.0))
@@ -102,7 +106,7 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
             gamma = torch.where(du_sq > 0.0, curvature / du_sq, 1.0)
             gamma = torch.where(first, torch.clamp_max(1.0 / vdot(u, u).sqrt().detach(), 1.0), gamma)
         # 3. The two-loop recursion, newest to oldest then back.
-        direction = _two_loop(u, dw_mem, du_mem, weights, gamma, idx, memory_size)
+        direction = _two_loop(u, dw_mem, du_mem, weights, gamma, idx, memory)
         old_p, old_u = tree.copy_(old_p, p), tree.copy_(old_u, u)
         u = tree.copy_(u, direction)
         return tree.put(updates, updates, u), ScaleByLBFGSState(
@@ -112,6 +116,18 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
             diff_updates_memory=tree.put(state.diff_updates_memory, updates, du_mem), weights_memory=weights)
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _check_memory_size(memory_size) -> None:
+    """An int >= 1, or a 0-dim integer tensor (``inject_hyperparams`` makes one of an int, as Optax makes an
+    array: its value is read at ``init``, the only place that needs it)."""
+    if isinstance(memory_size, torch.Tensor):
+        if memory_size.ndim == 0 and not (memory_size.is_floating_point() or memory_size.is_complex()
+                                          or memory_size.dtype == torch.bool):
+            return
+    elif isinstance(memory_size, int) and not isinstance(memory_size, bool) and memory_size >= 1:
+        return
+    raise ValueError(f"scale_by_lbfgs: memory_size={memory_size!r} must be an int >= 1")
 
 
 def _weights_dtype(params) -> torch.dtype:
@@ -199,9 +215,13 @@ def lbfgs(learning_rate: Scalar | Callable | None = None, memory_size: int = 10,
     .. math:: x_{k+1} = x_k - \eta_k P_k \nabla f(x_k)
 
     with :math:`P_k` from :func:`scale_by_lbfgs` and :math:`\eta_k` from the line search (by default
-    ``scale_by_zoom_linesearch(max_linesearch_steps=20, initial_guess_strategy="one")``, Optax's default,
-    which evaluates the objective and its gradient 20 times per update: see
-    :mod:`fxtrain.transforms._linesearch`), times ``learning_rate`` if given. Its ``update`` takes
+    ``scale_by_zoom_linesearch(max_linesearch_steps=20, initial_guess_strategy="one")``, Optax's default),
+    times ``learning_rate`` if given. As Optax's, the search stops at the first accepted step size: the
+    host reads one flag per trial, and most updates accept their first (about 1.0 to 1.5 evaluations of
+    the objective and its gradient per update on a quadratic and on Rosenbrock's function). For
+    ``torch.compile`` or ``vmap`` pass ``linesearch=scale_by_zoom_linesearch(20, initial_guess_strategy="one",
+    branchless=True)``: no host sync, 20 evaluations every update, the same numbers (under ``torch.func``
+    transforms the search is branchless anyway; see :mod:`fxtrain.transforms._linesearch`). Its ``update`` takes
     ``value=``, ``grad=`` and ``value_fn=`` for the line search; :func:`value_and_grad_from_state` reuses
     the value and gradient the line search computed at the new params.
 

@@ -11,13 +11,23 @@ passed on to it (others raise ``TypeError``, as in Optax). Gradients along the l
 ``torch.func.grad_and_value(value_fn)``, so ``value_fn`` must be a pure function of ``params`` (use
 ``torch.func.functional_call`` for a module).
 
-**No host sync.** Optax runs the search in a ``jax.lax.while_loop``, which stops as soon as a step size is
-accepted. Stopping a torch loop early needs the host to read a flag (a sync per trial), so here the loop
-runs its maximal number of trials every update and every decision is a ``torch.where`` on device: trials
-after the search has finished are evaluated and discarded. The numbers are Optax's; the price is
-``max_backtracking_steps + 1`` evaluations of ``value_fn`` (backtracking) or ``max_linesearch_steps``
-evaluations of its value and gradient (zoom) per update, where Optax stops at the first accepted one
-(often the first). Pick small maximal numbers of steps.
+**Host decisions.** Optax runs each search in a ``jax.lax.while_loop`` that stops at the first accepted step
+size. The zoom search does the same by default: after each trial the host reads whether the search is
+over (one read per trial; most updates accept their first trial, so about one per update: Optax's lbfgs
+averages 1.0 to 1.5 value and gradient evaluations per update on a quadratic and on Rosenbrock's
+function, and so does this one). With ``branchless=True``, and always under ``torch.func`` transforms
+(``vmap`` cannot stop one member early), it runs its maximal number of trials every update and every
+decision is a ``torch.where`` on device: trials after the search has finished are evaluated and
+discarded, the same numbers for ``max_linesearch_steps`` evaluations per update, with no host sync (what
+``torch.compile`` and ``vmap`` need). The backtracking search is always branchless:
+``max_backtracking_steps + 1`` evaluations of ``value_fn`` per update. Pick small maximal numbers of steps
+for them.
+
+**Gradients through a search** (meta-learning through L-BFGS) are those of the branch taken: the accepted
+step size is a constant of the trial that was accepted, or the cubic or quadratic interpolation that
+produced it, differentiated through the values and slopes it interpolated. The interpolations are guarded
+(their inputs replaced where they are not defined), so the branches not taken, and the trials discarded
+by a branchless search, give zero gradient, not NaN (0 times a NaN derivative is NaN).
 
 **Complex parameters.** torch's gradient of a real function of complex parameters is the conjugate of
 JAX's (torch's is the direction of steepest ascent). Slopes here are :math:`\\mathrm{Re}\\langle g, u\\rangle`
@@ -33,7 +43,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, Params, Updates, check_nonnegative, transform
+from fxtrain._base import EmptyState, GradientTransformation, Params, Updates, check_nonnegative, transform
 from fxtrain.transforms._moments import Scalar, param_device
 
 __all__ = [
@@ -146,7 +156,8 @@ class ScaleByBacktrackingLinesearchState(NamedTuple):
 
     learning_rate: torch.Tensor  # 0-dim, the params' real dtype: the accepted step size
     value: torch.Tensor  # 0-dim: the objective at the accepted point (inf before the first update)
-    grad: Updates | None  # its gradient there, if store_grad (else None)
+    grad: Updates | EmptyState  # its gradient there, if store_grad (else EmptyState(): no leaf, so vmap and
+    # checkpoints see none, where Optax's None is an empty subtree to JAX but not a tensor to torch.func.vmap)
     info: BacktrackingLinesearchInfo
 
 
@@ -209,7 +220,7 @@ def scale_by_backtracking_linesearch(max_backtracking_steps: int, slope_rtol: Sc
         return ScaleByBacktrackingLinesearchState(
             learning_rate=torch.ones((), dtype=dtype, device=device),
             value=torch.full((), torch.inf, dtype=dtype, device=device),
-            grad=tree.zeros_like(params) if store_grad else None,
+            grad=tree.zeros_like(params) if store_grad else EmptyState(),
             info=BacktrackingLinesearchInfo(torch.zeros((), dtype=torch.int32, device=device),
                                             torch.full((), torch.inf, device=device)))
 
@@ -326,7 +337,8 @@ class _Search(NamedTuple):
 def scale_by_zoom_linesearch(max_linesearch_steps: int, max_learning_rate: Scalar | None = None, tol: Scalar = 0.0,
                              increase_factor: Scalar = 2.0, slope_rtol: Scalar = 1e-4, curv_rtol: Scalar = 0.9,
                              approx_dec_rtol: Scalar | None = 1e-6, stepsize_precision: Scalar = 1e-5,
-                             initial_guess_strategy: str = "keep", verbose: bool = False) -> GradientTransformation:
+                             initial_guess_strategy: str = "keep", verbose: bool = False, *,
+                             branchless: bool = False) -> GradientTransformation:
     r"""Scales the update direction by a step size satisfying the strong Wolfe conditions (zoom; Optax's).
 
     Looks for :math:`\eta` with sufficient decrease and small curvature,
@@ -340,8 +352,12 @@ def scale_by_zoom_linesearch(max_linesearch_steps: int, max_learning_rate: Scala
     ``increase_factor`` until an interval holding such a step is found, then zooming into it by cubic,
     quadratic or bisection interpolation (Nocedal and Wright's Algorithms 3.5 and 3.6). If no step
     satisfies both, returns the best one with sufficient decrease seen, if any. Returns :math:`\eta u`;
-    ``state.value`` and ``state.grad`` hold the objective and its gradient at the new point. All
-    ``max_linesearch_steps`` trials run every update (see the module docstring: no host sync).
+    ``state.value`` and ``state.grad`` hold the objective and its gradient at the new point.
+
+    As Optax, the search stops at the first accepted trial: the host reads one flag after each trial (a
+    sync per trial, usually one per update). ``branchless=True`` runs all ``max_linesearch_steps`` trials
+    every update with no host sync, the same numbers: for ``torch.compile`` and ``vmap`` (under
+    ``torch.func`` transforms the search is branchless whatever this says). See the module docstring.
 
     Args:
       max_linesearch_steps: the most trials (value and gradient evaluations; a Python int).
@@ -355,6 +371,8 @@ def scale_by_zoom_linesearch(max_linesearch_steps: int, max_learning_rate: Scala
         sufficient decrease in hand).
       initial_guess_strategy: ``"keep"`` (the first trial is the previous step size) or ``"one"``.
       verbose: print a diagnostic when the search fails (reads the outcome on the host: a sync).
+      branchless: run every trial, deciding on device (no host sync; ``max_linesearch_steps`` evaluations
+        of the value and gradient per update); ``False``: stop at the first accepted one, as Optax.
 
     Returns:
       A transform with state :class:`ScaleByZoomLinesearchState` whose ``update`` requires ``value=``,
@@ -383,7 +401,7 @@ def scale_by_zoom_linesearch(max_linesearch_steps: int, max_learning_rate: Scala
     if initial_guess_strategy not in ("keep", "one"):
         raise ValueError(f"{name}: initial_guess_strategy={initial_guess_strategy!r} must be 'keep' or 'one'")
     rules = _ZoomRules(int(max_linesearch_steps), max_learning_rate, tol, increase_factor, slope_rtol, curv_rtol,
-                       approx_dec_rtol, stepsize_precision, verbose)
+                       approx_dec_rtol, stepsize_precision, verbose, bool(branchless))
 
     def init_fn(params):
         dtype, device = _value_dtype(params), param_device(params)
@@ -423,9 +441,11 @@ class _ZoomRules(NamedTuple):
     approx_dec_rtol: Scalar | None
     interval_threshold: Scalar
     verbose: bool
+    branchless: bool
 
     def search(self, line: _Line, value: torch.Tensor, grad: list, guess: torch.Tensor) -> _Search:
-        """Runs every trial (masked once done or failed) and returns the final search state."""
+        """Runs the trials until the search is done or failed (read on the host after each), or every trial
+        (masked once done or failed) when branchless or under a torch.func transform; the final search state."""
         slope = line.slope(grad)
         zero, false = torch.zeros_like(value), torch.zeros((), dtype=torch.bool, device=value.device)
         inf = torch.full_like(value, torch.inf)
@@ -434,8 +454,11 @@ class _ZoomRules(NamedTuple):
                     failed=false, low=zero, value_low=value, slope_low=slope, high=zero, value_high=value,
                     slope_high=slope, cubic_ref=zero, value_cubic_ref=value, safe_stepsize=zero, safe_value=value,
                     grad=list(grad), safe_grad=list(grad))
+        stop_early = not (self.branchless or tree.transformed())  # vmap cannot stop one member early
         for _ in range(max(self.max_steps, 1)):  # Optax's while loop runs at least once
             s = self.step(line, s, value, slope, guess)
+            if stop_early and bool(s.done | s.failed):  # the host decision: one read per trial
+                break
         if self.verbose:
             self.report(s, value, slope)
         return s
@@ -521,10 +544,11 @@ class _ZoomRules(NamedTuple):
         """The next trial inside [low, high]: the cubic's minimizer, else the quadratic's, else the midpoint."""
         delta = (s.high - s.low).abs()
         left, right = torch.minimum(s.high, s.low), torch.maximum(s.high, s.low)
-        cubic = _cubicmin(s.low, s.value_low, s.slope_low, s.high, s.value_high, s.cubic_ref, s.value_cubic_ref)
-        use_cubic = (cubic > left + 0.2 * delta) & (cubic < right - 0.2 * delta)
-        quad = _quadmin(s.low, s.value_low, s.slope_low, s.high, s.value_high)
-        use_quad = ~use_cubic & (quad > left + 0.1 * delta) & (quad < right - 0.1 * delta)
+        cubic, has_cubic = _cubicmin(s.low, s.value_low, s.slope_low, s.high, s.value_high, s.cubic_ref,
+                                     s.value_cubic_ref)
+        use_cubic = has_cubic & (cubic > left + 0.2 * delta) & (cubic < right - 0.2 * delta)
+        quad, has_quad = _quadmin(s.low, s.value_low, s.slope_low, s.high, s.value_high)
+        use_quad = ~use_cubic & has_quad & (quad > left + 0.1 * delta) & (quad < right - 0.1 * delta)
         middle = torch.where(use_cubic, cubic, torch.where(use_quad, quad, (s.low + s.high) / 2.0))
         return middle, delta <= self.interval_threshold
 
@@ -555,20 +579,47 @@ class _ZoomRules(NamedTuple):
                           slope_high=slope_high, cubic_ref=cubic_ref, value_cubic_ref=value_cubic_ref)
 
 
-def _cubicmin(a, fa, fpa, b, fb, c, fc) -> torch.Tensor:
-    """The minimizer of the cubic through (a, fa) with slope fpa at a, (b, fb) and (c, fc)."""
+def _cubicmin(a, fa, fpa, b, fb, c, fc) -> tuple[torch.Tensor, torch.Tensor]:
+    """The minimizer of the cubic through (a, fa) with slope fpa at a, (b, fb) and (c, fc), and whether it
+    exists (NaN where not: Optax's value there is NaN or infinite, never chosen).
+
+    Guarded for gradients: where it does not exist, the inputs of each undefined operation (a division by
+    0, the root of a negative number, an infinite value) are swapped for harmless ones before it runs,
+    so the unused result has finite derivatives and ``torch.where`` gives its inputs zero gradient.
+    """
+    ok = _all_finite(a, fa, fpa, b, fb, c, fc) & (b != a) & (c != a) & (b != c)
+    a, fa, fpa, b, fb, c, fc = _guard(ok, (a, fa, fpa, b, fb, c, fc), (0.0, 0.0, -1.0, 1.0, 0.0, 2.0, 0.0))
     db, dc = b - a, c - a
     denom = (db * dc) ** 2 * (db - dc)
     rb, rc = fb - fa - fpa * db, fc - fa - fpa * dc
     big_a = (dc ** 2 * rb - db ** 2 * rc) / denom
     big_b = (-(dc ** 3) * rb + db ** 3 * rc) / denom
-    return a + (-big_b + torch.sqrt(big_b * big_b - 3.0 * big_a * fpa)) / (3.0 * big_a)
+    radicand = big_b * big_b - 3.0 * big_a * fpa
+    ok = ok & (radicand >= 0.0) & (big_a != 0.0) & torch.isfinite(radicand)
+    radicand, big_a = _guard(ok, (radicand, big_a), (1.0, 1.0))
+    xmin = a + (-big_b + torch.sqrt(radicand)) / (3.0 * big_a)
+    return torch.where(ok, xmin, torch.nan), ok
 
 
-def _quadmin(a, fa, fpa, b, fb) -> torch.Tensor:
-    """The minimizer of the quadratic through (a, fa) with slope fpa at a, and (b, fb)."""
+def _quadmin(a, fa, fpa, b, fb) -> tuple[torch.Tensor, torch.Tensor]:
+    """The minimizer of the quadratic through (a, fa) with slope fpa at a, and (b, fb), and whether it exists
+    (guarded as :func:`_cubicmin`)."""
+    ok = _all_finite(a, fa, fpa, b, fb) & (b != a)
+    a, fa, fpa, b, fb = _guard(ok, (a, fa, fpa, b, fb), (0.0, 0.0, -1.0, 1.0, 0.0))
     db = b - a
-    return a - fpa / (2.0 * ((fb - fa - fpa * db) / db ** 2))
+    curvature = (fb - fa - fpa * db) / db ** 2
+    ok = ok & (curvature != 0.0) & torch.isfinite(curvature)
+    curvature = torch.where(ok, curvature, 1.0)
+    return torch.where(ok, a - fpa / (2.0 * curvature), torch.nan), ok
+
+
+def _all_finite(*xs: torch.Tensor) -> torch.Tensor:
+    return torch.stack([torch.isfinite(x) for x in xs]).all()
+
+
+def _guard(ok: torch.Tensor, xs: tuple, safe: tuple) -> list[torch.Tensor]:
+    """``xs`` where ``ok``, else the ``safe`` values (the double ``where`` that keeps gradients finite)."""
+    return [torch.where(ok, x, v) for x, v in zip(xs, safe)]
 
 
 # --- reusing the line search's value and gradient ------------------------------------------------------
@@ -606,7 +657,7 @@ def value_and_grad_from_state(value_fn: Callable[..., torch.Tensor]) -> Callable
     """
     def fn(params, *args, state, **kwargs):
         value, grad = _field(state, "value"), _field(state, "grad")
-        if value is None or grad is None:
+        if value is None or grad is None or isinstance(grad, EmptyState):
             raise ValueError("value_and_grad_from_state: the optimizer state holds no value or grad; use a "
                              "zoom line search, or a backtracking one with store_grad=True")
         f = lambda p: value_fn(p, *args, **kwargs)  # noqa: E731
