@@ -189,7 +189,11 @@ def _fully_sharded(model: nn.Module, tx, task: tasks.Task, twin: nn.Module) -> P
 def _twin(model: nn.Module) -> nn.Module:
     """The model's structure without storage (meta device), taken before torch's parallel modules change it:
     evaluation runs it with the full params (``fx.functional``'s apply)."""
-    return copy.deepcopy(model).to("meta")
+    # Each param and buffer copied once, to the meta device: tied params stay tied, nothing is allocated.
+    memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+                    if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+            for t in [*model.parameters(), *model.buffers()]}
+    return copy.deepcopy(model, memo)
 
 
 def _with_buffers(train: Callable) -> Callable:

@@ -41,6 +41,7 @@ def _train(out: pathlib.Path, *overrides: str) -> None:
     with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=list(overrides))
     runner.train(cfg, out)
+    torch.distributed.barrier()  # rank 0 writes the run's files: every rank reads them after
 
 
 def _mid_window_resume(name: str, *overrides: str) -> None:
@@ -73,6 +74,40 @@ def _mid_window_resume(name: str, *overrides: str) -> None:
         resumed_state = load_checkpoint(root / "killed" / "checkpoints" / "step_0000008", cfg)
         for path, x, y in zip(fx.tree.paths(whole_state), fx.tree.leaves(whole_state), fx.tree.leaves(resumed_state)):
             assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), path
+
+
+@case()
+def case_eval_precision_and_pp_amp(world):
+    """Under tiny_lm's bf16 amp, every layout evaluates the same params (step 4: the first update has learning
+    rate 0) to the one-process test_loss, in float32 (bf16 evaluation was 4e-4 away); parallel=pp trains with
+    the bf16 preset, its first loss the one-process amp step's."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fxtrain import train as runner
+
+    amp = [t for t in TINY if t != "amp=off"] + ["trainer.max_steps=4", "trainer.eval_every=4",
+                                                  "trainer.checkpoint_every=0"]
+    refs = {}
+    for model in ("transformer", "moe"):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[*amp, f"model={model}"])
+        built = runner.build_run(cfg, torch.device("cpu"))
+        test_loss = built.evaluate(built.params, built.buffers, built.data.test, cfg.trainer.eval_batch_size)["test_loss"]
+        first = built.step(built.params, built.opt_state, built.buffers, built.data.train[0])[3]["loss"]
+        refs[model] = (test_loss, float(first))
+    root = _worlds.OUT_DIR / "eval"
+    got = {}
+    for name, overrides in LAYOUTS.items():
+        _train(root / name, *amp, *overrides)
+        summary = json.loads((root / name / "summary.json").read_text())["metrics"]
+        model = "moe" if "model=moe" in overrides else "transformer"
+        got[name] = (summary["test_loss"], _records(root / name)[0]["loss"], refs[model])
+    for name, (test_loss, first, (ref_test, ref_first)) in got.items():
+        assert abs(test_loss - ref_test) <= 2e-6 * ref_test, (name, test_loss, ref_test)
+    pp_first, ref_first = got["pp"][1], got["pp"][2][1]
+    assert abs(pp_first - ref_first) <= 2e-6 * ref_first, (pp_first, ref_first)
 
 
 def _layout_case(name: str):

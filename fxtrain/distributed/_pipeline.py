@@ -232,9 +232,9 @@ class _Engine:
 
 
 def _scales_the_loss(tx: GradientTransformation) -> bool:
-    """Whether ``tx``'s ``wrap_loss`` multiplies the objective (amp_cast's loss scale), asked on an empty tree."""
-    one = torch.ones((), dtype=torch.float32)
-    objective = tx.wrap_loss(lambda params, batch: (one, (one, None)), tx.init({}))({}, ())[0]
+    """Whether ``tx``'s ``wrap_loss`` multiplies the objective (amp_cast's loss scale), asked on a one-leaf tree."""
+    one, params = torch.ones((), dtype=torch.float32), {"w": torch.zeros(1)}
+    objective = tx.wrap_loss(lambda params, batch: (one, (one, None)), tx.init(params))(params, ())[0]
     return bool(objective != one)
 
 
