@@ -1,19 +1,466 @@
-"""The README's Python examples run as written (they are the first code a new user copies)."""
+"""The READMEs run as a test: every fenced block of README.md and experiments/**/README.md is parsed here and
+either executed (Python blocks in this process, shell commands as subprocesses in a temporary directory)
+or listed below with the reason it is not; the numbers a README prints are checked against what the code
+prints. A new block runs as written by default, so it cannot be skipped by accident: to run it otherwise,
+list it in ``COMMANDS`` (shell), ``NOT_RUN`` (a whole block) or ``OUTPUTS`` (a block showing output).
 
+Cost: the default run (1,000 steps) and the 4-job sweep run in full because the README prints their
+numbers; every other training command runs with a few steps (``COMMANDS`` says which and why).
+"""
+
+from __future__ import annotations
+
+import builtins
+import concurrent.futures
+import dataclasses
+import importlib.util
+import math
+import os
 import pathlib
 import re
+import shlex
+import subprocess
+import sys
+import time
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+READMES = [ROOT / "README.md", *sorted((ROOT / "experiments").glob("**/README.md"))]
+FEW = "trainer.max_steps=10"  # what "a few steps" appends to a training command whose numbers are not printed
 
 
-def test_readme_has_examples():
-    assert BLOCKS, "README.md lost its python examples"
+@dataclasses.dataclass(frozen=True)
+class Block:
+    file: str   # relative to the checkout
+    line: int   # of the opening fence
+    lang: str   # the fence's info string: python, py, bash, or "" (output, a layout)
+    text: str
+
+    @property
+    def label(self) -> str:
+        """The block's first line: how the tables below name it (stable when text above it moves)."""
+        return self.text.strip().splitlines()[0].strip()
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} ({self.lang or 'text'})"
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index, capsys):
-    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})
-    assert capsys.readouterr().out  # every example prints what it shows
+def fenced_blocks(path: pathlib.Path) -> list[Block]:
+    """Every ```-fenced block of a markdown file, in order."""
+    blocks, opened, body = [], None, []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            if opened is None:
+                opened, body = (number, line[3:].strip()), []
+            else:
+                blocks.append(Block(str(path.relative_to(ROOT)), opened[0], opened[1], "\n".join(body) + "\n"))
+                opened = None
+        elif opened is not None:
+            body.append(line)
+    assert opened is None, f"{path}: a fence opened at line {opened[0]} is never closed"
+    return blocks
+
+
+BLOCKS = [b for path in READMES for b in fenced_blocks(path)]
+
+# --- the tables: what is not run as written, and why ---------------------------------------------------
+
+# Whole blocks that are not executed (file, first line) -> why.
+NOT_RUN = {
+    ("README.md", "# under torchrun; the tested versions: tests/test_{tensor_parallel,fully_sharded,pipeline,expert_parallel}.py"):
+        "a sketch of four torchrun programs (model, plan, mesh, schedule are the user's); the tests it names run "
+        "each entry point on 2 and 4 gloo ranks",
+}
+
+# Shell commands (as written, comments and continuation lines joined) that are not run as written -> (what
+# runs instead, or None for nothing, and why). Every other command of a shell block runs as written.
+TORCHRUN = ("needs torchrun with 2-4 ranks for minutes; tests/test_train_parallel.py and tests/test_strategies.py "
+            "run every parallel= strategy under torchrun")
+COMMANDS = {
+    "make train": ("python -m fxtrain.train",
+                   "make's recipe without building .venv (the suite runs in it); its output is checked below"),
+    "make test": (None, "the test suite itself"),
+    ".venv/bin/python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3":
+        (".venv/bin/python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3 hydra/launcher=vmap",
+         "its 4 jobs in one vmapped process: the numbers the README prints are checked, and the vmap launcher gives "
+         "the basic launcher's to float32 rounding (README; tests/test_launcher_vmap.py) with less CPU time"),
+    **{command: (None, TORCHRUN) for command in [
+        "torchrun --nproc_per_node=2 -m fxtrain.train parallel=dp",
+        "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=fsdp",
+        "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=tp",
+        "torchrun --nproc_per_node=4 -m fxtrain.train experiment=tiny_lm parallel=fsdp_tp",
+        "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=pp",
+        "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=ep model=moe"]},
+    **{command: (command.removeprefix("watch -n 5 "), "once, not every 5 s") for command in [
+        "watch -n 5 .venv/bin/python -m fxtrain.report multirun/<date>/<time> --no-plot",
+        "watch -n 5 python -m fxtrain.report multirun/<date>/<time> --no-plot"]},
+    # Training commands whose numbers no README prints: a few steps (trainer.max_steps=10, appended or replacing
+    # the README's value) show that they run.
+    **{command: (re.sub(r" trainer\.max_steps=\d+|$", " " + FEW, command, count=1), "10 steps: no numbers printed")
+       for command in [
+        # the sweep recipe (README.md and experiments/README.md): 8 jobs of 300 steps
+        ".venv/bin/python -m fxtrain.train -m optim.chain.adamw.learning_rate=3e-3,1e-2 "
+        "optim.chain.clip_by_global_norm.max_norm=0.1,1.0 seed=0,1 trainer.max_steps=300",
+        "python -m fxtrain.train -m optim.chain.adamw.learning_rate=3e-3,1e-2 "
+        "optim.chain.clip_by_global_norm.max_norm=0.1,1.0 seed=0,1 trainer.max_steps=300",
+        ".venv/bin/python -m fxtrain.train -m hydra/launcher=vmap optim.chain.adamw.learning_rate=1e-3,3e-3,1e-2 "
+        "seed=0,1",
+        # the own project (README "Bring your own model, data and task"), in the project its layout block describes
+        "python -m fxtrain.train --config-dir conf model=mine data=mine task=regression 'logger=[jsonl,tensorboard,csv]'",
+        "python -m fxtrain.train -m 'hydra.searchpath=[file://conf]' model=mine,mlp data=mine task=huber",
+        "python -m fxtrain.train +trainer.eval_hooks.cal._target_=mylib.calibration "
+        "trainer.early_stopping.metric=test_loss trainer.early_stopping.patience=5"]},
+}
+
+# Blocks that need the own project (built from the layout block "myproj/" next to where they start) -> the
+# directory they start in.
+IN_PROJECT = {
+    ("README.md", "cd myproj"): ".",
+    ("README.md", "# in myproj/: mylib.calibration(ctx, **keys) -> {name: float}; early stopping follows any logged metric"):
+        "myproj",
+}
+
+# Blocks without a language: what they show -> the command (of COMMANDS' keys or as written) whose output
+# they are, with the parts that depend on the machine blanked, or None with the reason they are not output.
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    command: str | None
+    why: str
+    skip_lines: str = r"^$"  # lines of the block not compared (a progress bar)
+    machine: str = r"^$"     # the parts of a line that depend on the machine (times), blanked on both sides
+    function: str | None = None  # "script.py:name": a study's function, called in this process, prints it
+
+
+OUTPUTS = {
+    ("README.md", "data   digits: 1,348 train examples, 449 test, batch 64"):
+        Output("python -m fxtrain.train", "the default run's log (the time and the progress bar not compared)",
+               skip_lines=r"^train:", machine=r"\bin [\d.]+ s\b"),
+    ("README.md", "job  status     seed  optim.chain.adamw.learning_rate  test_accuracy  test_loss  loss       accuracy  step  time_s"):
+        Output(".venv/bin/python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3",
+               "the 4-job sweep's table and best job (time_s not compared); fxtrain.report prints it too",
+               machine=r"(?<=1000)\s+[\d.]+$"),
+    ("README.md", "myproj/"): Output(None, "the own project's layout: built by the test from its comments (project())"),
+    ("experiments/resnet_clip_accumulate/README.md",
+     "iteration 1: [-0.064032, +0.052812, -0.017213, +0.046374]  held    emitted=0 loss=2.4183"):
+        Output(None, "the ResNet study's accumulation check: its function, called here (the whole study takes "
+                     "~1.5 min)", function="experiments/resnet_clip_accumulate/run.py:accumulation_check"),
+}
+
+# Comments after a print(...) in a Python block are its output, compared (numbers to the digits shown),
+# except these, which describe it.
+PROSE = {"the loss after 50 steps, per learning rate"}
+
+# --- numbers: equal to the digits the README shows ----------------------------------------------------
+
+NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+
+
+def same(expected: str, actual: str, rtol: float = 0.05) -> bool:
+    """``actual`` reads as ``expected``: the same words, the same integers, and each decimal number equal to the
+    digits the README shows once rounded, or within ``rtol`` (float rounding differs between CPUs and grows
+    over 1,000 training steps)."""
+    expected, actual = " ".join(expected.split()), " ".join(actual.split())
+    if NUMBER.sub("#", expected) != NUMBER.sub("#", actual):
+        return False
+    for e, a in zip(NUMBER.findall(expected), NUMBER.findall(actual)):
+        if not re.search(r"[.eE]", e):
+            if e != a:
+                return False
+            continue
+        mantissa, _, exponent = e.lower().partition("e")
+        unit = 10.0 ** (int(exponent or 0) - len(mantissa.partition(".")[2]))
+        if not (abs(float(a) - float(e)) <= unit / 2 * (1 + 1e-9) or math.isclose(float(a), float(e), rel_tol=rtol)):
+            return False
+    return True
+
+
+def test_same_reads_numbers_to_the_digits_shown():
+    assert same("0.052 0.418: x", "0.0521 0.4179: x") and same("test_loss 0.0769", "test_loss  0.07712")
+    assert not same("best: job 0 (test_accuracy 0.98)", "best: job 1 (test_accuracy 0.98)")
+    assert not same("7.91", "8.7") and not same("tensor(0.0003)", "tensor([0.0003])") and same("2.4e-07", "2.38e-7")
+    assert not same("1,348 train examples", "1,349 train examples") and not same("0.0769", "0.0869")
+
+
+def contains_in_order(expected: list[str], actual: list[str]) -> list[str]:
+    """The expected lines that are not found (with :func:`same`) in ``actual`` after the previous one."""
+    missing, at = [], 0
+    for line in expected:
+        found = next((i for i in range(at, len(actual)) if same(line, actual[i])), None)
+        if found is None:
+            missing.append(line)
+        else:
+            at = found + 1
+    return missing
+
+
+# --- running shell commands ---------------------------------------------------------------------------
+
+def split_comment(line: str) -> tuple[str, str]:
+    """``code  # comment`` -> (code, comment): a ``#`` that starts a word outside quotes starts the comment."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i], line[i + 1:].strip()
+    return line, ""
+
+
+def commands(block: Block) -> list[tuple[str, str]]:
+    """The block's commands as a shell reads them (a line ending in a backslash continues on the next), each
+    as (the command, whitespace collapsed, without its comment; the comment)."""
+    out, pending = [], ""
+    for line in block.text.splitlines():
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        code, comment = split_comment(pending + line)
+        pending = ""
+        if code.strip():
+            out.append((" ".join(code.split()), comment))
+    return out
+
+
+@dataclasses.dataclass
+class Ran:
+    argv: list[str]
+    returncode: int
+    output: str
+    seconds: float
+    sweep_dir: pathlib.Path | None
+
+
+_RAN: dict[tuple[str, str], concurrent.futures.Future] = {}  # (cwd, command) -> its run: once per session
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2)  # two commands at a time (2 cores)
+_STAMPS = iter(range(10 ** 6))
+
+
+def run_command(command: str, cwd: pathlib.Path, last_sweep: pathlib.Path | None, wait: bool = True) -> Ran:
+    """Runs one README command as a subprocess in ``cwd`` (``python``/``.venv/bin/python``: this interpreter;
+    ``multirun/<date>/<time>``: the last sweep of the block), each training run in a directory of its own.
+    A command that two blocks show (or an output block and a shell block) runs once."""
+    if last_sweep is not None:
+        command = command.replace("multirun/<date>/<time>", str(last_sweep.relative_to(cwd)))
+    try:
+        argv = shlex.split(command)
+    except ValueError as e:  # an unbalanced quote, a trailing backslash
+        return Ran([command], 2, f"the shell cannot read it: {e}", 0.0, None)
+    if argv[0] in ("python", ".venv/bin/python"):
+        argv[0] = sys.executable
+    key = (str(cwd), shlex.join(argv))
+    if key not in _RAN:
+        _RAN[key] = _POOL.submit(_run, argv, cwd)
+    return _RAN[key].result() if wait else None
+
+
+def _run(argv: list[str], cwd: pathlib.Path) -> Ran:
+    stamp = f"readme{next(_STAMPS)}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FXTRAIN_", "HYDRA_"))}
+    env.update(FXTRAIN_RUN_STAMP=stamp, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=600)
+    except FileNotFoundError:
+        return Ran(argv, 127, f"{argv[0]}: command not found", 0.0, None)
+    return Ran(argv, proc.returncode, proc.stdout, time.perf_counter() - t0,
+               cwd / "multirun" / stamp if "-m" in argv[3:] or "--multirun" in argv else None)
+
+
+# --- the own project ----------------------------------------------------------------------------------
+
+MYLIB = '''
+"""The README's own project: a model, a regression dataset, a loss, an evaluation hook; nothing from fxtrain."""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class WideDeep(nn.Module):
+    def __init__(self, in_features, hidden=32):
+        super().__init__()
+        self.wide = nn.Linear(in_features, 1)
+        self.deep = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.wide(x) + self.deep(x)
+
+
+def make_data(n=400, noise=0.1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    return x, x[:, 0] - 0.5 * x[:, 1] ** 2 + torch.sin(x[:, 2]) + noise * torch.randn(n, generator=g)
+
+
+def huber(out, y):
+    return F.huber_loss(out.reshape(y.shape), y)
+
+
+def calibration(ctx):
+    x, _ = ctx.data.test
+    return {"confidence": float(ctx.forward(x).softmax(-1).amax(-1).mean())}
+'''
+
+
+def flow_mapping(text: str) -> str:
+    """``a: 1, b: [2, 3], c: ${x.y[0]}`` (a layout comment) as block YAML, one key a line."""
+    items, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "[{" and 1 or 0
+        depth -= ch in "]}" and 1 or 0
+        if ch == "," and depth == 0:
+            items.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    items.append(current.strip())
+    return "\n".join(items) + "\n"
+
+
+def project(root: pathlib.Path) -> pathlib.Path:
+    """The project of the README's layout block, in ``root/myproj``: each ``conf/...yaml`` file holds what its
+    comment says; ``mylib`` has the functions the comments name (MYLIB above)."""
+    (layout,) = [b for b in BLOCKS if b.label == "myproj/"]
+    base = root / "myproj"
+    if base.exists():
+        return base
+    for line in layout.text.splitlines()[1:]:
+        path, _, comment = line.strip().partition("#")
+        path = path.strip()
+        (base / path).parent.mkdir(parents=True, exist_ok=True)
+        if path.endswith(".yaml"):
+            (base / path).write_text(flow_mapping(comment.strip()))
+        elif path == "mylib/__init__.py":
+            names = set(re.findall(r"(?:class|def) (\w+)", comment))
+            assert names <= set(re.findall(r"^(?:class|def) (\w+)", MYLIB, flags=re.M)), names
+            (base / path).write_text(MYLIB)
+    return base
+
+
+# --- the tests ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> pathlib.Path:
+    """Where shell blocks run; the long runs whose output a README shows start at once, two at a time."""
+    root = tmp_path_factory.mktemp("readme")
+    for shown in OUTPUTS.values():
+        if shown.command:
+            run_command(COMMANDS.get(shown.command, (shown.command,))[0], root, None, wait=False)
+    return root
+
+
+def test_the_readmes_have_blocks_and_every_table_entry_names_one():
+    assert len([b for b in BLOCKS if b.lang == "python"]) >= 7 and len([b for b in BLOCKS if b.lang == "bash"]) >= 8
+    keys = {(b.file, b.label) for b in BLOCKS}
+    for table in (NOT_RUN, OUTPUTS, IN_PROJECT):
+        assert set(table) <= keys, set(table) - keys
+    shown = {c for b in BLOCKS if b.lang in ("bash", "sh") for c, _ in commands(b)}
+    assert set(COMMANDS) <= shown, set(COMMANDS) - shown
+    shown |= {run for run, _ in COMMANDS.values() if run}
+    assert {o.command for o in OUTPUTS.values() if o.command} <= shown, "an output names a command no block shows"
+    assert {b.lang for b in BLOCKS} <= {"python", "py", "bash", ""}, "a block in a language this test cannot run"
+
+
+def run_python(block: Block, monkeypatch, tmp_path) -> dict[int, list[str]]:
+    """Executes a Python block in this process (in ``tmp_path``); returns what each print line printed."""
+    monkeypatch.chdir(tmp_path)
+    name = f"<{block}>"
+    printed: dict[int, list[str]] = {}
+
+    def recording_print(*args, sep=" ", end="\n", file=None, flush=False):
+        frame = sys._getframe(1)
+        if frame.f_code.co_filename == name and file is None:
+            printed.setdefault(frame.f_lineno, []).append(sep.join(map(str, args)))
+        builtins.print(*args, sep=sep, end=end, file=file, flush=flush)
+
+    exec(compile(block.text, name, "exec"), {"__name__": "__readme__", "print": recording_print})
+    return printed
+
+
+def expected_prints(text: str) -> dict[int, str]:
+    """Line of a ``print(...)`` -> the output its comment shows (``# out``, on the line or the next one; the text
+    before a ``: `` that explains it)."""
+    lines, out = text.splitlines(), {}
+    for number, line in enumerate(lines, 1):
+        if not line.lstrip().startswith("print("):
+            continue
+        comment = line.split(")  #", 1)[1].strip() if ")  #" in line else None
+        if comment is None and number < len(lines) and lines[number].startswith("# "):
+            comment = lines[number][2:].strip()
+        if comment is not None and comment not in PROSE:
+            out[number] = comment.split(": ")[0]
+    return out
+
+
+def call_study(function: str) -> Ran:
+    """``path/script.py:name``: the study script loaded as a module (experiments/ is no package), ``name()``'s text."""
+    path, name = function.split(":")
+    spec = importlib.util.spec_from_file_location("readme_" + pathlib.Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    t0 = time.perf_counter()
+    return Ran([function], 0, getattr(module, name)(), time.perf_counter() - t0, None)
+
+
+def check_shell(block: Block, root: pathlib.Path) -> list[str]:
+    """Runs a shell block's commands in order; returns one line per problem."""
+    cwd = root
+    if (block.file, block.label) in IN_PROJECT:
+        project(root)
+        cwd = root / IN_PROJECT[block.file, block.label]
+    problems, last_sweep = [], None
+    for command, comment in commands(block):
+        if command.startswith("cd "):
+            cwd = cwd / command[3:].strip()
+            continue
+        run, _ = COMMANDS.get(command, (command, "as written"))
+        if run is None:
+            continue
+        ran = run_command(run, cwd, last_sweep)
+        if ran.returncode != 0:
+            problems.append(f"{block}: `{command}` exited {ran.returncode}:\n{ran.output[-3000:]}")
+            continue
+        last_sweep = ran.sweep_dir or last_sweep
+        produced = re.match(r"-> (\S+)", comment)
+        if produced and last_sweep is not None:
+            path = cwd / produced.group(1).replace("multirun/<date>/<time>", str(last_sweep.relative_to(cwd)))
+            if not path.exists():
+                problems.append(f"{block}: `{command}` did not write {produced.group(1)}")
+    return problems
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_readme_block(block, request, monkeypatch, tmp_path):
+    key = (block.file, block.label)
+    if key in NOT_RUN:
+        pytest.skip(NOT_RUN[key])
+    if block.lang in ("python", "py"):
+        printed = run_python(block, monkeypatch, tmp_path)
+        assert printed, f"{block}: prints nothing (every example prints what it shows)"
+        for line, shown in expected_prints(block.text).items():
+            assert line in printed, f"{block}: the print on its line {line} did not run"
+            assert same(shown, printed[line][-1]), f"{block} line {line}: prints {printed[line][-1]!r}, README shows {shown!r}"
+        return
+    workdir = request.getfixturevalue("workdir")  # shell blocks and their outputs (the long runs start here)
+    if block.lang in ("bash", "sh"):
+        problems = check_shell(block, workdir)
+        assert not problems, "\n".join(problems)
+    else:
+        assert key in OUTPUTS, f"{block}: a block without a language: list it in OUTPUTS (which command prints it)"
+        shown = OUTPUTS[key]
+        if shown.function:
+            ran = call_study(shown.function)
+        elif shown.command:
+            ran = run_command(COMMANDS.get(shown.command, (shown.command,))[0], workdir, None)
+        else:
+            pytest.skip(shown.why)
+        assert ran.returncode == 0, ran.output[-3000:]
+        blank = lambda lines: [re.sub(shown.machine, "", line) for line in lines if not re.match(shown.skip_lines, line)]  # noqa: E731
+        missing = contains_in_order(blank(block.text.splitlines()), blank(re.split(r"[\r\n]+", ran.output)))
+        assert not missing, f"{block}: `{shown.command}` does not print these README lines:\n" + "\n".join(missing) + \
+            "\n--- it printed:\n" + ran.output[-4000:]
