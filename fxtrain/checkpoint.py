@@ -2,7 +2,10 @@
 
 A checkpoint is a directory. Its tensors are written by ``torch.distributed.checkpoint`` (DCP): every
 rank writes the shards it holds of each DTensor leaf (plain tensors are taken as identical on every rank
-and written once), and loading into DTensors on another mesh or world size reshards. Without a process
+and written once; a ``Partial`` DTensor, such as ``accumulate``'s window sum under data parallelism, as each
+rank's term, exactly), and loading into DTensors on another mesh or world size reshards. Ranks may hold
+different trees (pipeline stages, each its own params and state under their own paths): the manifest then
+lists every rank's leaves, and each rank loads its part (or one process the whole tree). Without a process
 group the same call saves and loads in one process. Beside DCP's files, ``fxtrain.json`` (the manifest)
 records every leaf's path, kind, global shape and dtype, the non-tensor leaves (Python numbers, strings)
 and the size and CRC32 of every file, and is itself checksummed: its ``digest`` is
