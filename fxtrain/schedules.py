@@ -4,7 +4,9 @@ A schedule is a callable object with a readable ``repr``. It takes a Python int 
 (the ``count`` kept in a transform's state) and returns a float32 tensor of the same shape on the same
 device, computed with tensor ops only: no host sync, no Python branch on the count, so it runs inside a
 compiled or CUDA-graphed step. The float32 operations follow Optax's order, so values agree with Optax
-to the last bit or two.
+to the last bit or two. ``schedule(count, dtype=torch.float64)`` computes in float64 instead: the
+transforms evaluate their schedules through :func:`value_at` in the dtype of the updates, so a float64
+run keeps float64 hyperparameters (as Optax under JAX's x64).
 
 Arguments are checked where the schedule is built, and errors name the schedule and the argument
 (``decay_step is not an argument of cosine_decay_schedule``), which is what a Hydra config needs.
@@ -25,6 +27,7 @@ import functools
 import inspect
 import math
 import numbers
+import threading
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -38,6 +41,7 @@ __all__ = [
     "Schedule", "constant_schedule", "polynomial_schedule", "linear_schedule", "cosine_decay_schedule",
     "warmup_cosine_decay_schedule", "sgdr_schedule", "exponential_decay", "piecewise_constant_schedule",
     "piecewise_interpolate_schedule", "linear_onecycle_schedule", "cosine_onecycle_schedule", "join_schedules",
+    "value_at",
 ]
 
 
@@ -51,6 +55,7 @@ class Schedule:
 
     __slots__ = ("fn", "_label")
 
+
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], label: str | Callable[[], str]):
         self.fn, self._label = fn, label
 
@@ -61,8 +66,16 @@ class Schedule:
             self._label = self._label()
         return self._label
 
-    def __call__(self, count: Count) -> torch.Tensor:
-        return _as_value(self.fn(_as_count(count, self)))
+    def __call__(self, count: Count, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The value at ``count``, computed in ``dtype`` (``None``: the enclosing schedule's, float32 at the top)."""
+        if dtype is None:
+            return _as_value(self.fn(_as_count(count, self)))
+        before = _float()
+        _PRECISION.dtype = dtype
+        try:
+            return _as_value(self.fn(_as_count(count, self)))
+        finally:
+            _PRECISION.dtype = before
 
     def __repr__(self) -> str:
         return self.label
@@ -138,20 +151,50 @@ def _as_count(count: Any, owner: Any) -> torch.Tensor:
     raise TypeError(f"{owner}: the step count must be an int or an integer tensor, got {type(count).__name__}")
 
 
+# The dtype schedules compute in while one is evaluated (Schedule.__call__'s dtype): float32, Optax's
+# default, unless a float64 run asks for float64. Thread-local, as the op layer's mode in fxtrain/tree.py.
+_PRECISION = threading.local()
+
+
+def _float() -> torch.dtype:
+    return getattr(_PRECISION, "dtype", torch.float32)
+
+
 def _as_value(v: Any) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
-        return v.to(torch.float32)
-    return torch.tensor(float(v), dtype=torch.float32)
+        return v.to(_float())
+    return torch.tensor(float(v), dtype=_float())
 
 
 def _full(count: torch.Tensor, value: Value) -> torch.Tensor:
-    """``value`` (rounded to float32, as Optax does) shaped and placed like ``count``.
+    """``value`` (rounded to the schedule's dtype, float32 by default as Optax does) shaped and placed like
+    ``count``.
 
     Out of place, so a tensor ``value`` stays differentiable and may be batched (``torch.func.vmap``).
     """
     if isinstance(value, torch.Tensor):
-        value = value.to(torch.float32)
-    return torch.zeros(count.shape, dtype=torch.float32, device=count.device) + value
+        value = value.to(_float())
+    return torch.zeros(count.shape, dtype=_float(), device=count.device) + value
+
+
+def value_at(schedule: Callable[[Count], Value], count: Count, dtype: torch.dtype) -> Value:
+    """``schedule(count)`` for a transform whose updates are of (at least) ``dtype``.
+
+    A :class:`Schedule` computes in ``dtype``; another callable is called as it is and a floating tensor
+    it returns is cast to ``dtype`` (a Python number passes unchanged). Transforms pass the widest
+    floating dtype of their updates, float32 at least: float32 and bfloat16 runs get Optax's float32
+    values, a float64 run float64 ones.
+
+    >>> import torch, fxtrain as fx
+    >>> s = fx.linear_schedule(0.1, 0.0, 3)
+    >>> from fxtrain.schedules import value_at
+    >>> s(1).dtype, value_at(s, 1, torch.float64).dtype, float(value_at(s, 1, torch.float64))
+    (torch.float32, torch.float64, 0.0666666666666666...)
+    """
+    if isinstance(schedule, Schedule):
+        return schedule(count, dtype=dtype)
+    v = schedule(count)
+    return v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
 
 
 def _is_negative(v: Value) -> bool:
@@ -223,7 +266,7 @@ def _polynomial(name: str, init_value: Value, end_value: Value, power: Value, tr
 
     def fn(count):
         done = (count - transition_begin).clamp(0, transition_steps)
-        frac = 1 - done.to(torch.float32) / transition_steps
+        frac = 1 - done.to(_float()) / transition_steps
         return (init_value - end_value) * frac ** power + end_value
 
     return fn
@@ -294,7 +337,7 @@ def cosine_decay_schedule(init_value: Value, decay_steps: int, alpha: Value = 0.
     decay_steps = _steps(name, "decay_steps", decay_steps, minimum=1)
 
     def fn(count):
-        t = count.to(torch.float32).clamp(max=decay_steps)
+        t = count.to(_float()).clamp(max=decay_steps)
         cosine = 0.5 * (1 + torch.cos(math.pi * t / decay_steps))
         return init_value * ((1 - alpha) * cosine ** exponent + alpha)
 
@@ -438,7 +481,7 @@ def exponential_decay(init_value: Value, transition_steps: int, decay_rate: Valu
 
     def fn(count):
         steps = count - transition_begin
-        p = steps.to(torch.float32) / transition_steps
+        p = steps.to(_float()) / transition_steps
         if staircase:
             p = torch.floor(p)
         held = _full(count, init_value)
@@ -540,10 +583,10 @@ def piecewise_interpolate_schedule(interpolate_type: str, init_value: Value,
     def fn(count):
         values = [_full(count, init_value)]  # the cumulative products, rounded to float32 at each step as Optax's
         for _, s in pieces:
-            values.append(values[-1] * (s.to(torch.float32) if isinstance(s, torch.Tensor) else s))
+            values.append(values[-1] * (s.to(_float()) if isinstance(s, torch.Tensor) else s))
         value = torch.where(count >= bounds[-1], values[-1], 0.0)
         for k in range(len(pieces)):
-            pct = (count - bounds[k]).to(torch.float32) / max(bounds[k + 1] - bounds[k], 1)
+            pct = (count - bounds[k]).to(_float()) / max(bounds[k + 1] - bounds[k], 1)
             inside = (count >= bounds[k]) & (count < bounds[k + 1])
             value = torch.where(inside, between(values[k], values[k + 1], pct), value)
         return value

@@ -434,3 +434,82 @@ def test_invalid_values_raise_value_error(build, match):
 def test_wrong_types_raise_type_error(build, match):
     with pytest.raises(TypeError, match=match):
         build()
+
+
+# --- issue 25: float64 runs keep float64 hyperparameters ------------------------------------------
+# Schedules computed in float32 and then used against float64 updates were 1e-9..2e-6 off a float64
+# reference. A transform evaluates its schedules in the precision of its updates (schedules.value_at).
+
+@pytest.mark.optax
+@pytest.mark.parametrize("name, kwargs, last", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_float64_values_match_optax_x64(name, kwargs, last):
+    import jax
+
+    optax = pytest.importorskip("optax")
+    with jax.enable_x64(True):
+        ref = getattr(optax, name)(**kwargs)
+        expected = np.array([float(ref(t)) for t in _steps(last)[:40]])
+    actual = schedules.value_at(getattr(fx, name)(**kwargs), torch.tensor(_steps(last)[:40]), torch.float64)
+    assert actual.dtype == torch.float64
+    np.testing.assert_allclose(actual.numpy(), expected, rtol=1e-13, atol=1e-300)
+
+
+def _f64_params():
+    return {"w": torch.tensor([[0.3, -0.7], [1.1, 0.2]], dtype=torch.float64),
+            "b": torch.tensor([0.5, -0.25, 0.125], dtype=torch.float64)}
+
+
+# Optax's schedules called with its int32 counts compute in float32 even under x64: the reference is
+# Optax's transform with each schedule called on the count as float64 (Optax's math, float64 arithmetic).
+# Where Optax's transform itself computes in float32 under x64 (madgrad's sqrt of its int32 count...), the
+# reference is fxtrain's transform fed the schedule's values computed by Optax in float64 (a plain function
+# returning float64 tensors: that path never rounded).
+SCHEDULED_F64 = {  # (transform module, schedule module, schedule wrapper) -> transform
+    "sgd": lambda m, s, w: m.sgd(w(s.warmup_cosine_decay_schedule(0.0, 0.1, 2, 9, end_value=0.003)), momentum=0.9),
+    "adamw": lambda m, s, w: m.adamw(w(s.cosine_decay_schedule(0.03, 7, alpha=0.1)),
+                                     weight_decay=w(s.linear_schedule(0.1, 0.01, 5))),
+    "inject_adam": lambda m, s, w: m.inject_hyperparams(m.adam)(
+        learning_rate=w(s.exponential_decay(0.03, 2, 0.7)), b1=w(s.linear_schedule(0.9, 0.5, 6))),
+    "ademamix": lambda m, s, w: m.contrib.ademamix(0.01, alpha=w(s.linear_schedule(1.0, 5.0, 6)),
+                                                   b3=w(s.linear_schedule(0.9, 0.999, 6))),
+    "madgrad": lambda m, s, w: m.contrib.madgrad(w(s.linear_schedule(0.01, 0.001, 6)), momentum=0.5),
+    "prodigy": lambda m, s, w: m.contrib.prodigy(w(s.cosine_decay_schedule(1.0, 8))),
+}
+OPTAX_F32_INSIDE = {"ademamix", "madgrad", "prodigy"}
+
+
+@pytest.mark.optax
+@pytest.mark.parametrize("case", SCHEDULED_F64)
+def test_float64_updates_with_schedules_match_a_float64_reference(case):
+    import jax
+
+    optax = pytest.importorskip("optax")
+    from fxtrain.testing import to_jnp
+
+    def run(tx):
+        params = _f64_params()
+        state, out = tx.init(params), []
+        for k in range(8):
+            u, state = tx.update(fx.tree.map(lambda p: torch.sin(3 * p + k), params), state, params)
+            params = fx.apply_updates(params, u)
+            out.append(u)
+        return out
+
+    ours = run(SCHEDULED_F64[case](fx, fx, lambda f: f))
+    assert all(x.dtype == torch.float64 for u in ours for x in fx.tree.leaves(u))
+    with jax.enable_x64(True):
+        if case in OPTAX_F32_INSIDE:
+            f64 = lambda f: lambda c: torch.tensor(float(f(int(c))), dtype=torch.float64)  # noqa: E731
+            reference = run(SCHEDULED_F64[case](fx, optax, f64))
+        else:
+            otx = SCHEDULED_F64[case](optax, optax, lambda f: lambda c: f(jax.numpy.asarray(c, jax.numpy.float64)))
+            p = to_jnp(_f64_params())
+            ostate, reference = otx.init(p), []
+            for k in range(8):
+                u, ostate = otx.update(jax.tree.map(lambda x: jax.numpy.sin(3 * x + k), p), ostate, p)
+                p = optax.apply_updates(p, u)
+                reference.append({key: torch.from_numpy(np.asarray(v).copy()) for key, v in u.items()})
+    for k in range(8):
+        for key in ("w", "b"):
+            np.testing.assert_allclose(ours[k][key].numpy(), reference[k][key].numpy(), rtol=1e-12, atol=1e-15,
+                                       err_msg=f"step {k} leaf {key}")

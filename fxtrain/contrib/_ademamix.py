@@ -12,7 +12,8 @@ from fxtrain.optimizers import _check
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._moments import (Scalar, as_dtype, bias_correction, counter, ema_, ema_sq_, is_zero,
                                          safe_increment_)
-from fxtrain.transforms._scaling import scale_by_learning_rate
+from fxtrain.schedules import value_at
+from fxtrain.transforms._scaling import precision, scale_by_learning_rate
 from fxtrain.transforms._weight_decay import add_decayed_weights
 
 __all__ = [
@@ -23,9 +24,9 @@ __all__ = [
 ScalarOrSchedule = Scalar | Callable  # a number, a 0-dim tensor, or a function of the 0-dim int32 count
 
 
-def _at(value: ScalarOrSchedule, count: torch.Tensor) -> Scalar:
-    """``value``, or its schedule evaluated at ``count``."""
-    return value(count) if callable(value) else value
+def _at(value: ScalarOrSchedule, count: torch.Tensor, updates: Updates) -> Scalar:
+    """``value``, or its schedule evaluated at ``count`` in the updates' precision (float64 runs: float64)."""
+    return value_at(value, count, precision(tree.leaves(updates))) if callable(value) else value
 
 
 def _divided_(num: list, den: list, eps_root: Scalar, eps: Scalar) -> list:
@@ -97,7 +98,8 @@ def scale_by_ademamix(b1: Scalar = 0.9, b2: Scalar = 0.999, b3: ScalarOrSchedule
     def update_fn(updates, state, params=None):
         del params
         g, m1, m2, nu = tree.align(updates, state.m1, state.m2, state.nu)
-        b3_, alpha_ = _at(b3, state.count_m2), _at(alpha, state.count_m2)  # before the counts move on
+        # before the counts move on
+        b3_, alpha_ = _at(b3, state.count_m2, updates), _at(alpha, state.count_m2, updates)
         count, count_m2 = safe_increment_(state.count), safe_increment_(state.count_m2)
         if not g:
             return updates, state._replace(count=count, count_m2=count_m2)
@@ -214,7 +216,7 @@ def scale_by_simplified_ademamix(b1: Scalar = 0.99, b2: Scalar = 0.95, alpha: Sc
     def update_fn(updates, state, params=None):
         del params
         g, m, n = tree.align(updates, state.m, state.n)
-        alpha_ = _at(alpha, state.t)  # before the count moves on
+        alpha_ = _at(alpha, state.t, updates)  # before the count moves on
         t = safe_increment_(state.t)
         if not g:
             return updates, state._replace(t=t)

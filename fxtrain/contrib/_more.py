@@ -16,7 +16,8 @@ from fxtrain._base import (GradientTransformation, Params, call, chain, check_no
 from fxtrain.contrib._schedule_free import _scalar_dtype
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._moments import Scalar, bias_correction, counter, is_zero, param_device, safe_increment_
-from fxtrain.transforms._scaling import scale_by_learning_rate
+from fxtrain.schedules import value_at
+from fxtrain.transforms._scaling import precision, scale_by_learning_rate
 from fxtrain.transforms._weight_decay import add_decayed_weights
 
 __all__ = ["DoGState", "scale_by_dog", "dog", "DoWGState", "scale_by_dowg", "dowg", "COCOBState", "scale_by_cocob",
@@ -44,6 +45,11 @@ def _sq_dist(init_params: list, params: list) -> torch.Tensor:
     """``|x_0 - x_t|^2`` over all leaves, accumulated in float32 or wider (one temporary per leaf)."""
     with tree.functional():
         return _sum_sq(tree.add_(init_params, params, -1.0))
+
+
+def _scheduled(value: Any, count: torch.Tensor, updates: Any) -> Any:
+    """``value``, or its schedule at ``count`` computed in the updates' precision (float64 runs: float64)."""
+    return value_at(value, count, precision(tree.leaves(updates))) if callable(value) else value
 
 
 def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
@@ -452,8 +458,8 @@ def scale_by_madgrad(learning_rate: LearningRate, momentum: Scalar = 0.9, eps: S
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError("scale_by_madgrad needs params at update: tx.update(grads, state, params)")
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        lamb = (lr + eps) * (state.count + 1).to(torch.float32).sqrt()
+        lr = _scheduled(learning_rate, state.count, updates)
+        lamb = (lr + eps) * (state.count + 1).to(precision(tree.leaves(updates))).sqrt()
         g, sq, s, x0, x = tree.align(updates, state.grad_sum_sq, state.s, state.x0, params)
         sq = tree.addcmul_(sq, g, g, lamb)
         s = tree.add_(s, g, lamb)
@@ -614,13 +620,13 @@ ight), \quad
     def update_fn(updates, state, params=None, *, value=None, **extra_args):
         del extra_args
         _momo_check("momo", params, value)
-        bt = torch.where(state.count == 0, 0.0, torch.as_tensor(beta, dtype=torch.float32))
+        bt = torch.where(state.count == 0, 0.0, torch.as_tensor(beta, dtype=precision(tree.leaves(updates))))
         g, d, x = tree.align(updates, state.exp_avg, params)
         barf = bt * state.barf + (1 - bt) * torch.as_tensor(value, dtype=state.barf.dtype)
         d = tree.lerp_(d, g, 1 - bt)
         gamma = bt * state.gamma + (1 - bt) * _vdot(g, x)
         sq_norm, iprod = _sum_sq(d), _vdot(d, x)
-        alpha = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        alpha = _scheduled(learning_rate, state.count, updates)
         tau, lb = _polyak_step(1 + alpha * weight_decay, barf, gamma, state.lb, iprod, sq_norm, alpha, 1.0,
                                lower_bound, adapt_lower_bound)
         g = _decayed_step_(tree.copy_(g, d), tau, x, alpha, weight_decay)
@@ -715,7 +721,7 @@ angle`.
         with tree.functional():
             dw = tree.div_(d, g)  # d / D
         sq_norm, iprod = _vdot(d, dw), _vdot(d, x)
-        alpha = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        alpha = _scheduled(learning_rate, state.count, updates)
         tau, lb = _polyak_step(1 + alpha * weight_decay, barf, gamma, state.lb, iprod, sq_norm, alpha, bc1,
                                lower_bound, adapt_lower_bound)
         g = _decayed_step_(tree.copy_(g, dw), tau, x, alpha, weight_decay)
@@ -909,7 +915,7 @@ ight), \quad
         del extra_args
         if params is None:
             raise ValueError("dadapt_adamw needs params at update: tx.update(grads, state, params)")
-        sched = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        sched = _scheduled(learning_rate, state.count, updates)
         count = state.count + 1
         bc = bias_correction(beta2, count) ** 0.5 / bias_correction(beta1, count)
         dlr = (state.estim_lr * sched * bc).to(state.numerator_weighted.dtype)

@@ -9,7 +9,9 @@ from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Updates, check_nonnegative, transform
+from fxtrain.schedules import value_at
 from fxtrain.transforms._moments import Scalar, counter, ema_, ema_sq_, is_zero, param_device, safe_increment_
+from fxtrain.transforms._scaling import precision
 
 __all__ = ["ProdigyState", "prodigy"]
 
@@ -119,7 +121,7 @@ def prodigy(learning_rate: Scalar | Callable = 1.0, betas: tuple[Scalar, Scalar]
         g, m, v, s, x0, x = tree.align(updates, state.exp_avg, state.exp_avg_sq, state.grad_sum, state.params0,
                                        params)
         d = state.estim_lr
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        lr = value_at(learning_rate, state.count, precision(g)) if callable(learning_rate) else learning_rate
         count = safe_increment_(state.count)
         if not g:
             return updates, state._replace(count=count)

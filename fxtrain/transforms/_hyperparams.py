@@ -12,7 +12,7 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, _name, _Update, call, public_factory, traits
-from fxtrain.schedules import bind
+from fxtrain.schedules import bind, value_at
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
 
@@ -160,14 +160,15 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
             for k, f in schedules.items():
                 prev = hps.get(k)
                 keep = isinstance(prev, torch.Tensor) and prev.is_floating_point()
-                hps[k] = _as_hparam(f(state.count), prev.dtype if keep else dtype(), device)
+                target = prev.dtype if keep else dtype()
+                hps[k] = _as_hparam(_scheduled(f, state.count, target), target, device)
             return hps
 
         def init_fn(params):
             dtype, device = _float_dtype(params, hyperparam_dtype), param_device(params)
             count = counter(params)
             hps = {k: _as_hparam(v, dtype, device, k in floats, keep_tensor_dtype=True) for k, v in numeric.items()}
-            hps.update({k: _as_hparam(f(count), dtype, device) for k, f in schedules.items()})
+            hps.update({k: _as_hparam(_scheduled(f, count, dtype), dtype, device) for k, f in schedules.items()})
             inner_state = inner_factory(**other, **hps).init(params)
             return InjectHyperparamsState(count, hps, inner_state)
 
@@ -191,6 +192,11 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
 
 
 public_factory(inject_hyperparams)  # a public factory of transforms (see the conformance test)
+
+
+def _scheduled(schedule: Callable, count: torch.Tensor, dtype: torch.dtype) -> Any:
+    """``schedule(count)`` computed in ``dtype``, float32 at least (a float64 run keeps float64 values)."""
+    return value_at(schedule, count, torch.promote_types(dtype, torch.float32))
 
 
 def _float_dtype(params: Any, override: torch.dtype | None) -> torch.dtype:

@@ -8,6 +8,8 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, check_nonnegative, identity, transform
+from fxtrain.schedules import Schedule as _Schedule
+from fxtrain.schedules import value_at
 from fxtrain.transforms._moments import counter
 
 Schedule = Callable[[torch.Tensor], "float | torch.Tensor"]
@@ -56,7 +58,8 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 
     Args:
       step_size_fn: a schedule: called with the count as a 0-dim int32 tensor, it returns a Python number
-        or a 0-dim tensor (computed on device: the update never waits for the host).
+        or a 0-dim tensor (computed on device: the update never waits for the host). Evaluated in the
+        updates' precision (float32 at least, float64 in a float64 run; see :func:`fxtrain.schedules.value_at`).
 
     Returns:
       A transform with state :class:`ScaleByScheduleState`.
@@ -76,7 +79,8 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
-        new = tree.scale_(tree.leaves(updates), step_size_fn(state.count))
+        leaves = tree.leaves(updates)
+        new = tree.scale_(leaves, value_at(step_size_fn, state.count, precision(leaves)))
         return tree.put(updates, updates, new), ScaleByScheduleState(tree.inc_(state.count))
 
     return GradientTransformation(init_fn, update_fn)
@@ -113,6 +117,16 @@ def scale_by_learning_rate(learning_rate: float | torch.Tensor | Schedule | None
     if learning_rate is None:
         return identity()
     sign = -1 if flip_sign else 1
-    if callable(learning_rate):
-        return scale_by_schedule(lambda count: sign * learning_rate(count))
+    if callable(learning_rate):  # a Schedule, so that it computes in the updates' precision
+        return scale_by_schedule(_Schedule(lambda count: sign * learning_rate(count), lambda: repr(learning_rate)))
     return scale(sign * learning_rate)
+
+
+def precision(leaves: list[torch.Tensor]) -> torch.dtype:
+    """The dtype hyperparameters of updates ``leaves`` are computed in: their widest real floating dtype,
+    float32 at least (float64 runs keep float64 schedules; bfloat16 ones get Optax's float32 values)."""
+    dtype = torch.float32
+    for x in leaves:
+        if x is not None and (x.is_floating_point() or x.is_complex()):
+            dtype = torch.promote_types(dtype, x.real.dtype if x.is_complex() else x.dtype)
+    return dtype

@@ -9,7 +9,9 @@ import torch
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, check_nonnegative, transform
 from fxtrain.transforms._masking import Mask, masked
+from fxtrain.schedules import value_at
 from fxtrain.transforms._moments import Scalar, counter, is_zero
+from fxtrain.transforms._scaling import precision
 
 
 class WeightDecaySchedule(NamedTuple):
@@ -60,7 +62,7 @@ def add_decayed_weights(weight_decay: Scalar | Callable = 0.0, mask: Mask | None
             return None, WeightDecaySchedule(tree.inc_(state.count)) if scheduled else state
         g, p = tree.align(updates, params, what="params")
         if scheduled:
-            g = tree.add_(g, p, weight_decay(state.count))
+            g = tree.add_(g, p, value_at(weight_decay, state.count, precision(g)))  # float64 runs: float64
             state = WeightDecaySchedule(tree.inc_(state.count))
         elif not is_zero(weight_decay):
             g = tree.add_(g, p, weight_decay)
