@@ -1,8 +1,9 @@
 """fxtrain/interop/_linen.py: Flax linen names and layouts; a linen-style forward gives torch's outputs.
 
-Flax is not a dependency: the linen forward passes below are written in jax.numpy, reading the converted
-variables exactly as flax.linen's Dense/Conv/LayerNorm/Embed do. If flax is importable, the same
-variables are also run through flax.linen itself.
+The first checks write linen forward passes in jax.numpy, reading the converted variables as
+flax.linen's Dense/Conv/LayerNorm/Embed do; the rest run flax.linen itself (the jax extra installs it):
+Flax's init gives the tree to_linen gives, Flax's apply gives torch's outputs, and Flax's init loads
+into torch.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def test_conv_layernorm_embed_layouts_give_the_same_outputs():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_with_flax_linen_itself_when_installed():
+def test_with_flax_linen_mlp():
     linen = pytest.importorskip("flax.linen")
 
     class FlaxMLP(linen.Module):
@@ -154,3 +155,172 @@ def test_errors_name_the_path():
     v["params"]["Dense_7"] = {"kernel": torch.zeros(1)}
     with pytest.raises(ValueError, match=r"'params/Dense_7/kernel' is not a parameter of Sequential"):
         from_linen(v, mlp)
+
+
+# --- against flax.linen itself: init gives the tree to_linen gives; apply gives torch's outputs ---------
+
+TOL = dict(rtol=1e-5, atol=1e-5)  # float32 rounding: the two frameworks sum in different orders
+
+
+def _channels_last(x):
+    return x.movedim(1, -1)
+
+
+def _linen_cases():
+    linen = pytest.importorskip("flax.linen")
+    ident = lambda x: x  # noqa: E731
+    return {
+        "dense": (lambda: nn.Linear(5, 7), lambda: linen.Dense(7), (3, 5), ident),
+        "conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1), lambda: linen.Conv(4, (3,)), (2, 3, 9), _channels_last),
+        "conv2d": (lambda: nn.Conv2d(3, 4, 3, padding=1), lambda: linen.Conv(4, (3, 3)), (2, 3, 6, 5),
+                   _channels_last),
+        "conv3d": (lambda: nn.Conv3d(2, 3, (3, 1, 3), stride=(1, 2, 1)),
+                   lambda: linen.Conv(3, (3, 1, 3), strides=(1, 2, 1), padding="VALID"), (2, 2, 5, 6, 4),
+                   _channels_last),
+        "layernorm": (lambda: nn.LayerNorm(6), lambda: linen.LayerNorm(epsilon=1e-5), (3, 4, 6), ident),
+        "groupnorm": (lambda: nn.GroupNorm(2, 6), lambda: linen.GroupNorm(num_groups=2, epsilon=1e-5), (3, 6, 5),
+                      _channels_last),
+        "rmsnorm": (lambda: nn.RMSNorm(6, eps=1e-6), lambda: linen.RMSNorm(epsilon=1e-6), (3, 4, 6), ident),
+    }
+
+
+def _perturbed(module):
+    with torch.no_grad():  # norms init to ones/zeros: make every leaf matter
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return module
+
+
+@pytest.mark.parametrize("case", ["dense", "conv1d", "conv2d", "conv3d", "layernorm", "groupnorm", "rmsnorm"])
+def test_against_flax_linen_layers(case):
+    make_torch, make_flax, shape, layout = _linen_cases()[case]
+    torch.manual_seed(0)
+    net, fnet = _perturbed(make_torch()), make_flax()
+    x = torch.randn(*shape)
+    xj = jnp.asarray(layout(x).numpy())
+    fresh = fnet.init(jax.random.key(0), xj)
+    variables = to_linen(dict(net.named_parameters()), net)
+    assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, fresh)
+    with torch.no_grad():
+        expected = layout(net(x))
+    torch.testing.assert_close(from_jax(fnet.apply(variables, xj)), expected, **TOL)
+    # and back: Flax's own init, loaded into torch, computes what Flax computes
+    net.load_state_dict(from_linen(fresh, net))
+    with torch.no_grad():
+        torch.testing.assert_close(layout(net(x)), from_jax(fnet.apply(fresh, xj)), **TOL)
+
+
+def test_against_flax_linen_embed():
+    linen = pytest.importorskip("flax.linen")
+    torch.manual_seed(0)
+    net, fnet = nn.Embedding(11, 6), linen.Embed(11, 6)
+    ids = torch.randint(0, 11, (3, 4))
+    idsj = jnp.asarray(ids.numpy().astype("int32"))
+    fresh = fnet.init(jax.random.key(0), idsj)
+    variables = to_linen(dict(net.named_parameters()), net)
+    assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, fresh)
+    with torch.no_grad():
+        assert torch.equal(from_jax(fnet.apply(variables, idsj)), net(ids))  # a gather: exact
+    net.load_state_dict(from_linen(fresh, net))
+    with torch.no_grad():
+        assert torch.equal(net(ids), from_jax(fnet.apply(fresh, idsj)))
+
+
+def test_against_flax_linen_batchnorm_with_batch_stats():
+    linen = pytest.importorskip("flax.linen")
+    from fxtrain import functional
+
+    torch.manual_seed(0)
+    net = _perturbed(nn.BatchNorm2d(4))
+    x = torch.randn(8, 4, 3, 3)
+    net(x * 2 + 1)  # running statistics away from their init
+    _, params, buffers = functional(net)
+    variables = to_linen(params, net, buffers=buffers)
+    xj = jnp.asarray(_channels_last(x).numpy())
+    fnet = linen.BatchNorm(use_running_average=True, epsilon=1e-5)
+    fresh = fnet.init(jax.random.key(0), xj)
+    assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, fresh)
+    net.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(from_jax(fnet.apply(variables, xj)), _channels_last(net(x)), **TOL)
+    # training mode: same normalization (by the batch's biased variance) and the same running mean with
+    # Flax's momentum 0.9 = torch's 0.1; torch's running var takes the unbiased batch variance, Flax's the
+    # biased one (the two differ by n / (n - 1) in the new term)
+    net.train()
+    train = linen.BatchNorm(use_running_average=False, momentum=0.9, epsilon=1e-5)
+    out, new = train.apply(variables, xj, mutable=["batch_stats"])
+    before = buffers["running_var"].clone()
+    with torch.no_grad():
+        torch.testing.assert_close(from_jax(out), _channels_last(net(x)), **TOL)
+    torch.testing.assert_close(from_jax(new["batch_stats"]["mean"]), net.running_mean, **TOL)
+    n = x.numel() / x.shape[1]
+    torch.testing.assert_close((from_jax(new["batch_stats"]["var"]) - 0.9 * before) * n / (n - 1),
+                               net.running_var - 0.9 * before, **TOL)
+
+
+def _mha_check(net, fnet, q, k, v):
+    qj, kj, vj = (jnp.asarray(t.numpy()) for t in (q, k, v))
+    fresh = fnet.init(jax.random.key(0), qj, kj, vj)
+    variables = to_linen(dict(net.named_parameters()), net)
+    assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, fresh)
+    with torch.no_grad():
+        expected, _ = net(q, k, v, need_weights=False)
+    torch.testing.assert_close(from_jax(fnet.apply(variables, qj, kj, vj)), expected, **TOL)
+    net.load_state_dict(from_linen(fresh, net))
+    with torch.no_grad():
+        torch.testing.assert_close(net(q, k, v, need_weights=False)[0], from_jax(fnet.apply(fresh, qj, kj, vj)),
+                                   **TOL)
+    back = from_linen(to_linen(dict(net.named_parameters()), net, as_jax=False), net)
+    assert all(torch.equal(back[n], p) for n, p in net.named_parameters())
+
+
+def test_against_flax_multi_head_attention():
+    linen = pytest.importorskip("flax.linen")
+    torch.manual_seed(0)
+    net = _perturbed(nn.MultiheadAttention(8, 2, batch_first=True))  # one in_proj_weight (24, 8)
+    q, kv = torch.randn(2, 5, 8), torch.randn(2, 7, 8)
+    _mha_check(net, linen.MultiHeadDotProductAttention(num_heads=2), q, kv, kv)
+    # kdim/vdim: separate q/k/v_proj_weight; no biases
+    net = nn.MultiheadAttention(8, 4, kdim=5, vdim=6, bias=False, batch_first=True)
+    _mha_check(net, linen.MultiHeadDotProductAttention(num_heads=4, use_bias=False),
+               torch.randn(2, 3, 8), torch.randn(2, 4, 5), torch.randn(2, 4, 6))
+
+
+def test_against_flax_linen_compact_attention_block():
+    linen = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 8))
+
+        def forward(self, x):
+            h = self.ln(x)
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+            return x + self.mlp(x)
+
+    class FlaxBlock(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            h = linen.LayerNorm(epsilon=1e-5)(x)
+            x = x + linen.MultiHeadDotProductAttention(num_heads=2)(h)
+            h = linen.gelu(linen.Dense(16)(x))  # Dense_0 (compact names count in creation order)
+            return x + linen.Dense(8)(h)
+
+    torch.manual_seed(0)
+    net = _perturbed(Block())
+    x = torch.randn(2, 5, 8)
+    xj = jnp.asarray(x.numpy())
+    fresh = FlaxBlock().init(jax.random.key(0), xj)
+    variables = to_linen(dict(net.named_parameters()), net)
+    assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, fresh)
+    with torch.no_grad():
+        torch.testing.assert_close(from_jax(FlaxBlock().apply(variables, xj)), net(x), **TOL)
+
+
+def test_attention_errors_name_the_path():
+    net = nn.Sequential(nn.MultiheadAttention(8, 2, add_bias_kv=True))
+    with pytest.raises(ValueError, match=r"MultiheadAttention at '0' has add_bias_kv=True"):
+        to_linen(dict(net.named_parameters()), net)

@@ -20,6 +20,11 @@ torch                  linen                parameters
 ``nn.BatchNorm1d/2d``  ``BatchNorm``        ``weight`` -> ``scale``; ``bias``; with ``buffers``:
                                             ``running_mean/var`` -> ``batch_stats`` ``mean/var``
 ``nn.Embedding``       ``Embed``            ``weight`` -> ``embedding`` (same layout)
+``nn.Multihead-        ``MultiHeadDot-      ``in_proj_weight (3E, E)`` -> ``query/key/value`` ``kernel (E, H, D)``
+Attention``            ProductAttention``   (``q/k/v_proj_weight`` likewise); ``in_proj_bias`` -> ``bias (H, D)``
+                                            each; ``out_proj.weight (E, H*D)`` -> ``out/kernel (H, D, E)``;
+                                            ``out_proj.bias`` -> ``out/bias``. Flax is batch-first: use
+                                            ``batch_first=True`` in torch. ``add_bias_kv`` has no counterpart.
 =====================  ===================  ====================================================
 
 Naming. ``naming="compact"`` (the default) gives the names of a ``@nn.compact`` Flax module that creates
@@ -63,11 +68,21 @@ def _conv_from_linen(k: torch.Tensor) -> torch.Tensor:  # (*k, I, O) -> (O, I, *
 
 
 class Leaf(NamedTuple):
-    """Where one torch parameter lives in the linen variables, and how its layout changes."""
+    """Where one torch parameter lives in the linen variables, and how its layout changes.
+
+    ``split`` lists the paths of a torch tensor that Flax keeps as several leaves (attention's
+    ``in_proj_weight``: ``query``, ``key``, ``value``): the tensor is cut in ``len(split)`` equal chunks
+    along dim 0, and ``to_linen``/``from_linen`` convert each chunk; ``path`` is then ``split[0]``.
+    """
 
     path: tuple[str, ...]  # e.g. ("params", "Dense_0", "kernel")
     to_linen: Callable[[torch.Tensor], torch.Tensor] | None  # None: same layout
     from_linen: Callable[[torch.Tensor], torch.Tensor] | None
+    split: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def paths(self) -> tuple[tuple[str, ...], ...]:
+        return self.split or (self.path,)
 
 
 _NORM = {"weight": ("scale", None), "bias": ("bias", None)}
@@ -84,12 +99,53 @@ _LAYERS: list[tuple[type, str, dict]] = [  # torch class, Flax class, {torch nam
 _BATCH_STATS = {"running_mean": "mean", "running_var": "var"}
 
 
+def _heads(heads: int, head_major: bool) -> tuple[Callable, Callable]:
+    """Layouts of an attention projection: torch ``(H*D, in)`` <-> Flax ``(in, H, D)`` (a projection in)
+    or torch ``(out, H*D)`` <-> Flax ``(H, D, out)`` (``head_major``: the output projection); the
+    biases in ``(H*D,)`` <-> ``(H, D)``, the output's unchanged."""
+    def to(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 1:
+            return t if head_major else t.reshape(heads, -1)
+        return t.t().reshape(heads, -1, t.shape[0]) if head_major else t.t().reshape(t.shape[1], heads, -1)
+
+    def back(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() <= 2:  # a bias: (H, D) in, (out,) out
+            return t.reshape(-1)
+        return t.reshape(-1, t.shape[-1]).t() if head_major else t.reshape(t.shape[0], -1).t()
+
+    return to, back
+
+
+def _attention_leaves(m: nn.MultiheadAttention, full: str, scope: tuple) -> list[tuple[str, torch.Tensor, Leaf]]:
+    """``nn.MultiheadAttention``'s parameters as Flax ``MultiHeadDotProductAttention``'s leaves."""
+    if m.bias_k is not None or m.bias_v is not None:
+        raise ValueError(f"to_linen: MultiheadAttention at '{full}' has add_bias_kv=True, which Flax's "
+                         "MultiHeadDotProductAttention has no parameter for; use add_bias_kv=False")
+    proj, out = _heads(m.num_heads, False), _heads(m.num_heads, True)
+    qkv = tuple(("params", *scope, n) for n in ("query", "key", "value"))
+    leaves = []
+    for pname, p in m.named_parameters():
+        if pname in ("in_proj_weight", "in_proj_bias"):
+            kind = "kernel" if pname.endswith("weight") else "bias"
+            split = tuple((*path, kind) for path in qkv)
+            leaves.append((pname, p, Leaf(split[0], *proj, split)))
+        elif pname in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+            leaves.append((pname, p, Leaf(("params", *scope, {"q": "query", "k": "key", "v": "value"}[pname[0]],
+                                           "kernel"), *proj)))
+        else:  # out_proj.weight, out_proj.bias
+            leaves.append((pname, p, Leaf(("params", *scope, "out", "kernel" if pname.endswith("weight")
+                                           else "bias"), *out)))
+    return leaves
+
+
 def _layer(m: nn.Module) -> tuple[str, dict] | None:
     if isinstance(m, nn.modules.conv._ConvTransposeNd):
         return None  # Flax's ConvTranspose has its own kernel layout: not mapped (named in the error)
     for cls, flax_name, names in _LAYERS:
         if isinstance(m, cls):
             return flax_name, names
+    if isinstance(m, nn.MultiheadAttention):
+        return "MultiHeadDotProductAttention", {}
     return None
 
 
@@ -126,7 +182,7 @@ def linen_names(module: nn.Module, *, naming: str = "compact", buffers: bool = F
         if id(t) in seen:
             return  # tied: the first name holds it
         seen.add(id(t))
-        out[name] = Leaf(path, *(layout or (None, None)))
+        out[name] = path if isinstance(path, Leaf) else Leaf(path, *(layout or (None, None)))
 
     def visit(mod: nn.Module, prefix: str, scope: tuple, counters: collections.Counter) -> None:
         for pname, p in mod.named_parameters(recurse=False):
@@ -152,6 +208,10 @@ def linen_names(module: nn.Module, *, naming: str = "compact", buffers: bool = F
                 visit(child, full + ".", child_scope, collections.Counter())
                 continue
             flax_cls, names = layer
+            if isinstance(child, nn.MultiheadAttention):
+                for pname, p, leaf in _attention_leaves(child, full, child_scope):
+                    add(f"{full}.{pname}", p, leaf, None)
+                continue
             for pname, p in child.named_parameters(recurse=False):
                 lname, layout = names.get(pname, (pname, None))
                 add(f"{full}.{pname}", p, ("params", *child_scope, lname), layout)
@@ -161,10 +221,18 @@ def linen_names(module: nn.Module, *, naming: str = "compact", buffers: bool = F
                         add(f"{full}.{bname}", b, ("batch_stats", *child_scope, _BATCH_STATS[bname]), None)
 
     root = _layer(module)
+    if isinstance(module, nn.MultiheadAttention):
+        for pname, p, leaf in _attention_leaves(module, type(module).__name__, ()):
+            add(pname, p, leaf, None)
+        return out
     if root is not None:  # the module is itself one layer: a lone flax Dense has {"kernel", "bias"}
         for pname, p in module.named_parameters(recurse=False):
             lname, layout = root[1].get(pname, (pname, None))
             add(pname, p, ("params", lname), layout)
+        if buffers and root[0] == "BatchNorm":
+            for bname, b in module.named_buffers(recurse=False):
+                if bname in _BATCH_STATS:
+                    add(bname, b, ("batch_stats", _BATCH_STATS[bname]), None)
         return out
     visit(module, "", (), collections.Counter())
     return out
@@ -227,12 +295,13 @@ def to_linen(params: dict[str, Any], module: nn.Module, *, naming: str = "compac
                 raise ValueError(f"to_linen: '{name}' is not a parameter of {type(module).__name__} "
                                  f"(or is tied to an earlier one); its parameters are {', '.join(where)}")
             t = t.detach()
-            if leaf.to_linen is not None:
-                t = leaf.to_linen(t).contiguous()
-            node = out
-            for key in leaf.path[:-1]:
-                node = node.setdefault(key, {})
-            node[leaf.path[-1]] = tensor_to_jax(t, where=name) if as_jax else t
+            for path, part in zip(leaf.paths, t.chunk(len(leaf.paths)) if leaf.split else (t,)):
+                if leaf.to_linen is not None:
+                    part = leaf.to_linen(part).contiguous()
+                node = out
+                for key in path[:-1]:
+                    node = node.setdefault(key, {})
+                node[path[-1]] = tensor_to_jax(part, where=name) if as_jax else part
     return out
 
 
@@ -270,16 +339,18 @@ def from_linen(variables: dict, module: nn.Module, *, naming: str = "compact") -
     out: dict[str, torch.Tensor] = {}
     used: set[tuple] = set()
     for name, leaf in where.items():
-        node = tree
-        for i, key in enumerate(leaf.path):
-            if not hasattr(node, "keys") or key not in node:
-                raise ValueError(f"from_linen: '{name}' expects '{'/'.join(leaf.path)}', but the variables have "
-                                 f"no '{'/'.join(leaf.path[:i + 1])}'")
-            node = node[key]
-        used.add(leaf.path)
-        t = array_to_torch(node) if is_jax_array(node) else torch.as_tensor(node)
-        if leaf.from_linen is not None:
-            t = leaf.from_linen(t).contiguous()
+        parts = []
+        for path in leaf.paths:
+            node = tree
+            for i, key in enumerate(path):
+                if not hasattr(node, "keys") or key not in node:
+                    raise ValueError(f"from_linen: '{name}' expects '{'/'.join(path)}', but the variables "
+                                     f"have no '{'/'.join(path[:i + 1])}'")
+                node = node[key]
+            used.add(path)
+            t = array_to_torch(node) if is_jax_array(node) else torch.as_tensor(node)
+            parts.append(leaf.from_linen(t).contiguous() if leaf.from_linen is not None else t)
+        t = torch.cat(parts) if leaf.split else parts[0]
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"from_linen: '{'/'.join(leaf.path)}' gives '{name}' the shape {tuple(t.shape)}, "
                              f"expected {shapes[name]}")
