@@ -103,3 +103,81 @@ def test_static_arguments_must_be_hashable():
     assert f(torch.ones(2), "abc").tolist() == [3.0, 3.0]
     with pytest.raises(TypeError, match="static and must be hashable"):
         f(torch.ones(2), bytearray(b"a"))
+
+
+# --- under torch.func: the stateless path (grad, vjp, vmap via jax.vmap, double backward); float32 tolerance
+# rtol=1e-5, atol=1e-5 (XLA and ATen reduce in different orders), gradients of gradients atol=1e-4.
+
+def jax_act(w, x):
+    return jnp.tanh(x @ w) ** 2
+
+
+def torch_act(w, x):
+    return torch.tanh(x @ w) ** 2
+
+
+def test_torch_func_grad_vjp_and_jacrev_match_torch():
+    w, x = torch.randn(3, 2), torch.randn(4, 3)
+    f = jax_function(jax_act)
+    g = torch.func.grad(lambda w: f(w, x).sum())(w)
+    torch.testing.assert_close(g, torch.func.grad(lambda w: torch_act(w, x).sum())(w), rtol=1e-5, atol=1e-5)
+    ct = torch.randn(4, 2)
+    out, pull = torch.func.vjp(lambda w: f(w, x), w)
+    torch.testing.assert_close(out, torch_act(w, x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pull(ct)[0], torch.func.vjp(lambda w: torch_act(w, x), w)[1](ct)[0],
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.func.jacrev(lambda w: f(w, x))(w),
+                               torch.func.jacrev(lambda w: torch_act(w, x))(w), rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_runs_jax_vmap_and_composes_with_grad():
+    W, x, xs = torch.randn(5, 3, 2), torch.randn(4, 3), torch.randn(6, 4, 3)
+    f = jax_function(jax_act)
+    for transform, ref in [
+        (torch.func.vmap(lambda w: f(w, x)), torch.func.vmap(lambda w: torch_act(w, x))),
+        (torch.func.vmap(torch.func.grad(lambda w: f(w, x).sum())),
+         torch.func.vmap(torch.func.grad(lambda w: torch_act(w, x).sum()))),
+        (torch.func.grad(lambda W: torch.func.vmap(lambda w: f(w, x))(W).sum()),
+         torch.func.grad(lambda W: torch.func.vmap(lambda w: torch_act(w, x))(W).sum())),
+    ]:
+        torch.testing.assert_close(transform(W), ref(W), rtol=1e-5, atol=1e-5)
+    # batched over the data only (in_dims (None, 0)), the weights shared
+    torch.testing.assert_close(torch.func.vmap(lambda xi: f(W[0], xi))(xs), torch_act(W[0], xs), rtol=1e-5, atol=1e-5)
+
+
+def test_grad_of_grad_through_jax():
+    w, x = torch.randn(3, 2), torch.randn(4, 3)
+    f = jax_function(jax_act)
+    gg = torch.func.grad(lambda w: torch.func.grad(lambda w: f(w, x).sum())(w).pow(2).sum())(w)
+    ref = torch.func.grad(lambda w: torch.func.grad(lambda w: torch_act(w, x).sum())(w).pow(2).sum())(w)
+    torch.testing.assert_close(gg, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_forward_mode_is_refused_in_one_line():
+    f = jax_function(jax_act)
+    with pytest.raises(NotImplementedError, match=r"torch.func.jvp, jacfwd\) is not supported; use torch.func.vjp"):
+        torch.func.jvp(lambda w: f(w, torch.ones(4, 3)), (torch.ones(3, 2),), (torch.ones(3, 2),))
+
+
+def test_pure_step_trains_vmaps_and_gives_hypergradients_like_torch():
+    params, x, y = make()
+    jloss = jax_function(jax_mlp_loss)
+
+    def run(loss, lr, p):
+        tx = fx.chain(fx.clip_by_global_norm(1.0), fx.inject_hyperparams(fx.adamw)(learning_rate=lr))
+        step = fx.train_step(lambda p, b: loss(p, *b), tx, donate=False)
+        s = tx.init(p)
+        for _ in range(3):
+            p, s, m = step(p, s, (x, y))
+        return loss(p, x, y)
+
+    lr = torch.tensor(0.05)
+    torch.testing.assert_close(run(jloss, lr, params), run(torch_mlp_loss, lr, params), rtol=1e-5, atol=1e-5)
+    hj = torch.func.grad(lambda lr: run(jloss, lr, params))(lr)
+    ht = torch.func.grad(lambda lr: run(torch_mlp_loss, lr, params))(lr)
+    assert torch.isfinite(hj) and hj != 0
+    torch.testing.assert_close(hj, ht, rtol=1e-4, atol=1e-5)
+    ens = tree.map(lambda v: torch.stack([v, v * 0.5]), params)  # an ensemble of 2 under vmap
+    lj = torch.func.vmap(lambda p: run(jloss, lr, p))(ens)
+    lt = torch.func.vmap(lambda p: run(torch_mlp_loss, lr, p))(ens)
+    torch.testing.assert_close(lj, lt, rtol=1e-5, atol=1e-5)
