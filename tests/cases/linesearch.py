@@ -16,8 +16,9 @@ from fxtrain._base import _Update, call, traits
 
 
 def objective(params) -> torch.Tensor:
-    """``0.5 * sum(p**2)`` over the leaves, accumulated in float32."""
-    return 0.5 * sum((p.float() ** 2).sum() for p in tree.leaves(params))
+    """``0.5 * sum(p**2)`` over the leaves, accumulated in float32, or float64 for float64 leaves (a
+    float32 value would make finite differences of a float64 run noise)."""
+    return 0.5 * sum(((p.double() if p.dtype == torch.float64 else p.float()) ** 2).sum() for p in tree.leaves(params))
 
 
 def fed(tx: fx.GradientTransformation, line: bool = True) -> fx.GradientTransformation:
