@@ -17,10 +17,13 @@ from fxtrain.interop._optax_state import state_from_optax, state_to_optax
 # --- Flax linen naming and layout (fxtrain/interop/_linen.py)
 from fxtrain.interop._linen import from_linen, linen_names, to_linen
 
+# --- Flax NNX modules and nnx.Optimizer states (fxtrain/interop/_nnx.py)
+from fxtrain.interop._nnx import from_nnx, state_from_nnx_optimizer, state_to_nnx_optimizer, to_nnx
+
 # --- JAX functions inside a torch loss, with autograd (fxtrain/interop/_function.py)
 from fxtrain.interop._function import jax_function
 
 __all__ = [
     "to_jax", "from_jax", "state_to_optax", "state_from_optax", "to_linen", "from_linen", "linen_names",
-    "jax_function",
+    "jax_function", "from_nnx", "to_nnx", "state_from_nnx_optimizer", "state_to_nnx_optimizer",
 ]

@@ -154,8 +154,9 @@ def linen_names(module: nn.Module, *, naming: str = "compact", buffers: bool = F
 
     Args:
       module: the torch module.
-      naming: ``"compact"`` (``Dense_0``...) or ``"attribute"`` (``blocks_0/attn/qkv``); see the module
-        docstring.
+      naming: ``"compact"`` (``Dense_0``...), ``"attribute"`` (``blocks_0/attn/qkv``), see the module
+        docstring, or ``"nnx"``: the paths of ``nnx.state`` of a Flax NNX module whose attributes are
+        named as in torch (``blocks/0/attn/qkv``, list entries as ``int``), after the collection.
       buffers: also map BatchNorm's running statistics to the ``batch_stats`` collection.
 
     Returns:
@@ -173,8 +174,8 @@ def linen_names(module: nn.Module, *, naming: str = "compact", buffers: bool = F
         >>> {k: "/".join(v.path) for k, v in linen_names(net).items()}
         {'0.weight': 'params/Dense_0/kernel', '0.bias': 'params/Dense_0/bias', '2.weight': 'params/Dense_1/kernel', '2.bias': 'params/Dense_1/bias'}
     """
-    if naming not in ("compact", "attribute"):
-        raise ValueError(f"linen_names: naming={naming!r} must be 'compact' or 'attribute'")
+    if naming not in ("compact", "attribute", "nnx"):
+        raise ValueError(f"linen_names: naming={naming!r} must be 'compact', 'attribute' or 'nnx'")
     out: dict[str, Leaf] = {}
     seen: set[int] = set()
 
@@ -202,6 +203,8 @@ def linen_names(module: nn.Module, *, naming: str = "compact", buffers: bool = F
                 flax_cls = layer[0] if layer else type(child).__name__
                 child_scope = scope + (f"{flax_cls}_{counters[flax_cls]}",)
                 counters[flax_cls] += 1
+            elif naming == "nnx":  # nnx.state's paths: attributes as in torch, list entries as ints
+                child_scope = tuple(int(part) if part.isdigit() else part for part in full.split("."))
             else:
                 child_scope = _attribute_scope(full)
             if layer is None:
@@ -344,21 +347,21 @@ def from_linen(variables: dict, module: nn.Module, *, naming: str = "compact") -
             node = tree
             for i, key in enumerate(path):
                 if not hasattr(node, "keys") or key not in node:
-                    raise ValueError(f"from_linen: '{name}' expects '{'/'.join(path)}', but the variables "
-                                     f"have no '{'/'.join(path[:i + 1])}'")
+                    raise ValueError(f"from_linen: '{name}' expects '{'/'.join(map(str, path))}', but the variables "
+                                     f"have no '{'/'.join(map(str, path[:i + 1]))}'")
                 node = node[key]
             used.add(path)
             t = array_to_torch(node) if is_jax_array(node) else torch.as_tensor(node)
             parts.append(leaf.from_linen(t).contiguous() if leaf.from_linen is not None else t)
         t = torch.cat(parts) if leaf.split else parts[0]
         if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"from_linen: '{'/'.join(leaf.path)}' gives '{name}' the shape {tuple(t.shape)}, "
-                             f"expected {shapes[name]}")
+            raise ValueError(f"from_linen: '{'/'.join(map(str, leaf.path))}' gives '{name}' the shape "
+                             f"{tuple(t.shape)}, expected {shapes[name]}")
         out[name] = t
     extra = [p for p in _paths(tree.get("params", {}), ("params",)) if p not in used]
     if extra:
-        raise ValueError(f"from_linen: '{'/'.join(extra[0])}' is not a parameter of {type(module).__name__} "
-                         f"(naming={naming!r})")
+        raise ValueError(f"from_linen: '{'/'.join(map(str, extra[0]))}' is not a parameter of "
+                         f"{type(module).__name__} (naming={naming!r})")
     return out
 
 
