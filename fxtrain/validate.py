@@ -238,7 +238,7 @@ def _known_keys(cfg: DictConfig) -> None:
                 raise ConfigError(f"{node_key}={_show(node)}: expected a config node with the keys {', '.join(keys)}")
             continue
         for name in node:
-            if name not in keys:
+            if name not in keys and not (not node_key and name == "hydra"):  # compose(..., return_hydra_config=True)
                 key = f"{node_key}.{name}" if node_key else str(name)
                 close = difflib.get_close_matches(str(name), keys, n=1)
                 hint = f" (did you mean {node_key + '.' if node_key else ''}{close[0]}?)" if close else ""
@@ -612,6 +612,16 @@ def _model(cfg: DictConfig) -> None:
     spec = build._resolve(node, "model")
     build.target(node, "model")  # its keys against the target's signature
     _target_values("model", spec)
+    data = _value(cfg, "data")
+    if _is_fxtrain(spec) and isinstance(data, Mapping):  # the data's facts, which the model's defaults follow
+        data = _plain(data)
+        for name, fits, need in (("num_classes", lambda m, d: m == d, "equal to"),
+                                 ("input_shape", lambda m, d: list(m) == list(d), "equal to"),
+                                 ("vocab_size", lambda m, d: m >= d, "at least"),
+                                 ("context", lambda m, d: m >= d, "at least")):
+            if name in spec and name in data and not fits(spec[name], data[name]):
+                raise ConfigError(f"model.{name}={_show(spec[name])}: the data has data.{name}={_show(data[name])}; "
+                                  f"the model's must be {need} it (its default, ${{data.{name}}}, follows the data)")
     if _is_fxtrain(spec):
         def meta() -> bool:
             with torch.device("meta"):

@@ -263,6 +263,9 @@ def test_booleans_are_strict(override, message):
     (["schedule=constant", "schedule.value=nan"], "schedule.value=nan: expected a finite number >= 0"),
     (["data.test_fraction=nan"], "data.test_fraction=nan: expected a number between 0 and 1"),
     (["trainer.max_steps=4294967296"], "trainer.max_steps=4294967296: expected a positive whole number"),
+    (["model.num_classes=5"], "model.num_classes=5: the data has data.num_classes=10; the model's must be equal"),
+    (["model=transformer", "data=stdlib_text", "task=lm", "model.context=32"],
+     "model.context=32: the data has data.context=128; the model's must be at least it"),
 ])
 def test_values_that_would_change_what_is_trained_are_refused(overrides, message):
     base = CHAIN if overrides[0].startswith(("optim/", "model=")) else FAST
