@@ -3,7 +3,10 @@ unknown sibling} is refused by fxtrain.validate.check with one line naming the k
 
 In process, on hydra.compose'd configs (no process per case): 0 tracebacks (any other exception fails), 0
 silently wrong (an accepted case must be in ACCEPTED below, with its reason). The numbers are printed
-(``pytest -s``): commands, accepted, refused naming the key.
+(``pytest -s``): commands, accepted, refused naming the key. On the 8 configs below: 1,752 commands, 99 accepted
+(each with its reason), 1,653 refused naming the key; the validate.py of issue 25's main gave 10 tracebacks and
+accepted 1,026 outside this list (before its run directory was written, where they failed later or trained
+something else).
 """
 
 from __future__ import annotations
@@ -61,8 +64,7 @@ ACCEPTED = {
     ("optim.chain.*.initial_accumulator_value", "huge"): "no upper bound",
     ("optim.chain.*.max_norm", "huge"): "clipping that never binds",
     ("optim.chain.*.max_delta", "huge"): "clipping that never binds",
-    ("schedule.init_value", "zero"): "warmup from 0 / decay from 0 needs another value > 0 (checked: a schedule "
-                                     "that is 0 at every probed step is refused)",
+    ("schedule.init_value", "zero"): "warmup from 0 (a schedule that is 0 at every probed step is refused)",
     ("schedule.init_value", "huge"): "multiples of the learning rate have no upper bound (like learning_rate)",
     ("schedule.peak_value", "huge"): "multiples of the learning rate have no upper bound (like learning_rate)",
     ("schedule.value", "huge"): "multiples of the learning rate have no upper bound (like learning_rate)",
