@@ -20,10 +20,18 @@ from fxtrain.interop._linen import from_linen, linen_names, to_linen
 # --- Flax NNX modules and nnx.Optimizer states (fxtrain/interop/_nnx.py)
 from fxtrain.interop._nnx import from_nnx, state_from_nnx_optimizer, state_to_nnx_optimizer, to_nnx
 
+# --- Orbax checkpoints a JAX program restores, and reads the ones it writes (fxtrain/interop/_orbax.py)
+from fxtrain.interop._orbax import load_orbax, save_orbax
+
 # --- JAX functions inside a torch loss, with autograd (fxtrain/interop/_function.py)
 from fxtrain.interop._function import jax_function
+
+# --- safetensors files with state_dict names, loadable by transformers (fxtrain/interop/_safetensors.py)
+from fxtrain.interop._safetensors import load_safetensors, save_safetensors
 
 __all__ = [
     "to_jax", "from_jax", "state_to_optax", "state_from_optax", "to_linen", "from_linen", "linen_names",
     "jax_function", "from_nnx", "to_nnx", "state_from_nnx_optimizer", "state_to_nnx_optimizer",
+    "save_safetensors", "load_safetensors",
+    "save_orbax", "load_orbax",
 ]

@@ -1,0 +1,273 @@
+"""Orbax checkpoints across frameworks: ``save_orbax`` and ``load_orbax``.
+
+A JAX program keeps ``{"params": params, "opt_state": opt_state}`` and saves it with
+``orbax.checkpoint.StandardCheckpointer``. On disk the tree has no classes: Orbax stores leaves by their
+key path (``opt_state.1.0.mu.Dense_0.kernel``): a namedtuple's fields by name, a tuple's entries by
+index, and a namedtuple with no fields (Optax's ``EmptyState``, ``MaskedNode``) as nothing at all. So
+what crosses is the path of each array, and the two sides agree where fxtrain's state has Optax's field
+names and nesting (it does: see :mod:`fxtrain.interop._optax_state`). Where they differ:
+``ClipByGlobalNormState(grad_norm)`` is written as Optax's empty state (the norm comes back as zero), and
+the few transforms whose Optax state has other fields (``inject_hyperparams``' stateful schedules,
+``MultiSteps``) need the Optax state itself: pass ``optax_like`` to :func:`save_orbax`.
+
+Params. Without ``module`` the params tree is written (and read) as it is. With ``module``, the params and
+every params-shaped tree of the optimizer state (``mu``, ``nu``...) take the Flax names and layouts of
+:func:`~fxtrain.interop.to_linen` (``naming="compact"`` or ``"attribute"``: the ``params`` collection of
+a linen module) or of NNX (``naming="nnx"``: ``nnx.state(model, nnx.Param)`` as a pure dict).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fxtrain._base import EmptyState
+from fxtrain.interop._arrays import array_to_torch, tensor_to_jax
+from fxtrain.interop._jax import is_jax_array, require
+from fxtrain.interop._linen import from_linen, linen_names, to_linen
+from fxtrain.interop._optax_state import state_to_optax
+
+__all__ = ["save_orbax", "load_orbax"]
+
+
+def _ocp():
+    require(what="fxtrain.interop (Orbax checkpoints)")
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:  # pragma: no cover - orbax-checkpoint comes with the jax extra
+        raise ImportError("fxtrain.interop's Orbax functions need orbax-checkpoint: "
+                          "pip install 'fxtrain[jax]'") from e
+    return ocp
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _where(path: tuple) -> str:
+    return ".".join(map(str, path)) or "<root>"
+
+
+class _Names:
+    """The params' names: torch ``{name: tensor}`` <-> Flax nested trees (or nothing without a module)."""
+
+    def __init__(self, params: Mapping, module: nn.Module | None, naming: str):
+        self.module, self.naming = module, naming
+        self.keys = set(params) if module is not None else None
+        if module is not None:
+            self.top = {leaf.path[1] for leaf in linen_names(module, naming=naming).values()}
+
+    def is_params(self, node: Any) -> bool:
+        return self.keys is not None and isinstance(node, Mapping) and set(node) == self.keys
+
+    def to_flax(self, node: Mapping) -> dict:
+        return to_linen(dict(node), self.module, naming=self.naming, as_jax=False)["params"]
+
+    def from_flax(self, node: Any) -> dict:
+        return from_linen({"params": node}, self.module, naming=self.naming)
+
+
+def save_orbax(path: str | os.PathLike, params: Any, opt_state: Any, tx: Any, step: int | None = None, *,
+               module: nn.Module | None = None, naming: str = "compact", optax_like: Any = None,
+               force: bool = False) -> None:
+    """Writes params and an fxtrain optimizer state as an Orbax checkpoint a JAX program restores.
+
+    The checkpoint is ``{"params": ..., "opt_state": ...}`` saved by ``ocp.StandardCheckpointer``: a JAX
+    program restores it with ``ocp.StandardCheckpointer().restore(path, {"params": p, "opt_state":
+    optax_tx.init(p)})`` where ``optax_tx`` is the Optax counterpart of ``tx`` (``optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(1e-3))`` for ``fx.chain(fx.clip_by_global_norm(1.0),
+    fx.adamw(1e-3))``).
+
+    Args:
+      path: the checkpoint directory (made absolute; it must not exist unless ``force``).
+      params: the params tree (``fx.functional``'s params, or any tree of tensors).
+      opt_state: ``tx``'s state on ``params``.
+      tx: the fxtrain transform; its ``init(params)`` must have ``opt_state``'s structure (checked).
+      step: stored in the checkpoint's custom metadata (``{"step": step}``).
+      module: with it, the params and the state's params trees get Flax names and layouts (``naming``:
+        ``"compact"``, ``"attribute"`` or ``"nnx"``; see the module docstring).
+      optax_like: the Optax state ``optax_tx.init(...)`` on the saved params (JAX arrays, Flax names with
+        ``module``): the state is then written with its classes (:func:`~fxtrain.interop.state_to_optax`),
+        which the transforms whose Optax state has other fields need.
+      force: overwrite an existing checkpoint.
+
+    Raises:
+      ValueError: ``opt_state`` is not a state of ``tx`` on ``params`` (the first path that differs is
+        named), or a params name does not fit ``module``.
+
+    Example:
+        >>> import pytest; _ = pytest.importorskip("orbax.checkpoint")
+        >>> import tempfile, os, torch, fxtrain as fx
+        >>> from fxtrain.interop import save_orbax
+        >>> params, tx = {"w": torch.ones(3)}, fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(1e-3))
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> save_orbax(path, params, tx.init(params), tx, step=0)
+        >>> sorted(os.listdir(path))[:2]
+        ['_CHECKPOINT_METADATA', '_METADATA']
+    """
+    ocp = _ocp()
+    names = _Names(params, module, naming)
+    _check(opt_state, tx.init(params), ())
+    state = _fx_to_saved(opt_state, names)
+    flax_params = names.to_flax(params) if module is not None else params
+    to_jax_tree = lambda t: _tree_to_jax(t)  # noqa: E731
+    if optax_like is not None:
+        state = state_to_optax(state, optax_like)
+    else:
+        state = to_jax_tree(state)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.abspath(os.fspath(path)), {"params": to_jax_tree(flax_params), "opt_state": state},
+                      force=force, custom_metadata=None if step is None else {"step": int(step)})
+    checkpointer.wait_until_finished()
+
+
+def load_orbax(path: str | os.PathLike, params: Any, tx: Any, *, module: nn.Module | None = None,
+               naming: str = "compact") -> tuple[Any, Any]:
+    """Reads an Orbax checkpoint a JAX program wrote as params and an fxtrain optimizer state.
+
+    The checkpoint is what ``ocp.StandardCheckpointer().save(path, {"params": p, "opt_state": s})`` writes,
+    ``s`` the state of the Optax counterpart of ``tx`` (see :func:`save_orbax`).
+
+    Args:
+      path: the checkpoint directory.
+      params: a tree of torch tensors with the params' structure (``fx.functional``'s params): it gives
+        the names, dtypes and devices; its values are not read.
+      tx: the fxtrain transform whose state to build (``tx.init(params)`` gives the classes).
+      module: the checkpoint's params have Flax names and layouts (``naming`` as in :func:`save_orbax`).
+
+    Returns:
+      ``(params, opt_state)``: new tensors (copies of the restored arrays) in ``params``' structure, and
+      ``tx``'s state, ready for :func:`fxtrain.train_step`.
+
+    Raises:
+      ValueError: the checkpoint's tree does not fit (the first path that differs is named).
+
+    Example:
+        >>> import pytest; _ = pytest.importorskip("orbax.checkpoint")
+        >>> import tempfile, os, torch, fxtrain as fx
+        >>> from fxtrain.interop import load_orbax, save_orbax
+        >>> params, tx = {"w": torch.ones(3)}, fx.adam(0.1)
+        >>> _, state = tx.update({"w": torch.ones(3)}, tx.init(params), params)
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> save_orbax(path, params, state, tx)
+        >>> p, s = load_orbax(path, {"w": torch.zeros(3)}, tx)
+        >>> p["w"].tolist(), int(s[0].count)
+        ([1.0, 1.0, 1.0], 1)
+    """
+    ocp = _ocp()
+    raw = ocp.StandardCheckpointer().restore(os.path.abspath(os.fspath(path)))
+    if not isinstance(raw, Mapping) or set(raw) != {"params", "opt_state"}:
+        found = sorted(raw) if isinstance(raw, Mapping) else type(raw).__name__
+        raise ValueError(f"load_orbax: '{path}' holds {found}, expected the keys ['opt_state', 'params']")
+    names = _Names(params, module, naming)
+    saved_params = names.from_flax(raw["params"]) if module is not None else raw["params"]
+    new_params = _from_saved(saved_params, params, ("params",), names)
+    opt_state = _from_saved(raw["opt_state"], tx.init(params), ("opt_state",), names)
+    return new_params, opt_state
+
+
+# --- fxtrain -> the saved tree ------------------------------------------------------------------------
+
+def _check(state: Any, like: Any, path: tuple) -> None:
+    """``state`` has ``like``'s structure (classes, keys, lengths, shapes)."""
+    if _is_namedtuple(like) or isinstance(like, (tuple, list)):
+        if type(state) is not type(like) or len(state) != len(like):
+            raise ValueError(f"save_orbax: opt_state at '{_where(path)}' is {type(state).__name__}, tx.init(params) "
+                             f"gives {type(like).__name__}: is opt_state a state of tx on these params?")
+        keys = like._fields if _is_namedtuple(like) else range(len(like))
+        for k, s, x in zip(keys, state, like):
+            _check(s, x, path + (k,))
+    elif isinstance(like, Mapping):
+        if not isinstance(state, Mapping) or set(state) != set(like):
+            raise ValueError(f"save_orbax: opt_state at '{_where(path)}' has other keys than tx.init(params): "
+                             "is opt_state a state of tx on these params?")
+        for k in like:
+            _check(state[k], like[k], path + (k,))
+    elif isinstance(like, torch.Tensor) and tuple(state.shape) != tuple(like.shape):
+        raise ValueError(f"save_orbax: opt_state at '{_where(path)}' has the shape {tuple(state.shape)}, "
+                         f"tx.init(params) gives {tuple(like.shape)}")
+
+
+def _fx_to_saved(node: Any, names: _Names) -> Any:
+    if names.is_params(node):
+        return names.to_flax(node)
+    if _is_namedtuple(node):
+        if type(node).__name__ == "ClipByGlobalNormState":
+            return EmptyState()  # Optax's clip_by_global_norm keeps no state
+        return type(node)(*(_fx_to_saved(x, names) for x in node))
+    if isinstance(node, (tuple, list)):
+        return type(node)(_fx_to_saved(x, names) for x in node)
+    if isinstance(node, Mapping):
+        return {k: _fx_to_saved(v, names) for k, v in node.items()}
+    return node
+
+
+def _tree_to_jax(node: Any) -> Any:
+    jnp = require("jax.numpy")
+    if isinstance(node, torch.Tensor):
+        return tensor_to_jax(node.detach().contiguous().clone(), where="save_orbax")
+    if _is_namedtuple(node):
+        return node if not node._fields else type(node)(*(_tree_to_jax(x) for x in node))
+    if isinstance(node, (tuple, list)):
+        return type(node)(_tree_to_jax(x) for x in node)
+    if isinstance(node, Mapping):
+        return {k: _tree_to_jax(v) for k, v in node.items()}
+    if isinstance(node, (np.ndarray, np.generic, int, float)):
+        return jnp.asarray(node)
+    return node
+
+
+# --- the restored tree -> fxtrain ---------------------------------------------------------------------
+
+def _from_saved(src: Any, like: Any, path: tuple, names: _Names) -> Any:
+    """Rebuilds ``like`` (an fxtrain tree) from Orbax's restored tree: dicts for namedtuples, lists for
+    tuples, ``None`` for empty namedtuples."""
+    def fail(what: str):
+        raise ValueError(f"load_orbax: the checkpoint differs at '{_where(path)}': {what} (is it the state of "
+                         "the Optax counterpart of tx, on params of this structure?)")
+
+    if names.is_params(like) and path[0] == "opt_state":
+        src = names.from_flax(src)
+    if _is_namedtuple(like):
+        if type(like).__name__ == "ClipByGlobalNormState" and src is None:
+            return type(like)(grad_norm=torch.zeros_like(like.grad_norm))
+        if not like._fields:
+            return like if src is None or src == {} or src == [] else fail(f"{_kind(src)} where nothing is kept")
+        if not isinstance(src, Mapping):
+            fail(f"{_kind(src)} where {type(like).__name__}'s fields are")
+        if set(src) != set(like._fields):
+            fail(f"fields {sorted(src)}, {type(like).__name__} has {sorted(like._fields)}")
+        return type(like)(*(_from_saved(src[f], getattr(like, f), path + (f,), names) for f in like._fields))
+    if isinstance(like, (tuple, list)):
+        if not isinstance(src, (tuple, list)) or len(src) != len(like):
+            fail(f"{_kind(src)} where {len(like)} entries are")
+        return type(like)(_from_saved(s, x, path + (i,), names) for i, (s, x) in enumerate(zip(src, like)))
+    if isinstance(like, Mapping):
+        if not isinstance(src, Mapping) or set(src) != set(like):
+            other = sorted(set(src) ^ set(like), key=str) if isinstance(src, Mapping) else None
+            fail(f"key {other[0]!r} is in one tree only" if other else f"{_kind(src)} where a dict is")
+        return type(like)((k, _from_saved(src[k], v, path + (k,), names)) for k, v in like.items())
+    if isinstance(like, torch.Tensor):
+        if src is None or not hasattr(src, "shape"):
+            fail(f"{_kind(src)} where an array is")
+        if tuple(src.shape) != tuple(like.shape):
+            fail(f"shape {tuple(src.shape)}, expected {tuple(like.shape)}")
+        if isinstance(src, torch.Tensor):  # a params tree, through from_linen
+            t = src
+        else:
+            t = array_to_torch(src) if is_jax_array(src) else torch.as_tensor(np.array(src))
+        return t.to(device=like.device, dtype=like.dtype, copy=True)
+    return src if like is None or type(src) is type(like) else fail(f"{_kind(src)} vs {_kind(like)}")
+
+
+def _kind(x: Any) -> str:
+    if x is None:
+        return "nothing"
+    if hasattr(x, "shape"):
+        return f"an array of shape {tuple(x.shape)}"
+    return type(x).__name__

@@ -1,0 +1,145 @@
+"""fxtrain/interop/_orbax.py: Orbax checkpoints both ways, checked against a JAX program (Flax linen + Optax).
+
+Acceptance: a tiny MLP trained N steps in JAX (flax.linen, optax.chain(clip_by_global_norm, adamw)), saved
+with Orbax, continued N steps in fxtrain on torch equals 2N steps in JAX; and the reverse (N in fxtrain,
+saved with save_orbax, N in JAX restoring with Orbax against Optax's own init). float32, the pure step
+(tx.update + apply_updates) on the torch side.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxtrain as fx
+from fxtrain.interop import from_jax, from_linen, load_orbax, save_orbax, to_jax, to_linen
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+optax = pytest.importorskip("optax")
+ocp = pytest.importorskip("orbax.checkpoint")
+linen = pytest.importorskip("flax.linen")
+pytestmark = pytest.mark.jax
+
+LR, WD, CLIP, N = 0.02, 0.1, 0.5, 8
+REL = 1e-5  # params within 1e-5 relative to their largest entry (float32)
+
+
+class FlaxMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        h = jnp.tanh(linen.Dense(16)(x))  # Dense_0: compact names count in creation order
+        return linen.Dense(2)(h)
+
+
+def torch_mlp():
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g)
+
+
+def txs():
+    return (optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(LR, weight_decay=WD)),
+            fx.chain(fx.clip_by_global_norm(CLIP), fx.adamw(LR, weight_decay=WD)))
+
+
+def jax_steps(params, state, n):
+    otx, _ = txs()
+    x, y = (to_jax(t.clone()) for t in data())
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(lambda p: jnp.mean((FlaxMLP().apply({"params": p}, x) - y) ** 2))(params)
+        updates, state = otx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(n):
+        params, state = step(params, state)
+    return params, state
+
+
+def fx_steps(net, params, state, n):
+    _, tx = txs()
+    x, y = data()
+
+    def loss(p):
+        return torch.mean((torch.func.functional_call(net, p, (x,)) - y) ** 2)
+
+    for _ in range(n):
+        updates, state = tx.update(torch.func.grad(loss)(params), state, params)
+        params = fx.apply_updates(params, updates)
+    return params, state
+
+
+def assert_rel_close(got: dict, expected: dict):
+    for k in expected:
+        err = float((got[k] - expected[k]).abs().max() / expected[k].abs().max())
+        assert err <= REL, f"{k}: relative difference {err:.2e}"
+
+
+def test_jax_checkpoint_continues_in_fxtrain(tmp_path):
+    otx, tx = txs()
+    params = FlaxMLP().init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
+    params, state = jax_steps(params, otx.init(params), N)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "jax", {"params": params, "opt_state": state})  # what a JAX program does
+    checkpointer.wait_until_finished()
+    net = torch_mlp()
+    like = {k: p.detach() for k, p in net.named_parameters()}
+    p, s = load_orbax(tmp_path / "jax", like, tx, module=net)
+    assert int(s[1][0].count) == N and float(s[0].grad_norm) == 0.0  # Optax keeps no norm
+    torch.testing.assert_close(s[1][0].nu["0.weight"], from_jax(state[1][0].nu["Dense_0"]["kernel"]).T)
+    p, _ = fx_steps(net, p, s, N)
+    expected, _ = jax_steps(params, state, N)  # the run that never crossed
+    assert_rel_close(p, from_linen({"params": expected}, net))
+
+
+def test_fxtrain_checkpoint_continues_in_jax(tmp_path):
+    otx, tx = txs()
+    torch.manual_seed(0)
+    net = torch_mlp()
+    params = {k: p.detach().clone() for k, p in net.named_parameters()}
+    params, state = fx_steps(net, params, tx.init(params), N)
+    save_orbax(tmp_path / "fx", params, state, tx, step=N, module=net)
+    # a JAX program restores it against Optax's own init
+    target = to_linen(params, net)["params"]
+    target = {"params": target, "opt_state": otx.init(target)}
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "fx", jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                                                                  target))
+    assert jax.tree.structure(restored) == jax.tree.structure(target)
+    assert ocp.StandardCheckpointer().metadata(tmp_path / "fx").custom_metadata == {"step": N}
+    jp, _ = jax_steps(restored["params"], restored["opt_state"], N)
+    expected, _ = fx_steps(net, params, state, N)  # the run that never crossed
+    assert_rel_close(from_linen({"params": jp}, net), expected)
+
+
+def test_round_trip_without_a_module_and_with_optax_like(tmp_path):
+    otx, tx = txs()
+    params = {"w": torch.randn(3, 2), "b": torch.randn(2)}
+    grads = {"w": torch.randn(3, 2), "b": torch.randn(2)}
+    _, state = tx.update(grads, tx.init(params), params)
+    save_orbax(tmp_path / "a", params, state, tx)
+    p, s = load_orbax(tmp_path / "a", {k: torch.zeros_like(v) for k, v in params.items()}, tx)
+    assert all(torch.equal(p[k], params[k]) for k in params)
+    assert torch.equal(s[1][0].mu["w"], state[1][0].mu["w"]) and int(s[1][0].count) == 1
+    # with Optax's own state as the template: the same checkpoint
+    save_orbax(tmp_path / "b", params, state, tx, optax_like=otx.init(to_jax(params)))
+    p2, s2 = load_orbax(tmp_path / "b", params, tx)
+    assert torch.equal(s2[1][0].nu["b"], state[1][0].nu["b"])
+
+
+def test_errors_name_the_path(tmp_path):
+    _, tx = txs()
+    params = {"w": torch.ones(3)}
+    save_orbax(tmp_path / "a", params, tx.init(params), tx)
+    with pytest.raises(ValueError, match=r"load_orbax: the checkpoint differs at 'opt_state': list where 1 entries"):
+        load_orbax(tmp_path / "a", params, fx.chain(fx.adam(0.1)))
+    with pytest.raises(ValueError, match=r"differs at 'params.w': shape \(3,\), expected \(4,\)"):
+        load_orbax(tmp_path / "a", {"w": torch.ones(4)}, fx.chain(fx.clip_by_global_norm(CLIP),
+                                                                   fx.adamw(LR, weight_decay=WD)))
+    with pytest.raises(ValueError, match=r"opt_state at '0' is ScaleByAdamState, tx.init\(params\) gives ClipByGlob"):
+        save_orbax(tmp_path / "b", params, fx.adam(0.1).init(params), tx)
