@@ -874,14 +874,17 @@ def message(error: BaseException) -> str | None:
     """
     if isinstance(error, ConfigError):
         return str(error)
-    seen: BaseException | None = error
-    while seen is not None:
-        if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) or "No space left on device" in str(seen):
-            where = f" writing {seen.filename}" if isinstance(seen, OSError) and seen.filename else ""
-            return (f"no space left on the device{where}: the run stopped, its complete checkpoints are intact; free "
-                    "some space and relaunch with resume=auto, or write elsewhere (hydra.run.dir=...)")
+    chain, seen = [], error
+    while seen is not None and len(chain) < 64:
+        chain.append(seen)
         seen = seen.__cause__ or seen.__context__
-    return None
+    full = [e for e in chain if isinstance(e, OSError) and e.errno == errno.ENOSPC]  # the OSError names the file
+    full = full or [e for e in chain if "No space left on device" in str(e)]  # torch.save: a RuntimeError's text
+    if not full:
+        return None
+    where = f" writing {full[0].filename}" if isinstance(full[0], OSError) and full[0].filename else ""
+    return (f"no space left on the device{where}: the run stopped, its complete checkpoints are intact; free "
+            "some space and relaunch with resume=auto, or write elsewhere (hydra.run.dir=...)")
 
 
 @contextlib.contextmanager
