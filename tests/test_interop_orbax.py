@@ -143,3 +143,36 @@ def test_errors_name_the_path(tmp_path):
                                                                    fx.adamw(LR, weight_decay=WD)))
     with pytest.raises(ValueError, match=r"opt_state at '0' is ScaleByAdamState, tx.init\(params\) gives ClipByGlob"):
         save_orbax(tmp_path / "b", params, fx.adam(0.1).init(params), tx)
+
+
+def test_nnx_naming_restores_into_an_nnx_model(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 16), nn.Linear(16, 2)])
+
+    class NNet(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(4, 16, rngs=rngs), nnx.Linear(16, 2, rngs=rngs)])
+
+    otx, tx = txs()
+    torch.manual_seed(0)
+    net = Net()
+    params = {k: p.detach() for k, p in net.named_parameters()}
+    _, state = tx.update({k: torch.randn_like(p) for k, p in params.items()}, tx.init(params), params)
+    save_orbax(tmp_path / "nnx", params, state, tx, module=net, naming="nnx")
+    model = NNet(nnx.Rngs(0))
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    target = {"params": pure, "opt_state": otx.init(pure)}
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "nnx", jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                                                                   target))
+    nnx.update(model, restored["params"])
+    assert torch.equal(from_jax(model.layers[1].kernel[...]), params["layers.1.weight"].T)
+    mu = restored["opt_state"][1][0].mu
+    assert torch.equal(from_jax(mu["layers"][0]["kernel"]), state[1][0].mu["layers.0.weight"].T)
+    # and back
+    p, s = load_orbax(tmp_path / "nnx", params, tx, module=net, naming="nnx")
+    assert all(torch.equal(p[k], params[k]) for k in params)
+    assert torch.equal(s[1][0].nu["layers.1.bias"], state[1][0].nu["layers.1.bias"])

@@ -69,7 +69,15 @@ class _Names:
         return to_linen(dict(node), self.module, naming=self.naming, as_jax=False)["params"]
 
     def from_flax(self, node: Any) -> dict:
+        if self.naming == "nnx":  # Orbax gives NNX's int keys (list entries) back as strings
+            node = _int_keys(node)
         return from_linen({"params": node}, self.module, naming=self.naming)
+
+
+def _int_keys(node: Any) -> Any:
+    if not isinstance(node, Mapping):
+        return node
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in node.items()}
 
 
 def save_orbax(path: str | os.PathLike, params: Any, opt_state: Any, tx: Any, step: int | None = None, *,
