@@ -108,7 +108,11 @@ class Task:
         shape if the loss is not a scalar.
 
         The check reads shapes only (no host sync), so it holds under ``vmap`` and ``torch.compile``.
+        A model output that is not a tensor but carries ``logits`` (a Hugging Face ``transformers``
+        ``ModelOutput``, e.g. ``GPT2LMHeadModel``'s) is scored by its logits.
         """
+        if not isinstance(outputs, torch.Tensor) and isinstance(getattr(outputs, "logits", None), torch.Tensor):
+            outputs = outputs.logits
         loss = self.loss(outputs, targets)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__

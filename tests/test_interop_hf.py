@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fxtrain as fx
-from fxtrain import tree
+from fxtrain import tasks, tree
 from fxtrain.testing import assert_trees_close
 
 transformers = pytest.importorskip("transformers")
@@ -139,3 +139,36 @@ def test_lr_hypergradient_through_updates_matches_finite_differences():
     fd = (final_loss(lr + eps) - final_loss(lr - eps)) / (2 * eps)
     assert torch.isfinite(h) and h != 0
     torch.testing.assert_close(h.double(), fd, rtol=1e-3, atol=1e-8)
+
+
+# --- the runner: a config-built transformers model with task=lm ---------------------------------------------
+
+HF_GPT2_MODEL = ("model._target_=transformers.GPT2LMHeadModel", "~model.vocab_size", "~model.context",
+                 "~model.d_model", "~model.n_layers", "~model.n_heads",
+                 "+model.config._target_=transformers.GPT2Config", "+model.config.n_layer=2",
+                 "+model.config.n_embd=32", "+model.config.n_head=2", "+model.config.vocab_size=${data.vocab_size}",
+                 "+model.config.n_positions=${data.context}", "+model.config.bos_token_id=0",
+                 "+model.config.eos_token_id=0")
+
+
+def test_task_scores_a_model_output_by_its_logits():
+    out = tiny_gpt2()(input_ids=torch.zeros(2, 5, dtype=torch.long))  # a ModelOutput, not a tensor
+    loss, metrics = tasks.lm().compute(out, torch.zeros(2, 5, dtype=torch.long))
+    assert loss.ndim == 0 and torch.equal(loss, tasks.lm().compute(out.logits, torch.zeros(2, 5, dtype=torch.long))[0])
+    assert set(metrics) == {"accuracy"}
+
+
+def test_runner_trains_a_transformers_model_with_task_lm(tmp_path, capsys):
+    import json
+
+    from tests._runner import run_main
+
+    run = tmp_path / "run"
+    code = run_main("experiment=tiny_lm", *HF_GPT2_MODEL, "trainer.max_steps=8", "trainer.eval_every=4",
+                    "trainer.log_every=4", "schedule.warmup_steps=4", "data.max_bytes=30000", "trainer.device=cpu",
+                    f"hydra.run.dir={run}")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "model  GPT2LMHeadModel: 35,712 params" in out  # tied head counted once
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["value"] < 5.545  # below log(256): uniform over bytes
