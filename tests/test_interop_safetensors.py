@@ -77,3 +77,23 @@ def test_load_casts_to_like_and_refuses_by_name(tmp_path):
         load_safetensors(path, {"a": torch.zeros(2, 3), "b": torch.zeros(2)})
     with pytest.raises(TypeError, match="entry 'x' must be a str name and a tensor"):
         save_safetensors(path, {"x": {"nested": torch.ones(1)}})
+
+
+def test_bert_both_ways_with_transformers(gpt2, tmp_path, monkeypatch):
+    transformers = gpt2[0]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg).eval()
+    _, params, buffers = fx.functional(model)  # the decoder weight is tied to the word embeddings: one leaf
+    params = {k: v + 0.01 * torch.randn_like(v) for k, v in params.items()}  # not the init's values
+    cfg.save_pretrained(tmp_path)
+    save_safetensors(tmp_path / "model.safetensors", params)
+    loaded = transformers.BertForMaskedLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = torch.func.functional_call(model, {**params, **buffers}, (), {"input_ids": ids}).logits
+        assert torch.equal(loaded(input_ids=ids).logits, ref)
+    loaded.save_pretrained(tmp_path / "back")
+    assert_trees_close(load_safetensors(tmp_path / "back" / "model.safetensors", params), params, rtol=0, atol=0)
