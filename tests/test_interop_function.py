@@ -116,9 +116,10 @@ def torch_act(w, x):
     return torch.tanh(x @ w) ** 2
 
 
-def test_torch_func_grad_vjp_and_jacrev_match_torch():
+@pytest.mark.parametrize("jit", [True, False])
+def test_torch_func_grad_vjp_and_jacrev_match_torch(jit):
     w, x = torch.randn(3, 2), torch.randn(4, 3)
-    f = jax_function(jax_act)
+    f = jax_function(jit=jit)(jax_act)
     g = torch.func.grad(lambda w: f(w, x).sum())(w)
     torch.testing.assert_close(g, torch.func.grad(lambda w: torch_act(w, x).sum())(w), rtol=1e-5, atol=1e-5)
     ct = torch.randn(4, 2)
