@@ -31,9 +31,10 @@ def run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_public_names():
-    assert fx.interop.__all__[:14] == ["to_jax", "from_jax", "state_to_optax", "state_from_optax", "to_linen",
-                                       "from_linen", "linen_names", "jax_function", "from_nnx", "to_nnx",
-                                       "state_from_nnx_optimizer", "state_to_nnx_optimizer", "save_orbax", "load_orbax"]
+    assert fx.interop.__all__ == ["to_jax", "from_jax", "state_to_optax", "state_from_optax", "to_linen",
+                                  "from_linen", "linen_names", "jax_function", "from_nnx", "to_nnx",
+                                  "state_from_nnx_optimizer", "state_to_nnx_optimizer", "save_safetensors",
+                                  "load_safetensors", "save_orbax", "load_orbax"]
 
 
 def test_without_jax_the_core_trains_and_interop_names_the_extra():

@@ -2,8 +2,9 @@
 
 JAX is an optional extra (``pip install 'fxtrain[jax]'``): importing this package never imports JAX;
 each function imports it when called and raises ``ImportError`` naming the extra when it is missing.
-Flax is not a dependency at all: the linen adapters are pure tree conversions that produce (and read)
-the variables a ``flax.linen`` module would have.
+The linen adapters are pure tree conversions that produce (and read) the variables a ``flax.linen``
+module would have, without Flax; the NNX functions and the Orbax checkpoints import ``flax`` and
+``orbax.checkpoint`` (both in the ``jax`` extra) when called.
 
 This file is the map of the package.
 """

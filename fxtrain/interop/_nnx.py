@@ -314,7 +314,12 @@ def state_to_nnx_optimizer(fx_state: Any, module: nn.Module, optimizer: Any) -> 
     jax = require()
     old_leaves = jax.tree.leaves(optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     new_leaves = jax.tree.leaves(new)
-    for var, value in zip(old_leaves, new_leaves, strict=True):
+    if len(old_leaves) != len(new_leaves):  # pragma: no cover - state_to_optax checked the structure
+        raise ValueError(f"state_to_nnx_optimizer: {len(new_leaves)} arrays for the optimizer's {len(old_leaves)}")
+    for var, value in zip(old_leaves, new_leaves):
+        if tuple(var.shape) != tuple(value.shape):  # pragma: no cover - the same order on both sides
+            raise ValueError(f"state_to_nnx_optimizer: an array of shape {tuple(value.shape)} where the optimizer "
+                             f"holds {tuple(var.shape)}")
         var.set_value(value)
     count = _first_count(new)
     if count is not None:
