@@ -68,16 +68,20 @@ NOT_FACTORIES = {
 # Factories that refuse torch.func: name -> (why, the one-line error they raise under grad).
 REFUSED: dict[str, tuple[str, str]] = {}
 
-# Checked, but failing today for a reason another change fixes (xfail, not strict): name -> reason.
-_LINESEARCH = ("issue 25: the line searches' gradients (NaN from the zoom search, the backtracking state's "
-               "None leaf under vmap) are being fixed in fxtrain/transforms/_linesearch.py and _lbfgs.py")
-PENDING: dict[str, str] = {
-    "lbfgs": _LINESEARCH, "scale_by_lbfgs": _LINESEARCH, "scale_by_backtracking_linesearch": _LINESEARCH,
-    "scale_by_zoom_linesearch": _LINESEARCH,
+# Grad through updates checked, but failing today (xfail, not strict: an XPASS shows when it is fixed).
+_LBFGS = ("grad through scale_by_lbfgs(memory_size=2) on the conformance tree differs from central differences by "
+          "up to 8% (near-singular curvature pairs, or a wrong derivative): for fxtrain/transforms/_lbfgs.py's owner")
+PENDING_GRAD: dict[str, str] = {
+    "scale_by_lbfgs": _LBFGS,
     # Not a defect of the transform: the running max of |x_k - x_0| starts at 0, a kink where torch gives the
     # 0 subgradient (Optax: NaN) and central differences change with their step (0.907 at 1e-6, 0.921 at 1e-5).
     "scale_by_distance_over_gradients": "nonsmooth at x_0: central differences are no reference there",
 }
+
+
+def _with_pending(names: list[str], pending: dict[str, str]) -> list:
+    return [pytest.param(n, marks=pytest.mark.xfail(reason=pending[n], strict=False)) if n in pending else n
+            for n in names]
 
 
 def _params_small() -> dict:
@@ -195,8 +199,6 @@ def test_every_public_factory_is_checked_or_refused():
 
 
 def _case(name: str):
-    if name in PENDING:
-        pytest.xfail(PENDING[name])
     return BUILDERS[name]
 
 
@@ -266,7 +268,7 @@ def _central_differences(f: Callable[[Any], torch.Tensor], params: Any) -> Any:
     return tree.unflatten(spec, out)
 
 
-@pytest.mark.parametrize("name", CATALOGUE)
+@pytest.mark.parametrize("name", _with_pending(CATALOGUE, PENDING_GRAD))
 def test_grad_through_updates(name):
     build, theirs, make = _case(name)
     params = make()
@@ -320,8 +322,6 @@ LR_CATALOGUE = [n for n in CATALOGUE if n not in SCHEDULES and _takes_learning_r
 
 @pytest.mark.parametrize("name", LR_CATALOGUE)
 def test_learning_rate_hypergradient(name):
-    if name in PENDING:
-        pytest.xfail(PENDING[name])
     build = _lr_builder(name)
     params = _params_small()
     f = lambda h: _meta(build(h), params)  # noqa: E731
