@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import fxtrain as fx  # noqa: E402
-from fxtrain.interop import from_jax, from_linen, load_orbax, save_orbax, to_jax, to_linen  # noqa: E402
+from fxtrain.interop import from_linen, load_orbax, save_orbax, to_jax, to_linen  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -60,7 +60,7 @@ class _Names:
         self.module, self.naming = module, naming
         self.keys = set(params) if module is not None else None
         if module is not None:
-            self.top = {leaf.path[1] for leaf in linen_names(module, naming=naming).values()}
+            linen_names(module, naming=naming)  # an unknown naming or an unmapped layer fails here, by name
 
     def is_params(self, node: Any) -> bool:
         return self.keys is not None and isinstance(node, Mapping) and set(node) == self.keys
@@ -123,13 +123,9 @@ def save_orbax(path: str | os.PathLike, params: Any, opt_state: Any, tx: Any, st
     _check(opt_state, tx.init(params), ())
     state = _fx_to_saved(opt_state, names)
     flax_params = names.to_flax(params) if module is not None else params
-    to_jax_tree = lambda t: _tree_to_jax(t)  # noqa: E731
-    if optax_like is not None:
-        state = state_to_optax(state, optax_like)
-    else:
-        state = to_jax_tree(state)
+    state = state_to_optax(state, optax_like) if optax_like is not None else _tree_to_jax(state)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.abspath(os.fspath(path)), {"params": to_jax_tree(flax_params), "opt_state": state},
+    checkpointer.save(os.path.abspath(os.fspath(path)), {"params": _tree_to_jax(flax_params), "opt_state": state},
                       force=force, custom_metadata=None if step is None else {"step": int(step)})
     checkpointer.wait_until_finished()
 
