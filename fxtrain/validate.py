@@ -615,10 +615,16 @@ def _model(cfg: DictConfig) -> None:
     data = _value(cfg, "data")
     if _is_fxtrain(spec) and isinstance(data, Mapping):  # the data's facts, which the model's defaults follow
         data = _plain(data)
+        # num_classes is the data's class count only where the task reads targets as classes (classification):
+        # a regression on the same data has one output (model.num_classes=1) whatever data.num_classes says.
+        task = _value(cfg, "task")
+        classes = not isinstance(task, Mapping) or task.get("_target_") == "fxtrain.tasks.classification"
         for name, fits, need in (("num_classes", lambda m, d: m == d, "equal to"),
                                  ("input_shape", lambda m, d: list(m) == list(d), "equal to"),
                                  ("vocab_size", lambda m, d: m >= d, "at least"),
                                  ("context", lambda m, d: m >= d, "at least")):
+            if name == "num_classes" and not classes:
+                continue
             if name in spec and name in data and not fits(spec[name], data[name]):
                 raise ConfigError(f"model.{name}={_show(spec[name])}: the data has data.{name}={_show(data[name])}; "
                                   f"the model's must be {need} it (its default, ${{data.{name}}}, follows the data)")
