@@ -31,7 +31,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from fxtrain import distributed
+from fxtrain import distributed, tasks
 
 __all__ = ["collect", "read_jsonl", "format_table", "write_csv", "plot", "figure", "best", "SweepSummary", "finish_sweep", "main"]
 
@@ -157,10 +157,6 @@ def write_csv(rows: list[dict[str, Any]], path: str | pathlib.Path) -> pathlib.P
     return path
 
 
-# Metrics where lower is better: "loss" or "error" in the name, or one of these words (test_mae, val_rmse, test_ppl).
-_LOWER_IS_BETTER = {"err", "mae", "mse", "rmse", "nll", "perplexity", "ppl", "regret"}
-
-
 def best(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
     """The completed row with the best ``metric``: lowest for losses and errors (``test_loss``, ``test_mae``,
     ``test_mse``, a perplexity...), highest otherwise (``test_accuracy``). Ties (many jobs at test_accuracy
@@ -175,8 +171,7 @@ def best(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
             and math.isfinite(r[metric])]
     if not done:
         return None
-    name = metric.lower()
-    sign = 1 if "loss" in name or "error" in name or _LOWER_IS_BETTER & set(name.split("_")) else -1
+    sign = 1 if tasks.lower_is_better(metric) else -1
 
     def rank(r: dict) -> tuple:
         ties = [r.get(k) if isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) else math.inf

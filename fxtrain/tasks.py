@@ -235,12 +235,28 @@ class EvalContext(NamedTuple):
 
 # --- early stopping -----------------------------------------------------------------------------
 
+# Words of a metric's name that make lower better, besides "loss" and "error" (test_mae, val_rmse, test_ppl).
+_LOWER_IS_BETTER = {"err", "mae", "mse", "rmse", "nll", "perplexity", "ppl", "regret"}
+
+
+def lower_is_better(metric: str) -> bool:
+    """Whether a lower ``metric`` is better: losses and errors (``test_loss``, ``test_mae``, a perplexity...).
+
+    The one rule behind early stopping's ``mode=auto`` and every ranking (:func:`fxtrain.report.best`).
+
+    >>> [lower_is_better(m) for m in ("test_loss", "val_mae", "test_ppl", "test_accuracy")]
+    [True, True, True, False]
+    """
+    name = metric.lower()
+    return "loss" in name or "error" in name or bool(_LOWER_IS_BETTER & set(name.split("_")))
+
+
 class EarlyStopping:
     """Stops a run when ``metric`` has not improved by more than ``min_delta`` for ``patience`` logged values.
 
     Any metric a run logs can be followed (train or test, or an eval hook's); it is read each time a
-    ``metrics.jsonl`` line holds it. ``mode`` ``min``, ``max`` or ``auto`` (``min`` for names with
-    ``loss`` or ``error``, else ``max``). :meth:`replay` rebuilds the state from the logged lines, so a
+    ``metrics.jsonl`` line holds it. ``mode`` ``min``, ``max`` or ``auto`` (``min`` where
+    :func:`lower_is_better`, else ``max``). :meth:`replay` rebuilds the state from the logged lines, so a
     resumed run stops where the uninterrupted one would.
 
     >>> stop = EarlyStopping("test_loss", patience=2)
@@ -259,7 +275,7 @@ class EarlyStopping:
         if not isinstance(min_delta, (int, float)) or min_delta < 0:
             raise ValueError(f"trainer.early_stopping.min_delta={min_delta!r}: expected a number >= 0")
         self.metric, self.patience, self.min_delta = metric, patience, float(min_delta)
-        self.lower = ("loss" in metric or "error" in metric) if mode == "auto" else mode == "min"
+        self.lower = lower_is_better(metric) if mode == "auto" else mode == "min"
         self.best: float | None = None
         self.best_step: int | None = None
         self.bad = 0  # logged values since the best

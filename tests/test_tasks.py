@@ -193,3 +193,15 @@ def float_targets(num_examples=512, input_shape=(1, 8, 8), num_classes=10, noise
     data = synthetic(batch_size=1, num_examples=num_examples, input_shape=input_shape, num_classes=num_classes,
                      noise=noise)
     return torch.cat([data.train.x, data.test[0]]), torch.cat([data.train.y, data.test[1]]).float() / 3
+
+
+def test_early_stopping_auto_and_report_best_agree_on_direction():
+    # One rule (tasks.lower_is_better) for early stopping's mode=auto and report.best: an error metric such as
+    # test_mae is minimized by both (early stopping maximized it while report.best minimized it).
+    from fxtrain import report
+    from fxtrain.tasks import EarlyStopping
+
+    stop = EarlyStopping("test_mae", patience=1)
+    assert [stop.update({"test_mae": v}) for v in (1.0, 0.5, 0.7)] == [False, False, True] and stop.best == 0.5
+    rows = [{"job": 0, "status": "completed", "test_mae": 0.5}, {"job": 1, "status": "completed", "test_mae": 0.7}]
+    assert report.best(rows, "test_mae")["job"] == 0
