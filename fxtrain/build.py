@@ -455,7 +455,8 @@ def stack(cfg: DictConfig, dims: distributed.ParallelDims | None = None,
             # FSDP casts the params once per all-gather (MixedPrecisionPolicy, see fxtrain/strategies.py);
             # amp_cast keeps loss scaling, the overflow check and skipping, computing in the params' dtype.
             policy = _call(_wrapper("Policy", "amp.policy").parse, "amp.policy", cfg.amp.policy)
-            kwargs["policy"] = f"p={_short(policy.param_dtype)},c={_short(policy.param_dtype)},o={_short(policy.param_dtype)}"
+            p = policy.param_dtype  # None: amp.policy=off, which keeps every dtype
+            kwargs["policy"] = "off" if p is None else f"p={_short(p)},c={_short(p)},o={_short(p)}"
         if cfg.amp.loss_scale is not None:
             loss_scale = cfg.amp.loss_scale
             kwargs["loss_scale"] = OmegaConf.to_container(loss_scale) if isinstance(loss_scale, DictConfig) else loss_scale
