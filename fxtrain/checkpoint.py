@@ -878,7 +878,7 @@ def _empty_like(x: torch.Tensor, entry: dict[str, Any], saved: bool = False) -> 
         target = torch.distributed.tensor.empty(x.shape, dtype=x.dtype, device_mesh=x.device_mesh,
                                                 placements=_replicated(placements))
         target = DTensor.from_local(target._local_tensor, x.device_mesh, placements, run_check=False,
-                                    shape=x.shape, stride=_contiguous(x.shape))
+                                    shape=x.shape, stride=distributed.contiguous_stride(x.shape))
     return _stacked(target)
 
 
@@ -938,14 +938,6 @@ def _saved_terms(entry: dict[str, Any]) -> tuple[int, ...]:
     return tuple(n for n, p in zip(layout.get("mesh", ()), layout.get("placements", ())) if p and p[0] == "P")
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for n in reversed(shape):
-        out.append(stride)
-        stride *= max(n, 1)
-    return tuple(reversed(out))
-
-
 def _stacked(x: torch.Tensor) -> torch.Tensor:
     """A Partial DTensor as its terms: a new leading dim per Partial mesh dim, Shard on it; others as they are."""
     from torch.distributed.tensor import Shard
@@ -969,7 +961,7 @@ def _stacked(x: torch.Tensor) -> torch.Tensor:
     shape = (*sizes, *x.shape)
     local = x._local_tensor.reshape((1,) * n + tuple(x._local_tensor.shape))
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous(shape))
+                              stride=distributed.contiguous_stride(shape))
 
 
 def _replicated(placements: tuple) -> tuple:
@@ -991,7 +983,7 @@ def _loaded(loaded: torch.Tensor, like: torch.Tensor, entry: dict[str, Any]) -> 
             placements = _saved_placements(entry, like)  # the terms of this rank, on the mesh they were saved from
             local = loaded._local_tensor.reshape(loaded._local_tensor.shape[len(terms):])
             return DTensor.from_local(local, like.device_mesh, placements, run_check=False, shape=like.shape,
-                                      stride=_contiguous(like.shape))
+                                      stride=distributed.contiguous_stride(like.shape))
         return loaded
     if terms:  # every term, as a plain tensor: their value
         ops = [p[1] for p in entry["layout"]["placements"] if p[0] == "P"]

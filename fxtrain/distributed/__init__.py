@@ -31,7 +31,9 @@ Example:
     5.0
 """
 
-from fxtrain.distributed._collectives import all_gather_flat, match_placements, reduce_partials, reduce_scatter_flat
+from fxtrain.distributed._collectives import (
+    all_gather_flat, contiguous_stride, match_placements, reduce_partials, reduce_scatter_flat,
+)
 from fxtrain.distributed._data_parallel import data_parallel
 from fxtrain.distributed._expert_parallel import expert_parallel
 from fxtrain.distributed._mesh import STRATEGIES, ParallelDims
@@ -47,7 +49,7 @@ __all__ = [
     # norms
     "global_norm", "global_sum_sq", "global_count", "GlobalSumSq", "to_local", "local_leaves",
     # collectives
-    "match_placements", "reduce_partials", "reduce_scatter_flat", "all_gather_flat",
+    "match_placements", "reduce_partials", "reduce_scatter_flat", "all_gather_flat", "contiguous_stride",
     # the mesh of a run
     "ParallelDims", "STRATEGIES",
     # data parallel

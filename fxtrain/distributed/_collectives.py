@@ -171,7 +171,7 @@ def redistribute(flat: list, targets: list, paths: Callable[[], list]) -> list:
     for i, local in cur.items():
         x = flat[i]
         out[i] = DTensor.from_local(local, x.device_mesh, targets[i], run_check=False, shape=x.shape,
-                                    stride=_contiguous_stride(x.shape))
+                                    stride=contiguous_stride(x.shape))
     for i in moves.fallback:
         try:
             out[i] = flat[i].redistribute(flat[i].device_mesh, targets[i])
@@ -255,7 +255,9 @@ def _reduce_scatter(m: _Move, cur: dict, flat: list) -> None:
         cur[i] = piece[:length].movedim(0, k).to(flat[i].dtype).contiguous()
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what ``DTensor.from_local``'s ``stride=`` wants for a
+    global shape): ``contiguous_stride((2, 3, 4)) == (12, 4, 1)``; a 0-size dim counts as 1."""
     stride, acc = [], 1
     for size in reversed(shape):
         stride.append(acc)

@@ -71,6 +71,7 @@ from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from fxtrain import tree
+from fxtrain.distributed._collectives import contiguous_stride
 
 __all__ = ["fully_sharded", "fully_sharded_step"]
 
@@ -248,7 +249,7 @@ class _Owner:
             mesh = leaf.device_mesh
             placements = (Partial("avg"),) * (mesh.ndim - len(inner or ())) + tuple(inner or ())
             out.append(DTensor.from_local(local, mesh, placements, run_check=False, shape=leaf.shape,
-                                          stride=_contiguous(leaf.shape)))
+                                          stride=contiguous_stride(leaf.shape)))
         return out
 
     def put_held(self, held: list) -> None:
@@ -259,7 +260,7 @@ class _Owner:
                 spec = fp._unsharded_dtensor_spec
                 inner = x.placements[x.device_mesh.ndim - spec.mesh.ndim:]
                 local = DTensor.from_local(local, spec.mesh, inner, run_check=False, shape=x.shape,
-                                           stride=_contiguous(x.shape))
+                                           stride=contiguous_stride(x.shape))
             fp.unsharded_accumulated_grad = local
             unsharded = getattr(fp, "_unsharded_param", None)
             if unsharded is not None:
@@ -378,14 +379,6 @@ class _Engine:
         label = self.owner.label
         return (f"fully_sharded_step({label}): no gradient reaches any parameter of {label}: loss_fn must run the "
                 f"apply_fn of fx.distributed.fully_sharded(module) for the module given to the step ({label})")
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for n in reversed(shape):
-        out.append(stride)
-        stride *= max(n, 1)
-    return tuple(reversed(out))
 
 
 def _window_position(tx: Any, state: Any) -> tuple[int, int] | None:

@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Updates, chain, identity, transform
+from fxtrain.distributed._collectives import contiguous_stride
 from fxtrain.transforms._linesearch import scale_by_zoom_linesearch, vdot
 from fxtrain.transforms._moments import Scalar, counter, param_device, safe_increment_
 from fxtrain.transforms._scaling import scale, scale_by_learning_rate
@@ -163,7 +164,7 @@ def _stacked_zeros(x: torch.Tensor, m: int) -> torch.Tensor:
     placements = [Shard(p.dim + 1) if isinstance(p, Shard) else p for p in x.placements]
     piece = torch.zeros((m, *tree.local(x).shape), dtype=x.dtype, device=tree.local(x).device)
     return DTensor.from_local(piece, x.device_mesh, placements, run_check=False, shape=(m, *x.shape),
-                              stride=_contiguous_stride((m, *x.shape)))
+                              stride=contiguous_stride((m, *x.shape)))
 
 
 def _read_row(mem: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -173,7 +174,7 @@ def _read_row(mem: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     row = tree.local(mem).index_select(0, i.reshape(1)).squeeze(0)
     placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p for p in mem.placements]
     return DTensor.from_local(row, mem.device_mesh, placements, run_check=False, shape=mem.shape[1:],
-                              stride=_contiguous_stride(mem.shape[1:]))
+                              stride=contiguous_stride(mem.shape[1:]))
 
 
 def _write_row(mem: torch.Tensor, i: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -198,12 +199,6 @@ def _write_row(mem: torch.Tensor, i: torch.Tensor, row: torch.Tensor) -> torch.T
                               stride=mem.stride())
 
 
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 @transform(elementwise=None)

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import distributed, tree
 from fxtrain._base import forwarded, GradientTransformation, call, is_elementwise, public_factory, transform, with_traits
-from fxtrain.distributed._collectives import check_same_mesh, redistribute
+from fxtrain.distributed._collectives import check_same_mesh, contiguous_stride, redistribute
 
 __all__ = ["sharded_apply"]
 
@@ -259,7 +259,7 @@ def _wrap_state(state: Any, flat_p: list, pspec: Any, roles: list) -> Any:
                     and s.shape == _local_param(p, role).shape:
                 placements = [q if not q.is_partial() else Replicate() for q in _state_placements(p, role)]
                 s = DTensor.from_local(s, p.device_mesh, placements, run_check=False, shape=p.shape,
-                                       stride=_contiguous_stride(p.shape))
+                                       stride=contiguous_stride(p.shape))
             out.append(s)
         return tree.unflatten(spec, out)
 
@@ -268,12 +268,6 @@ def _wrap_state(state: Any, flat_p: list, pspec: Any, roles: list) -> Any:
                            namespace="fxtrain")
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def _rewrap(new: Any, old: Any, old_local: Any) -> Any:
