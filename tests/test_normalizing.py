@@ -108,8 +108,9 @@ def test_clip_by_block_rms_optax_case():
     for i in range(1, STEPS + 1):
         clipper = fx.clip_by_block_rms(1.0 / i)
         updates, _ = clipper.update(updates, fx.EmptyState())
-        assert _rms(updates[0]) == pytest.approx(1.0 / i, abs=1e-7)
-        assert _rms(updates[1]) == pytest.approx(1.0 / i, abs=1e-7)
+        # float32 rounding of the rms (its sum depends on the kernel's reduction order): 1e-6 relative
+        assert _rms(updates[0]) == pytest.approx(1.0 / i, rel=1e-6)
+        assert _rms(updates[1]) == pytest.approx(1.0 / i, rel=1e-6)
         # clipping again, or the original updates, gives the same: no drift
         assert_trees_close(updates, clipper.update(PER_STEP_UPDATES, fx.EmptyState())[0])
 
