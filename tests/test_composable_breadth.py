@@ -19,8 +19,8 @@ A public function of ``fxtrain`` or ``fxtrain.contrib`` must be in :data:`BUILDE
 gradient) or in :data:`NOT_FACTORIES` (not a transform or schedule factory); a new one in none of them
 fails :func:`test_every_public_factory_is_checked_or_refused`. Schedules run inside ``sgd``.
 
-Builders come from the existing registries: tests/test_composable.py's ``CASES`` (with Optax's
-transform), then tests/test_conformance.py's ``CASES`` (one per public name, no Optax side).
+Builders come from the existing registries: tests/test_composable.py's ``CASES``, then
+tests/test_conformance.py's ``CASES`` (one per public name).
 """
 
 from __future__ import annotations
@@ -102,13 +102,9 @@ def _schedule_cases() -> dict:
     first["join_schedules"] = None
     out = {}
     for name, kwargs in first.items():
-        if name == "join_schedules":
-            ours, theirs = composable.SCHEDULES["join"]
-        else:
-            ours = getattr(fx, name)(**kwargs)
-            theirs = lambda o, n=name, kw=kwargs: getattr(o, n)(**kw)  # noqa: E731
+        ours = composable.SCHEDULES["join"][0] if name == "join_schedules" else getattr(fx, name)(**kwargs)
         # a peak of 1e-2 keeps three steps tame; values from the schedule's own cases
-        out[name] = (lambda s=ours: fx.sgd(_scaled(s)), lambda o, t=theirs: o.sgd(_scaled_optax(o, t(o))))
+        out[name] = lambda s=ours: fx.sgd(_scaled(s))
     return out
 
 
@@ -119,10 +115,6 @@ def composable_schedules() -> list:
 
 def _scaled(s: Callable) -> schedules.Schedule:
     return schedules.Schedule(lambda count: 1e-2 * s(count) / _peak(s), repr(s))
-
-
-def _scaled_optax(o, s):
-    return lambda count: 1e-2 * s(count) / _peak(s)
 
 
 def _peak(s) -> float:
@@ -155,33 +147,23 @@ def _per_example(tx: fx.GradientTransformation) -> fx.GradientTransformation:
 
 # Factories whose update takes per-example gradients (no case in the registries above).
 PER_EXAMPLE = {
-    "per_example_global_norm_clip": (lambda: _per_example(fx.per_example_global_norm_clip(0.7)),
-                                     lambda o: _per_example_optax(o.per_example_global_norm_clip(0.7))),
-    "per_example_layer_norm_clip": (lambda: _per_example(fx.per_example_layer_norm_clip(0.7)),
-                                    lambda o: _per_example_optax(o.per_example_layer_norm_clip(0.7))),
+    "per_example_global_norm_clip": lambda: _per_example(fx.per_example_global_norm_clip(0.7)),
+    "per_example_layer_norm_clip": lambda: _per_example(fx.per_example_layer_norm_clip(0.7)),
     "differentially_private_aggregate": (
-        lambda: _per_example(fx.contrib.differentially_private_aggregate(0.7, 0.0, key=0)), None),
-    "dpsgd": (lambda: _per_example(fx.contrib.dpsgd(0.05, l2_norm_clip=0.7, noise_multiplier=0.0, key=0)), None),
+        lambda: _per_example(fx.contrib.differentially_private_aggregate(0.7, 0.0, key=0))),
+    "dpsgd": lambda: _per_example(fx.contrib.dpsgd(0.05, l2_norm_clip=0.7, noise_multiplier=0.0, key=0)),
 }
 
 
-def _per_example_optax(otx):
-    import jax
-    import jax.numpy as jnp
-    import optax
-    return optax.GradientTransformation(
-        otx.init, lambda u, s, p=None: otx.update(jax.tree.map(lambda g: jnp.stack([g, -0.5 * g]), u), s, p))
-
-
-def _builders() -> dict[str, tuple[Callable, Callable | None, Callable]]:
-    """name -> (() -> transform, optax -> Optax's transform or None, () -> params)."""
-    out: dict = {name: (ours, theirs, _params_small) for name, (ours, theirs) in PER_EXAMPLE.items()}
-    for name, (ours, theirs) in composable.CASES.items():
-        out.setdefault(name, (ours, theirs, _params_small))
+def _builders() -> dict[str, tuple[Callable, Callable]]:
+    """name -> (() -> transform, () -> params)."""
+    out: dict = {name: (ours, _params_small) for name, ours in PER_EXAMPLE.items()}
+    for name, (ours, _) in composable.CASES.items():  # (ours, Optax's): Optax's side is test_composable's
+        out.setdefault(name, (ours, _params_small))
     for name, ours in conformance.CASES.items():
-        out.setdefault(name, (ours, None, _params_nested))
-    for name, (ours, theirs) in SCHEDULE_CASES.items():
-        out[name] = (ours, theirs, _params_small)
+        out.setdefault(name, (ours, _params_nested))
+    for name, ours in SCHEDULE_CASES.items():
+        out[name] = (ours, _params_small)
     return out
 
 
@@ -232,7 +214,7 @@ def _meta(tx: fx.GradientTransformation, params: Any) -> torch.Tensor:
 def test_vmap_equals_a_loop(name):
     if name in REFUSED:
         pytest.skip(f"refused: {REFUSED[name][0]}")
-    build, _, make = _case(name)
+    build, make = _case(name)
     tx = build()
     members = [_member_params(make, i) for i in range(MEMBERS)]
     params = _stack(members)
@@ -270,7 +252,7 @@ def _central_differences(f: Callable[[Any], torch.Tensor], params: Any) -> Any:
 
 @pytest.mark.parametrize("name", _with_pending(CATALOGUE, PENDING_GRAD))
 def test_grad_through_updates(name):
-    build, theirs, make = _case(name)
+    build, make = _case(name)
     params = make()
     if name in REFUSED:
         why, message = REFUSED[name]
