@@ -7,24 +7,7 @@ import torch
 import fxtrain as fx
 from fxtrain.testing import nested_params
 from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, grads
-
-VARIANTS = {
-    "default": {},
-    "nesterov": {"nesterov": True},
-    "eps_root": {"eps_root": 1e-4, "eps": 1e-6},
-    "b2_small": {"b1": 0.5, "b2": 0.9},
-    "b1_zero": {"b1": 0.0},
-    "b1_zero_nesterov": {"b1": 0.0, "nesterov": True},
-    "eps_root_nesterov": {"eps_root": 1e-3, "nesterov": True},
-}
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("kwargs", VARIANTS.values(), ids=VARIANTS.keys())
-def test_matches_optax(kwargs):
-    optax = pytest.importorskip("optax")
-    assert_parity(fx.chain(fx.scale_by_adam(**kwargs), fx.scale(-0.05)),
-                  optax.chain(optax.scale_by_adam(**kwargs), optax.scale(-0.05)))
+from tests.cases.core import ADAM_VARIANTS as VARIANTS
 
 
 @pytest.mark.optax

@@ -9,88 +9,8 @@ import torch
 
 import fxtrain as fx
 from fxtrain.testing import assert_trees_close, nested_params
-from tests._parity import assert_parity, run_fx, run_optax
-from tests.cases.adaptive import quietly
-
-# --- parity with Optax over 20 steps ----------------------------------------------------------------
-# id -> (kwargs of fxtrain's and Optax's factory, named as the test id's prefix); transforms are followed
-# by scale(-0.01) so the params move as under an optimizer.
-
-TRANSFORMS = {
-    "scale_by_amsgrad": {},
-    "scale_by_amsgrad-paper": {"b1": 0.8, "b2": 0.99, "eps_root": 1e-8, "bias_correction_mu": False,
-                               "bias_correction_nu": False},
-    "scale_by_amsgrad-mu_bf16": {"mu_dtype": "bfloat16"},
-    "scale_by_adamax": {},
-    "scale_by_adamax-args": {"b1": 0.5, "b2": 0.9, "eps": 1e-3},
-    "scale_by_belief": {},
-    "scale_by_belief-nesterov": {"b1": 0.8, "b2": 0.99, "eps": 1e-8, "eps_root": 1e-10, "nesterov": True},
-    "scale_by_yogi": {},
-    "scale_by_yogi-args": {"b1": 0.5, "b2": 0.9, "eps": 1e-4, "eps_root": 1e-8, "initial_accumulator_value": 0.1},
-    # b2=0.9: rectified from step 5, with rho_t well computed in float32 (the default b2: below)
-    "scale_by_radam-nesterov": {"b1": 0.8, "b2": 0.9, "eps_root": 1e-8, "threshold": 4.5, "nesterov": True},
-    "scale_by_adadelta": {},
-    "scale_by_adadelta-args": {"rho": 0.5, "eps": 1e-3},
-    "scale_by_adan": {},
-    "scale_by_adan-args": {"b1": 0.9, "b2": 0.8, "b3": 0.95, "eps": 1e-6, "eps_root": 1e-8},
-    "scale_by_novograd": {},
-    "scale_by_novograd-args": {"b1": 0.5, "b2": 0.5, "eps": 1e-3, "eps_root": 1e-8, "weight_decay": 0.1},
-    "scale_by_novograd-mu_bf16": {"mu_dtype": "bfloat16"},
-    "scale_by_optimistic_gradient": {},
-    "scale_by_optimistic_gradient-args": {"alpha": 0.7, "beta": 0.1},
-}
-
-# Optimizers with Optax's test arguments (defaults otherwise) are compared over 30-50 steps in
-# test_optimization_follows_optax below; here with other arguments.
-OPTIMIZERS = {
-    "adabelief-args": {"learning_rate": 1e-2, "b1": 0.8, "eps": 1e-8, "nesterov": True},
-    "adadelta-decay": {"learning_rate": 1.0, "rho": 0.5, "weight_decay": 0.1, "weight_decay_mask": "ndim"},
-    "adamax-args": {"learning_rate": 1e-2, "b1": 0.5, "b2": 0.9},
-    "adamaxw-mask": {"learning_rate": 1e-2, "weight_decay": 0.1, "mask": "ndim"},
-    "adan-decay": {"learning_rate": 1e-2, "b3": 0.9, "weight_decay": 0.1, "mask": "ndim"},
-    "amsgrad-args": {"learning_rate": 1e-2, "b2": 0.99, "bias_correction_nu": False},
-    "radam-nesterov": {"learning_rate": 5e-3, "b2": 0.9, "threshold": 6.0, "nesterov": True},
-    "yogi-args": {"learning_rate": 1e-2, "b1": 0.5, "eps": 1e-5},
-    "novograd-decay": {"learning_rate": 1e-2, "b2": 0.5, "weight_decay": 0.1},
-    "optimistic_gradient_descent-args": {"learning_rate": 1e-2, "alpha": 0.5, "beta": 0.3},
-    "optimistic_adam-args": {"learning_rate": 1e-2, "optimism": 0.5, "b1": 0.5, "nesterov": False},
-    "optimistic_adam_v2-args": {"learning_rate": 1e-2, "alpha": 0.5, "beta": 2.0, "nesterov": False},
-    "nadam-args": {"learning_rate": 1e-2, "b1": 0.8, "eps_root": 1e-8},
-    "nadamw-mask": {"learning_rate": 1e-2, "weight_decay": 0.1, "mask": "ndim"},
-}
-
-
-def _ndim_mask(tree_map):
-    return lambda params: tree_map(lambda x: x.ndim >= 2, params)
-
-
-def _build(ns, name, kwargs, tree_map):
-    """``ns.<name>(**kwargs)``, ``"ndim"`` masks made for ``ns``'s trees; ``optimistic_adam`` quietly."""
-    kwargs = {k: _ndim_mask(tree_map) if v == "ndim" else v for k, v in kwargs.items()}
-    return quietly(lambda: getattr(ns, name)(**kwargs))
-
-
-def _pair(case_id, kwargs):
-    import jax
-    import optax
-
-    name = case_id.split("-")[0]
-    tx, otx = _build(fx, name, kwargs, fx.tree.map), _build(optax, name, kwargs, jax.tree.map)
-    if name.startswith("scale_by"):
-        # Optax's novograd returns its bfloat16 momentum as the update, where fxtrain keeps the gradients'
-        # dtype (the same values): scaled by a power of two, the two stay equal.
-        step = -0.5 if case_id == "scale_by_novograd-mu_bf16" else -0.01
-        tx, otx = fx.chain(tx, fx.scale(step)), optax.chain(otx, optax.scale(step))
-    return tx, otx
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("case", [*TRANSFORMS, *OPTIMIZERS])
-def test_matches_optax(case):
-    pytest.importorskip("optax")
-    kwargs = TRANSFORMS.get(case, OPTIMIZERS.get(case))
-    tx, otx = _pair(case, kwargs)
-    assert_parity(tx, otx)
+from tests._parity import assert_parity, ndim_mask, run_fx, run_optax
+from tests.cases.adaptive import build
 
 
 @pytest.mark.optax
@@ -101,15 +21,14 @@ def test_adabelief_weight_decay_matches_optax(weight_decay):
     no decay. The installed Optax may predate the argument: then its definition is built from its pieces."""
     import inspect
 
-    import jax
     optax = pytest.importorskip("optax")
     assert inspect.signature(fx.adabelief).parameters["weight_decay"].default is None
     wd = (lambda lib: lib.linear_schedule(0.2, 0.0, 10)) if weight_decay == "schedule" else (lambda lib: weight_decay)
-    tx = fx.adabelief(1e-2, weight_decay=wd(fx), weight_decay_mask=_ndim_mask(fx.tree.map))
+    tx = fx.adabelief(1e-2, weight_decay=wd(fx), weight_decay_mask=ndim_mask)
     if "weight_decay" in inspect.signature(optax.adabelief).parameters:
-        otx = optax.adabelief(1e-2, weight_decay=wd(optax), weight_decay_mask=_ndim_mask(jax.tree.map))
+        otx = optax.adabelief(1e-2, weight_decay=wd(optax), weight_decay_mask=ndim_mask)
     else:
-        otx = optax.chain(optax.scale_by_belief(), optax.add_decayed_weights(wd(optax), _ndim_mask(jax.tree.map)),
+        otx = optax.chain(optax.scale_by_belief(), optax.add_decayed_weights(wd(optax), ndim_mask),
                           optax.scale_by_learning_rate(1e-2))
     assert_parity(tx, otx, check_state=False)
     assert repr(fx.adabelief(1e-2)) == "adabelief(0.01)"  # None: the chain without decay, as before
@@ -202,7 +121,7 @@ def test_optimization_follows_optax(name, kwargs, target, dtype):
         pytest.skip(f"Optax: {name} does not support complex parameters")
     steps = 50 if target == "parabola" else 30
     init, objective = _target(target, dtype)
-    tx, otx = _build(fx, name, kwargs, None), _build(optax, name, kwargs, None)
+    tx, otx = build(fx, name, kwargs), build(optax, name, kwargs)
     ojective = _target_jax(target, dtype)
 
     def trajectory(p):  # Optax's test conjugates complex gradients

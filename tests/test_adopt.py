@@ -7,22 +7,6 @@ import fxtrain as fx
 from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure
 
 
-VARIANTS = {
-    "default": {},
-    "betas_eps_nesterov": {"b1": 0.5, "b2": 0.9, "eps": 1e-3, "nesterov": True},
-    "no_clipping": {"use_clipping": False},
-    "clip_fn": {"clip_value_fn": lambda c: 0.5 + 0.1 * c},
-}
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("kwargs", VARIANTS.values(), ids=VARIANTS.keys())
-def test_matches_optax(kwargs):
-    optax = pytest.importorskip("optax")
-    assert_parity(fx.chain(fx.contrib.scale_by_adopt(**kwargs), fx.scale(-0.01)),
-                  optax.chain(optax.contrib.scale_by_adopt(**kwargs), optax.scale(-0.01)))
-
-
 @pytest.mark.optax
 def test_bfloat16_momentum_matches_optax():
     optax = pytest.importorskip("optax")

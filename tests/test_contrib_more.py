@@ -6,55 +6,11 @@ import torch
 
 import fxtrain as fx
 from fxtrain.testing import assert_trees_close, from_jnp, nested_params, to_jnp
-from tests._parity import (assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, grads, ndim_mask,
-                           noise, state_leaves_close)
+from tests._parity import (assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, grads, noise,
+                           state_leaves_close)
+from tests.cases.contrib_b import with_schedules
 
 C = fx.contrib
-
-# name -> {variant: kwargs}; "sched" is replaced by a linear schedule on each side.
-PARITY = {
-    "dog": {
-        "default": {},
-        "learning_rate": {"init_step": ("learning_rate", 0.01), "weight_decay": 0.1, "mask": ndim_mask},
-        "heuristic_sched": {"learning_rate": "sched", "init_step": ("heuristic", 1e-3), "weight_decay": 0.01},
-    },
-    "dowg": {
-        "guess": {"learning_rate": 0.5, "init_estim_sq_dist": 0.01, "eps": 1e-6},
-        "decay_sched": {"learning_rate": "sched", "weight_decay": 0.1, "mask": ndim_mask},
-    },
-    "cocob": {
-        "default": {},
-        "all": {"learning_rate": "sched", "alpha": 20.0, "eps": 1e-4, "weight_decay": 1e-2, "mask": ndim_mask},
-    },
-    "madgrad": {
-        "default": {"learning_rate": 1e-2},
-        "all": {"learning_rate": "sched", "momentum": 0.5, "weight_decay": 1e-2, "eps": 1e-4},
-    },
-    "dadapt_adamw": {
-        "default": {},
-        "all": {"learning_rate": "sched", "betas": (0.8, 0.99), "eps": 1e-6, "estim_lr0": 1e-3, "weight_decay": 0.1},
-    },
-    "scale_by_dog": {"distance": {"init_step": ("distance", 0.1), "eps": 1e-4}},
-    "scale_by_dowg": {"default": {}},
-}
-CASES = [(name, variant) for name, variants in PARITY.items() for variant in variants]
-
-
-def _args(lib, kwargs):
-    return {k: (lib.linear_schedule(1.0, 0.2, 15) if v == "sched" else v) for k, v in kwargs.items()}
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("name,variant", CASES, ids=[f"{n}-{v}" for n, v in CASES])
-def test_matches_optax(name, variant):
-    optax = pytest.importorskip("optax")
-    kwargs = PARITY[name][variant]
-    from optax.contrib import _dog  # scale_by_dog and scale_by_dowg are not exported by optax.contrib
-    theirs_factory = getattr(optax.contrib, name, None) or getattr(_dog, name)
-    ours, theirs = getattr(C, name)(**_args(fx, kwargs)), theirs_factory(**_args(optax, kwargs))
-    if name.startswith("scale_by"):
-        ours, theirs = fx.chain(ours, fx.scale(-1.0)), optax.chain(theirs, optax.scale(-1.0))
-    assert_parity(ours, theirs)
 
 
 def _quadratic(tx, steps):
@@ -179,7 +135,8 @@ def test_value_reading_transforms_match_optax(case):
     import jax
     optax = pytest.importorskip("optax")
     name, kwargs = case
-    tx, otx = getattr(C, name)(**_args(fx, kwargs)), getattr(optax.contrib, name)(**_args(optax, kwargs))
+    tx = getattr(C, name)(**with_schedules(fx, kwargs))
+    otx = getattr(optax.contrib, name)(**with_schedules(optax, kwargs))
     params = nested_params()
     jparams = to_jnp(params)
     state, ostate = tx.init(params), otx.init(jparams)

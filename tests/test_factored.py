@@ -7,51 +7,12 @@ import torch
 
 import fxtrain as fx
 from tests import _parity
-from tests._parity import TREE_MASK, assert_dtypes, assert_none_passthrough, assert_parity, assert_pure
+from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure
 from tests.cases.scaling import trajectories
 
 
 def _sched(count):
     return 0.05 * 0.9 ** count
-
-
-def _decay(step, rate):  # a decay_rate_fn both libraries can run: capped at `rate`
-    return rate * (1.0 - 0.5 ** (step + 1))
-
-
-def _factored(tx_module, **kwargs):
-    return tx_module.chain(tx_module.scale_by_factored_rms(**kwargs), tx_module.scale(-0.01))
-
-
-# nested_params' leaves: (4, 3), (3,), (2, 2, 2), (5,), (1,), (): min_dim_size_to_factor=2 factors the first
-# and third (the 3-d one over its last two dims, ties kept in order); the default (128) factors none
-PARITY = {
-    "scale_by_factored_rms": ({}, None),
-    "scale_by_factored_rms_args": ({"min_dim_size_to_factor": 2, "decay_rate": 0.5, "step_offset": -3,
-                                    "epsilon": 1e-3, "decay_rate_fn": _decay}, None),
-    "adafactor": (None, {}),
-    "adafactor_args": (None, {"learning_rate": _sched, "min_dim_size_to_factor": 2, "decay_rate": 0.7,
-                              "decay_offset": -2, "multiply_by_parameter_scale": False, "clipping_threshold": None,
-                              "momentum": 0.9, "weight_decay_rate": 0.1, "eps": 1e-20,
-                              "weight_decay_mask": TREE_MASK}),
-    "adafactor_momentum_bf16": (None, {"learning_rate": 0.01, "clipping_threshold": 0.5, "momentum": 0.5,
-                                       "dtype_momentum": "bfloat16", "factored": False, "weight_decay_rate": _sched}),
-}
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("case", PARITY)
-def test_matches_optax(case):
-    optax = pytest.importorskip("optax")
-    rms, ada = PARITY[case]
-    if rms is not None:
-        assert_parity(_factored(fx, **rms), _factored(optax, **rms))
-    else:
-        theirs = {**ada, "dtype_momentum": ada["dtype_momentum"]} if "dtype_momentum" in ada else ada
-        ours = {**ada, "dtype_momentum": torch.bfloat16} if "dtype_momentum" in ada else ada
-        # a bfloat16 momentum rounds the state; the updates keep float32 (Optax's too)
-        tol = {"rtol": 1e-2, "atol": 1e-3} if "dtype_momentum" in ada else {}
-        assert_parity(fx.adafactor(**ours), optax.adafactor(**theirs), **tol)
 
 
 def _without_scalar(seed=0, dtype=torch.float32):

@@ -1,11 +1,10 @@
 """flatten (fxtrain/transforms/_flatten.py): Optax's case, the same numbers as unflattened, Optax parity."""
 
-import pytest
 import torch
 
 import fxtrain as fx
 from fxtrain.testing import assert_trees_close, nested_params
-from tests._parity import assert_dtypes, assert_parity, assert_pure, grads
+from tests._parity import assert_dtypes, assert_pure, grads
 from tests.cases.wrappers import reads_value
 
 
@@ -17,12 +16,6 @@ def test_optax_flatten():
     u, _ = plain.update(g, plain.init(params))
     v, _ = flat.update(g, flat.init(params))
     assert_trees_close(fx.apply_updates(params, v), fx.apply_updates(params, u), rtol=1e-7, atol=1e-7)
-
-
-@pytest.mark.optax
-def test_matches_optax():
-    optax = pytest.importorskip("optax")
-    assert_parity(fx.flatten(fx.adamw(0.1, weight_decay=0.1)), optax.flatten(optax.adamw(0.1, weight_decay=0.1)))
 
 
 def test_elementwise_inner_gives_the_unflattened_numbers_with_one_vector_of_state():

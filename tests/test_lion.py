@@ -5,26 +5,8 @@ import torch
 
 import fxtrain as fx
 from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure
-
-VARIANTS = {
-    "default": {},
-    "betas": {"b1": 0.5, "b2": 0.9},
-    "mu_bf16": {"mu_dtype": "bfloat16"},
-    "smooth": {"mode": "smooth", "smooth_beta": 3.0},
-    "refined": {"mode": "refined"},
-}
-
-
-def _fx(kwargs):
-    return {**kwargs, "mu_dtype": torch.bfloat16} if "mu_dtype" in kwargs else kwargs
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("kwargs", VARIANTS.values(), ids=VARIANTS.keys())
-def test_matches_optax(kwargs):
-    optax = pytest.importorskip("optax")
-    assert_parity(fx.chain(fx.scale_by_lion(**_fx(kwargs)), fx.scale(-0.01)),
-                  optax.chain(optax.scale_by_lion(**kwargs), optax.scale(-0.01)))
+from tests.cases.core import LION_VARIANTS as VARIANTS
+from tests.cases.core import lion_kwargs
 
 
 @pytest.mark.optax
@@ -45,11 +27,11 @@ def test_update_is_a_sign():
 
 @pytest.mark.parametrize("kwargs", VARIANTS.values(), ids=VARIANTS.keys())
 def test_pure_dtypes_and_none_leaves(kwargs):
-    tx = fx.scale_by_lion(**_fx(kwargs))
+    tx = fx.scale_by_lion(**lion_kwargs(kwargs))
     assert_pure(tx)
     assert_none_passthrough(tx)
-    assert_dtypes(fx.scale_by_lion(**{**_fx(kwargs), "mu_dtype": None}))
-    assert_dtypes(fx.scale_by_lion(**{**_fx(kwargs), "mu_dtype": torch.float32}), state_dtypes={"mu": torch.float32})
+    assert_dtypes(fx.scale_by_lion(**{**lion_kwargs(kwargs), "mu_dtype": None}))
+    assert_dtypes(fx.scale_by_lion(**{**lion_kwargs(kwargs), "mu_dtype": torch.float32}), state_dtypes={"mu": torch.float32})
 
 
 @pytest.mark.parametrize("arg", ["b1", "b2"])

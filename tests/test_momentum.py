@@ -6,20 +6,7 @@ import torch
 import fxtrain as fx
 from fxtrain.testing import nested_params
 from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, grads
-
-VARIANTS = {
-    "heavy_ball": {"decay": 0.9},
-    "nesterov": {"decay": 0.9, "nesterov": True},
-    "acc_bf16": {"decay": 0.8, "accumulator_dtype": "bfloat16"},
-    "acc_bf16_nesterov": {"decay": 0.8, "nesterov": True, "accumulator_dtype": "bfloat16"},
-}
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("kwargs", VARIANTS.values(), ids=VARIANTS.keys())
-def test_matches_optax(kwargs):
-    optax = pytest.importorskip("optax")
-    assert_parity(fx.chain(fx.trace(**kwargs), fx.scale(-0.01)), optax.chain(optax.trace(**kwargs), optax.scale(-0.01)))
+from tests.cases.core import TRACE_VARIANTS as VARIANTS
 
 
 @pytest.mark.optax

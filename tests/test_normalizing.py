@@ -9,7 +9,6 @@ Optax's cases ported here (inputs and expected numbers): transforms/_clipping_te
 import math
 
 import numpy as np
-import optree
 import pytest
 import torch
 from torch.func import grad
@@ -22,53 +21,6 @@ from tests._parity import assert_dtypes, assert_parity
 STEPS = 50  # Optax's clipping tests
 INIT_PARAMS = (torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))  # Optax's test inputs
 PER_STEP_UPDATES = (torch.tensor([500.0, 5.0]), torch.tensor([300.0, 3.0]))
-
-
-def _optax_dog(o, **kwargs):
-    """Optax's DoG with its updates reshaped like the params: for a 0-dim param Optax returns shape (1,)
-    (its ``eta`` has shape (1,)); fxtrain keeps the gradient's shape."""
-    import jax
-
-    return o.chain(o.scale_by_distance_over_gradients(**kwargs),
-                   o.stateless(lambda u, p: jax.tree.map(lambda x, q: x.reshape(q.shape), u, p)))
-
-
-def _not_0_dim(params):
-    return optree.tree_map(lambda x: x.ndim > 0, params)  # torch and jax trees alike
-
-
-# name -> (fxtrain transform, optax -> Optax's); each chained with a step of -0.1 (params move, so the
-# param-dependent transforms see new params every step)
-PARITY = {
-    "clip_by_block_rms": (lambda: fx.clip_by_block_rms(0.3), lambda o: o.clip_by_block_rms(0.3)),
-    "adaptive_grad_clip": (lambda: fx.adaptive_grad_clip(0.1), lambda o: o.adaptive_grad_clip(0.1)),
-    # axis=-1 over every leaf but the 0-dim one (Optax refuses an axis for a 0-dim array)
-    "adaptive_grad_clip_axis": (lambda: fx.masked(fx.adaptive_grad_clip(0.5, eps=0.3, axis=-1), _not_0_dim),
-                                lambda o: o.masked(o.adaptive_grad_clip(0.5, eps=0.3, axis=-1), _not_0_dim)),
-    "centralize": (lambda: fx.centralize(), lambda o: o.centralize()),
-    "normalize_by_update_norm": (lambda: fx.normalize_by_update_norm(), lambda o: o.normalize_by_update_norm()),
-    "normalize_by_update_norm_args": (lambda: fx.normalize_by_update_norm(scale_factor=-2.0, eps=0.5),
-                                      lambda o: o.normalize_by_update_norm(scale_factor=-2.0, eps=0.5)),
-    "scale_by_param_block_norm": (lambda: fx.scale_by_param_block_norm(), lambda o: o.scale_by_param_block_norm()),
-    "scale_by_param_block_norm_min": (lambda: fx.scale_by_param_block_norm(min_scale=1.5),
-                                      lambda o: o.scale_by_param_block_norm(min_scale=1.5)),
-    "scale_by_param_block_rms": (lambda: fx.scale_by_param_block_rms(), lambda o: o.scale_by_param_block_rms()),
-    "scale_by_param_block_rms_min": (lambda: fx.scale_by_param_block_rms(min_scale=0.8),
-                                     lambda o: o.scale_by_param_block_rms(min_scale=0.8)),
-    "scale_by_distance_over_gradients": (lambda: fx.scale_by_distance_over_gradients(),
-                                         lambda o: _optax_dog(o)),
-    "scale_by_distance_over_gradients_args": (
-        lambda: fx.scale_by_distance_over_gradients(reps_rel=1e-2, eps=1e-4, global_scale=-1.0),
-        lambda o: _optax_dog(o, reps_rel=1e-2, eps=1e-4, global_scale=-1.0)),
-}
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("case", list(PARITY))
-def test_matches_optax(case):
-    optax = pytest.importorskip("optax")
-    ours, theirs = PARITY[case]
-    assert_parity(fx.chain(ours(), fx.scale(-0.1)), optax.chain(theirs(optax), optax.scale(-0.1)))
 
 
 @pytest.mark.optax

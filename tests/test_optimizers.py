@@ -9,47 +9,14 @@ import torch
 
 import fxtrain as fx
 from fxtrain.testing import assert_trees_close
-from tests._parity import TREE_MASK, assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, ndim_mask
+from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, ndim_mask
+from tests.cases.core import OPTIMIZER_VARIANTS as CASES
 
 NAMES = ["sgd", "adam", "adamw", "lion", "rmsprop", "adagrad"]
 
 
 def _sched(count):
     return 0.1 * 0.9 ** count
-
-
-CASES = {
-    "sgd": ("sgd", (0.1,), {}),
-    "sgd_momentum": ("sgd", (0.1,), {"momentum": 0.9}),
-    "sgd_nesterov": ("sgd", (0.1,), {"momentum": 0.9, "nesterov": True}),
-    "sgd_schedule": ("sgd", (_sched,), {"momentum": 0.5}),
-    "adam": ("adam", (0.05,), {}),
-    "adam_nesterov": ("adam", (0.05,), {"nesterov": True, "b1": 0.8}),
-    "adam_eps_root": ("adam", (0.05,), {"eps_root": 1e-5}),
-    "adam_schedule": ("adam", (_sched,), {}),
-    "adamw": ("adamw", (0.05,), {"weight_decay": 0.1}),
-    "adamw_tree_mask": ("adamw", (0.05,), {"weight_decay": 0.1, "mask": TREE_MASK}),
-    "adamw_callable_mask": ("adamw", (0.05,), {"weight_decay": 0.1, "mask": ndim_mask}),
-    "adamw_nesterov_schedules": ("adamw", (_sched,), {"weight_decay": _sched, "nesterov": True}),
-    "lion": ("lion", (0.01,), {}),
-    "lion_mask": ("lion", (0.01,), {"weight_decay": 0.1, "mask": ndim_mask, "b2": 0.9}),
-    "rmsprop": ("rmsprop", (0.01,), {}),
-    "rmsprop_torch_like": ("rmsprop", (0.01,), {"decay": 0.99, "eps_in_sqrt": False}),
-    "rmsprop_centered": ("rmsprop", (0.01,), {"centered": True}),
-    "rmsprop_momentum": ("rmsprop", (0.01,), {"momentum": 0.9}),
-    "rmsprop_centered_nesterov": ("rmsprop", (0.01,), {"centered": True, "momentum": 0.9, "nesterov": True}),
-    "rmsprop_all": ("rmsprop", (_sched,), {"initial_scale": 1.0, "bias_correction": True, "centered": True,
-                                           "eps_in_sqrt": False, "momentum": 0.5}),
-    "adagrad": ("adagrad", (0.1,), {}),
-    "adagrad_zero_start": ("adagrad", (0.1,), {"initial_accumulator_value": 0.0, "eps": 1e-10}),
-}
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("name,args,kwargs", CASES.values(), ids=CASES.keys())
-def test_matches_optax(name, args, kwargs):
-    optax = pytest.importorskip("optax")
-    assert_parity(getattr(fx, name)(*args, **kwargs), getattr(optax, name)(*args, **kwargs))
 
 
 @pytest.mark.optax

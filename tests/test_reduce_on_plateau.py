@@ -119,7 +119,7 @@ def _run_optax(otx):
 
 @pytest.mark.optax
 @pytest.mark.parametrize("config", CONFIGS)
-def test_matches_optax(config):
+def test_value_sequence_matches_optax(config):
     optax = pytest.importorskip("optax")
     kwargs = CONFIGS[config]
     tx = fx.chain(fx.sgd(0.1), fx.contrib.reduce_on_plateau(**kwargs))

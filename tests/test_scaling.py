@@ -4,26 +4,11 @@ import pytest
 import torch
 
 import fxtrain as fx
-from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure
+from tests._parity import assert_dtypes, assert_none_passthrough, assert_pure
 
 
 def _sched(count):
     return 0.1 * 0.9 ** count
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("name,args,kwargs", [
-    ("scale", (0.3,), {}),
-    ("scale_by_schedule", (_sched,), {}),
-    ("scale_by_learning_rate", (0.3,), {}),
-    ("scale_by_learning_rate", (0.3,), {"flip_sign": False}),
-    ("scale_by_learning_rate", (_sched,), {}),
-    ("scale_by_learning_rate", (_sched,), {"flip_sign": False}),
-    ("scale_by_learning_rate", (None,), {}),
-])
-def test_matches_optax(name, args, kwargs):
-    optax = pytest.importorskip("optax")
-    assert_parity(getattr(fx, name)(*args, **kwargs), getattr(optax, name)(*args, **kwargs))
 
 
 def test_schedule_sees_the_count_before_the_update():

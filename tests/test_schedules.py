@@ -87,7 +87,7 @@ def _close(actual, expected, scale):
 
 @pytest.mark.optax
 @pytest.mark.parametrize("name, kwargs, last", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
-def test_matches_optax(name, kwargs, last):
+def test_values_match_optax(name, kwargs, last):
     optax = pytest.importorskip("optax")
     ours, ref = getattr(schedules, name)(**kwargs), _compiled(name, getattr(optax, name)(**kwargs))
     steps = _steps(last)

@@ -6,35 +6,8 @@ import pytest
 import torch
 
 import fxtrain as fx
-from tests._parity import assert_dtypes, assert_none_passthrough, assert_parity, assert_pure
+from tests._parity import assert_dtypes, assert_none_passthrough, assert_pure
 from tests.cases.scaling import trajectories
-
-
-def _sched(count):
-    return 0.05 * 0.9 ** count
-
-
-# id -> (fxtrain's, optax -> Optax's). sign_sgd is chain(scale_by_sign(), scale(-lr)) and rprop
-# chain(scale_by_rprop(...), scale(-1)): their cases cover the transforms' too.
-PARITY = {
-    "sign_sgd": (lambda: fx.sign_sgd(0.01), lambda o: o.sign_sgd(0.01)),
-    "sign_sgd_schedule": (lambda: fx.sign_sgd(_sched), lambda o: o.sign_sgd(_sched)),
-    "signum": (lambda: fx.signum(0.01), lambda o: o.signum(0.01)),
-    "signum_args": (lambda: fx.signum(_sched, beta=0.5, accumulator_dtype=torch.float32),
-                    lambda o: o.signum(_sched, beta=0.5, accumulator_dtype="float32")),
-    "rprop": (lambda: fx.rprop(0.01), lambda o: o.rprop(0.01)),
-    # bounds that bind: step sizes grow to 0.2 and shrink to 0.05
-    "rprop_args": (lambda: fx.rprop(0.1, eta_minus=0.3, eta_plus=1.5, min_step_size=0.05, max_step_size=0.2),
-                   lambda o: o.rprop(0.1, eta_minus=0.3, eta_plus=1.5, min_step_size=0.05, max_step_size=0.2)),
-}
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("case", PARITY)
-def test_matches_optax(case):
-    optax = pytest.importorskip("optax")
-    ours, theirs = PARITY[case]
-    assert_parity(ours(), theirs(optax))
 
 
 @pytest.mark.optax

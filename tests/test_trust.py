@@ -6,40 +6,8 @@ import pytest
 import torch
 
 import fxtrain as fx
-from tests._parity import TREE_MASK, assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, ndim_mask
+from tests._parity import assert_dtypes, assert_none_passthrough, assert_pure
 from tests.cases.scaling import trajectories
-
-
-def _sched(count):
-    return 0.05 * 0.9 ** count
-
-
-PARITY = {
-    "scale_by_trust_ratio": (lambda: fx.chain(fx.scale_by_trust_ratio(), fx.scale(-0.01)),
-                             lambda o: o.chain(o.scale_by_trust_ratio(), o.scale(-0.01))),
-    # min_norm above some leaves' norms: the clipped branch
-    "scale_by_trust_ratio_args": (
-        lambda: fx.chain(fx.scale_by_trust_ratio(min_norm=1.5, trust_coefficient=0.3, eps=0.1), fx.scale(-0.01)),
-        lambda o: o.chain(o.scale_by_trust_ratio(min_norm=1.5, trust_coefficient=0.3, eps=0.1), o.scale(-0.01))),
-    "fromage": (lambda: fx.fromage(0.01), lambda o: o.fromage(0.01)),
-    "fromage_schedule": (lambda: fx.fromage(_sched, min_norm=0.1), lambda o: o.fromage(_sched, min_norm=0.1)),
-    "lamb": (lambda: fx.lamb(0.01), lambda o: o.lamb(0.01)),
-    "lamb_args": (lambda: fx.lamb(_sched, b1=0.5, b2=0.9, eps=1e-3, eps_root=1e-4, weight_decay=0.1, mask=TREE_MASK),
-                  lambda o: o.lamb(_sched, b1=0.5, b2=0.9, eps=1e-3, eps_root=1e-4, weight_decay=0.1, mask=TREE_MASK)),
-    "lars": (lambda: fx.lars(0.1), lambda o: o.lars(0.1)),
-    "lars_args": (lambda: fx.lars(_sched, weight_decay=0.1, weight_decay_mask=ndim_mask, trust_coefficient=0.01,
-                                  eps=1e-3, trust_ratio_mask=TREE_MASK, momentum=0.5, nesterov=True),
-                  lambda o: o.lars(_sched, weight_decay=0.1, weight_decay_mask=ndim_mask, trust_coefficient=0.01,
-                                   eps=1e-3, trust_ratio_mask=TREE_MASK, momentum=0.5, nesterov=True)),
-}
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("case", PARITY)
-def test_matches_optax(case):
-    optax = pytest.importorskip("optax")
-    ours, theirs = PARITY[case]
-    assert_parity(ours(), theirs(optax))
 
 
 @pytest.mark.optax

@@ -5,33 +5,11 @@ import torch
 
 import fxtrain as fx
 from fxtrain.testing import nested_params
-from tests._parity import TREE_MASK, assert_dtypes, assert_none_passthrough, assert_parity, assert_pure, grads
-from tests._parity import ndim_mask
-
-PREFIX_MASK = {"dense": True, "blocks": False, "scalar": True}
-
+from tests._parity import TREE_MASK, assert_dtypes, assert_none_passthrough, assert_pure, grads
+from tests.cases.core import WEIGHT_DECAY_VARIANTS as VARIANTS
 
 def _sched(count):
     return 0.1 * 0.9 ** count
-
-
-VARIANTS = {
-    "plain": {"weight_decay": 0.1},
-    "zero": {"weight_decay": 0.0},
-    "tree_mask": {"weight_decay": 0.1, "mask": TREE_MASK},
-    "prefix_mask": {"weight_decay": 0.1, "mask": PREFIX_MASK},
-    "callable_mask": {"weight_decay": 0.1, "mask": ndim_mask},
-    "schedule": {"weight_decay": _sched},
-    "schedule_masked": {"weight_decay": _sched, "mask": ndim_mask},
-}
-
-
-@pytest.mark.optax
-@pytest.mark.parametrize("kwargs", VARIANTS.values(), ids=VARIANTS.keys())
-def test_matches_optax(kwargs):
-    optax = pytest.importorskip("optax")
-    assert_parity(fx.chain(fx.add_decayed_weights(**kwargs), fx.scale(-0.1)),
-                  optax.chain(optax.add_decayed_weights(**kwargs), optax.scale(-0.1)))
 
 
 def test_tensor_weight_decay():

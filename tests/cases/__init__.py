@@ -1,6 +1,6 @@
 """Catalogue cases by family, merged for the suite-wide tests (issue 18's acceptance).
 
-Each module here (one per family, next to the family's own test file) defines up to four dicts:
+Each module here (one per family, next to the family's own test file) defines up to five dicts:
 
 * ``CONFORMANCE = {name: () -> transform}``: one case per public name (``fx.<name>`` or
   ``fx.contrib.<name>``), run by tests/test_conformance.py (pure, donated equal, state structure, dtypes,
@@ -9,6 +9,9 @@ Each module here (one per family, next to the family's own test file) defines up
   tests/test_composable.py under ``torch.func.vmap``/``grad``/``jvp``/``jacrev`` against Optax under JAX.
 * ``OPTIMIZERS = {name: () -> optimizer}``: run inside the recommended stack (tests/test_catalogue_stack.py:
   ``accumulate``, ``amp_cast``, ``sharded_apply``).
+* ``PARITY = {id: (() -> transform, optax_module -> Optax's transform[, options])}``: run by
+  tests/test_optax_parity.py through tests/_parity.py's ``assert_parity`` (20 steps of updates, final params
+  and state against Optax; donated equal to pure); ``options`` are ``assert_parity``'s keywords (``rtol``...).
 * ``DTENSOR = {name: reason}``: conformance names not compared on DTensor leaves, each with why (e.g.
   randomness drawn per shard); a name that must *refuse* DTensor leaves is tested in its family's file.
 """

@@ -42,3 +42,28 @@ OPTIMIZERS: dict = {
     "prodigy": lambda: fx.contrib.prodigy(),
 }
 DTENSOR: dict = {}
+
+
+# --- parity with Optax over 20 steps (tests/test_optax_parity.py) ----------------------------------------
+
+def _adopt(kwargs):
+    return (lambda: fx.chain(fx.contrib.scale_by_adopt(**kwargs), fx.scale(-0.01)),
+            lambda o: o.chain(o.contrib.scale_by_adopt(**kwargs), o.scale(-0.01)))
+
+
+def _prodigy(kwargs):
+    return lambda: fx.contrib.prodigy(**kwargs), lambda o: o.contrib.prodigy(**kwargs)
+
+
+PARITY: dict = {
+    "scale_by_adopt": _adopt({}),
+    "scale_by_adopt-betas_eps_nesterov": _adopt({"b1": 0.5, "b2": 0.9, "eps": 1e-3, "nesterov": True}),
+    "scale_by_adopt-no_clipping": _adopt({"use_clipping": False}),
+    "scale_by_adopt-clip_fn": _adopt({"clip_value_fn": lambda c: 0.5 + 0.1 * c}),
+    "prodigy": _prodigy({}),
+    # a larger estim_lr0 makes the estimate move within 20 steps of the parity driver
+    "prodigy-weight_decay": _prodigy({"learning_rate": 0.5, "betas": (0.8, 0.99), "estim_lr0": 1e-2,
+                                      "weight_decay": 0.1}),
+    "prodigy-safeguard": _prodigy({"beta3": 0.9, "eps": 1e-4, "estim_lr0": 1e-3, "estim_lr_coef": 2.0,
+                                   "safeguard_warmup": True}),
+}

@@ -3,6 +3,7 @@ differential privacy and the smaller contrib optimizers)."""
 
 import fxtrain as fx
 from fxtrain._base import _Update, kernel
+from tests._parity import ndim_mask
 
 LOSS = 1.5  # the loss value given to transforms that read one (momo...): the suite-wide checks pass none
 
@@ -91,3 +92,53 @@ OPTIMIZERS: dict = {
     "dadapt_adamw": lambda: fx.contrib.dadapt_adamw(),
 }
 DTENSOR: dict = {}
+
+
+# --- parity with Optax over 20 steps (tests/test_optax_parity.py) ----------------------------------------
+
+def with_schedules(lib, kwargs: dict) -> dict:
+    """``kwargs`` with each ``"sched"`` replaced by ``lib``'s linear schedule from 1.0 to 0.2 over 15 steps."""
+    return {k: (lib.linear_schedule(1.0, 0.2, 15) if v == "sched" else v) for k, v in kwargs.items()}
+
+
+def _pair(name: str, kwargs: dict):
+    def theirs(o):
+        from optax.contrib import _dog  # scale_by_dog and scale_by_dowg are not exported by optax.contrib
+
+        tx = (getattr(o.contrib, name, None) or getattr(_dog, name))(**with_schedules(o, kwargs))
+        return o.chain(tx, o.scale(-1.0)) if name.startswith("scale_by") else tx
+
+    def ours():
+        tx = getattr(fx.contrib, name)(**with_schedules(fx, kwargs))
+        return fx.chain(tx, fx.scale(-1.0)) if name.startswith("scale_by") else tx
+
+    return ours, theirs
+
+
+# name -> {variant: kwargs}; "sched" is replaced by a linear schedule on each side.
+_VARIANTS = {
+    "dog": {
+        "default": {},
+        "learning_rate": {"init_step": ("learning_rate", 0.01), "weight_decay": 0.1, "mask": ndim_mask},
+        "heuristic_sched": {"learning_rate": "sched", "init_step": ("heuristic", 1e-3), "weight_decay": 0.01},
+    },
+    "dowg": {
+        "guess": {"learning_rate": 0.5, "init_estim_sq_dist": 0.01, "eps": 1e-6},
+        "decay_sched": {"learning_rate": "sched", "weight_decay": 0.1, "mask": ndim_mask},
+    },
+    "cocob": {
+        "default": {},
+        "all": {"learning_rate": "sched", "alpha": 20.0, "eps": 1e-4, "weight_decay": 1e-2, "mask": ndim_mask},
+    },
+    "madgrad": {
+        "default": {"learning_rate": 1e-2},
+        "all": {"learning_rate": "sched", "momentum": 0.5, "weight_decay": 1e-2, "eps": 1e-4},
+    },
+    "dadapt_adamw": {
+        "default": {},
+        "all": {"learning_rate": "sched", "betas": (0.8, 0.99), "eps": 1e-6, "estim_lr0": 1e-3, "weight_decay": 0.1},
+    },
+    "scale_by_dog": {"distance": {"init_step": ("distance", 0.1), "eps": 1e-4}},
+    "scale_by_dowg": {"default": {}},
+}
+PARITY: dict = {f"{name}-{v}": _pair(name, kw) for name, variants in _VARIANTS.items() for v, kw in variants.items()}

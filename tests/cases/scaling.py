@@ -1,6 +1,9 @@
 """Catalogue cases of this family (see tests/cases/__init__.py): factored moments, trust ratios, signs, noise."""
 
+import torch
+
 import fxtrain as fx  # noqa: F401
+from tests._parity import TREE_MASK, ndim_mask
 
 
 def _matrices(p):
@@ -63,6 +66,71 @@ OPTIMIZERS: dict = {
 DTENSOR: dict = {}
 
 
+def _sched(count):
+    return 0.05 * 0.9 ** count
+
+
+def _decay(step, rate):  # a decay_rate_fn both libraries can run: capped at `rate`
+    return rate * (1.0 - 0.5 ** (step + 1))
+
+
+def _factored(o, **kwargs):
+    return o.chain(o.scale_by_factored_rms(**kwargs), o.scale(-0.01))
+
+
+def _adafactor_bf16(o):
+    """adafactor with a bfloat16 momentum: Optax names the dtype, fxtrain takes torch's."""
+    dtype = torch.bfloat16 if o is fx else "bfloat16"
+    return o.adafactor(learning_rate=0.01, clipping_threshold=0.5, momentum=0.5, dtype_momentum=dtype, factored=False,
+                       weight_decay_rate=_sched)
+
+
+_ADAFACTOR_ARGS = {"learning_rate": _sched, "min_dim_size_to_factor": 2, "decay_rate": 0.7, "decay_offset": -2,
+                   "multiply_by_parameter_scale": False, "clipping_threshold": None, "momentum": 0.9,
+                   "weight_decay_rate": 0.1, "eps": 1e-20, "weight_decay_mask": TREE_MASK}
+_LARS_ARGS = {"weight_decay": 0.1, "weight_decay_mask": ndim_mask, "trust_coefficient": 0.01, "eps": 1e-3,
+              "trust_ratio_mask": TREE_MASK, "momentum": 0.5, "nesterov": True}
+
+# id -> (fxtrain's, optax -> Optax's[, assert_parity's options]). nested_params' leaves: (4, 3), (3,), (2, 2, 2),
+# (5,), (1,), (): min_dim_size_to_factor=2 factors the first and third (the 3-d one over its last two dims, ties
+# kept in order); the default (128) factors none. sign_sgd is chain(scale_by_sign(), scale(-lr)) and rprop
+# chain(scale_by_rprop(...), scale(-1)): their cases cover the transforms' too.
+PARITY: dict = {
+    "scale_by_factored_rms": (lambda: _factored(fx), lambda o: _factored(o)),
+    "scale_by_factored_rms-args": (
+        lambda: _factored(fx, min_dim_size_to_factor=2, decay_rate=0.5, step_offset=-3, epsilon=1e-3,
+                          decay_rate_fn=_decay),
+        lambda o: _factored(o, min_dim_size_to_factor=2, decay_rate=0.5, step_offset=-3, epsilon=1e-3,
+                            decay_rate_fn=_decay)),
+    "adafactor": (lambda: fx.adafactor(), lambda o: o.adafactor()),
+    "adafactor-args": (lambda: fx.adafactor(**_ADAFACTOR_ARGS), lambda o: o.adafactor(**_ADAFACTOR_ARGS)),
+    # a bfloat16 momentum rounds the state; the updates keep float32 (Optax's too)
+    "adafactor-momentum_bf16": (lambda: _adafactor_bf16(fx), _adafactor_bf16, {"rtol": 1e-2, "atol": 1e-3}),
+    "scale_by_trust_ratio": (lambda: fx.chain(fx.scale_by_trust_ratio(), fx.scale(-0.01)),
+                             lambda o: o.chain(o.scale_by_trust_ratio(), o.scale(-0.01))),
+    # min_norm above some leaves' norms: the clipped branch
+    "scale_by_trust_ratio-args": (
+        lambda: fx.chain(fx.scale_by_trust_ratio(min_norm=1.5, trust_coefficient=0.3, eps=0.1), fx.scale(-0.01)),
+        lambda o: o.chain(o.scale_by_trust_ratio(min_norm=1.5, trust_coefficient=0.3, eps=0.1), o.scale(-0.01))),
+    "fromage": (lambda: fx.fromage(0.01), lambda o: o.fromage(0.01)),
+    "fromage-schedule": (lambda: fx.fromage(_sched, min_norm=0.1), lambda o: o.fromage(_sched, min_norm=0.1)),
+    "lamb": (lambda: fx.lamb(0.01), lambda o: o.lamb(0.01)),
+    "lamb-args": (lambda: fx.lamb(_sched, b1=0.5, b2=0.9, eps=1e-3, eps_root=1e-4, weight_decay=0.1, mask=TREE_MASK),
+                  lambda o: o.lamb(_sched, b1=0.5, b2=0.9, eps=1e-3, eps_root=1e-4, weight_decay=0.1, mask=TREE_MASK)),
+    "lars": (lambda: fx.lars(0.1), lambda o: o.lars(0.1)),
+    "lars-args": (lambda: fx.lars(_sched, **_LARS_ARGS), lambda o: o.lars(_sched, **_LARS_ARGS)),
+    "sign_sgd": (lambda: fx.sign_sgd(0.01), lambda o: o.sign_sgd(0.01)),
+    "sign_sgd-schedule": (lambda: fx.sign_sgd(_sched), lambda o: o.sign_sgd(_sched)),
+    "signum": (lambda: fx.signum(0.01), lambda o: o.signum(0.01)),
+    "signum-args": (lambda: fx.signum(_sched, beta=0.5, accumulator_dtype=torch.float32),
+                    lambda o: o.signum(_sched, beta=0.5, accumulator_dtype="float32")),
+    "rprop": (lambda: fx.rprop(0.01), lambda o: o.rprop(0.01)),
+    # bounds that bind: step sizes grow to 0.2 and shrink to 0.05
+    "rprop-args": (lambda: fx.rprop(0.1, eta_minus=0.3, eta_plus=1.5, min_step_size=0.05, max_step_size=0.2),
+                   lambda o: o.rprop(0.1, eta_minus=0.3, eta_plus=1.5, min_step_size=0.05, max_step_size=0.2)),
+}
+
+
 # --- Optax's alias_test.test_optimization, for this family: (name, kwargs, complex64 too) ---------------
 # Optax runs 10000 steps to the optimum; here both libraries run 50 steps and the trajectories are compared.
 # noisy_sgd runs with eta=0 (its noise cannot match); sign_sgd and signum skip Rosenbrock, as Optax does.
@@ -96,7 +164,6 @@ def trajectories(name: str, kwargs: dict, target_name: str, complex_: bool, step
     import jax
     import numpy as np
     import optax
-    import torch
 
     init, objective = target(target_name, complex_)
     tdtype, jdtype = (torch.complex64, np.complex64) if complex_ else (torch.float32, np.float32)

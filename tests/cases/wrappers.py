@@ -95,6 +95,11 @@ OPTIMIZERS: dict = {}
 # be concatenated); its parity with the unflattened transform is tested on plain tensors.
 DTENSOR: dict = {"flatten": "concatenates all leaves into one vector: no DTensor layout for it"}
 
+# parity with Optax over 20 steps (tests/test_optax_parity.py)
+PARITY: dict = {
+    "flatten": (lambda: fx.flatten(fx.adamw(0.1, weight_decay=0.1)), lambda o: o.flatten(o.adamw(0.1, weight_decay=0.1))),
+}
+
 
 @fx.transform(elementwise=False, extra_args=True)
 def reads_value():
