@@ -51,6 +51,28 @@ def _seed():
     yield
 
 
+
+@pytest.fixture
+def mse_steps():
+    """``mse_steps(net, tx, params, state, n, (x, y))``: ``n`` pure fxtrain steps (``tx.update``, then
+    ``fx.apply_updates``) on the mean squared error of ``net`` called with ``params``
+    (``torch.func.functional_call``); returns ``(params, state)``. The torch side of the interop tests' runs
+    that continue across a framework boundary (tests/test_interop_nnx.py, tests/test_interop_orbax.py)."""
+    import fxtrain as fx
+
+    def steps(net, tx, params, state, n, data):
+        x, y = data
+
+        def loss(p):
+            return torch.mean((torch.func.functional_call(net, p, (x,)) - y) ** 2)
+
+        for _ in range(n):
+            updates, state = tx.update(torch.func.grad(loss)(params), state, params)
+            params = fx.apply_updates(params, updates)
+        return params, state
+
+    return steps
+
 @pytest.fixture(autouse=True)
 def _logging_restored():
     """Each test leaves logging as it found it: handlers, levels, propagation and ``disable`` of every logger.

@@ -155,24 +155,12 @@ def _nnx_steps(model, opt, n):
         opt.update(model, nnx.grad(loss)(model))
 
 
-def _fx_steps(net, tx, params, state, n):
-    x, y = _data()
-
-    def loss(p):
-        return torch.mean((torch.func.functional_call(net, p, (x,)) - y) ** 2)
-
-    for _ in range(n):
-        updates, state = tx.update(torch.func.grad(loss)(params), state, params)
-        params = fx.apply_updates(params, updates)
-    return params, state
-
-
 def _txs():
     return (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR, weight_decay=WD)),
             fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(LR, weight_decay=WD)))
 
 
-def test_nnx_optimizer_state_continues_in_fxtrain():
+def test_nnx_optimizer_state_continues_in_fxtrain(mse_steps):
     otx, tx = _txs()
     model = NMLP(nnx.Rngs(0))
     opt = nnx.Optimizer(model, otx, wrt=nnx.Param)
@@ -181,25 +169,25 @@ def test_nnx_optimizer_state_continues_in_fxtrain():
     params = {k: v.clone() for k, v in from_nnx(model, net).items()}
     state = state_from_nnx_optimizer(opt, net, tx.init(params))
     assert int(state[1][0].count) == STEPS
-    params, _ = _fx_steps(net, tx, params, state, STEPS)
+    params, _ = mse_steps(net, tx, params, state, STEPS, _data())
     _nnx_steps(model, opt, STEPS)  # the run that never crossed
     fx_tol = dict(rtol=1e-5, atol=1e-6)
     for k, v in from_nnx(model, net).items():
         torch.testing.assert_close(params[k], v, **fx_tol)
 
 
-def test_fxtrain_state_continues_in_nnx():
+def test_fxtrain_state_continues_in_nnx(mse_steps):
     otx, tx = _txs()
     torch.manual_seed(0)
     net = MLP()
     params = {k: p.detach().clone() for k, p in net.named_parameters()}
-    params, state = _fx_steps(net, tx, params, tx.init(params), STEPS)
+    params, state = mse_steps(net, tx, params, tx.init(params), STEPS, _data())
     model = to_nnx(params, net, NMLP(nnx.Rngs(0)))
     opt = state_to_nnx_optimizer(state, net, nnx.Optimizer(model, otx, wrt=nnx.Param))
     assert int(opt.step[...]) == STEPS
     torch.testing.assert_close(from_jax(opt.opt_state[1][0].mu["layers"][0]["kernel"][...]),
                                state[1][0].mu["layers.0.weight"].T)
     _nnx_steps(model, opt, STEPS)
-    params, _ = _fx_steps(net, tx, params, state, STEPS)  # the run that never crossed
+    params, _ = mse_steps(net, tx, params, state, STEPS, _data())  # the run that never crossed
     for k, v in from_nnx(model, net).items():
         torch.testing.assert_close(v, params[k], rtol=1e-5, atol=1e-6)

@@ -62,26 +62,13 @@ def jax_steps(params, state, n):
     return params, state
 
 
-def fx_steps(net, params, state, n):
-    _, tx = txs()
-    x, y = data()
-
-    def loss(p):
-        return torch.mean((torch.func.functional_call(net, p, (x,)) - y) ** 2)
-
-    for _ in range(n):
-        updates, state = tx.update(torch.func.grad(loss)(params), state, params)
-        params = fx.apply_updates(params, updates)
-    return params, state
-
-
 def assert_rel_close(got: dict, expected: dict):
     for k in expected:
         err = float((got[k] - expected[k]).abs().max() / expected[k].abs().max())
         assert err <= REL, f"{k}: relative difference {err:.2e}"
 
 
-def test_jax_checkpoint_continues_in_fxtrain(tmp_path):
+def test_jax_checkpoint_continues_in_fxtrain(tmp_path, mse_steps):
     otx, tx = txs()
     params = FlaxMLP().init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
     params, state = jax_steps(params, otx.init(params), N)
@@ -93,17 +80,17 @@ def test_jax_checkpoint_continues_in_fxtrain(tmp_path):
     p, s = load_orbax(tmp_path / "jax", like, tx, module=net)
     assert int(s[1][0].count) == N and float(s[0].grad_norm) == 0.0  # Optax keeps no norm
     torch.testing.assert_close(s[1][0].nu["0.weight"], from_jax(state[1][0].nu["Dense_0"]["kernel"]).T)
-    p, _ = fx_steps(net, p, s, N)
+    p, _ = mse_steps(net, tx, p, s, N, data())
     expected, _ = jax_steps(params, state, N)  # the run that never crossed
     assert_rel_close(p, from_linen({"params": expected}, net))
 
 
-def test_fxtrain_checkpoint_continues_in_jax(tmp_path):
+def test_fxtrain_checkpoint_continues_in_jax(tmp_path, mse_steps):
     otx, tx = txs()
     torch.manual_seed(0)
     net = torch_mlp()
     params = {k: p.detach().clone() for k, p in net.named_parameters()}
-    params, state = fx_steps(net, params, tx.init(params), N)
+    params, state = mse_steps(net, tx, params, tx.init(params), N, data())
     save_orbax(tmp_path / "fx", params, state, tx, step=N, module=net)
     # a JAX program restores it against Optax's own init
     target = to_linen(params, net)["params"]
@@ -113,7 +100,7 @@ def test_fxtrain_checkpoint_continues_in_jax(tmp_path):
     assert jax.tree.structure(restored) == jax.tree.structure(target)
     assert ocp.StandardCheckpointer().metadata(tmp_path / "fx").custom_metadata == {"step": N}
     jp, _ = jax_steps(restored["params"], restored["opt_state"], N)
-    expected, _ = fx_steps(net, params, state, N)  # the run that never crossed
+    expected, _ = mse_steps(net, tx, params, state, N, data())  # the run that never crossed
     assert_rel_close(from_linen({"params": jp}, net), expected)
 
 
