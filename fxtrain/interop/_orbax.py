@@ -6,9 +6,12 @@ key path (``opt_state.1.0.mu.Dense_0.kernel``): a namedtuple's fields by name, a
 index, and a namedtuple with no fields (Optax's ``EmptyState``, ``MaskedNode``) as nothing at all. So
 what crosses is the path of each array, and the two sides agree where fxtrain's state has Optax's field
 names and nesting (it does: see :mod:`fxtrain.interop._optax_state`). Where they differ:
-``ClipByGlobalNormState(grad_norm)`` is written as Optax's empty state (the norm comes back as zero), and
-the few transforms whose Optax state has other fields (``inject_hyperparams``' stateful schedules,
-``MultiSteps``) need the Optax state itself: pass ``optax_like`` to :func:`save_orbax`.
+``ClipByGlobalNormState(grad_norm)`` is written as Optax's empty state (the norm comes back as zero);
+``inject_hyperparams``' state is Optax's ``InjectStatefulHyperparamsState``, whose ``hyperparams_states``
+holds a ``WrappedScheduleState(count)`` per hyperparameter given as a schedule: :func:`save_orbax` writes
+them for the names in ``schedules`` (each counts the updates, as the outer ``count`` does) and
+:func:`load_orbax` reads them back as that count. ``MultiSteps``, whose state has other fields, needs
+the Optax state itself: pass ``optax_like`` to :func:`save_orbax`.
 
 Params. Without ``module`` the params tree is written (and read) as it is. With ``module``, the params and
 every params-shaped tree of the optimizer state (``mu``, ``nu``...) take the Flax names and layouts of
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,7 +35,22 @@ from fxtrain.interop._jax import is_jax_array, require
 from fxtrain.interop._linen import from_linen, linen_names, to_linen
 from fxtrain.interop._optax_state import state_to_optax
 
-__all__ = ["save_orbax", "load_orbax"]
+__all__ = ["save_orbax", "load_orbax", "orbax_step"]  # orbax_step: for the runner (fxtrain/interop/run_hooks.py)
+
+
+class InjectStatefulHyperparamsState(NamedTuple):
+    """Optax's state of ``inject_hyperparams`` (>= 0.2.5), as :func:`save_orbax` writes it."""
+
+    count: Any
+    hyperparams: Any
+    hyperparams_states: Any
+    inner_state: Any
+
+
+class WrappedScheduleState(NamedTuple):
+    """Optax's state of a plain schedule inside ``inject_hyperparams``: the updates it has counted."""
+
+    count: Any
 
 
 def _ocp():
@@ -82,7 +100,7 @@ def _int_keys(node: Any) -> Any:
 
 def save_orbax(path: str | os.PathLike, params: Any, opt_state: Any, tx: Any, step: int | None = None, *,
                module: nn.Module | None = None, naming: str = "compact", optax_like: Any = None,
-               force: bool = False) -> None:
+               schedules: tuple[str, ...] = (), force: bool = False) -> None:
     """Writes params and an fxtrain optimizer state as an Orbax checkpoint a JAX program restores.
 
     The checkpoint is ``{"params": ..., "opt_state": ...}`` saved by ``ocp.StandardCheckpointer``: a JAX
@@ -102,6 +120,9 @@ def save_orbax(path: str | os.PathLike, params: Any, opt_state: Any, tx: Any, st
       optax_like: the Optax state ``optax_tx.init(...)`` on the saved params (JAX arrays, Flax names with
         ``module``): the state is then written with its classes (:func:`~fxtrain.interop.state_to_optax`),
         which the transforms whose Optax state has other fields need.
+      schedules: the hyperparameters of ``inject_hyperparams`` that were given as schedules
+        (``("learning_rate",)`` for ``inject_hyperparams(adamw)(learning_rate=schedule)``): written with
+        Optax's ``hyperparams_states``, so that the Optax counterpart's ``init`` is the restore target.
       force: overwrite an existing checkpoint.
 
     Raises:
@@ -121,7 +142,7 @@ def save_orbax(path: str | os.PathLike, params: Any, opt_state: Any, tx: Any, st
     ocp = _ocp()
     names = _Names(params, module, naming)
     _check(opt_state, tx.init(params), ())
-    state = _fx_to_saved(opt_state, names)
+    state = _fx_to_saved(opt_state, names, tuple(schedules))
     flax_params = names.to_flax(params) if module is not None else params
     state = state_to_optax(state, optax_like) if optax_like is not None else _tree_to_jax(state)
     checkpointer = ocp.StandardCheckpointer()
@@ -175,6 +196,26 @@ def load_orbax(path: str | os.PathLike, params: Any, tx: Any, *, module: nn.Modu
     return new_params, opt_state
 
 
+
+def orbax_step(path: str | os.PathLike) -> int | None:
+    """The step an Orbax checkpoint records (``custom_metadata={"step": n}``, as :func:`save_orbax` writes it),
+    or ``None`` when it records none.
+
+    Example:
+        >>> import pytest; _ = pytest.importorskip("orbax.checkpoint")
+        >>> import tempfile, os, torch, fxtrain as fx
+        >>> from fxtrain.interop import save_orbax
+        >>> from fxtrain.interop._orbax import orbax_step
+        >>> params, tx = {"w": torch.ones(3)}, fx.sgd(0.1)
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> save_orbax(path, params, tx.init(params), tx, step=50)
+        >>> orbax_step(path)
+        50
+    """
+    metadata = _ocp().StandardCheckpointer().metadata(os.path.abspath(os.fspath(path)))
+    step = (getattr(metadata, "custom_metadata", None) or {}).get("step")
+    return None if step is None else int(step)
+
 # --- fxtrain -> the saved tree ------------------------------------------------------------------------
 
 def _check(state: Any, like: Any, path: tuple) -> None:
@@ -197,17 +238,23 @@ def _check(state: Any, like: Any, path: tuple) -> None:
                          f"tx.init(params) gives {tuple(like.shape)}")
 
 
-def _fx_to_saved(node: Any, names: _Names) -> Any:
+def _fx_to_saved(node: Any, names: _Names, schedules: tuple[str, ...]) -> Any:
+    def walk(x: Any) -> Any:
+        return _fx_to_saved(x, names, schedules)
+
     if names.is_params(node):
         return names.to_flax(node)
     if _is_namedtuple(node):
         if type(node).__name__ == "ClipByGlobalNormState":
             return EmptyState()  # Optax's clip_by_global_norm keeps no state
-        return type(node)(*(_fx_to_saved(x, names) for x in node))
+        if type(node).__name__ == "InjectHyperparamsState":
+            wrapped = {k: WrappedScheduleState(node.count) for k in schedules if k in node.hyperparams}
+            return InjectStatefulHyperparamsState(node.count, walk(node.hyperparams), wrapped, walk(node.inner_state))
+        return type(node)(*(walk(x) for x in node))
     if isinstance(node, (tuple, list)):
-        return type(node)(_fx_to_saved(x, names) for x in node)
+        return type(node)(walk(x) for x in node)
     if isinstance(node, Mapping):
-        return {k: _fx_to_saved(v, names) for k, v in node.items()}
+        return {k: walk(v) for k, v in node.items()}
     return node
 
 
@@ -244,6 +291,8 @@ def _from_saved(src: Any, like: Any, path: tuple, names: _Names) -> Any:
             return like if src is None or src == {} or src == [] else fail(f"{_kind(src)} where nothing is kept")
         if not isinstance(src, Mapping):
             fail(f"{_kind(src)} where {type(like).__name__}'s fields are")
+        if type(like).__name__ == "InjectHyperparamsState" and "hyperparams_states" in src:
+            src = _drop_schedule_states(src, path)
         if set(src) != set(like._fields):
             fail(f"fields {sorted(src)}, {type(like).__name__} has {sorted(like._fields)}")
         return type(like)(*(_from_saved(src[f], getattr(like, f), path + (f,), names) for f in like._fields))
@@ -267,6 +316,17 @@ def _from_saved(src: Any, like: Any, path: tuple, names: _Names) -> Any:
             t = array_to_torch(src) if is_jax_array(src) else torch.as_tensor(np.array(src))
         return t.to(device=like.device, dtype=like.dtype, copy=True)
     return src if like is None or type(src) is type(like) else fail(f"{_kind(src)} vs {_kind(like)}")
+
+
+def _drop_schedule_states(src: Mapping, path: tuple) -> dict:
+    """Optax's ``InjectStatefulHyperparamsState`` as fxtrain's: each ``WrappedScheduleState`` counts the updates,
+    as the outer ``count`` does (fxtrain evaluates its schedules at that count)."""
+    for name, state in (src["hyperparams_states"] or {}).items():
+        if not (isinstance(state, Mapping) and set(state) == {"count"}):
+            raise ValueError(f"load_orbax: the checkpoint differs at '{_where(path + ('hyperparams_states', name))}': "
+                             f"{_kind(state)} where a WrappedScheduleState(count) is (a stateful schedule fxtrain "
+                             "has no counterpart for)")
+    return {k: v for k, v in src.items() if k != "hyperparams_states"}
 
 
 def _kind(x: Any) -> str:
