@@ -1,4 +1,5 @@
-"""Helpers for the tests that drive the Hydra runner (test_train*.py, test_experiments.py).
+"""Helpers for the tests that drive the Hydra runner (test_train*.py, test_experiments.py, and the user's own
+project of test_own_project.py and test_readme.py).
 
 ``from tests._runner import isolate`` in a test module turns on the autouse fixture there (pytest finds
 fixtures by module attribute); the rest are plain functions.
@@ -11,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -71,3 +73,59 @@ def isolate(monkeypatch, tmp_path):
     root.setLevel(level)
     torch.set_num_threads(threads)
     GlobalHydra.instance().clear()
+
+
+# --- a researcher's own project, outside the checkout (test_own_project.py, test_readme.py) ---------------
+
+OWN_LIB = '''
+"""A researcher's own code: a model, a regression dataset, a loss, metrics and an evaluation hook; nothing
+from fxtrain."""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class WideDeep(nn.Module):
+    """A linear (wide) part plus an MLP (deep) part, summed: one output per example."""
+
+    def __init__(self, in_features, hidden=32):
+        super().__init__()
+        self.wide = nn.Linear(in_features, 1)
+        self.deep = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.wide(x) + self.deep(x)
+
+
+def make_data(n=400, features=6, noise=0.1, seed=0):
+    """(x, y): y = a smooth function of x plus noise, float targets."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    y = x[:, 0] - 0.5 * x[:, 1] ** 2 + torch.sin(x[:, 2]) + noise * torch.randn(n, generator=g)
+    return x, y
+
+
+def huber(outputs, targets):
+    return F.huber_loss(outputs.reshape(targets.shape), targets)
+
+
+def within(outputs, targets):
+    return {"within_half": ((outputs.reshape(targets.shape) - targets).abs() < 0.5).float().mean()}
+
+
+def calibration(ctx):
+    x, _ = ctx.data.test
+    return {"confidence": float(ctx.forward(x).softmax(-1).amax(-1).mean())}
+'''
+
+
+def write_project(root: pathlib.Path, configs: dict[str, str]) -> pathlib.Path:
+    """The user's project in ``root``: ``mylib/__init__.py`` holds :data:`OWN_LIB`, and each of ``configs``
+    (a path under ``conf/``, e.g. ``model/mine.yaml`` -> its YAML, dedented) is written; returns ``root``."""
+    (root / "mylib").mkdir(parents=True, exist_ok=True)
+    (root / "mylib" / "__init__.py").write_text(OWN_LIB)
+    for name, text in configs.items():
+        path = root / "conf" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    return root

@@ -15,41 +15,7 @@ from omegaconf import OmegaConf
 from fxtrain import build
 from fxtrain.report import read_jsonl
 from tests._runner import isolate, run_main  # noqa: F401 - isolate: autouse (Hydra's state, logging, cwd)
-
-MYLIB = '''
-"""A researcher's own code: a model, a regression dataset and a loss, nothing from fxtrain."""
-import torch
-from torch import nn
-from torch.nn import functional as F
-
-
-class WideDeep(nn.Module):
-    """A linear (wide) part plus an MLP (deep) part, summed: one output per example."""
-
-    def __init__(self, in_features, hidden=32):
-        super().__init__()
-        self.wide = nn.Linear(in_features, 1)
-        self.deep = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-
-    def forward(self, x):
-        return self.wide(x) + self.deep(x)
-
-
-def make_data(n=400, features=6, noise=0.1, seed=0):
-    """(x, y): y = a smooth function of x plus noise, float targets."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, features, generator=g)
-    y = x[:, 0] - 0.5 * x[:, 1] ** 2 + torch.sin(x[:, 2]) + noise * torch.randn(n, generator=g)
-    return x, y
-
-
-def huber(outputs, targets):
-    return F.huber_loss(outputs.reshape(targets.shape), targets)
-
-
-def within(outputs, targets):
-    return {"within_half": ((outputs.reshape(targets.shape) - targets).abs() < 0.5).float().mean()}
-'''
+from tests._runner import write_project
 
 CONFIGS = {
     "model/mine.yaml": """
@@ -80,14 +46,7 @@ CONFIGS = {
 @pytest.fixture
 def project(tmp_path) -> pathlib.Path:
     """A throwaway project outside the checkout: ``mylib/`` and ``conf/{model,data,task}/*.yaml``."""
-    root = tmp_path / "myproj"
-    (root / "mylib").mkdir(parents=True)
-    (root / "mylib" / "__init__.py").write_text(MYLIB)
-    for name, text in CONFIGS.items():
-        path = root / "conf" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text).lstrip())
-    return root
+    return write_project(tmp_path / "myproj", CONFIGS)
 
 
 def _run(project: pathlib.Path, *args: str) -> subprocess.CompletedProcess:

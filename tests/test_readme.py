@@ -25,6 +25,8 @@ import time
 
 import pytest
 
+from tests._runner import OWN_LIB, write_project
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 READMES = [ROOT / "README.md", *sorted((ROOT / "experiments").glob("**/README.md"))]
 FEW = "trainer.max_steps=10"  # what "a few steps" appends to a training command whose numbers are not printed
@@ -274,39 +276,6 @@ def _run(argv: list[str], cwd: pathlib.Path) -> Ran:
 
 # --- the own project ----------------------------------------------------------------------------------
 
-MYLIB = '''
-"""The README's own project: a model, a regression dataset, a loss, an evaluation hook; nothing from fxtrain."""
-import torch
-from torch import nn
-from torch.nn import functional as F
-
-
-class WideDeep(nn.Module):
-    def __init__(self, in_features, hidden=32):
-        super().__init__()
-        self.wide = nn.Linear(in_features, 1)
-        self.deep = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-
-    def forward(self, x):
-        return self.wide(x) + self.deep(x)
-
-
-def make_data(n=400, noise=0.1, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 6, generator=g)
-    return x, x[:, 0] - 0.5 * x[:, 1] ** 2 + torch.sin(x[:, 2]) + noise * torch.randn(n, generator=g)
-
-
-def huber(out, y):
-    return F.huber_loss(out.reshape(y.shape), y)
-
-
-def calibration(ctx):
-    x, _ = ctx.data.test
-    return {"confidence": float(ctx.forward(x).softmax(-1).amax(-1).mean())}
-'''
-
-
 def flow_mapping(text: str) -> str:
     """``a: 1, b: [2, 3], c: ${x.y[0]}`` (a layout comment) as block YAML, one key a line."""
     items, depth, current = [], 0, ""
@@ -324,22 +293,23 @@ def flow_mapping(text: str) -> str:
 
 def project(root: pathlib.Path) -> pathlib.Path:
     """The project of the README's layout block, in ``root/myproj``: each ``conf/...yaml`` file holds what its
-    comment says; ``mylib`` has the functions the comments name (MYLIB above)."""
+    comment says; ``mylib`` (tests/_runner.py's OWN_LIB) has the functions the comments name."""
     (layout,) = [b for b in BLOCKS if b.label == "myproj/"]
     base = root / "myproj"
     if base.exists():
         return base
+    configs = {}
     for line in layout.text.splitlines()[1:]:
         path, _, comment = line.strip().partition("#")
         path = path.strip()
-        (base / path).parent.mkdir(parents=True, exist_ok=True)
-        if path.endswith(".yaml"):
-            (base / path).write_text(flow_mapping(comment.strip()))
+        if path.startswith("conf/") and path.endswith(".yaml"):
+            configs[path.removeprefix("conf/")] = flow_mapping(comment.strip())
         elif path == "mylib/__init__.py":
             names = set(re.findall(r"(?:class|def) (\w+)", comment))
-            assert names <= set(re.findall(r"^(?:class|def) (\w+)", MYLIB, flags=re.M)), names
-            (base / path).write_text(MYLIB)
-    return base
+            assert names <= set(re.findall(r"^(?:class|def) (\w+)", OWN_LIB, flags=re.M)), names
+        else:
+            raise AssertionError(f"README's myproj/ layout names {path!r}: teach project() to write it")
+    return write_project(base, configs)
 
 
 # --- the tests ----------------------------------------------------------------------------------------
