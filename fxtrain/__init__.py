@@ -25,7 +25,7 @@ from fxtrain._base import (
 )
 
 # --- transforms and optimizers (fxtrain/transforms/, fxtrain/optimizers.py)
-from fxtrain.optimizers import adagrad, adam, adamw, lion, rmsprop, sgd
+from fxtrain.optimizers import adagrad, adam, adamw, lion, nadam, nadamw, polyak_sgd, rmsprop, sgd
 from fxtrain.transforms._adam import ScaleByAdamState, scale_by_adam
 from fxtrain.transforms._lion import ScaleByLionState, scale_by_lion
 from fxtrain.transforms._masking import (
@@ -119,6 +119,9 @@ from fxtrain.transforms._accumulation import (
 # --- checkpointing (fxtrain/checkpoint.py)
 from fxtrain.checkpoint import CheckpointError, TrainState, load, rng_state, save, set_rng_state
 
+# --- torch's parallel engines under the functional step (fxtrain/parallel/): fx.parallel.fully_sharded_step...
+from fxtrain import parallel
+
 # --- JAX interop (fxtrain/interop/): JAX stays optional, imported only when an interop function runs
 from fxtrain import interop
 
@@ -139,8 +142,6 @@ from fxtrain.transforms._adaptive import (
     adamaxw,
     adan,
     amsgrad,
-    nadam,
-    nadamw,
     novograd,
     optimistic_adam,
     optimistic_adam_v2,
@@ -178,7 +179,7 @@ from fxtrain.transforms._linesearch import (
     value_and_grad_from_state,
 )
 from fxtrain.transforms._lbfgs import ScaleByLBFGSState, lbfgs, scale_by_lbfgs
-from fxtrain.transforms._polyak import polyak_sgd, scale_by_polyak
+from fxtrain.transforms._polyak import scale_by_polyak
 from fxtrain.transforms._normalizing import (
     ScaleByDistanceOverGradientsState,
     adaptive_grad_clip,

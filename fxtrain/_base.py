@@ -44,6 +44,26 @@ Params = Updates = State = Any
 LossFn = Callable[..., Any]
 
 
+FUSED_KERNELS = ("adam", "adamw", "sgd")  # names with a torch kernel of their own
+FUSED_PREFIXES = ("clip_by_global_norm",)  # names that only scale the gradients: the kernels' grad_scale
+
+
+class FusedSpec(NamedTuple):
+    """Which fused torch kernel computes a transform, with the numbers it needs (all Python numbers).
+
+    ``name`` is a kernel (``"adam"``, ``"adamw"``, ``"sgd"``) or a prefix (``"clip_by_global_norm"``:
+    no kernel of its own, see :func:`merge_traits`). A combined spec also carries the clip's ``max_norm``,
+    its ``groups`` (process groups the norm is summed over: pipeline stages) and ``states_of``, which
+    splits the combinator's state into (clip state, optimizer state).
+    """
+
+    name: str
+    hyperparams: dict
+    max_norm: float | None = None
+    states_of: Callable[[Any], Sequence[Any]] | None = None
+    groups: tuple = ()
+
+
 class Traits(NamedTuple):
     """Facts about a transform that the step and the combinators need, declared once (see :func:`transform`).
 
@@ -53,7 +73,7 @@ class Traits(NamedTuple):
     elementwise: bool = False  #: acts on each element independently (what ``sharded_apply`` requires)
     partial_grads: bool = False  #: takes data-parallel ``Partial`` gradients unreduced (``accumulate``)
     host: bool = False  #: decides on the host between calls (``accumulate``): compiled steps keep it eager
-    fused: Any = None  #: a :class:`fxtrain.transforms._fused.FusedSpec`: a torch kernel computes update + apply
+    fused: FusedSpec | None = None  #: a :class:`FusedSpec`: a torch kernel computes update + apply
     wrap_loss: Callable[[LossFn, State], LossFn] | None = None  #: acts on the forward pass (``amp_cast``)
     extra_args: bool = False  #: its update reads keyword arguments such as ``value=`` (Optax's ``...ExtraArgs``)
     #: names its state reports that stay constant (``inject_hyperparams``' unscheduled ``b1``, ``eps``...):
@@ -217,7 +237,7 @@ def merge_traits(children: Sequence[GradientTransformation], states_of: Callable
 
     Elementwise if all children are; reads extra arguments if any child does; its constant reports are
     all its children's; takes ``Partial`` gradients and decides on the host as its first child does (the first child is the one that sees the gradients); fused as
-    :func:`fxtrain.transforms._fused.combine` decides (its one place). ``wrap_loss`` composes
+    :func:`_fused_in_sequence` decides (the one place where specs combine). ``wrap_loss`` composes
     the children's (the first one outermost) when ``states_of(state)`` gives their states in order;
     combinators that cannot pass a state per child (``states_of=None``) refuse children with one.
     """
@@ -230,11 +250,26 @@ def merge_traits(children: Sequence[GradientTransformation], states_of: Callable
                              "the forward pass (wrap_loss); apply it outside")
         wrap = _composed_wrap_loss(tuple(children), states_of)
     first = ts[0] if ts else _PLAIN
-    from fxtrain.transforms import _fused  # lazily: _fused imports this module
-
     return Traits(elementwise=all(t.elementwise for t in ts), partial_grads=first.partial_grads,
-                  host=first.host, fused=_fused.combine(children, states_of), wrap_loss=wrap,
+                  host=first.host, fused=_fused_in_sequence([t.fused for t in ts], states_of), wrap_loss=wrap,
                   **forwarded(*children))
+
+
+def _fused_in_sequence(specs: Sequence[FusedSpec | None], states_of: Callable | None) -> FusedSpec | None:
+    """The :class:`FusedSpec` of children run in sequence on the same updates, or ``None``.
+
+    Covered: ``[clip_by_global_norm(max_norm), optimizer]`` with both declared, which becomes the optimizer's
+    kernel with the clip in its ``grad_scale`` (:mod:`fxtrain.transforms._fused` runs it). ``states_of`` (the
+    combinator's state -> its children's states, in order) is needed to find both states; combinators
+    without one get ``None``.
+    """
+    if states_of is None or len(specs) != 2:
+        return None
+    clip, opt = specs
+    if (clip is None or opt is None or clip.name not in FUSED_PREFIXES or opt.name not in FUSED_KERNELS
+            or opt.max_norm is not None):
+        return None
+    return opt._replace(max_norm=clip.hyperparams["max_norm"], states_of=states_of, groups=clip.groups)
 
 
 def update_(tx: GradientTransformation, updates: Updates, state: State, params: Params = None, **extra_args: Any):
@@ -430,6 +465,36 @@ def check_nonnegative(transform_name: str, **values: Any) -> None:
 
 
 # --- combinators ----------------------------------------------------------------------------------
+
+def check_learning_rate(name: str, **values: Any) -> None:
+    """An optimizer's argument checks, for the library's aliases and users' own: a learning rate is required
+    (``None`` would leave the raw direction, an ascent with step size 1), then :func:`check_nonnegative` of
+    every value; a schedule is probed at step 0 (a negative value there would climb the loss). A 0-dim
+    tensor's sign is checked at ``init`` by the optimizers (reading it here would be a host sync).
+
+    Example:
+        >>> from fxtrain._base import check_learning_rate
+        >>> check_learning_rate("my_sgd", learning_rate=0.1, momentum=0.9)
+        >>> check_learning_rate("my_sgd", learning_rate=None)
+        Traceback (most recent call last):
+        ...
+        ValueError: my_sgd: learning_rate=None would apply the raw update direction (an ascent with step size 1); pass a number, a 0-dim tensor or a schedule
+    """
+    learning_rate = values.get("learning_rate", 0)
+    if learning_rate is None:
+        raise ValueError(f"{name}: learning_rate=None would apply the raw update direction (an ascent with step "
+                         "size 1); pass a number, a 0-dim tensor or a schedule")
+    check_nonnegative(name, **values)
+    if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
+        try:
+            first = learning_rate(torch.zeros((), dtype=torch.int32))
+            first = float(first.detach()) if isinstance(first, torch.Tensor) and first.ndim == 0 else first
+        except Exception:  # noqa: BLE001 - a schedule that cannot be probed here reports at its first update
+            return
+        if isinstance(first, (int, float)) and first < 0:
+            raise ValueError(f"{name}: learning_rate is a schedule whose value at step 0 is {first:g}; it must be "
+                             ">= 0 (a negative learning rate climbs the loss)")
+
 
 def wrap_loss(tx: GradientTransformation, loss_fn: LossFn, state: State) -> LossFn:
     """``tx.wrap_loss(loss_fn, state)``, or ``loss_fn`` itself when ``tx`` does not touch the forward pass."""

@@ -19,7 +19,7 @@ Example:
     >>> build.instantiate(OmegaConf.create({"_target_": "fxtrain.clip", "max_dleta": 1.0}), "optim.chain.clip")
     Traceback (most recent call last):
     ...
-    fxtrain.build.ConfigError: optim.chain.clip: max_dleta is not an argument of fxtrain.clip (did you mean max_delta?); it takes max_delta
+    fxtrain.errors.ConfigError: optim.chain.clip: max_dleta is not an argument of fxtrain.clip (did you mean max_delta?); it takes max_delta
 """
 
 from __future__ import annotations
@@ -35,25 +35,17 @@ import re
 from typing import Any, Callable
 
 import torch
-from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
-from fxtrain import distributed
+from fxtrain import data, distributed, tasks
+from fxtrain.errors import ConfigError
 
 __all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
            "check_overrides", "search_path", "dataset", "data_keys", "floats_where_expected", "DATA_KEYS", "task",
            "eval_hooks", "early_stopping", "ScaledSchedule", "user_search_path", "user_configs_first",
            "settle_optimized_metric"]
-
-
-class ConfigError(ValueError, CompactHydraException):
-    """A config that cannot be built; the message starts with the config key at fault.
-
-    Hydra prints a ``CompactHydraException`` as its message alone (the traceback with ``HYDRA_FULL_ERROR=1``);
-    ``python -m fxtrain.train`` prints it as one line (:func:`fxtrain.validate.one_line_errors`).
-    """
 
 
 # --- step counts that follow the run's length ---------------------------------------------------------
@@ -217,10 +209,8 @@ def dataset(node: DictConfig | dict, name: str = "data") -> Any:
     >>> dataset({**node, "batch_sise": 8}, "mine")
     Traceback (most recent call last):
     ...
-    fxtrain.build.ConfigError: data: batch_sise is not an argument of sklearn.datasets.make_regression nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, split_seed, seed, test_batches, input_shape, num_classes
+    fxtrain.errors.ConfigError: data: batch_sise is not an argument of sklearn.datasets.make_regression nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, split_seed, seed, test_batches, input_shape, num_classes
     """
-    from fxtrain import data
-
     spec = _resolve(node, "data")
     fn, takes = data_keys(spec)
     own = {k: v for k, v in spec.items() if k != "_target_" and (takes is None or k in takes or k not in DATA_KEYS)}
@@ -240,7 +230,7 @@ def data_keys(spec: dict) -> tuple[Callable, set[str] | None]:
     >>> data_keys({"_target_": "fxtrain.data.digits", "batch_sise": 8})
     Traceback (most recent call last):
     ...
-    fxtrain.build.ConfigError: data: batch_sise is not an argument of fxtrain.data.digits nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, split_seed, seed, test_batches, input_shape, num_classes
+    fxtrain.errors.ConfigError: data: batch_sise is not an argument of fxtrain.data.digits nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, split_seed, seed, test_batches, input_shape, num_classes
     """
     fn = _locate(spec, "data")
     takes = _arguments(fn)
@@ -303,8 +293,6 @@ def task(cfg: DictConfig) -> Any:
     >>> task(OmegaConf.create({"task": {"_target_": "fxtrain.tasks.regression"}})).name
     'regression'
     """
-    from fxtrain import tasks
-
     node = cfg.get("task")
     if node is None:
         return tasks.classification()
@@ -359,8 +347,6 @@ def eval_hooks(cfg: DictConfig) -> list[tuple[str, Callable]]:
 
 def early_stopping(cfg: DictConfig) -> Any:
     """The :class:`fxtrain.tasks.EarlyStopping` of ``trainer.early_stopping``, or ``None`` when its ``metric`` is null."""
-    from fxtrain import tasks
-
     node = cfg.trainer.get("early_stopping")
     if node is None or node.get("metric") is None:
         return None
@@ -452,7 +438,7 @@ def stack(cfg: DictConfig, dims: distributed.ParallelDims | None = None,
     if cfg.amp.policy is not None:
         kwargs = {"policy": cfg.amp.policy}
         if dims is not None and dims.strategy in FSDP_STRATEGIES:
-            # FSDP casts the params once per all-gather (MixedPrecisionPolicy, see fxtrain/strategies.py);
+            # FSDP casts the params once per all-gather (MixedPrecisionPolicy, see fxtrain/parallel/_parallelize.py);
             # amp_cast keeps loss scaling, the overflow check and skipping, computing in the params' dtype.
             policy = _call(_wrapper("Policy", "amp.policy").parse, "amp.policy", cfg.amp.policy)
             p = policy.param_dtype  # None: amp.policy=off, which keeps every dtype
@@ -717,7 +703,7 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
     >>> check_overrides(["-m", "model=mlp,resnett"])
     Traceback (most recent call last):
     ...
-    fxtrain.build.ConfigError: model=mlp,resnett: no option 'resnett' in model (did you mean resnet?); available: mlp, moe, resnet, transformer (pkg://fxtrain.conf)
+    fxtrain.errors.ConfigError: model=mlp,resnett: no option 'resnett' in model (did you mean resnet?); available: mlp, moe, resnet, transformer (pkg://fxtrain.conf)
     """
     from hydra.core.object_type import ObjectType
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.func import functional_call
 
 from fxtrain import tree
@@ -54,7 +55,7 @@ def functional(module: nn.Module) -> tuple[ApplyFn, Params, Buffers]:
 
     Raises:
       TypeError: ``module`` is not an ``nn.Module``, or it (or a submodule) is ``fully_shard``-ed (FSDP2):
-        use :func:`fxtrain.distributed.fully_sharded` and :func:`fxtrain.distributed.fully_sharded_step`.
+        use :func:`fxtrain.parallel.fully_sharded` and :func:`fxtrain.parallel.fully_sharded_step`.
 
     Example:
         >>> import torch, fxtrain as fx
@@ -93,12 +94,28 @@ def functional(module: nn.Module) -> tuple[ApplyFn, Params, Buffers]:
 def _refuse_fully_sharded(module: nn.Module) -> None:
     """FSDP2's hooks replace the params ``functional_call`` passes with their own all-gathered ones, so no
     gradient would reach the trees: refuse by name instead of training nothing (issue 16)."""
-    from fxtrain.distributed._fully_sharded import fully_sharded_modules, module_label  # lazily: torch.distributed
-
     names = fully_sharded_modules(module)
     if names:
         where = "it" if names[0] == "" else f"its submodule '{names[0]}'"
         raise TypeError(f"fx.functional({module_label(module)}): {where} is fully_shard-ed (FSDP2), whose hooks "
                         "compute with their own all-gathered parameters, so no gradient would reach the params "
-                        "tree; use `apply, params, buffers = fx.distributed.fully_sharded(module)` and "
-                        "fx.distributed.fully_sharded_step(loss_fn, tx, module)")
+                        "tree; use `apply, params, buffers = fx.parallel.fully_sharded(module)` and "
+                        "fx.parallel.fully_sharded_step(loss_fn, tx, module)")
+
+
+def fully_sharded_modules(module: nn.Module) -> list[str]:
+    """The names of ``module``'s submodules (``''`` for itself) on which ``fully_shard`` was called.
+
+    >>> import torch
+    >>> fully_sharded_modules(torch.nn.Linear(2, 2))
+    []
+    """
+    return [name for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+
+
+def module_label(module: nn.Module) -> str:
+    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass named ``FSDP<Class>``."""
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next((c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule)), cls)
+    return cls.__name__

@@ -49,6 +49,7 @@ import time
 import warnings
 from typing import Any, Mapping
 
+from fxtrain.errors import ConfigError
 from fxtrain import build
 
 __all__ = ["RECORD", "open_loggers", "Loggers", "JsonlLogger", "CsvLogger", "TensorBoardLogger", "WandbLogger",
@@ -79,11 +80,11 @@ def open_loggers(node: Mapping | None, dir: str | os.PathLike, *, start: int = 0
     >>> open_loggers(two, d)
     Traceback (most recent call last):
     ...
-    fxtrain.build.ConfigError: logger.jsonl and logger.copy both write .../metrics.jsonl: keep one
+    fxtrain.errors.ConfigError: logger.jsonl and logger.copy both write .../metrics.jsonl: keep one
     """
     node = node or {}
     if "_target_" in node:  # a pre-multi-select config: logger: {_target_: ...}
-        raise build.ConfigError(f"logger: expected named loggers ({{jsonl: {{_target_: ...}}, csv: ...}}, what "
+        raise ConfigError(f"logger: expected named loggers ({{jsonl: {{_target_: ...}}, csv: ...}}, what "
                                 f"'logger=[jsonl,csv]' composes), got one _target_ node ({node['_target_']}): put it "
                                 "under a name, logger.<name>._target_")
     built: dict[str, Any] = {}
@@ -95,7 +96,7 @@ def open_loggers(node: Mapping | None, dir: str | os.PathLike, *, start: int = 0
             if isinstance(logger, JsonlLogger):
                 other = writers.setdefault(logger.path.resolve(), name)
                 if other != name:
-                    raise build.ConfigError(f"logger.{other} and logger.{name} both write {logger.path}: keep one")
+                    raise ConfigError(f"logger.{other} and logger.{name} both write {logger.path}: keep one")
         record = writers.get((pathlib.Path(dir) / RECORD).resolve())
         if record is None:
             record, built[RECORD] = RECORD, JsonlLogger(dir)
@@ -452,4 +453,4 @@ def _require(module: str, logger: str, extra: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise build.ConfigError(f"logger={logger} needs {module}: pip install 'fxtrain[{extra}]'") from None
+        raise ConfigError(f"logger={logger} needs {module}: pip install 'fxtrain[{extra}]'") from None

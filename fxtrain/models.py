@@ -167,7 +167,7 @@ class MoE(nn.Module):
 
     The expert weights are stacked params with the expert index first (``w_in`` is ``[E, d_model,
     d_hidden]``), so sharding them over ranks is one ``Shard(0)``
-    (:func:`fxtrain.distributed.expert_parallel`). Each expert runs on the tokens routed to it only (one
+    (:func:`fxtrain.parallel.expert_parallel`). Each expert runs on the tokens routed to it only (one
     host sync per call for the token counts); no load-balancing loss and no capacity limit: every routed
     token is computed.
 
@@ -202,7 +202,7 @@ class MoE(nn.Module):
         self.b_in = nn.Parameter(torch.empty(num_experts, d_hidden).uniform_(-bound_in, bound_in))
         self.w_out = nn.Parameter(torch.empty(num_experts, d_hidden, d_model).uniform_(-bound_out, bound_out))
         self.b_out = nn.Parameter(torch.empty(num_experts, d_model).uniform_(-bound_out, bound_out))
-        # Where the experts run: None computes all of them here. fx.distributed.expert_parallel sets it,
+        # Where the experts run: None computes all of them here. fx.parallel.expert_parallel sets it,
         # for the duration of a call, to a dispatcher that moves tokens to the ranks holding their experts.
         self.dispatch = None
 
@@ -262,7 +262,7 @@ class TransformerLM(nn.Module):
     Input ``(B, T)`` token ids with ``T <= context``; output ``(B, T, vocab_size)`` next-token logits.
     Initialised like GPT-2: normal(0, 0.02), residual projections scaled by ``1/sqrt(2 * n_layers)``.
     Its parallel layouts: :meth:`tp_plan` (torch's tensor-parallel plan) and :meth:`pipeline_stage` (a
-    pipeline split); experts are sharded by :func:`fxtrain.distributed.expert_parallel`.
+    pipeline split); experts are sharded by :func:`fxtrain.parallel.expert_parallel`.
 
     Args:
       vocab_size: number of tokens (256 for bytes).
@@ -316,7 +316,7 @@ class TransformerLM(nn.Module):
         ``T / tp`` tokens (``SequenceParallel``) and each block all-gathers its input once per half;
         without it the LayerNorms stay plain params, identical on every rank.
 
-        Pass it to :func:`fxtrain.distributed.tensor_parallel` (or torch's ``parallelize_module``). Keys keep
+        Pass it to :func:`fxtrain.parallel.tensor_parallel` (or torch's ``parallelize_module``). Keys keep
         their order: ``head`` shares ``tok.weight`` and takes it from ``tok``, parallelized first (both are
         ``Shard(0)``, rows of the vocabulary, so the tie survives: one DTensor, both gradients summed into it).
 
@@ -334,7 +334,7 @@ class TransformerLM(nn.Module):
 
             mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
             model = TransformerLM(vocab_size=256, context=64, d_model=64, n_layers=2, n_heads=4)
-            apply, params, buffers = fx.distributed.tensor_parallel(model, model.tp_plan(), mesh)
+            apply, params, buffers = fx.parallel.tensor_parallel(model, model.tp_plan(), mesh)
 
         >>> sorted(TransformerLM(d_model=32, n_heads=2).tp_plan())[:4]
         ['blocks.*.attn', 'blocks.*.attn.[qkv]', 'blocks.*.attn.proj', 'blocks.*.ln1']

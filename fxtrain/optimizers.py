@@ -13,18 +13,17 @@ from typing import Any, Callable
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, chain, check_nonnegative, identity, transform
+from fxtrain._base import GradientTransformation, chain, check_learning_rate, check_nonnegative, identity, transform
 from fxtrain.transforms import _fused
 from fxtrain.transforms._adam import scale_by_adam
 from fxtrain.transforms._lion import scale_by_lion
 from fxtrain.transforms._masking import Mask
-from fxtrain.transforms._moments import Scalar, is_zero
+from fxtrain.transforms._moments import LearningRate, Scalar, is_zero
 from fxtrain.transforms._momentum import trace
+from fxtrain.transforms._polyak import POLYAK_VARIANTS, scale_by_polyak
 from fxtrain.transforms._rms import scale_by_rms, scale_by_rss, scale_by_stddev
 from fxtrain.transforms._scaling import scale_by_learning_rate
 from fxtrain.transforms._weight_decay import add_decayed_weights
-
-LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of the count
 
 # sgd, adam and adamw also declare the torch kernel that computes their whole chain in one call
 # (fxtrain/transforms/_fused.py), for the arguments that kernel covers; steps that own their params use it.
@@ -33,26 +32,6 @@ LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of t
 def _fused_adam_covers(eps_root: Scalar, mu_dtype, nesterov: bool) -> bool:
     """Whether torch's fused Adam(W) kernel computes ``scale_by_adam`` with these arguments."""
     return is_zero(eps_root) and mu_dtype is None and not nesterov
-
-
-def _check(name: str, **values) -> None:
-    """The optimizers' argument checks: a learning rate is required (``None`` would leave the raw direction,
-    an ascent with step size 1), then :func:`fxtrain._base.check_nonnegative`; a schedule is probed at step 0
-    (a negative value there would climb the loss). A tensor's sign is checked by :func:`_descends` at ``init``."""
-    learning_rate = values.get("learning_rate", 0)
-    if learning_rate is None:
-        raise ValueError(f"{name}: learning_rate=None would apply the raw update direction (an ascent with step "
-                         "size 1); pass a number, a 0-dim tensor or a schedule")
-    check_nonnegative(name, **values)
-    if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
-        try:
-            first = learning_rate(torch.zeros((), dtype=torch.int32))
-            first = float(first.detach()) if isinstance(first, torch.Tensor) and first.ndim == 0 else first
-        except Exception:  # noqa: BLE001 - a schedule that cannot be probed here reports at its first update
-            return
-        if isinstance(first, (int, float)) and first < 0:
-            raise ValueError(f"{name}: learning_rate is a schedule whose value at step 0 is {first:g}; it must be "
-                             ">= 0 (a negative learning rate climbs the loss)")
 
 
 def _descends(factory: Callable) -> Callable:
@@ -113,7 +92,7 @@ def sgd(learning_rate: LearningRate, momentum: Scalar | None = None, nesterov: b
       Sutskever et al., `On the importance of initialization and momentum in deep learning
       <http://proceedings.mlr.press/v28/sutskever13.pdf>`_, 2013.
     """
-    _check("sgd", learning_rate=learning_rate, momentum=momentum)
+    check_learning_rate("sgd", learning_rate=learning_rate, momentum=momentum)
     tx = chain(
         trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity(),
         scale_by_learning_rate(learning_rate),
@@ -159,7 +138,7 @@ def adam(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps:
     References:
       Kingma and Ba, `Adam: A Method for Stochastic Optimization <https://arxiv.org/abs/1412.6980>`_, 2014.
     """
-    _check("adam", learning_rate=learning_rate)
+    check_learning_rate("adam", learning_rate=learning_rate)
     tx = chain(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
         scale_by_learning_rate(learning_rate),
@@ -211,7 +190,7 @@ def adamw(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps
     References:
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
-    _check("adamw", learning_rate=learning_rate)
+    check_learning_rate("adamw", learning_rate=learning_rate)
     tx = chain(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
         add_decayed_weights(weight_decay, mask),
@@ -257,7 +236,7 @@ def lion(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.99,
     References:
       Chen et al., `Symbolic Discovery of Optimization Algorithms <https://arxiv.org/abs/2302.06675>`_, 2023.
     """
-    _check("lion", learning_rate=learning_rate)
+    check_learning_rate("lion", learning_rate=learning_rate)
     return chain(
         scale_by_lion(b1, b2, mu_dtype),
         add_decayed_weights(weight_decay, mask),
@@ -305,7 +284,7 @@ def rmsprop(learning_rate: LearningRate, decay: Scalar = 0.9, eps: Scalar = 1e-8
       Hinton, `Lecture 6.5 - rmsprop <https://www.cs.toronto.edu/~tijmen/csc321/slides/lecture_slides_lec6.pdf>`_, 2012.
       Graves, `Generating Sequences With Recurrent Neural Networks <https://arxiv.org/abs/1308.0850>`_, 2013.
     """
-    _check("rmsprop", learning_rate=learning_rate, momentum=momentum)
+    check_learning_rate("rmsprop", learning_rate=learning_rate, momentum=momentum)
     rescale = scale_by_stddev if centered else scale_by_rms
     return chain(
         rescale(decay=decay, eps=eps, initial_scale=initial_scale, eps_in_sqrt=eps_in_sqrt,
@@ -343,8 +322,130 @@ def adagrad(learning_rate: LearningRate, initial_accumulator_value: Scalar = 0.1
       Duchi et al., `Adaptive Subgradient Methods for Online Learning and Stochastic Optimization
       <https://jmlr.org/papers/v12/duchi11a.html>`_, 2011.
     """
-    _check("adagrad", learning_rate=learning_rate)
+    check_learning_rate("adagrad", learning_rate=learning_rate)
     return chain(
         scale_by_rss(initial_accumulator_value=initial_accumulator_value, eps=eps),
         scale_by_learning_rate(learning_rate),
     )
+
+
+@transform(elementwise=None)
+def nadam(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
+          eps_root: Scalar = 0.0, mu_dtype: torch.dtype | str | None = None, *, nesterov: bool = True
+          ) -> GradientTransformation:
+    r"""NAdam: Adam with Nesterov momentum (Optax's ``nadam``, that is ``adam(..., nesterov=True)``).
+
+    .. math:: \theta_{t+1} = \theta_t - \eta\, \frac{\beta_1 m_t / (1 - \beta_1^{t+1}) + (1 - \beta_1) g_t /
+        (1 - \beta_1^t)}{\sqrt{\hat v_t + \epsilon_{root}} + \epsilon}
+
+    Args:
+      learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
+      b1: decay of the first moment.
+      b2: decay of the second moment.
+      eps: added to the denominator outside the square root.
+      eps_root: added inside the square root.
+      mu_dtype: dtype of the first moment; ``None``: the param dtype.
+      nesterov: use Nesterov momentum (``False``: plain Adam).
+
+    Returns:
+      :func:`fxtrain.adam`'s chain with ``nesterov=nesterov``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.nadam(0.1)
+        >>> tx
+        nadam(0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> u, state = tx.update({"w": torch.tensor([3.0, -3.0])}, tx.init(params), params)
+        >>> [round(x, 4) for x in u["w"].tolist()]   # Adam's first step times 1 + b1 / (1 + b1)
+        [-0.1474, 0.1474]
+
+    References:
+      Dozat, `Incorporating Nesterov Momentum into Adam <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016.
+    """
+    check_learning_rate("nadam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
+    return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
+
+
+@transform(elementwise=None)
+def nadamw(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
+           eps_root: Scalar = 0.0, mu_dtype: torch.dtype | str | None = None,
+           weight_decay: Scalar | Callable = 1e-4, mask: Mask | None = None, *, nesterov: bool = True
+           ) -> GradientTransformation:
+    r"""NAdamW: NAdam with decoupled weight decay (Optax's ``nadamw``, that is ``adamw(..., nesterov=True)``).
+
+    Args:
+      learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
+      b1: decay of the first moment.
+      b2: decay of the second moment.
+      eps: added to the denominator outside the square root.
+      eps_root: added inside the square root.
+      mu_dtype: dtype of the first moment; ``None``: the param dtype.
+      weight_decay: :math:`\lambda`, a number, a 0-dim tensor or a schedule.
+      mask: where to decay (see :func:`fxtrain.adamw`).
+      nesterov: use Nesterov momentum (``False``: plain AdamW).
+
+    Returns:
+      :func:`fxtrain.adamw`'s chain with ``nesterov=nesterov``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.nadamw(0.1, weight_decay=0.5)
+        >>> params = {"w": torch.ones(2)}
+        >>> u, state = tx.update({"w": torch.tensor([3.0, -3.0])}, tx.init(params), params)
+        >>> [round(x, 4) for x in u["w"].tolist()]   # -0.1 * (1.474 sign(g) + 0.5 * params)
+        [-0.1974, 0.0974]
+
+    References:
+      Dozat, `Incorporating Nesterov Momentum into Adam <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016.
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization <https://arxiv.org/abs/1711.05101>`_, 2019.
+    """
+    check_learning_rate("nadamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+           weight_decay=weight_decay)
+    return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=nesterov)
+
+
+@transform(elementwise=None)
+def polyak_sgd(max_learning_rate: Scalar = 1.0, scaling: LearningRate = 1.0, f_min: Scalar = 0.0,
+               eps: Scalar = 0.0, variant: Literal["sps", "sps+"] = "sps") -> GradientTransformation:
+    r"""SGD with Polyak's step size (Optax's ``polyak_sgd``).
+
+    .. math::
+        x_{t+1} = x_t - s_t \min\left\{\frac{f(x_t) - f^\star}{\|\nabla f(x_t)\|^2 + \epsilon},
+        \gamma_{\max}\right\} \nabla f(x_t)
+
+    Args:
+      max_learning_rate: :math:`\gamma_{\max}`, the largest step size.
+      scaling: :math:`s_t`, a number, a 0-dim tensor or a schedule.
+      f_min: :math:`f^\star`, a lower bound on the objective (0 for models that interpolate the data).
+      eps: :math:`\epsilon`, added to the denominator.
+      variant: ``"sps"``, or ``"sps+"`` (the gap's positive part).
+
+    Returns:
+      ``chain(sgd(learning_rate=scaling), scale_by_polyak(...))``; its ``update`` requires ``value=``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> f = lambda p: (p["x"] ** 2).sum()
+        >>> params = {"x": torch.tensor([1.0, 2.0, 3.0])}
+        >>> tx = fx.polyak_sgd()
+        >>> state = tx.init(params)
+        >>> for _ in range(3):
+        ...     value, grads = f(params), {"x": 2 * params["x"]}
+        ...     u, state = tx.update(grads, state, params, value=value)
+        ...     params = fx.apply_updates(params, u)
+        >>> round(f(params).item(), 4)   # each step halves x: 14 / 4**3
+        0.2188
+
+    References:
+      Loizou et al., `Stochastic Polyak step-size for SGD: An adaptive learning rate for fast convergence
+      <https://arxiv.org/abs/2002.10542>`_, 2021.
+
+      Berrada et al., `Training neural networks for and by interpolation
+      <https://arxiv.org/abs/1906.05661>`_, 2020.
+    """
+    check_nonnegative("polyak_sgd", max_learning_rate=max_learning_rate, eps=eps)
+    if variant not in POLYAK_VARIANTS:
+        raise ValueError(f"polyak_sgd: variant={variant!r} must be one of {POLYAK_VARIANTS}")
+    return chain(sgd(learning_rate=scaling),
+                 scale_by_polyak(f_min=f_min, max_learning_rate=max_learning_rate, eps=eps, variant=variant))

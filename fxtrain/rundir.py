@@ -56,6 +56,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fxtrain.errors import ConfigError
 from fxtrain import build, checkpoint, distributed, report
 
 __all__ = ["RunDirError", "UNHASHED", "config_hash", "claim", "rewind", "prune", "write_json", "read_summary",
@@ -72,7 +73,7 @@ UNHASHED = ("resume", "resume_force", "resume_relayout", "trainer.progress", "tr
 _STEP = re.compile(r"^step_(\d+)$")
 
 
-class RunDirError(build.ConfigError):
+class RunDirError(ConfigError):
     """A launch refused by its run directory: another run's directory, the same run without ``resume``, or a
     directory another live process holds. Nothing was written."""
 
@@ -105,11 +106,11 @@ def claim(out: str | os.PathLike | None, cfg: DictConfig) -> Iterator[None]:
 
     Raises:
       RunDirError: the directory holds another run, this run without ``resume``, or another live process.
-      fxtrain.build.ConfigError: ``trainer.keep_last`` is negative.
+      fxtrain.errors.ConfigError: ``trainer.keep_last`` is negative.
     """
     keep_last = cfg.trainer.get("keep_last", 0)
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0:
-        raise build.ConfigError(f"trainer.keep_last={keep_last!r}: expected the number of checkpoints to keep, "
+        raise ConfigError(f"trainer.keep_last={keep_last!r}: expected the number of checkpoints to keep, "
                                 "a positive integer, or 0 to keep every checkpoint")
     if out is None:
         yield
@@ -303,7 +304,7 @@ def _identity(cfg: DictConfig, world: int) -> dict[str, Any]:
     """The run's world size and parallel layout (``parallel=fsdp [fsdp=2]``): part of what it computes."""
     try:
         layout = build.parallel_dims(cfg, world).describe()
-    except build.ConfigError:
+    except ConfigError:
         layout = None  # refused later, by the runner's own check, naming the key
     return {"world_size": world, "layout": layout}
 
@@ -335,7 +336,7 @@ def check_layout(what: str, then: dict[str, Any] | None, now: dict[str, Any], cf
 
     Raises:
       RunDirError: another world size or layout, without ``resume_relayout=true``.
-      fxtrain.build.ConfigError: ``resume_relayout`` is not a boolean.
+      fxtrain.errors.ConfigError: ``resume_relayout`` is not a boolean.
     """
     if then is None:
         return None
@@ -344,7 +345,7 @@ def check_layout(what: str, then: dict[str, Any] | None, now: dict[str, Any], cf
         return None
     relayout = cfg.get("resume_relayout", False)
     if not isinstance(relayout, bool):
-        raise build.ConfigError(f"resume_relayout={relayout!r}: expected true (continue a run on another world size "
+        raise ConfigError(f"resume_relayout={relayout!r}: expected true (continue a run on another world size "
                                 "or layout, resharding its checkpoint) or false")
     if not relayout:
         raise RunDirError(f"{what} was trained on {describe_layout(then)}; this launch is {describe_layout(now)}: "

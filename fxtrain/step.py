@@ -135,7 +135,7 @@ from fxtrain._base import GradientTransformation, apply_updates, apply_updates_,
 from fxtrain.amp import uncast
 from fxtrain.transforms import _fused
 
-__all__ = ["train_step"]
+__all__ = ["train_step", "donated_step", "call_objective", "detach_tree"]
 
 Params = State = Batch = Any
 Metrics = dict[str, Any]
@@ -397,8 +397,8 @@ def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation
     if not xs:
         raise ValueError(_NO_PARAMS)
     with torch.enable_grad():
-        objective, (loss, aux) = _call(fn, optree.tree_unflatten(spec, xs), batch, tx)
-    return optree.tree_unflatten(spec, _grads_reaching(objective, xs)), loss.detach(), _detach(aux)
+        objective, (loss, aux) = call_objective(fn, optree.tree_unflatten(spec, xs), batch, tx)
+    return optree.tree_unflatten(spec, _grads_reaching(objective, xs)), loss.detach(), detach_tree(aux)
 
 
 def _grads_reaching(objective: torch.Tensor, xs: list, create_graph: bool = False) -> list:
@@ -429,8 +429,9 @@ _NO_PARAMS = ("train_step: params hold no tensor to differentiate (every leaf is
               "the step would train nothing; pass the trees from `fx.functional(module)`")
 
 
-def _call(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation):
-    """``fn(params, batch)``, checked to be ``(objective, (loss, aux))`` with a scalar objective."""
+def call_objective(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation):
+    """``fn(params, batch)``, checked to be ``(objective, (loss, aux))`` with a scalar objective (for gradient
+    engines such as :func:`fxtrain.parallel.fully_sharded_step`'s: the step's own check of a wrapped loss)."""
     out = fn(params, batch)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple) and len(out[1]) == 2):
         raise TypeError(f"train_step: the wrap_loss of {tx!r} must return a loss function giving "
@@ -462,7 +463,7 @@ def _pure_grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransform
     outs = []  # (loss, aux) flattened: torch.func returns only the tensors of an aux through the transform
 
     def objective(xs):
-        value, out = _call(fn, optree.tree_unflatten(spec, xs), batch, tx)
+        value, out = call_objective(fn, optree.tree_unflatten(spec, xs), batch, tx)
         if not value.requires_grad:  # inside grad: True exactly when it depends on xs
             raise ValueError(_CONSTANT_LOSS)
         outs[:] = optree.tree_flatten(out, none_is_leaf=True, namespace="fxtrain")
@@ -471,7 +472,7 @@ def _pure_grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransform
     grads, tensors = torch.func.grad(objective, has_aux=True)(leaves)
     it = iter(tensors)
     loss, aux = optree.tree_unflatten(outs[1], [next(it) if isinstance(x, torch.Tensor) else x for x in outs[0]])
-    return optree.tree_unflatten(spec, grads), loss.detach(), _detach(aux)
+    return optree.tree_unflatten(spec, grads), loss.detach(), detach_tree(aux)
 
 
 def _autograd_grad(fn: Callable, leaves: list, spec: Any, batch: Batch, tx: GradientTransformation):
@@ -482,9 +483,9 @@ def _autograd_grad(fn: Callable, leaves: list, spec: Any, batch: Batch, tx: Grad
     # the others through detached views, as in the donated step.
     xs = [p if upstream and p.requires_grad else p.detach().requires_grad_() for p in leaves]
     with torch.enable_grad():
-        objective, (loss, aux) = _call(fn, optree.tree_unflatten(spec, xs), batch, tx)
+        objective, (loss, aux) = call_objective(fn, optree.tree_unflatten(spec, xs), batch, tx)
     grads = _grads_reaching(objective, xs, create_graph=upstream)
-    return optree.tree_unflatten(spec, grads), loss.detach(), _detach(aux)
+    return optree.tree_unflatten(spec, grads), loss.detach(), detach_tree(aux)
 
 
 def _owned(grads: Any) -> Any:
@@ -524,7 +525,8 @@ def _check_scalar(x: Any, what: str) -> None:
         raise TypeError(f"train_step: {what} must be floating-point, got {x.dtype}")
 
 
-def _detach(aux: Any) -> Any:
+def detach_tree(aux: Any) -> Any:
+    """``aux`` with every tensor detached (``None`` stays ``None``)."""
     if aux is None:
         return None
     return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux, namespace="fxtrain")

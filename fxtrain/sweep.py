@@ -71,6 +71,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 import fxtrain as fx
+from fxtrain.errors import ConfigError
 from fxtrain import build, distributed, loggers, rundir, tree
 from fxtrain import train as runner
 
@@ -465,7 +466,7 @@ def _train_group(group: Group) -> list[Result]:
             state = fx.load(source, like=fx.TrainState(0, params, opt_state, rng, buffers))
             start, params, opt_state, buffers, rng = state.step, state.params, state.opt_state, state.buffers, state.rng
             if start > trainer.max_steps:
-                raise build.ConfigError(f"resume: the checkpoint {source} is at step {start}, beyond "
+                raise ConfigError(f"resume: the checkpoint {source} is at step {start}, beyond "
                                         f"trainer.max_steps={trainer.max_steps}")
         live.append(job)
         built.append(dict(data=data, model=model, apply=apply, params=params, buffers=buffers, tx=tx,

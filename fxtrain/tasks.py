@@ -43,7 +43,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fxtrain.build import ConfigError
+from fxtrain.errors import ConfigError
 
 __all__ = ["Task", "classification", "regression", "lm", "evaluate", "EvalContext", "EarlyStopping"]
 
@@ -104,7 +104,7 @@ class Task:
             raise ValueError(f"task.optimized_metric={self.optimized_metric!r}: expected a metric name, e.g. test_loss")
 
     def compute(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``(loss, metrics)`` of one batch; raises :class:`~fxtrain.build.ConfigError` naming the task and the
+        """``(loss, metrics)`` of one batch; raises :class:`~fxtrain.errors.ConfigError` naming the task and the
         shape if the loss is not a scalar.
 
         The check reads shapes only (no host sync), so it holds under ``vmap`` and ``torch.compile``.

@@ -73,9 +73,10 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fxtrain as fx
-from fxtrain import build, checkpoint, distributed, loggers, report, rundir, strategies, tasks, tree, validate
+from fxtrain.errors import ConfigError
+from fxtrain import build, checkpoint, distributed, loggers, parallel, report, rundir, tasks, tree, validate
 from fxtrain.models import count_params
-from fxtrain.strategies import evaluate, loss_function  # noqa: F401 - the runner's loss and evaluation (fxtrain.sweep uses them)
+from fxtrain.parallel import evaluate, loss_function  # noqa: F401 - the runner's loss and evaluation (fxtrain.sweep uses them)
 
 log = logging.getLogger("fxtrain")
 # conf/ at the repository root, installed as the package fxtrain.conf (pyproject.toml maps it): Hydra reads it as
@@ -93,7 +94,7 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
     Raises:
       FloatingPointError: a non-finite loss or metric; training stops there, and ``metrics.jsonl`` and
         ``checkpoints/`` keep the last finite step.
-      fxtrain.build.ConfigError: a config that cannot be built, naming the key.
+      fxtrain.errors.ConfigError: a config that cannot be built, naming the key.
       fxtrain.rundir.RunDirError: ``out_dir`` holds another run, this run without ``resume``, or a live process.
     """
     build.settle_optimized_metric(cfg)  # the task's own where the config leaves it to the task (a _target_ function's)
@@ -167,7 +168,7 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
               data: Any = None) -> Built:
     """What :func:`train` builds from ``cfg`` before its loop, in this order after ``torch.manual_seed(cfg.seed)``:
     the data, the model, the task (:mod:`fxtrain.tasks`), the stack (:func:`fxtrain.build.stack`), the model
-    placed on ``dims``' mesh with its step (:func:`fxtrain.strategies.parallelize`) and the stack's state.
+    placed on ``dims``' mesh with its step (:func:`fxtrain.parallel.parallelize`) and the stack's state.
 
     The sweep launcher (``hydra/launcher=vmap``) builds each job of a group with it, so every job starts from
     exactly the params, state and RNG state its own run would. It passes ``data`` (built already, for the
@@ -180,10 +181,10 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     task = build.task(cfg)
     tx = build.stack(cfg, dims)
     try:
-        placed = strategies.parallelize(model, tx, dims, task=task, pipeline=_pipeline_options(cfg),
+        placed = parallel.parallelize(model, tx, dims, task=task, pipeline=_pipeline_options(cfg),
                                         mp_policy=build.mixed_precision(cfg, dims))
     except ValueError as e:
-        raise build.ConfigError(f"parallel={dims.strategy} model={_choice('model')}: {e}") from None
+        raise ConfigError(f"parallel={dims.strategy} model={_choice('model')}: {e}") from None
     params = build.cast_params(cfg, placed.params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
     return Built(data, model, placed.apply, params, placed.buffers, tx, tx.init(params), placed.step, placed.evaluate,
                  task)
@@ -203,7 +204,7 @@ def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, An
         start, opt_state = state.step, state.opt_state
         fx.set_rng_state(state.rng)
         if start > cfg.trainer.max_steps:
-            raise build.ConfigError(f"resume: the checkpoint {run.source} is at step {start}, beyond "
+            raise ConfigError(f"resume: the checkpoint {run.source} is at step {start}, beyond "
                                     f"trainer.max_steps={cfg.trainer.max_steps}")
         resumed = f"from {run.source} (step {start})" + (f", {run.note}" if run.note else "")
     elif cfg.get("resume") == "auto":
@@ -241,7 +242,7 @@ def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt
 
     def run_eval(step: int) -> dict[str, float]:
         metrics = built.evaluate(params, buffers, built.data.test, trainer.eval_batch_size)
-        ctx = tasks.EvalContext(step, strategies.forward(built.apply, params, buffers), params, buffers, built.data,
+        ctx = tasks.EvalContext(step, parallel.forward(built.apply, params, buffers), params, buffers, built.data,
                                 built.task, trainer.eval_batch_size)
         mine = {k: v for name, hook in hooks for k, v in _hook_metrics(name, hook(ctx)).items()}
         # A hook may see only its rank's part: averaged, so every rank logs and early-stops on the same line.
@@ -302,13 +303,13 @@ def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt
 def _hook_metrics(name: str, values: Any) -> dict[str, float]:
     """An eval hook's return value as ``{metric: float}``, or one line naming the hook."""
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
-        raise build.ConfigError(f"trainer.eval_hooks.{name}: returned {type(values).__name__}; an eval hook returns "
+        raise ConfigError(f"trainer.eval_hooks.{name}: returned {type(values).__name__}; an eval hook returns "
                                 "a dict of metric name -> number")
     try:
         return {k: float(v) for k, v in values.items()}
     except (TypeError, ValueError):
         bad = next(k for k, v in values.items() if not isinstance(v, (int, float, torch.Tensor)))
-        raise build.ConfigError(f"trainer.eval_hooks.{name}: metric {bad} is {values[bad]!r}, not a number") from None
+        raise ConfigError(f"trainer.eval_hooks.{name}: metric {bad} is {values[bad]!r}, not a number") from None
 
 
 def _metric_names(train: dict[str, Any]) -> list[str]:
@@ -426,7 +427,7 @@ def _resume_plan(cfg: DictConfig, ckpt_dir: pathlib.Path | None,
     Raises:
       fxtrain.rundir.RunDirError: a checkpoint that does not verify (none does, for ``resume=auto``), of
         another config, or of another layout; nothing was written.
-      fxtrain.build.ConfigError: ``resume=PATH`` with no checkpoint there, or ``resume_force`` not a boolean.
+      fxtrain.errors.ConfigError: ``resume=PATH`` with no checkpoint there, or ``resume_force`` not a boolean.
     """
     resume = cfg.get("resume")
     if resume in (None, ""):
@@ -454,7 +455,7 @@ def _resume_plan(cfg: DictConfig, ckpt_dir: pathlib.Path | None,
         else:
             found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path)
         if found is None:
-            raise build.ConfigError(f"resume={resume}: no checkpoint there (expected a checkpoint directory such as "
+            raise ConfigError(f"resume={resume}: no checkpoint there (expected a checkpoint directory such as "
                                     "<run>/checkpoints/step_0000100, or a run directory that has checkpoints/)")
         manifest = _verified(found, f"resume={resume}")
         _check_same_config(cfg, found, manifest)
@@ -498,7 +499,7 @@ def _check_same_config(cfg: DictConfig, path: pathlib.Path, manifest: dict[str, 
     ``run.json``) unless ``resume_force=true``: its state would continue under this run's name."""
     force = cfg.get("resume_force", False)
     if not isinstance(force, bool):
-        raise build.ConfigError(f"resume_force={force!r}: expected true (resume=PATH may load a checkpoint of "
+        raise ConfigError(f"resume_force={force!r}: expected true (resume=PATH may load a checkpoint of "
                                 "another config) or false")
     there = manifest["meta"].get("config")
     if not isinstance(there, dict):
@@ -555,7 +556,7 @@ def _raise_not_finite(what: str, checkpoint: tuple[int, pathlib.Path] | None) ->
 def _check_metric_name(name: str, available: list[str], deferred: bool = False) -> None:
     """Refuses an ``optimized_metric`` the run does not have (``deferred``: eval hooks may add it, checked later)."""
     if name not in available and not deferred:
-        raise build.ConfigError(f"optimized_metric={name} is not a metric of this run; "
+        raise ConfigError(f"optimized_metric={name} is not a metric of this run; "
                                 f"it has: {', '.join(available)}")
 
 
@@ -563,7 +564,7 @@ def _resolved_yaml(cfg: DictConfig) -> str:
     try:
         return OmegaConf.to_yaml(cfg, resolve=True)
     except OmegaConfBaseException as e:
-        raise build.ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 # --- the Hydra app --------------------------------------------------------------------------------
@@ -577,7 +578,7 @@ def _task(cfg: DictConfig) -> float:
     with validate.one_line_errors(multirun=multirun):
         try:
             validate.check(cfg)  # a bad setting writes nothing where a run is, not even a failed summary.json
-        except build.ConfigError as e:
+        except ConfigError as e:
             if multirun and distributed.rank_and_world()[0] == 0:  # a sweep job's own new directory: say why there
                 rundir.write_refused(out, cfg, e)
             raise
@@ -611,7 +612,7 @@ def main(argv: list[str] | None = None) -> None:
     _expose_launcher()
     try:
         build.check_overrides(argv)  # every entry of Hydra's search path: --config-dir, hydra.searchpath
-    except build.ConfigError as e:
+    except ConfigError as e:
         raise SystemExit(f"Error: {e}") from None
     rank, world = distributed.init_from_env()
     if world > 1:

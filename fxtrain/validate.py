@@ -1,7 +1,7 @@
 """Settings checked before a run writes anything, and the errors a user reads as one line.
 
 * :func:`check` reads every setting of a composed config against its schema and raises
-  :class:`fxtrain.build.ConfigError` at the first bad one, with a message that names the key and the value
+  :class:`fxtrain.errors.ConfigError` at the first bad one, with a message that names the key and the value
   as written, says why, and what to do::
 
       trainer.max_steps=abc: expected a positive whole number (optimizer steps, counted in batches; at most 2**31-1); e.g. trainer.max_steps=1000
@@ -26,7 +26,7 @@
   last step). A chain without an optimizer (``[clip_by_global_norm]``, ``[add_decayed_weights]``), two
   optimizers, a negative ``scale`` or a zero learning rate would move the params along the gradient or
   not at all; such a chain runs only with ``trainer.allow_no_descent=true``.
-* :func:`one_line_errors` is how ``python -m fxtrain.train`` reports them: a :class:`~fxtrain.build.ConfigError`
+* :func:`one_line_errors` is how ``python -m fxtrain.train`` reports them: a :class:`~fxtrain.errors.ConfigError`
   (or a full disk) prints as ``Error: <message>`` and exits 1, without a traceback; ``HYDRA_FULL_ERROR=1``
   shows the traceback. Any other exception keeps its traceback.
 
@@ -38,13 +38,13 @@ Example:
     >>> check(cfg)
     Traceback (most recent call last):
     ...
-    fxtrain.build.ConfigError: trainer.log_every=0: expected a positive whole number (steps between metrics.jsonl lines; at most 2**31-1); e.g. trainer.log_every=10
+    fxtrain.errors.ConfigError: trainer.log_every=0: expected a positive whole number (steps between metrics.jsonl lines; at most 2**31-1); e.g. trainer.log_every=10
     >>> with initialize_config_dir(config_dir=str(train.CONF_DIR), version_base="1.3"):
     ...     cfg = compose("train", overrides=["+trainer.max_step=5"])
     >>> check(cfg)
     Traceback (most recent call last):
     ...
-    fxtrain.build.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, device, cpu_threads, progress, allow_no_descent, early_stopping, eval_hooks
+    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, device, cpu_threads, progress, allow_no_descent, early_stopping, eval_hooks
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
-from fxtrain import build, distributed
-from fxtrain.build import ConfigError
+from fxtrain import _base, build, checkpoint, distributed
+from fxtrain.errors import ConfigError
 
 __all__ = ["check", "one_line_errors", "message", "DiskFull", "metric_names", "SCHEMA", "ARG_RULES"]
 
@@ -93,7 +93,7 @@ _DATA_COUNTS = [
 
 
 def check(cfg: DictConfig) -> None:
-    """Raises :class:`~fxtrain.build.ConfigError` naming the first bad setting of ``cfg`` (see the module doc)."""
+    """Raises :class:`~fxtrain.errors.ConfigError` naming the first bad setting of ``cfg`` (see the module doc)."""
     cfg = _resolved(cfg)
     _known_keys(cfg)  # a misspelled key (+trainer.max_step=5) is refused before any value is read
     for key, smallest, what, example in _TRAINER_COUNTS:  # max_steps first: the defaults of the others follow it
@@ -330,8 +330,6 @@ def _resume(cfg: DictConfig) -> None:
         raise ConfigError(f"resume={_show(value)}: expected null (start at step 0), auto (this run's newest checkpoint) "
                           "or the path of a checkpoint or run directory")
     if value != "auto":
-        from fxtrain import checkpoint
-
         path = pathlib.Path(value)
         if not ((path / checkpoint.MANIFEST).exists() or checkpoint.latest(path / "checkpoints")
                 or checkpoint.latest(path)):
@@ -835,7 +833,6 @@ def metric_names(cfg: DictConfig, task: Any) -> list[str] | None:
     declared = getattr(task, "metric_names", None)
     if declared is None:
         return None
-    from fxtrain import _base
 
     def reports() -> list[str]:
         tx = build.stack(cfg)
@@ -875,7 +872,7 @@ class DiskFull(CompactHydraException, OSError):
 def message(error: BaseException) -> str | None:
     """The one line to print for ``error``, or ``None`` for an unexpected exception (it keeps its traceback).
 
-    A :class:`~fxtrain.build.ConfigError` is its message; a full disk (``ENOSPC`` anywhere in the chain of
+    A :class:`~fxtrain.errors.ConfigError` is its message; a full disk (``ENOSPC`` anywhere in the chain of
     causes: torch.save reports it as a ``RuntimeError``) says where and what to do.
     """
     if isinstance(error, ConfigError):

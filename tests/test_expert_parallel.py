@@ -90,7 +90,7 @@ def ep_grads(m) -> tuple[dict, dict]:
     """(params, gradients) of this rank's share through expert_parallel on mesh ``m``: DTensors."""
     import fxtrain as fx
 
-    apply, params, buffers = fx.distributed.expert_parallel(model(), m)
+    apply, params, buffers = fx.parallel.expert_parallel(model(), m)
     xs = {k: v.detach().requires_grad_() for k, v in params.items()}
     g = torch.autograd.grad(loss_of(apply, buffers)(xs, mine(batch(dist.get_world_size()))), list(xs.values()))
     return params, dict(zip(params, g))
@@ -192,7 +192,7 @@ def case_three_steps_equal_one_process_run(world):
         ref, state, _ = step(ref, state, batch(world, seed=i))
     for shape, names in layouts(world):
         for donate in (True, False):
-            apply, params, buffers = fx.distributed.expert_parallel(model(), mesh(world, shape, names))
+            apply, params, buffers = fx.parallel.expert_parallel(model(), mesh(world, shape, names))
             step, t = fx.train_step(loss_of(apply, buffers), tx(), donate=donate), tx()
             state = t.init(params)
             for i in range(3):
@@ -210,14 +210,14 @@ def case_bad_input_is_named(world):
 
     dp_only = mesh(world, (world,), ("dp",))
     with pytest.raises(ValueError, match=r"the mesh has dims \('dp',\), none named 'ep'; pass ep="):
-        fx.distributed.expert_parallel(model(), dp_only)
-    fx.distributed.expert_parallel(model(), dp_only, ep="dp")  # the fix it names
+        fx.parallel.expert_parallel(model(), dp_only)
+    fx.parallel.expert_parallel(model(), dp_only, ep="dp")  # the fix it names
     with pytest.raises(ValueError, match="MoE layer 'blocks.0.mlp' has 3 experts, not divisible by the 'ep' "
                                          "mesh dim's size 2; use a multiple of 2 experts"):
-        fx.distributed.expert_parallel(model(experts=3), mesh(world, (world,), ("ep",)))
+        fx.parallel.expert_parallel(model(experts=3), mesh(world, (world,), ("ep",)))
     with pytest.raises(ValueError, match="Sequential has no fxtrain.models.MoE layer"):
-        fx.distributed.expert_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh(world, (world,), ("ep",)))
-    apply, params, buffers = fx.distributed.expert_parallel(torch.nn.Sequential(MoE(4, 8, 2)), dp_only, ep="dp")
+        fx.parallel.expert_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh(world, (world,), ("ep",)))
+    apply, params, buffers = fx.parallel.expert_parallel(torch.nn.Sequential(MoE(4, 8, 2)), dp_only, ep="dp")
     with pytest.raises(ValueError, match="param '0.w_in' is a plain tensor; pass the params tree that expert_parallel"):
         apply({k: full(v) for k, v in params.items()}, buffers, torch.zeros(2, 4), train=True)
 

@@ -116,12 +116,12 @@ def fsdp_run(model: nn.Module, tx, local_batches):
     """fully_sharded + fully_sharded_step on each rank's slices; params, state, metrics and collectives per call."""
     import fxtrain as fx
 
-    apply, params, buffers = fx.distributed.fully_sharded(model)
+    apply, params, buffers = fx.parallel.fully_sharded(model)
 
     def loss_fn(p, b):
         return xent(apply(p, buffers, b[0], train=True)[0], b[1])
 
-    step, state, metrics, counts = fx.distributed.fully_sharded_step(loss_fn, tx, model), tx.init(params), [], []
+    step, state, metrics, counts = fx.parallel.fully_sharded_step(loss_fn, tx, model), tx.init(params), [], []
     for b in local_batches:
         out = []
         counts.append(comm_counts(lambda: out.append(step(params, state, b))))  # noqa: B023 - called at once
@@ -224,13 +224,13 @@ def case_plain_adamw_matches_single_process(world):
     # as Optax; the fused kernel's are float64: up to 7e-6 apart, see fxtrain/transforms/_fused.py).
     tx = lambda: fx.adamw(fx.constant_schedule(3e-2), weight_decay=0.1)  # noqa: E731
     ref_params, _ = reference(ref, tx(), full)
-    apply, params, buffers = fx.distributed.fully_sharded(model)
+    apply, params, buffers = fx.parallel.fully_sharded(model)
 
     def loss_fn(p, b):  # with an aux output
         logits = apply(p, buffers, b[0], train=True)[0]
         return xent(logits, b[1]), {"rows": logits.shape[0]}
 
-    step, state = fx.distributed.fully_sharded_step(loss_fn, tx(), model, has_aux=True), tx().init(params)
+    step, state = fx.parallel.fully_sharded_step(loss_fn, tx(), model, has_aux=True), tx().init(params)
     for b in full:
         params, state, m = step(params, state, local(b, rank, world))
         assert m["aux"] == {"rows": b[0].numel() // world}
@@ -277,8 +277,8 @@ def case_amp_cast_loss_scaling_and_overflow_skip(world):
     for b in full:
         params_r, state_r, m = step_r(params_r, state_r, b)
         ref_metrics.append(m)
-    apply, params, buffers = fx.distributed.fully_sharded(model)
-    step = fx.distributed.fully_sharded_step(scaled(apply, buffers), tx(), model)
+    apply, params, buffers = fx.parallel.fully_sharded(model)
+    step = fx.parallel.fully_sharded_step(scaled(apply, buffers), tx(), model)
     state = tx().init(params)
     for i, b in enumerate(full):
         # inf on rank 0's slice only: FSDP's reduce-scatter carries it to every rank's shard
@@ -303,8 +303,8 @@ def case_mixed_precision_policy_casts_params_amp_cast_scales(world):
     _, torch_model = models(torch.float32, mp_policy=policy)
     bs = [local(b, rank, world) for b in batches(3, rows=2 * world, seed=6)]
     tx = fx.amp_cast(_stack(clip=1e3), "p=f32,c=f32,o=f32", loss_scale=2.0 ** 8)
-    apply, params, buffers = fx.distributed.fully_sharded(model)
-    step = fx.distributed.fully_sharded_step(lambda p, b: xent(apply(p, buffers, b[0], train=True)[0], b[1]),
+    apply, params, buffers = fx.parallel.fully_sharded(model)
+    step = fx.parallel.fully_sharded_step(lambda p, b: xent(apply(p, buffers, b[0], train=True)[0], b[1]),
                                              tx, model)
     state = tx.init(params)
     for b in bs:
@@ -381,16 +381,16 @@ def case_bad_inputs_named(world):
     from torch.distributed.fsdp import fully_shard
 
     _, model = models()
-    with pytest.raises(TypeError, match=r"Net.*fully_shard.*fx\.distributed\.fully_sharded"):
+    with pytest.raises(TypeError, match=r"Net.*fully_shard.*fx\.parallel\.fully_sharded"):
         fx.functional(model)
     with pytest.raises(TypeError, match=r"fully_sharded\(Linear\): nothing in it is fully_shard-ed"):
-        fx.distributed.fully_sharded(nn.Linear(2, 2))
+        fx.parallel.fully_sharded(nn.Linear(2, 2))
     partly = Net().double()
     fully_shard(partly.blocks[0], mesh=_mesh())
     with pytest.raises(ValueError, match=r"'tok\.weight' is not managed by fully_shard"):
-        fx.distributed.fully_sharded(partly)
+        fx.parallel.fully_sharded(partly)
 
-    apply, params, buffers = fx.distributed.fully_sharded(model)
+    apply, params, buffers = fx.parallel.fully_sharded(model)
     b = local(batches(1, rows=2 * world)[0], dist.get_rank(), world)
     loss_fn = lambda p, b: xent(apply(p, buffers, b[0], train=True)[0], b[1])  # noqa: E731
     tx = _stack()
@@ -399,7 +399,7 @@ def case_bad_inputs_named(world):
                                          r"fully_sharded_step"):
         fx.train_step(loss_fn, tx)(params, tx.init(params), b)
     # params that are not the module's own
-    step = fx.distributed.fully_sharded_step(loss_fn, tx, model)
+    step = fx.parallel.fully_sharded_step(loss_fn, tx, model)
     copies = {k: v.detach().clone() for k, v in params.items()}
     with pytest.raises(ValueError, match=r"params\['blocks\.0\.down\.bias'\] is not Net's parameter 'blocks\.0\.down"):
         step(copies, tx.init(copies), b)
@@ -408,12 +408,12 @@ def case_bad_inputs_named(world):
         step(fewer, tx.init(fewer), b)
     # a loss that does not run this module's apply_fn
     with pytest.raises(ValueError, match=r"no gradient reaches any parameter of Net"):
-        fx.distributed.fully_sharded_step(lambda p, b: (b[0] * 1.0).sum().requires_grad_(), tx, model)(
+        fx.parallel.fully_sharded_step(lambda p, b: (b[0] * 1.0).sum().requires_grad_(), tx, model)(
             params, tx.init(params), b)
     # amp_cast's own param cast is FSDP's MixedPrecisionPolicy's job
     amp = fx.amp_cast(tx, "p=f64,c=f32,o=f64")
     with pytest.raises(ValueError, match=r"is torch\.float32 but Net's parameter is torch\.float64.*MixedPrecision"):
-        fx.distributed.fully_sharded_step(loss_fn, amp, model)(params, amp.init(params), b)
+        fx.parallel.fully_sharded_step(loss_fn, amp, model)(params, amp.init(params), b)
     # nothing was written by the refused steps: one good step still matches a fresh run
     assert all(p.grad is None for p in model.parameters())
 

@@ -1,9 +1,9 @@
 """Tests for the parallel layouts of fxtrain/models.py's TransformerLM: ``tp_plan`` and ``pipeline_stage``.
 
 The built-in LM in float64 (LayerNorm params moved off (1, 0) so their gradients matter) is parallelized
-with its own plan by ``fx.distributed.tensor_parallel`` on 2 ranks (tp, with and without sequence
+with its own plan by ``fx.parallel.tensor_parallel`` on 2 ranks (tp, with and without sequence
 parallelism) and 4 (dp x tp, 2 x 2), and split by its own ``pipeline_stage`` into torch's
-``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` under ``fx.distributed.pipeline_step`` on 2 ranks
+``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` under ``fx.parallel.pipeline_step`` on 2 ranks
 and 4 (uneven: 5 blocks); each trains 3 clipped AdamW steps and must equal a single-process fxtrain run of
 the same model on the full batch, computed in the same test (1e-12: float64, reduction orders differ).
 The tied head is the delicate part: one DTensor under TP, one owner (the first stage) under PP.
@@ -123,7 +123,7 @@ def mesh(shape: tuple, names: tuple):
 def tensor_parallel_run(m, plan, on, data):
     import fxtrain as fx
 
-    apply, params, buffers = fx.distributed.tensor_parallel(m, plan, on)
+    apply, params, buffers = fx.parallel.tensor_parallel(m, plan, on)
     if on.ndim == 2:  # this rank's dp slice of every batch
         n, r = on.size(0), on.get_local_rank(0)
         data = [tuple(x.tensor_split(n)[r] for x in batch) for batch in data]
@@ -166,7 +166,7 @@ def case_tp_refuses_heads_that_do_not_divide(world):
     m = model(n_heads=3, d_model=12)
     with pytest.raises(ValueError, match=r"^TransformerLM.tp_plan: model.n_heads=3 is not divisible by the tp "
                                          r"size 2; pick n_heads a multiple of parallel.tp$"):
-        fx.distributed.tensor_parallel(m, m.tp_plan(), mesh((world,), ("tp",)))
+        fx.parallel.tensor_parallel(m, m.tp_plan(), mesh((world,), ("tp",)))
     with pytest.raises(ValueError, match=r"model.experts=4 \(MoE blocks\) has no tensor-parallel plan; .*parallel=ep"):
         TransformerLM(vocab_size=V, context=T, d_model=16, n_layers=1, n_heads=4, experts=4).tp_plan()
 
@@ -184,7 +184,7 @@ def pipeline_run(schedule_cls, n_layers: int, world: int, n_micro: int = 2):
     schedule = schedule_cls(stage, n_micro, loss_fn=cross_entropy)
     tx = stack(groups=(pp,))
     params = dict(stage_module.named_parameters())
-    step, state, metrics = fx.distributed.pipeline_step(schedule, tx, pp_group=pp), tx.init(params), []
+    step, state, metrics = fx.parallel.pipeline_step(schedule, tx, pp_group=pp), tx.init(params), []
     for batch in batches():
         params, state, m = step(params, state, batch)
         metrics.append(m)

@@ -125,7 +125,7 @@ def run_pipeline(schedule, module, tx, pp, data, params=None, steps: int = 3):
     import fxtrain as fx
 
     params = dict(module.named_parameters()) if params is None else params
-    step, state, metrics = fx.distributed.pipeline_step(schedule, tx, pp_group=pp), tx.init(params), []
+    step, state, metrics = fx.parallel.pipeline_step(schedule, tx, pp_group=pp), tx.init(params), []
     for batch in data[:steps]:
         params, state, m = step(params, state, batch)
         metrics.append(m)
@@ -287,7 +287,7 @@ def case_refuses_params_that_are_not_the_stages(world):
         tx = stack(groups=(pp,))
         import fxtrain as fx
 
-        step = fx.distributed.pipeline_step(schedule, tx, pp_group=pp)
+        step = fx.parallel.pipeline_step(schedule, tx, pp_group=pp)
         before = {k: v.detach().clone() for k, v in own.items()}
         with pytest.raises(ValueError) as e:
             step(params, tx.init(params), (x, y))
@@ -306,7 +306,7 @@ def case_refuses_a_stack_that_sees_one_stage(world):
     params = dict(module.named_parameters())
     before = {k: v.detach().clone() for k, v in params.items()}
     for tx in (stack(), fx.accumulate(stack(), every=2)):  # clip without groups, also inside accumulate
-        step, state = fx.distributed.pipeline_step(schedule, tx, pp_group=pp), tx.init(params)
+        step, state = fx.parallel.pipeline_step(schedule, tx, pp_group=pp), tx.init(params)
         with pytest.raises(ValueError) as e:
             step(params, state, batches(1)[0])
         msg = str(e.value)
@@ -315,7 +315,7 @@ def case_refuses_a_stack_that_sees_one_stage(world):
         assert all(torch.equal(v, before[k]) for k, v in params.items())
     # With the group, the same stack (inside accumulate too) passes the probe and trains.
     tx = fx.accumulate(stack(groups=(pp,)), every=2)
-    step, state = fx.distributed.pipeline_step(schedule, tx, pp_group=pp), tx.init(params)
+    step, state = fx.parallel.pipeline_step(schedule, tx, pp_group=pp), tx.init(params)
     for batch in batches(2):
         params, state, m = step(params, state, batch)
     assert int(m["emitted"]) == 1 and not all(torch.equal(v, before[k]) for k, v in params.items())
@@ -365,13 +365,13 @@ def case_refuses_wrong_group_amp_and_forward_only(world):
     _, schedule = build(ScheduleGPipe, world)
     with pytest.raises(ValueError, match=rf"pp_group \(a process group\) has ranks \[{rank}\], but stage {rank} "
                                          r"sends over ranks \[0, 1\]: pass the group \(or mesh\)"):
-        fx.distributed.pipeline_step(schedule, stack(groups=(solo,)), pp_group=solo)
+        fx.parallel.pipeline_step(schedule, stack(groups=(solo,)), pp_group=solo)
     with pytest.raises(ValueError, match=r"^pipeline_step: amp_cast scales the loss \(fp16\), which the schedule's "
                                          r"own loss_fn cannot take; use bf16 \(amp=bf16: no loss scale\)$"):
-        fx.distributed.pipeline_step(schedule, fx.amp_cast(stack(groups=(pp,)), "p=f64,c=f16,o=f64"), pp_group=pp)
+        fx.parallel.pipeline_step(schedule, fx.amp_cast(stack(groups=(pp,)), "p=f64,c=f16,o=f64"), pp_group=pp)
     _, forward_only = build(lambda stage, n, loss_fn: ScheduleGPipe(stage, n), world)
     with pytest.raises(ValueError, match=r"ScheduleGPipe has no loss_fn, so it runs no backward"):
-        fx.distributed.pipeline_step(forward_only, stack(groups=(pp,)), pp_group=pp)
+        fx.parallel.pipeline_step(forward_only, stack(groups=(pp,)), pp_group=pp)
 
 
 test_case = _worlds.tests(__file__, CASES, TIMEOUT_S)

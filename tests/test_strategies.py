@@ -1,4 +1,4 @@
-"""Tests for fxtrain/strategies.py that need no process group: the refusals a model gets before any mesh is
+"""Tests for fxtrain/parallel/_parallelize.py that need no process group: the refusals a model gets before any mesh is
 used (the multi-process runs are in tests/test_train_parallel.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxtrain as fx
-from fxtrain import strategies
+from fxtrain import parallel as strategies
 from fxtrain.distributed import ParallelDims
 from fxtrain.models import MLP, TransformerLM
 

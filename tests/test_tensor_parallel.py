@@ -234,7 +234,7 @@ def check_against_reference(world, kind, plan, stack):
     import fxtrain as fx
 
     m = mesh(world, kind)
-    apply, params, buffers = fx.distributed.tensor_parallel(model(), plan(), m)
+    apply, params, buffers = fx.parallel.tensor_parallel(model(), plan(), m)
     made = stacks()[stack]
     got, state, metrics = train(apply, params, buffers, made(), local_slice(batch(), m))
     ref, ref_metrics = reference(stack)
@@ -264,7 +264,7 @@ def case_tp_plain_norms_match_one_process_where_torch_clip_raises(world):
 
     # torch's own path on the same parallelized module: its clip_grad_norm_ cannot take the mix
     net = model()
-    fx.distributed.tensor_parallel(net, plain_norm_plan(), mesh(world, "tp"))
+    fx.parallel.tensor_parallel(net, plain_norm_plan(), mesh(world, "tp"))
     tokens, targets = batch()
     nn.functional.cross_entropy(net(tokens).reshape(-1, V), targets.reshape(-1)).backward()
     with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
@@ -309,7 +309,7 @@ def case_2d_gradients_reduced_in_one_all_reduce_per_dp_group(world):
     from torch.distributed.tensor import Partial, Shard
 
     m = mesh(world, "dp_tp")
-    apply, params, buffers = fx.distributed.tensor_parallel(model(), sp_plan(), m)
+    apply, params, buffers = fx.parallel.tensor_parallel(model(), sp_plan(), m)
     xs = {k: p.detach().requires_grad_() for k, p in params.items()}
     loss = loss_of(apply, buffers)(xs, local_slice(batch(), m))
     grads = dict(zip(xs, torch.autograd.grad(loss, list(xs.values()))))
@@ -332,9 +332,9 @@ def case_bad_plan_key_and_mesh_named(world):
     import fxtrain as fx
 
     with pytest.raises(ValueError, match=r"plan key 'layers\.\*\.mlp' matches no submodule of Model .*fix the key"):
-        fx.distributed.tensor_parallel(model(), {**sp_plan(), "layers.*.mlp": None}, mesh(world, "tp"))
+        fx.parallel.tensor_parallel(model(), {**sp_plan(), "layers.*.mlp": None}, mesh(world, "tp"))
     with pytest.raises(ValueError, match=r"has dims \('tp',\), it needs \('model',\).*mesh_dim_names"):
-        fx.distributed.tensor_parallel(model(), sp_plan(), mesh(world, "tp"), tp="model")
+        fx.parallel.tensor_parallel(model(), sp_plan(), mesh(world, "tp"), tp="model")
 
 
 @case(4)
@@ -343,8 +343,8 @@ def case_bad_2d_mesh_and_params_named(world):
 
     m = mesh(world, "dp_tp")
     with pytest.raises(ValueError, match=r"has dims \('dp', 'tp'\), it needs \('data', 'tp'\)"):
-        fx.distributed.tensor_parallel(model(), sp_plan(), m, dp="data")
-    apply, params, buffers = fx.distributed.tensor_parallel(model(), sp_plan(), m)
+        fx.parallel.tensor_parallel(model(), sp_plan(), m, dp="data")
+    apply, params, buffers = fx.parallel.tensor_parallel(model(), sp_plan(), m)
     tp_params = {k: v.to_local() for k, v in params.items()}
     with pytest.raises(ValueError, match=r"param 'tok.weight' is a plain Tensor; pass the params tensor_parallel"):
         apply(tp_params, buffers, batch()[0], train=True)
@@ -355,9 +355,9 @@ def test_plan_key_refused_without_a_mesh():
 
     with pytest.raises(ValueError, match=r"^tensor_parallel: the plan key 'layers\.1\.ffn' matches no submodule of "
                                          r"Model \(its submodules: layers, layers\.0, "):
-        fx.distributed.tensor_parallel(Model(), {"layers.1.ffn": None}, None)
+        fx.parallel.tensor_parallel(Model(), {"layers.1.ffn": None}, None)
     with pytest.raises(ValueError, match="mesh must be a DeviceMesh, got NoneType"):
-        fx.distributed.tensor_parallel(Model(), {"layers.1": None}, None)
+        fx.parallel.tensor_parallel(Model(), {"layers.1": None}, None)
 
 
 # --- the pytest side: one spawned world per world size runs every case (tests/_worlds.py) ----------------

@@ -1,4 +1,4 @@
-"""Tests for the runner's parallel strategies (fxtrain/strategies.py, conf/parallel/): one torchrun run per
+"""Tests for the runner's parallel strategies (fxtrain/parallel/_parallelize.py, conf/parallel/): one torchrun run per
 strategy against the single-process run of the same config, in the same test.
 
 Every run is the tiny LM of ``experiment=tiny_lm`` cut down to seconds (a small model, a few steps, a

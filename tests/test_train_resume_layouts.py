@@ -1,4 +1,4 @@
-"""Resume inside an accumulation window, under every parallel layout (fxtrain/train.py, fxtrain/strategies.py,
+"""Resume inside an accumulation window, under every parallel layout (fxtrain/train.py, fxtrain/parallel/_parallelize.py,
 fxtrain/checkpoint.py): one 2-rank gloo world runs, per layout, the tiny LM uninterrupted and then killed after a
 checkpoint taken mid-window (accumulate every 4, checkpoint at step 3) and resumed with ``resume=auto``. The
 resumed run logs and ends bit for bit where the uninterrupted one does: same layout on both sides, so the same

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import fxtrain as fx
-from fxtrain import build, strategies, train as runner, validate
+from fxtrain import build, train as runner, validate
+from fxtrain.parallel import _parallelize
 from fxtrain.report import read_jsonl
 from tests._runner import cfg_of, isolate, run_main  # noqa: F401 - isolate: autouse
 
@@ -70,7 +71,7 @@ def test_cli_device_cuda_without_cuda_is_one_line():
 def test_cli_hydra_full_error_shows_the_traceback():
     proc = cli(*FAST, "trainer.log_every=0", env={"HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 1
-    assert "Traceback" in proc.stderr and "fxtrain.build.ConfigError: trainer.log_every=0: expected" in proc.stderr
+    assert "Traceback" in proc.stderr and "fxtrain.errors.ConfigError: trainer.log_every=0: expected" in proc.stderr
 
 
 def test_cli_ten_steps_with_the_defaults_works():
@@ -85,7 +86,7 @@ def test_unexpected_exception_keeps_its_traceback(monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug, not a setting")
 
-    monkeypatch.setattr(strategies, "evaluate", broken)  # the runner's evaluation
+    monkeypatch.setattr(_parallelize, "evaluate", broken)  # the runner's evaluation
     assert run_main(*FAST, "trainer.max_steps=2", "hydra.run.dir=run") == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "RuntimeError: a bug, not a setting" in err

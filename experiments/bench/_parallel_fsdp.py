@@ -8,7 +8,7 @@ Both sides train their own copy of the same model (same initial weights, ``fully
 and on the root, float32, gloo on CPU, one thread per rank) on the same batch, one step of each per round
 in alternating order (``_common.interleaved``'s rotation, timed on the wall clock and the CPU clock):
 
-* fxtrain: ``fx.distributed.fully_sharded_step(loss_fn, chain(clip_by_global_norm(1.0),
+* fxtrain: ``fx.parallel.fully_sharded_step(loss_fn, chain(clip_by_global_norm(1.0),
   sharded_apply(adamw(1e-3, weight_decay=0.1))), model)``;
 * torch (torchtitan's loop): ``loss.backward()``, ``clip_grad_norm_(1.0)``, ``AdamW(foreach=True).step()``,
   ``zero_grad(set_to_none=True)``.
@@ -90,9 +90,9 @@ def main() -> None:
 
     # fxtrain
     model = build(mesh)
-    apply, params, buffers = fx.distributed.fully_sharded(model)
+    apply, params, buffers = fx.parallel.fully_sharded(model)
     tx = fx.chain(fx.clip_by_global_norm(CLIP), fx.sharded_apply(fx.adamw(LR, weight_decay=WD)))
-    step = fx.distributed.fully_sharded_step(lambda p, b: xent(apply(p, buffers, b[0], train=True)[0], b[1]), tx, model)
+    step = fx.parallel.fully_sharded_step(lambda p, b: xent(apply(p, buffers, b[0], train=True)[0], b[1]), tx, model)
     state = {"params": params, "opt": tx.init(params)}
 
     def fxtrain_step():

@@ -5,7 +5,7 @@ Run by experiments/bench/parallel.py as ``torchrun --nproc-per-node 2 _parallel_
 Linear; float32) split by the user into 2 stages (embedding + 2 blocks / 2 blocks + head), each side with
 its own copy, ``PipelineStage`` and ``ScheduleGPipe`` (4 micro-batches) on the same pp group:
 
-* fxtrain: ``fx.distributed.pipeline_step(schedule, chain(clip_by_global_norm(0.1, groups=(pp,)),
+* fxtrain: ``fx.parallel.pipeline_step(schedule, chain(clip_by_global_norm(0.1, groups=(pp,)),
   adamw(1e-2)), pp_group=pp)``: the clip's norm is the full model's.
 * torch (as users write it, torch's docs and torchtitan's loop): ``schedule.step``, then
   ``clip_grad_norm_(stage_module.parameters(), 0.1, foreach=True)``, ``AdamW(foreach=True).step()``,
@@ -128,7 +128,7 @@ def main() -> None:
     # fxtrain
     fx_module, fx_schedule = stage_schedule()
     tx = fx.chain(fx.clip_by_global_norm(MAX_NORM, groups=(pp,)), fx.adamw(LR, weight_decay=WD))
-    step = fx.distributed.pipeline_step(fx_schedule, tx, pp_group=pp)
+    step = fx.parallel.pipeline_step(fx_schedule, tx, pp_group=pp)
     params = dict(fx_module.named_parameters())
     fxs = {"params": params, "state": tx.init(params)}
 

@@ -6,7 +6,7 @@ model (2 transformer-ish blocks: embedding, LayerNorms, attention, MLP, output L
 by torch's own ``parallelize_module`` with torchtitan's plan (sequence-parallel norms, so every param is a
 DTensor and torch's ``clip_grad_norm_`` accepts them):
 
-* fxtrain: ``fx.distributed.tensor_parallel(model, plan, mesh)`` + ``fx.train_step`` with
+* fxtrain: ``fx.parallel.tensor_parallel(model, plan, mesh)`` + ``fx.train_step`` with
   ``chain(clip_by_global_norm(0.1), sharded_apply(adamw(1e-2)))``; on 2-D the dp bridge lifts params to the
   2-D mesh and the step all-reduces their dp gradients in one bucket.
 * torch: the same plan on a copy, ``loss.backward()``, ``clip_grad_norm_(0.1, foreach=True)``,
@@ -163,7 +163,7 @@ def main() -> None:
         fb["fxtrain"].append(time.perf_counter() - t0)
         return out
 
-    apply, params, buffers = fx.distributed.tensor_parallel(model(), plan(), mesh)
+    apply, params, buffers = fx.parallel.tensor_parallel(model(), plan(), mesh)
     tx = fx.chain(fx.clip_by_global_norm(MAX_NORM), fx.sharded_apply(fx.adamw(LR, weight_decay=WD)))
     step = donated_step(lambda p, b: loss(apply(p, buffers, b[0], train=True)[0], b[1]), tx, grads=timed_grad)
     fxs = {"params": params, "state": tx.init(params)}

@@ -7,7 +7,7 @@ Run by ``scale.py`` as ``torchrun --nproc-per-node N _scale_rank.py --layout L -
 * ``pp`` (2 ranks): a manual split after block 0, ``PipelineStage`` + ``ScheduleGPipe`` (4 micro-batches);
 * ``fsdp_tp`` (4 ranks, dp x tp = 2 x 2): :func:`plan` on ``mesh["tp"]``, then ``fully_shard`` per block and
   at the root on ``mesh["dp"]``;
-* ``ep`` (2 ranks): ``fx.distributed.expert_parallel`` of the MoE model (4 experts, top-2) on a 1-D ep mesh.
+* ``ep`` (2 ranks): ``fx.parallel.expert_parallel`` of the MoE model (4 experts, top-2) on a 1-D ep mesh.
 
 Each layout trains two copies of the model from the same init on the same batches:
 
@@ -229,20 +229,20 @@ def fx_variant(layout: Layout):
     if layout.name == "pp":
         module, schedule = pipeline(layout)
         t = tx(groups=(layout.mesh,))
-        step = fx.distributed.pipeline_step(schedule, t, pp_group=layout.mesh)
+        step = fx.parallel.pipeline_step(schedule, t, pp_group=layout.mesh)
         params = dict(module.named_parameters())
         full = lambda: gathered_stages(state["params"].items())  # noqa: E731
     else:
         if layout.name == "tp":
-            apply, params, buffers = fx.distributed.tensor_parallel(model(), plan(), layout.mesh)
+            apply, params, buffers = fx.parallel.tensor_parallel(model(), plan(), layout.mesh)
         elif layout.name == "ep":
-            apply, params, buffers = fx.distributed.expert_parallel(model(EXPERTS), layout.mesh)
+            apply, params, buffers = fx.parallel.expert_parallel(model(EXPERTS), layout.mesh)
         else:
             net = fsdp_tp_model(layout.mesh)
-            apply, params, buffers = fx.distributed.fully_sharded(net)
+            apply, params, buffers = fx.parallel.fully_sharded(net)
         t = tx()
         if layout.name == "fsdp_tp":
-            step = fx.distributed.fully_sharded_step(loss_of(apply, buffers), t, net)
+            step = fx.parallel.fully_sharded_step(loss_of(apply, buffers), t, net)
         else:
             step = fx.train_step(loss_of(apply, buffers), t)
         full = lambda: full_tensors(state["params"].items())  # noqa: E731
@@ -333,7 +333,7 @@ def _torch_ep(layout: Layout, notes: dict):
     import fxtrain as fx
     from fxtrain.distributed import reduce_partials
 
-    apply, params, buffers = fx.distributed.expert_parallel(model(EXPERTS), layout.mesh)
+    apply, params, buffers = fx.parallel.expert_parallel(model(EXPERTS), layout.mesh)
     names = list(params)
     # nn.Parameters over this rank's local pieces (same storage): SGD updates the DTensors' values in place
     local = [nn.Parameter(params[k]._local_tensor, requires_grad=False) for k in names]

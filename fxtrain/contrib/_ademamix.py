@@ -7,8 +7,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, Updates, chain, check_nonnegative, transform
-from fxtrain.optimizers import _check
+from fxtrain._base import GradientTransformation, Updates, chain, check_learning_rate, check_nonnegative, transform
+
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._moments import (Scalar, as_dtype, bias_correction, counter, ema_, ema_sq_, is_zero,
                                          safe_increment_)
@@ -159,7 +159,7 @@ def ademamix(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 0.9
     References:
       Pagliardini et al., `The AdEMAMix Optimizer: Better, Faster, Older <https://arxiv.org/abs/2409.03137>`_, 2024.
     """
-    _check("ademamix", learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, alpha=alpha, eps=eps, eps_root=eps_root,
+    check_learning_rate("ademamix", learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, alpha=alpha, eps=eps, eps_root=eps_root,
            weight_decay=weight_decay)
     return chain(
         scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root, mu_dtype),
@@ -272,7 +272,7 @@ def simplified_ademamix(learning_rate: ScalarOrSchedule, b1: Scalar = 0.99, b2: 
       Morwani et al., `Connections between Schedule-Free Optimizers, AdEMAMix, and Accelerated SGD Variants
       <https://arxiv.org/abs/2502.02431>`_, 2025.
     """
-    _check("simplified_ademamix", learning_rate=learning_rate, b1=b1, b2=b2, alpha=alpha, eps=eps,
+    check_learning_rate("simplified_ademamix", learning_rate=learning_rate, b1=b1, b2=b2, alpha=alpha, eps=eps,
            eps_root=eps_root, weight_decay=weight_decay)
     return chain(
         scale_by_simplified_ademamix(b1, b2, alpha, eps, eps_root),

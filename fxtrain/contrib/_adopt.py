@@ -7,8 +7,8 @@ from typing import Callable
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, chain, check_nonnegative, transform
-from fxtrain.optimizers import _check
+from fxtrain._base import GradientTransformation, chain, check_learning_rate, check_nonnegative, transform
+
 from fxtrain.transforms._adam import ScaleByAdamState
 from fxtrain.transforms._moments import (Scalar, as_dtype, counter, ema, ema_, ema_sq_, is_number, mixed_dtypes,
                                          safe_increment_, weak)
@@ -142,7 +142,7 @@ def adopt(learning_rate: Scalar | Callable, b1: Scalar = 0.9, b2: Scalar = 0.999
       Taniguchi et al., `ADOPT: Modified Adam Can Converge with Any beta2 with the Optimal Rate
       <https://arxiv.org/abs/2411.02853>`_, NeurIPS 2024.
     """
-    _check("adopt", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
+    check_learning_rate("adopt", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
     return chain(
         scale_by_adopt(b1, b2, eps, mu_dtype, nesterov=nesterov, use_clipping=use_clipping,
                        clip_value_fn=clip_value_fn),

@@ -15,8 +15,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from fxtrain import tree
-from fxtrain._base import EmptyState, GradientTransformation, Updates, chain, check_nonnegative, transform
-from fxtrain.optimizers import _check, adamw
+from fxtrain._base import EmptyState, GradientTransformation, Updates, chain, check_learning_rate, check_nonnegative, transform
+from fxtrain.optimizers import adamw
 from fxtrain.transforms._masking import Mask, partition
 from fxtrain.transforms._moments import (Scalar, as_dtype, bias_correction, counter, ema_, mixed_dtypes,
                                          param_device, safe_increment_)
@@ -477,7 +477,7 @@ def muon(learning_rate: Scalar | Callable, ns_coeffs: Sequence | str = _DEFAULT_
       Polynomials <https://arxiv.org/abs/2506.10935>`_, 2025.
       Ahn et al., `Dion: Distributed Orthonormalized Updates <https://arxiv.org/abs/2504.05295>`_, 2025.
     """
-    _check("muon", learning_rate=learning_rate, beta=beta, eps=eps, weight_decay=weight_decay, adam_b1=adam_b1,
+    check_learning_rate("muon", learning_rate=learning_rate, beta=beta, eps=eps, weight_decay=weight_decay, adam_b1=adam_b1,
            adam_b2=adam_b2, adam_eps_root=adam_eps_root, adam_weight_decay=adam_weight_decay,
            adam_learning_rate=adam_learning_rate)
     if preconditioning not in _PRECONDITIONINGS:

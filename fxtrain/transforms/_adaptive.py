@@ -16,12 +16,12 @@ from typing import Callable, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, Updates, chain, check_nonnegative, transform
-from fxtrain.optimizers import LearningRate, _check, adam, adamw
+from fxtrain._base import GradientTransformation, Updates, chain, check_learning_rate, check_nonnegative, transform
 from fxtrain.transforms._adam import ScaleByAdamState, scale_by_adam
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._normalizing import block_norms
 from fxtrain.transforms._moments import (
+    LearningRate,
     Scalar,
     as_dtype,
     bias_correction,
@@ -51,8 +51,6 @@ __all__ = [
     "adamaxw",
     "adan",
     "amsgrad",
-    "nadam",
-    "nadamw",
     "novograd",
     "optimistic_adam",
     "optimistic_adam_v2",
@@ -807,7 +805,7 @@ def adabelief(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999,
       Zhuang et al., `AdaBelief Optimizer: Adapting Stepsizes by the Belief in Observed Gradients
       <https://arxiv.org/abs/2010.07468>`_, 2020.
     """
-    _check("adabelief", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+    check_learning_rate("adabelief", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
            weight_decay=weight_decay)
     decay = [] if weight_decay is None else [add_decayed_weights(weight_decay, weight_decay_mask)]
     return chain(scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov), *decay,
@@ -852,7 +850,7 @@ def adadelta(learning_rate: LearningRate | None = None, rho: Scalar = 0.9, eps: 
     References:
       Zeiler, `ADADELTA: An Adaptive Learning Rate Method <https://arxiv.org/abs/1212.5701>`_, 2012.
     """
-    _check("adadelta", learning_rate=learning_rate, rho=rho, eps=eps, weight_decay=weight_decay)
+    check_learning_rate("adadelta", learning_rate=learning_rate, rho=rho, eps=eps, weight_decay=weight_decay)
     return chain(add_decayed_weights(weight_decay, weight_decay_mask), scale_by_adadelta(rho, eps),
                  scale_by_learning_rate(learning_rate))
 
@@ -885,7 +883,7 @@ def adamax(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, ep
     References:
       Kingma and Ba, `Adam: A Method for Stochastic Optimization <https://arxiv.org/abs/1412.6980>`_, 2014.
     """
-    _check("adamax", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
+    check_learning_rate("adamax", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
     return chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate))
 
 
@@ -919,7 +917,7 @@ def adamaxw(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, e
     References:
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
-    _check("adamaxw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    check_learning_rate("adamaxw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     return chain(scale_by_adamax(b1, b2, eps), add_decayed_weights(weight_decay, mask),
                  scale_by_learning_rate(learning_rate))
 
@@ -961,7 +959,7 @@ def adan(learning_rate: LearningRate, b1: Scalar = 0.98, b2: Scalar = 0.92, b3: 
       Xie et al., `Adan: Adaptive Nesterov Momentum Algorithm for Faster Optimizing Deep Models
       <https://arxiv.org/abs/2208.06677>`_, 2022.
     """
-    _check("adan", learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, eps=eps, eps_root=eps_root,
+    check_learning_rate("adan", learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, eps=eps, eps_root=eps_root,
            weight_decay=weight_decay)
     return chain(scale_by_adan(b1, b2, b3, eps, eps_root), add_decayed_weights(weight_decay, mask),
                  scale_by_learning_rate(learning_rate))
@@ -1001,7 +999,7 @@ def amsgrad(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, e
     References:
       Reddi et al., `On the Convergence of Adam and Beyond <https://openreview.net/forum?id=ryQu7f-RZ>`_, 2018.
     """
-    _check("amsgrad", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
+    check_learning_rate("amsgrad", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     return chain(scale_by_amsgrad(b1, b2, eps, eps_root, mu_dtype, bias_correction_mu, bias_correction_nu),
                  scale_by_learning_rate(learning_rate))
 
@@ -1037,7 +1035,7 @@ def radam(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps
       Liu et al., `On the Variance of the Adaptive Learning Rate and Beyond <https://arxiv.org/abs/1908.03265>`_,
       2020.
     """
-    _check("radam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, threshold=threshold)
+    check_learning_rate("radam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, threshold=threshold)
     return chain(scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov=nesterov),
                  scale_by_learning_rate(learning_rate))
 
@@ -1068,7 +1066,7 @@ def yogi(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps:
       Zaheer et al., `Adaptive Methods for Nonconvex Optimization
       <https://papers.nips.cc/paper/8186-adaptive-methods-for-nonconvex-optimization>`_, 2018.
     """
-    _check("yogi", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
+    check_learning_rate("yogi", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
     return chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate))
 
 
@@ -1102,7 +1100,7 @@ def novograd(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.25, e
       Ginsburg et al., `Stochastic Gradient Methods with Layer-wise Adaptive Moments for Training of Deep
       Networks <https://arxiv.org/abs/1905.11286>`_, 2019.
     """
-    _check("novograd", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+    check_learning_rate("novograd", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
            weight_decay=weight_decay)
     return chain(scale_by_novograd(b1, b2, eps, eps_root, weight_decay), scale_by_learning_rate(learning_rate))
 
@@ -1136,7 +1134,7 @@ def optimistic_gradient_descent(learning_rate: LearningRate, alpha: Scalar = 1.0
       Mokhtari et al., `A Unified Analysis of Extra-gradient and Optimistic Gradient Methods for Saddle
       Point Problems <https://arxiv.org/abs/1901.08511>`_, 2019.
     """
-    _check("optimistic_gradient_descent", learning_rate=learning_rate, alpha=alpha, beta=beta)
+    check_learning_rate("optimistic_gradient_descent", learning_rate=learning_rate, alpha=alpha, beta=beta)
     return chain(scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate))
 
 
@@ -1182,7 +1180,7 @@ def optimistic_adam(learning_rate: Scalar, optimism: Scalar | None = None, b1: S
     if callable(learning_rate):
         raise ValueError("optimistic_adam: learning_rate cannot be a schedule (it weights the optimism); "
                          "use optimistic_adam_v2, which takes one")
-    _check("optimistic_adam", learning_rate=learning_rate, optimism=optimism, b1=b1, b2=b2, eps=eps,
+    check_learning_rate("optimistic_adam", learning_rate=learning_rate, optimism=optimism, b1=b1, b2=b2, eps=eps,
            eps_root=eps_root)
     if optimism is None:
         optimism = learning_rate
@@ -1227,83 +1225,7 @@ def optimistic_adam_v2(learning_rate: LearningRate, *, alpha: Scalar = 1.0, beta
     References:
       Daskalakis et al., `Training GANs with Optimism <https://arxiv.org/abs/1711.00141>`_, 2017.
     """
-    _check("optimistic_adam_v2", learning_rate=learning_rate, alpha=alpha, beta=beta, b1=b1, b2=b2, eps=eps,
+    check_learning_rate("optimistic_adam_v2", learning_rate=learning_rate, alpha=alpha, beta=beta, b1=b1, b2=b2, eps=eps,
            eps_root=eps_root)
     return chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
                  scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate))
-
-
-@transform(elementwise=None)
-def nadam(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
-          eps_root: Scalar = 0.0, mu_dtype: torch.dtype | str | None = None, *, nesterov: bool = True
-          ) -> GradientTransformation:
-    r"""NAdam: Adam with Nesterov momentum (Optax's ``nadam``, that is ``adam(..., nesterov=True)``).
-
-    .. math:: \theta_{t+1} = \theta_t - \eta\, \frac{\beta_1 m_t / (1 - \beta_1^{t+1}) + (1 - \beta_1) g_t /
-        (1 - \beta_1^t)}{\sqrt{\hat v_t + \epsilon_{root}} + \epsilon}
-
-    Args:
-      learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
-      b1: decay of the first moment.
-      b2: decay of the second moment.
-      eps: added to the denominator outside the square root.
-      eps_root: added inside the square root.
-      mu_dtype: dtype of the first moment; ``None``: the param dtype.
-      nesterov: use Nesterov momentum (``False``: plain Adam).
-
-    Returns:
-      :func:`fxtrain.adam`'s chain with ``nesterov=nesterov``.
-
-    Example:
-        >>> import torch, fxtrain as fx
-        >>> tx = fx.nadam(0.1)
-        >>> tx
-        nadam(0.1)
-        >>> params = {"w": torch.ones(2)}
-        >>> u, state = tx.update({"w": torch.tensor([3.0, -3.0])}, tx.init(params), params)
-        >>> [round(x, 4) for x in u["w"].tolist()]   # Adam's first step times 1 + b1 / (1 + b1)
-        [-0.1474, 0.1474]
-
-    References:
-      Dozat, `Incorporating Nesterov Momentum into Adam <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016.
-    """
-    _check("nadam", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
-    return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
-
-
-@transform(elementwise=None)
-def nadamw(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8,
-           eps_root: Scalar = 0.0, mu_dtype: torch.dtype | str | None = None,
-           weight_decay: Scalar | Callable = 1e-4, mask: Mask | None = None, *, nesterov: bool = True
-           ) -> GradientTransformation:
-    r"""NAdamW: NAdam with decoupled weight decay (Optax's ``nadamw``, that is ``adamw(..., nesterov=True)``).
-
-    Args:
-      learning_rate: :math:`\eta`, a number, a 0-dim tensor or a schedule.
-      b1: decay of the first moment.
-      b2: decay of the second moment.
-      eps: added to the denominator outside the square root.
-      eps_root: added inside the square root.
-      mu_dtype: dtype of the first moment; ``None``: the param dtype.
-      weight_decay: :math:`\lambda`, a number, a 0-dim tensor or a schedule.
-      mask: where to decay (see :func:`fxtrain.adamw`).
-      nesterov: use Nesterov momentum (``False``: plain AdamW).
-
-    Returns:
-      :func:`fxtrain.adamw`'s chain with ``nesterov=nesterov``.
-
-    Example:
-        >>> import torch, fxtrain as fx
-        >>> tx = fx.nadamw(0.1, weight_decay=0.5)
-        >>> params = {"w": torch.ones(2)}
-        >>> u, state = tx.update({"w": torch.tensor([3.0, -3.0])}, tx.init(params), params)
-        >>> [round(x, 4) for x in u["w"].tolist()]   # -0.1 * (1.474 sign(g) + 0.5 * params)
-        [-0.1974, 0.0974]
-
-    References:
-      Dozat, `Incorporating Nesterov Momentum into Adam <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016.
-      Loshchilov and Hutter, `Decoupled Weight Decay Regularization <https://arxiv.org/abs/1711.05101>`_, 2019.
-    """
-    _check("nadamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-           weight_decay=weight_decay)
-    return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=nesterov)

@@ -16,9 +16,9 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Updates, chain, check_nonnegative, transform
-from fxtrain.optimizers import LearningRate
+
 from fxtrain.transforms._masking import Mask
-from fxtrain.transforms._moments import Scalar, as_dtype, counter, safe_increment_
+from fxtrain.transforms._moments import LearningRate, Scalar, as_dtype, counter, safe_increment_
 from fxtrain.transforms._normalizing import clip_by_block_rms, scale_by_param_block_rms
 from fxtrain.transforms._scaling import scale, scale_by_learning_rate
 from fxtrain.transforms._simple import ema

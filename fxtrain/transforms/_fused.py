@@ -13,8 +13,8 @@ computes exactly its chain, and only when its arguments are ones that kernel cov
 hyperparameters, no schedule, no ``mask``, ``mu_dtype``, ``eps_root`` or ``nesterov`` for Adam). The
 optimizer factories in ``fxtrain/optimizers.py`` declare ``adam``, ``adamw`` and ``sgd``;
 ``clip_by_global_norm`` declares itself a *prefix* (it only scales the gradients, by one 0-dim
-coefficient). :func:`combine`, the one place where specs are combined (called by ``chain`` and
-``named_chain`` through ``fxtrain._base.merge_traits``), turns ``chain(clip_by_global_norm(m),
+coefficient). :func:`fxtrain._base.merge_traits`, the one place where specs are combined (for ``chain`` and
+``named_chain``), turns ``chain(clip_by_global_norm(m),
 optimizer)`` into that optimizer's kernel with the clip riding in the kernel's ``grad_scale``: the
 kernels divide every gradient by ``grad_scale`` before the update, so ``grad_scale = 1 / coef =
 max(1, norm / m)`` (0-dim float32, chosen on the device: no host sync) and the norm is
@@ -72,30 +72,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, traits, with_traits
+from fxtrain._base import FUSED_KERNELS, FusedSpec, GradientTransformation, traits, with_traits
 from fxtrain.transforms._momentum import TraceState
 
-__all__ = ["FusedSpec", "applies", "combine", "declare", "spec", "step_"]
-
-KERNELS = ("adam", "adamw", "sgd")  # names with a torch kernel of their own
-PREFIXES = ("clip_by_global_norm",)  # names that only scale the gradients: the kernels' grad_scale
-
-
-class FusedSpec(NamedTuple):
-    """Which fused torch kernel computes a transform, with the numbers it needs (all Python numbers).
-
-    ``name`` is a kernel (``"adam"``, ``"adamw"``, ``"sgd"``) or a prefix (``"clip_by_global_norm"``:
-    no kernel of its own, see :func:`combine`). A combined spec also carries the clip's ``max_norm``,
-    its ``groups`` (process groups the norm is summed over: pipeline stages) and ``states_of``, which
-    splits the combinator's state into (clip state, optimizer state).
-    """
-
-    name: str
-    hyperparams: dict
-    max_norm: float | None = None
-    states_of: Callable[[Any], Sequence[Any]] | None = None
-    groups: tuple = ()
-
+__all__ = ["applies", "declare", "spec", "step_"]
 
 def declare(tx: GradientTransformation, name: str, *, covered: bool = True, groups: Sequence[Any] = (),
             **hyperparams: Any) -> GradientTransformation:
@@ -109,22 +89,6 @@ def declare(tx: GradientTransformation, name: str, *, covered: bool = True, grou
     if covered and all(isinstance(v, (bool, int, float)) for v in hyperparams.values()):
         return with_traits(tx, fused=FusedSpec(name, dict(hyperparams), groups=tuple(groups)))
     return tx
-
-
-def combine(children: Sequence[GradientTransformation], states_of: Callable | None) -> FusedSpec | None:
-    """The spec of a combinator that runs ``children`` in sequence on the same updates, or ``None``.
-
-    Called by ``fxtrain._base.merge_traits`` (``chain``, ``named_chain``): the one place where specs
-    combine. Covered: ``[clip_by_global_norm(max_norm), optimizer]`` with both declared, which becomes
-    the optimizer's kernel with the clip in its ``grad_scale``. ``states_of`` (the combinator's state ->
-    its children's states, in order) is needed to find both states; combinators without one get ``None``.
-    """
-    if states_of is None or len(children) != 2:
-        return None
-    clip, opt = (traits(c).fused for c in children)
-    if clip is None or opt is None or clip.name not in PREFIXES or opt.name not in KERNELS or opt.max_norm is not None:
-        return None
-    return opt._replace(max_norm=clip.hyperparams["max_norm"], states_of=states_of, groups=clip.groups)
 
 
 def spec(tx: GradientTransformation) -> FusedSpec | None:
@@ -153,7 +117,7 @@ def applies(tx: GradientTransformation, grads: Any, state: Any, params: Any) -> 
 def _plan(tx, grads, state, params):
     """A thunk running the fused kernel on these trees, or ``None`` where none applies."""
     s = spec(tx)
-    if s is None or s.name not in KERNELS:
+    if s is None or s.name not in FUSED_KERNELS:
         return None
     clip_state = None
     if s.states_of is not None:

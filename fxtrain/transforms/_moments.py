@@ -14,7 +14,7 @@ to the state's dtype. :func:`ema_` and :func:`ema_sq_` do the same: they return 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from fxtrain import tree
 
 Scalar = Any  # a Python number or a 0-dim tensor
+LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of the count
 
 
 def is_number(x: Any) -> bool:

@@ -25,9 +25,9 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, chain, check_nonnegative, transform
-from fxtrain.optimizers import LearningRate, _check
-from fxtrain.transforms._moments import Scalar, param_device, safe_increment_
+from fxtrain._base import GradientTransformation, chain, check_learning_rate, check_nonnegative, transform
+
+from fxtrain.transforms._moments import LearningRate, Scalar, param_device, safe_increment_
 from fxtrain.transforms._scaling import scale_by_learning_rate
 
 __all__ = ["AddNoiseState", "add_noise", "noisy_sgd"]
@@ -195,5 +195,5 @@ def noisy_sgd(learning_rate: LearningRate, eta: Scalar = 0.01, gamma: Scalar = 0
       Neelakantan et al., `Adding Gradient Noise Improves Learning for Very Deep Networks
       <https://arxiv.org/abs/1511.06807>`_, 2015.
     """
-    _check("noisy_sgd", learning_rate=learning_rate, eta=eta, gamma=gamma)
+    check_learning_rate("noisy_sgd", learning_rate=learning_rate, eta=eta, gamma=gamma)
     return chain(add_noise(eta, gamma, key), scale_by_learning_rate(learning_rate))

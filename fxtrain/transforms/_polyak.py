@@ -12,13 +12,12 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, chain, check_nonnegative, transform
-from fxtrain.optimizers import LearningRate, sgd
 from fxtrain.transforms._linesearch import plain_scalar, vdot
-from fxtrain.transforms._moments import Scalar
+from fxtrain.transforms._moments import LearningRate, Scalar
 
-__all__ = ["polyak_sgd", "scale_by_polyak"]
+__all__ = ["scale_by_polyak"]
 
-_VARIANTS = ("sps", "sps+")
+POLYAK_VARIANTS = ("sps", "sps+")
 # Optax compares the denominator with float64's machine epsilon (``jnp.finfo(float).eps``).
 _TINY = torch.finfo(torch.float64).eps
 
@@ -58,8 +57,8 @@ def scale_by_polyak(f_min: Scalar = 0.0, max_learning_rate: Scalar = 1.0, eps: S
       <https://arxiv.org/abs/2002.10542>`_, 2021.
     """
     check_nonnegative("scale_by_polyak", max_learning_rate=max_learning_rate, eps=eps)
-    if variant not in _VARIANTS:
-        raise ValueError(f"scale_by_polyak: variant={variant!r} must be one of {_VARIANTS}")
+    if variant not in POLYAK_VARIANTS:
+        raise ValueError(f"scale_by_polyak: variant={variant!r} must be one of {POLYAK_VARIANTS}")
 
     def init_fn(params):
         del params
@@ -83,49 +82,3 @@ def scale_by_polyak(f_min: Scalar = 0.0, max_learning_rate: Scalar = 1.0, eps: S
         return tree.put(updates, updates, tree.scale_(g, step)), state
 
     return GradientTransformation(init_fn, update_fn)
-
-
-@transform(elementwise=None)
-def polyak_sgd(max_learning_rate: Scalar = 1.0, scaling: LearningRate = 1.0, f_min: Scalar = 0.0,
-               eps: Scalar = 0.0, variant: Literal["sps", "sps+"] = "sps") -> GradientTransformation:
-    r"""SGD with Polyak's step size (Optax's ``polyak_sgd``).
-
-    .. math::
-        x_{t+1} = x_t - s_t \min\left\{\frac{f(x_t) - f^\star}{\|\nabla f(x_t)\|^2 + \epsilon},
-        \gamma_{\max}\right\} \nabla f(x_t)
-
-    Args:
-      max_learning_rate: :math:`\gamma_{\max}`, the largest step size.
-      scaling: :math:`s_t`, a number, a 0-dim tensor or a schedule.
-      f_min: :math:`f^\star`, a lower bound on the objective (0 for models that interpolate the data).
-      eps: :math:`\epsilon`, added to the denominator.
-      variant: ``"sps"``, or ``"sps+"`` (the gap's positive part).
-
-    Returns:
-      ``chain(sgd(learning_rate=scaling), scale_by_polyak(...))``; its ``update`` requires ``value=``.
-
-    Example:
-        >>> import torch, fxtrain as fx
-        >>> f = lambda p: (p["x"] ** 2).sum()
-        >>> params = {"x": torch.tensor([1.0, 2.0, 3.0])}
-        >>> tx = fx.polyak_sgd()
-        >>> state = tx.init(params)
-        >>> for _ in range(3):
-        ...     value, grads = f(params), {"x": 2 * params["x"]}
-        ...     u, state = tx.update(grads, state, params, value=value)
-        ...     params = fx.apply_updates(params, u)
-        >>> round(f(params).item(), 4)   # each step halves x: 14 / 4**3
-        0.2188
-
-    References:
-      Loizou et al., `Stochastic Polyak step-size for SGD: An adaptive learning rate for fast convergence
-      <https://arxiv.org/abs/2002.10542>`_, 2021.
-
-      Berrada et al., `Training neural networks for and by interpolation
-      <https://arxiv.org/abs/1906.05661>`_, 2020.
-    """
-    check_nonnegative("polyak_sgd", max_learning_rate=max_learning_rate, eps=eps)
-    if variant not in _VARIANTS:
-        raise ValueError(f"polyak_sgd: variant={variant!r} must be one of {_VARIANTS}")
-    return chain(sgd(learning_rate=scaling),
-                 scale_by_polyak(f_min=f_min, max_learning_rate=max_learning_rate, eps=eps, variant=variant))

@@ -7,9 +7,9 @@ from typing import NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import EmptyState, GradientTransformation, Updates, chain, check_nonnegative, transform
-from fxtrain.optimizers import LearningRate, _check
-from fxtrain.transforms._moments import Scalar, full_like
+from fxtrain._base import EmptyState, GradientTransformation, Updates, chain, check_learning_rate, check_nonnegative, transform
+
+from fxtrain.transforms._moments import LearningRate, Scalar, full_like
 from fxtrain.transforms._scaling import scale, scale_by_learning_rate
 from fxtrain.transforms._simple import ema
 
@@ -71,7 +71,7 @@ def sign_sgd(learning_rate: LearningRate) -> GradientTransformation:
       Bernstein et al., `signSGD: Compressed Optimisation for Non-Convex Problems
       <https://arxiv.org/abs/1802.04434>`_, 2018.
     """
-    _check("sign_sgd", learning_rate=learning_rate)
+    check_learning_rate("sign_sgd", learning_rate=learning_rate)
     return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
 
 
@@ -105,7 +105,7 @@ def signum(learning_rate: LearningRate, beta: Scalar = 0.9,
       Bernstein et al., `signSGD: Compressed Optimisation for Non-Convex Problems
       <https://arxiv.org/abs/1802.04434>`_, 2018.
     """
-    _check("signum", learning_rate=learning_rate, beta=beta)
+    check_learning_rate("signum", learning_rate=learning_rate, beta=beta)
     return chain(ema(beta, debias=False, accumulator_dtype=accumulator_dtype), scale_by_sign(),
                  scale_by_learning_rate(learning_rate))
 
@@ -219,7 +219,7 @@ def rprop(learning_rate: Scalar, eta_minus: Scalar = 0.5, eta_plus: Scalar = 1.2
       Algorithm <https://ieeexplore.ieee.org/document/298623>`_, 1993.
     """
     _no_schedule("rprop", learning_rate)
-    _check("rprop", learning_rate=learning_rate)
+    check_learning_rate("rprop", learning_rate=learning_rate)
     return chain(scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size), scale(-1.0))
 
 

@@ -14,11 +14,11 @@ from typing import Callable
 import torch
 
 from fxtrain import tree
-from fxtrain._base import EmptyState, GradientTransformation, chain, check_nonnegative, transform
-from fxtrain.optimizers import LearningRate, _check
+from fxtrain._base import EmptyState, GradientTransformation, chain, check_learning_rate, check_nonnegative, transform
+
 from fxtrain.transforms._adam import scale_by_adam
 from fxtrain.transforms._masking import Mask, masked
-from fxtrain.transforms._moments import Scalar
+from fxtrain.transforms._moments import LearningRate, Scalar
 from fxtrain.transforms._momentum import trace
 from fxtrain.transforms._scaling import scale_by_learning_rate
 from fxtrain.transforms._weight_decay import add_decayed_weights
@@ -115,7 +115,7 @@ def fromage(learning_rate: LearningRate, min_norm: Scalar = 1e-6) -> GradientTra
       Bernstein et al., `On the distance between two neural networks and the stability of learning
       <https://arxiv.org/abs/2002.03432>`_, 2020.
     """
-    _check("fromage", learning_rate=learning_rate, min_norm=min_norm)
+    check_learning_rate("fromage", learning_rate=learning_rate, min_norm=min_norm)
     if callable(learning_rate):
         def mult(count):
             return 1 / (1 + learning_rate(count) ** 2) ** 0.5
@@ -163,7 +163,7 @@ def lamb(learning_rate: LearningRate, b1: Scalar = 0.9, b2: Scalar = 0.999, eps:
       You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76 minutes
       <https://arxiv.org/abs/1904.00962>`_, 2020.
     """
-    _check("lamb", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
+    check_learning_rate("lamb", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     return chain(scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root),
                  add_decayed_weights(weight_decay, mask=mask), scale_by_trust_ratio(),
                  scale_by_learning_rate(learning_rate))
@@ -206,7 +206,7 @@ def lars(learning_rate: LearningRate, weight_decay: Scalar | Callable = 0.0, wei
     References:
       You et al., `Large Batch Training of Convolutional Networks <https://arxiv.org/abs/1708.03888>`_, 2017.
     """
-    _check("lars", learning_rate=learning_rate, trust_coefficient=trust_coefficient, eps=eps, momentum=momentum)
+    check_learning_rate("lars", learning_rate=learning_rate, trust_coefficient=trust_coefficient, eps=eps, momentum=momentum)
     return chain(add_decayed_weights(weight_decay, mask=weight_decay_mask),
                  masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps), trust_ratio_mask),
                  scale_by_learning_rate(learning_rate), trace(decay=momentum, nesterov=nesterov))

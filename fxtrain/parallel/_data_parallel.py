@@ -6,7 +6,7 @@ their local tensors through a view whose backward marks each gradient ``Partial(
 step's :func:`fxtrain.distributed.match_placements` then averages every gradient in one bucketed all-reduce
 per dp group; ``accumulate`` outermost sums micro-batches locally and reduces once per window (the
 functional ``no_sync``); ``sharded_apply(..., shard_over="dp")`` reduce-scatters instead (ZeRO-1/2). One
-mechanism serves plain dp and the dp dim of every 2-D layout (:func:`fxtrain.distributed.tensor_parallel`
+mechanism serves plain dp and the dp dim of every 2-D layout (:func:`fxtrain.parallel.tensor_parallel`
 uses the same kind of view).
 """
 
@@ -17,6 +17,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from fxtrain.functional import functional
 
 __all__ = ["data_parallel"]
 
@@ -43,12 +45,10 @@ def data_parallel(module: nn.Module, mesh: Any) -> tuple[Callable, dict, dict]:
     Example (2 ranks under torchrun; not a doctest)::
 
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        apply, params, buffers = fx.distributed.data_parallel(model, mesh)
+        apply, params, buffers = fx.parallel.data_parallel(model, mesh)
         step = fx.train_step(lambda p, b: loss(apply(p, buffers, b[0], train=True)[0], b[1]), tx)
         params, opt_state, metrics = step(params, tx.init(params), my_slice_of_the_batch)
     """
-    from fxtrain.functional import functional  # lazily: fxtrain.functional imports this package's modules
-
     if getattr(mesh, "ndim", None) != 1:
         raise ValueError(f"data_parallel: expected a 1-D DeviceMesh over the data-parallel ranks, got {mesh}")
     inner, local, buffers = functional(module)

@@ -5,18 +5,18 @@ Every strategy gives the runner the same :class:`Parallel`: ``(apply, params, bu
 buffers, metrics)`` on this rank's slice of a batch, and ``evaluate(params, buffers, test)``. The mesh
 comes in once, as a :class:`fxtrain.distributed.ParallelDims`; the parallel machinery is torch's own
 (``parallelize_module``, ``fully_shard``, ``torch.distributed.pipelining``), driven through
-:mod:`fxtrain.distributed`.
+:mod:`fxtrain.parallel`'s adapters.
 
 ======== ============================================================ =====================================
 strategy model                                                        step
 ======== ============================================================ =====================================
 none     ``fx.functional``                                            ``fx.train_step``
-dp       ``fx.distributed.data_parallel`` (Replicate params)          ``fx.train_step`` (Partial grads)
-fsdp     ``fully_shard`` per block and root, ``fully_sharded``        ``fx.distributed.fully_sharded_step``
-tp       ``fx.distributed.tensor_parallel(model, model.tp_plan())``   ``fx.train_step``
-fsdp_tp  ``parallelize_module`` on tp, then ``fully_shard`` on dp     ``fx.distributed.fully_sharded_step``
-pp       ``model.pipeline_stage(stage, n)``, ``PipelineStage``        ``fx.distributed.pipeline_step``
-ep       ``fx.distributed.expert_parallel`` (MoE experts over ep)     ``fx.train_step``
+dp       ``fx.parallel.data_parallel`` (Replicate params)             ``fx.train_step`` (Partial grads)
+fsdp     ``fully_shard`` per block and root, ``fully_sharded``        ``fx.parallel.fully_sharded_step``
+tp       ``fx.parallel.tensor_parallel(model, model.tp_plan())``      ``fx.train_step``
+fsdp_tp  ``parallelize_module`` on tp, then ``fully_shard`` on dp     ``fx.parallel.fully_sharded_step``
+pp       ``model.pipeline_stage(stage, n)``, ``PipelineStage``        ``fx.parallel.pipeline_step``
+ep       ``fx.parallel.expert_parallel`` (MoE experts over ep)        ``fx.train_step``
 ======== ============================================================ =====================================
 """
 
@@ -29,9 +29,17 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import nn
 
-import fxtrain as fx
-from fxtrain import tasks, tree
+from fxtrain import distributed, tasks, tree
+from fxtrain._base import GradientTransformation
+from fxtrain.amp import Uncast
 from fxtrain.distributed import ParallelDims
+from fxtrain.functional import functional
+from fxtrain.parallel._data_parallel import data_parallel
+from fxtrain.parallel._expert_parallel import expert_parallel
+from fxtrain.parallel._fully_sharded import fully_sharded, fully_sharded_step
+from fxtrain.parallel._pipeline import pipeline_step
+from fxtrain.parallel._tensor_parallel import tensor_parallel
+from fxtrain.step import train_step
 
 __all__ = ["Parallel", "parallelize", "loss_function", "evaluate", "forward"]
 
@@ -46,7 +54,7 @@ class Parallel(NamedTuple):
     evaluate: Callable  #: ``evaluate(params, buffers, test, batch_size) -> {"test_loss": ..., ...}``
 
 
-def parallelize(model: nn.Module, tx: fx.GradientTransformation, dims: ParallelDims, *,
+def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims, *,
                 task: tasks.Task | None = None, pipeline: dict | None = None, mp_policy: Any = None) -> Parallel:
     """``model`` on ``dims.mesh`` as ``dims.strategy`` says, and its step with ``tx`` (see the module table).
 
@@ -70,22 +78,22 @@ def parallelize(model: nn.Module, tx: fx.GradientTransformation, dims: ParallelD
 # --- one function per strategy -------------------------------------------------------------------------
 
 def _none(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
-    apply, params, buffers = fx.functional(model)
+    apply, params, buffers = functional(model)
     return _autograd(apply, params, buffers, tx, task)
 
 
 def _dp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
-    apply, params, buffers = fx.distributed.data_parallel(model, dims.mesh)
+    apply, params, buffers = data_parallel(model, dims.mesh)
     return _autograd(apply, params, buffers, tx, task)
 
 
 def _tp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
-    apply, params, buffers = fx.distributed.tensor_parallel(model, _plan(model, dims), dims.mesh)
+    apply, params, buffers = tensor_parallel(model, _plan(model, dims), dims.mesh)
     return _autograd(apply, params, buffers, tx, task)
 
 
 def _ep(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
-    apply, params, buffers = fx.distributed.expert_parallel(model, dims.mesh, ep="ep")
+    apply, params, buffers = expert_parallel(model, dims.mesh, ep="ep")
     return _autograd(apply, params, buffers, tx, task)
 
 
@@ -125,9 +133,9 @@ def _pp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: di
     stage = PipelineStage(module, stage_index, n, device, group=pp.get_group())
     microbatches = int(pipeline.get("microbatches", 4))
     schedule = schedules[name](stage, n_microbatches=microbatches, loss_fn=lambda out, y: task.compute(out, y)[0])
-    apply, params, buffers = (fx.distributed.fully_sharded(module) if dims.sizes.get("dp", 1) > 1
-                              else fx.functional(module))
-    train = fx.distributed.pipeline_step(schedule, tx, pp_group=pp)
+    apply, params, buffers = (fully_sharded(module) if dims.sizes.get("dp", 1) > 1
+                              else functional(module))
+    train = pipeline_step(schedule, tx, pp_group=pp)
     first, last = stage_index == 0, stage_index == n - 1
     seen: list[int] = []  # the per-rank batch size: a stage's buffers are shaped by its first micro-batches
 
@@ -155,7 +163,7 @@ def _pp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: di
             if losses:  # the mean loss of each equal micro-batch: their mean is the batch's
                 total += torch.stack([v.double() for v in losses]).mean() * yb.numel()
         # The last stage has it: summed over the pp group (its zeros elsewhere), every rank logs it.
-        total = fx.distributed.global_count(total, {}, groups=(pp,))
+        total = distributed.global_count(total, {}, groups=(pp,))
         return {"test_loss": float(total / y.numel())}
 
     return Parallel(apply, params, buffers, step, evaluate_pp)
@@ -168,14 +176,14 @@ _BUILDERS = {"none": _none, "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsd
 
 def _autograd(apply: Callable, params: Any, buffers: Any, tx, task: tasks.Task) -> Parallel:
     """The strategies whose params are a pure function's (plain tensors or DTensors): ``fx.train_step``."""
-    train = fx.train_step(loss_function(apply, task), tx, has_aux=True)
+    train = train_step(loss_function(apply, task), tx, has_aux=True)
     return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply, task))
 
 
 def _fully_sharded(model: nn.Module, tx, task: tasks.Task, twin: nn.Module) -> Parallel:
-    apply, params, buffers = fx.distributed.fully_sharded(model)
-    train = fx.distributed.fully_sharded_step(loss_function(apply, task), tx, model, has_aux=True)
-    twin_apply = fx.functional(twin)[0]
+    apply, params, buffers = fully_sharded(model)
+    train = fully_sharded_step(loss_function(apply, task), tx, model, has_aux=True)
+    twin_apply = functional(twin)[0]
 
     def evaluate_full(params, buffers, test, batch_size):
         # In the params' dtype, as every layout evaluates (see evaluate): FSDP's hooks would compute in its
@@ -198,8 +206,8 @@ def _twin(model: nn.Module) -> nn.Module:
 
 def _with_buffers(train: Callable) -> Callable:
     def step(params, opt_state, buffers, batch):
-        # Buffers (BatchNorm statistics) ride as fx.amp.Uncast: amp_cast leaves them in their own dtype.
-        params, opt_state, metrics = train(params, opt_state, (fx.amp.Uncast(buffers), *batch))
+        # Buffers (BatchNorm statistics) ride as Uncast: amp_cast leaves them in their own dtype.
+        params, opt_state, metrics = train(params, opt_state, (Uncast(buffers), *batch))
         aux = metrics.pop("aux")
         buffers = aux.pop("buffers")
         metrics.update(aux)
@@ -233,7 +241,7 @@ def loss_function(apply: Callable, task: tasks.Task | None = None) -> Callable:
     holds the task's batch metrics (``accuracy``...) and the new ``buffers``.
 
     >>> import torch
-    >>> apply, params, buffers = fx.functional(torch.nn.Linear(3, 2))
+    >>> apply, params, buffers = functional(torch.nn.Linear(3, 2))
     >>> loss, aux = loss_function(apply)(params, ({}, torch.ones(4, 3), torch.tensor([0, 1, 0, 1])))
     >>> loss.shape, sorted(aux)
     (torch.Size([]), ['accuracy', 'buffers'])
@@ -257,7 +265,7 @@ def _full(x: torch.Tensor) -> torch.Tensor:
 
 def _like_statistics(params: dict, buffers: dict) -> dict:
     """BatchNorm's weight and bias in its running statistics' dtype: CPU BatchNorm refuses a bf16/f16 weight
-    beside float32 statistics (amp keeps statistics float32, see ``fx.amp.Uncast``); the cast is
+    beside float32 statistics (amp keeps statistics float32, see ``Uncast``); the cast is
     differentiable, as ``torch.autocast`` keeps those params."""
     dtypes = {k.rpartition(".")[0]: b.dtype for k, b in buffers.items() if k.endswith("running_mean")}
     if not dtypes:
@@ -290,7 +298,7 @@ def forward(apply: Callable, params: Any, buffers: Any) -> Callable[[torch.Tenso
     """``f(x) -> outputs``: the model in eval mode (running BatchNorm statistics) with ``params``, without
     gradients; floating inputs in the params' dtype (the pure half amp modes store bf16/fp16 params).
 
-    >>> apply, params, buffers = fx.functional(torch.nn.Linear(3, 2))
+    >>> apply, params, buffers = functional(torch.nn.Linear(3, 2))
     >>> forward(apply, params, buffers)(torch.ones(4, 3)).shape
     torch.Size([4, 2])
     """

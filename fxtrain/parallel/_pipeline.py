@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, report
+from fxtrain.step import donated_step
 
 __all__ = ["pipeline_step"]
 
@@ -105,14 +106,12 @@ def pipeline_step(schedule: Any, tx: GradientTransformation, *, pp_group: Any) -
         stage = PipelineStage(module, rank, 2, torch.device("cpu"), group=pp.get_group())
         schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=cross_entropy)
         tx = fx.chain(fx.clip_by_global_norm(1.0, groups=(pp,)), fx.adamw(1e-3))
-        step = fx.distributed.pipeline_step(schedule, tx, pp_group=pp)
+        step = fx.parallel.pipeline_step(schedule, tx, pp_group=pp)
         params = dict(module.named_parameters())
         opt_state = tx.init(params)
         for x, y in batches:
             params, opt_state, metrics = step(params, opt_state, (x, y))   # x used on stage 0, y on stage 1
     """
-    from fxtrain.step import donated_step  # lazily: fxtrain.step imports this package
-
     stages = _stages(schedule)
     group = _group(pp_group, stages)
     if tx.wrap_loss is not None and _scales_the_loss(tx):

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from fxtrain.functional import functional
+
 __all__ = ["tensor_parallel"]
 
 
@@ -62,7 +64,7 @@ def tensor_parallel(module: nn.Module, plan: dict, mesh: Any, *, tp: str = "tp",
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
-        apply, params, buffers = fx.distributed.tensor_parallel(mlp, plan, mesh)
+        apply, params, buffers = fx.parallel.tensor_parallel(mlp, plan, mesh)
         tx = fx.chain(fx.clip_by_global_norm(1.0), fx.sharded_apply(fx.adamw(1e-3)))
         step = fx.train_step(lambda p, b: loss(apply(p, buffers, b[0], train=True)[0], b[1]), tx)
         params, opt_state, metrics = step(params, tx.init(params), my_dp_slice_of_the_batch)
@@ -74,8 +76,6 @@ def tensor_parallel(module: nn.Module, plan: dict, mesh: Any, *, tp: str = "tp",
     ValueError: tensor_parallel: the plan key 'w1' matches no submodule of Linear (its submodules: none); ...
     """
     from torch.distributed.tensor.parallel import parallelize_module
-
-    from fxtrain.functional import functional
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"tensor_parallel expects an nn.Module, got {type(module).__name__}")

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fxtrain.functional import ApplyFn, Buffers, Params, functional
+from fxtrain.models import MoE, experts_forward
 
 __all__ = ["expert_parallel"]
 
@@ -60,19 +61,18 @@ def expert_parallel(module: nn.Module, mesh: Any, *, ep: str = "ep") -> tuple[Ap
     Example (on every rank of a 4-rank world, e.g. ``torchrun --nproc-per-node 4``)::
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
-        apply, params, buffers = fx.distributed.expert_parallel(TransformerLM(experts=4), mesh)
+        apply, params, buffers = fx.parallel.expert_parallel(TransformerLM(experts=4), mesh)
         tx = fx.chain(fx.clip_by_global_norm(1.0), fx.sharded_apply(fx.adamw(1e-3)))
         step = fx.train_step(lambda p, b: lm_loss(apply(p, buffers, b[0], train=True)[0], b[1]), tx)
         params, state, metrics = step(params, tx.init(params), local_batch)   # this rank's share
 
     >>> import torch
-    >>> from fxtrain.distributed import expert_parallel
+    >>> from fxtrain.parallel import expert_parallel
     >>> expert_parallel(torch.nn.Linear(2, 2), None)
     Traceback (most recent call last):
     ...
     ValueError: expert_parallel: Linear has no fxtrain.models.MoE layer; ...
     """
-    from fxtrain.models import MoE
 
     layers = {name: m for name, m in module.named_modules() if isinstance(m, MoE)}
     if not layers:
@@ -161,8 +161,6 @@ class _AllGatherDispatch:
         self.group, self.rank = mesh.get_group(axis), rank
 
     def __call__(self, tokens, gates, chosen, weights):
-        from fxtrain.models import experts_forward
-
         every = [_AllGather.apply(t, self.group) for t in (tokens, gates, chosen)]
         mine = experts_forward(*every, weights, first=self.rank * weights[0].shape[0])
         return _ReduceScatter.apply(mine, self.group)

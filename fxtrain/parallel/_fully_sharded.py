@@ -44,7 +44,7 @@ Example (two ranks; not a doctest)::
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    apply, params, buffers = fx.distributed.fully_sharded(model)
+    apply, params, buffers = fx.parallel.fully_sharded(model)
 
     def loss_fn(params, batch):
         x, y = batch
@@ -52,7 +52,7 @@ Example (two ranks; not a doctest)::
         return F.cross_entropy(logits, y)
 
     tx = fx.accumulate(fx.chain(fx.clip_by_global_norm(1.0), fx.sharded_apply(fx.adamw(1e-3))), every=4)
-    step = fx.distributed.fully_sharded_step(loss_fn, tx, model)
+    step = fx.parallel.fully_sharded_step(loss_fn, tx, model)
     opt_state = tx.init(params)
     for batch in loader:
         params, opt_state, metrics = step(params, opt_state, batch)
@@ -71,7 +71,10 @@ from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from fxtrain import tree
-from fxtrain.distributed._collectives import contiguous_stride
+from fxtrain.distributed import contiguous_stride
+from fxtrain.functional import fully_sharded_modules, module_label
+from fxtrain.step import call_objective, detach_tree, donated_step
+from fxtrain.transforms._accumulation import window_position
 
 __all__ = ["fully_sharded", "fully_sharded_step"]
 
@@ -106,7 +109,7 @@ def fully_sharded(module: nn.Module) -> tuple[Callable, Params, Buffers]:
     Example (two ranks; not a doctest)::
 
         fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-        apply, params, buffers = fx.distributed.fully_sharded(model)
+        apply, params, buffers = fx.parallel.fully_sharded(model)
         params["fc.weight"].placements       # (Shard(dim=0),)
         logits, _ = apply(params, buffers, x, train=False)
     """
@@ -165,21 +168,19 @@ def fully_sharded_step(loss_fn: Callable, tx: Any, module: nn.Module, *, has_aux
 
     Example (two ranks; not a doctest)::
 
-        apply, params, buffers = fx.distributed.fully_sharded(model)
+        apply, params, buffers = fx.parallel.fully_sharded(model)
         tx = fx.chain(fx.clip_by_global_norm(1.0), fx.sharded_apply(fx.adamw(1e-3)))
-        step = fx.distributed.fully_sharded_step(lambda p, b: F.mse_loss(apply(p, buffers, b[0], train=True)[0], b[1]),
+        step = fx.parallel.fully_sharded_step(lambda p, b: F.mse_loss(apply(p, buffers, b[0], train=True)[0], b[1]),
                                                  tx, model)
         params, opt_state, metrics = step(params, tx.init(params), batch)
     """
-    from fxtrain.step import donated_step  # fxtrain.step imports this package
-
     engine = _Engine(_owner(module))
     inner = donated_step(loss_fn, tx, has_aux=has_aux, grads=engine)
 
     def step(params: Params, opt_state: Any, batch: Any) -> tuple[Params, Any, dict]:
         # Before the forward pass: whether FSDP's backward must reduce-scatter (read on the host from
         # accumulate's CPU counters, so no sync), and whether this is a window's first held call.
-        engine.position = position = _window_position(tx, opt_state)
+        engine.position = position = window_position(tx, opt_state)
         if position is not None and 0 < position[0] and position[0] + 1 >= position[1]:
             # The window's last call: its held sums go back to FSDP, whose reduce-scatter adds this call's
             # gradients and reduces the window once; accumulate adds them to zeros, as when FSDP held them.
@@ -275,7 +276,7 @@ class _Owner:
 
     def _why(self, params: Any, flat: list, spec: Any, where: str) -> str:
         head = f"fully_sharded({self.label}) {where}"
-        fix = (f"pass the params tree that fx.distributed.fully_sharded({self.label}) returned (the step returns "
+        fix = (f"pass the params tree that fx.parallel.fully_sharded({self.label}) returned (the step returns "
                "the same tree): FSDP computes with the module's own sharded parameters, and the update must be "
                "written into them")
         if spec != self.spec:
@@ -291,7 +292,7 @@ class _Owner:
             return (f"{head}: params['{path}'] requires grad: something differentiates apply_fn with respect to "
                     "params (fx.train_step, torch.func), but FSDP's hooks replace them with their own all-gathered "
                     "parameters, so no gradient would reach them. Build the step with "
-                    f"fx.distributed.fully_sharded_step(loss_fn, tx, module), which runs FSDP's backward")
+                    f"fx.parallel.fully_sharded_step(loss_fn, tx, module), which runs FSDP's backward")
         return f"{head}: params['{path}'] is not {self.label}'s parameter '{path}'; {fix}"
 
     def set_sync(self, sync: bool) -> None:
@@ -321,24 +322,6 @@ def _owner(module: nn.Module) -> _Owner:
     return _OWNERS[module]
 
 
-def fully_sharded_modules(module: nn.Module) -> list[str]:
-    """The names of ``module``'s submodules (``''`` for itself) on which ``fully_shard`` was called.
-
-    >>> import torch
-    >>> fully_sharded_modules(torch.nn.Linear(2, 2))
-    []
-    """
-    return [name for name, m in module.named_modules() if isinstance(m, FSDPModule)]
-
-
-def module_label(module: nn.Module) -> str:
-    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass named ``FSDP<Class>``."""
-    cls = type(module)
-    if isinstance(module, FSDPModule):
-        cls = next((c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule)), cls)
-    return cls.__name__
-
-
 # --- the gradient engine ------------------------------------------------------------------------------
 
 class _Engine:
@@ -349,14 +332,12 @@ class _Engine:
         self.position: tuple[int, int] | None = None  # (calls held so far, window length) of an accumulate
 
     def __call__(self, fn: Callable, params: Params, batch: Any, tx: Any) -> tuple[Any, torch.Tensor, Any]:
-        from fxtrain.step import _call, _detach  # the step's own checks of the wrapped loss
-
         owner = self.owner
         owner.check(params, "step")
         held = self.position is not None and self.position[0] + 1 < self.position[1]
         owner.set_sync(not held)
         with torch.enable_grad():
-            objective, (loss, aux) = _call(fn, params, batch, tx)
+            objective, (loss, aux) = call_objective(fn, params, batch, tx)
         if not objective.requires_grad:
             raise ValueError(self._no_gradient())
         objective.backward()
@@ -372,16 +353,10 @@ class _Engine:
             raise ValueError(self._no_gradient())
         else:  # a parameter the loss did not use: a zero gradient, as train_step's own engine gives
             grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, owner.leaves)]
-        return tree.unflatten(owner.spec, grads), loss.detach(), _detach(aux)
+        return tree.unflatten(owner.spec, grads), loss.detach(), detach_tree(aux)
 
 
     def _no_gradient(self) -> str:
         label = self.owner.label
         return (f"fully_sharded_step({label}): no gradient reaches any parameter of {label}: loss_fn must run the "
-                f"apply_fn of fx.distributed.fully_sharded(module) for the module given to the step ({label})")
-
-
-def _window_position(tx: Any, state: Any) -> tuple[int, int] | None:
-    from fxtrain.transforms._accumulation import window_position  # transforms import this package
-
-    return window_position(tx, state)
+                f"apply_fn of fx.parallel.fully_sharded(module) for the module given to the step ({label})")
