@@ -73,6 +73,8 @@ NOT_RUN = {
     ("README.md", "# under torchrun; the tested versions: tests/test_{tensor_parallel,fully_sharded,pipeline,expert_parallel}.py"):
         "a sketch of four torchrun programs (model, plan, mesh, schedule are the user's); the tests it names run "
         "each entry point on 2 and 4 gloo ranks",
+    ("README.md", "# in an sbatch script with #SBATCH --nodes=4 --ntasks=4 (one torchrun per node); /shared is mounted on every node"):
+        "needs a Slurm cluster; its torchrun is the two-node line above, which tests/test_multinode.py runs",
 }
 
 # Shell commands (as written, comments and continuation lines joined) that are not run as written -> (what
@@ -94,6 +96,12 @@ COMMANDS = {
         "torchrun --nproc_per_node=4 -m fxtrain.train experiment=tiny_lm parallel=fsdp_tp",
         "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=pp",
         "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=ep model=moe"]},
+    # README "Beyond one machine": two launchers at once, and a rank killed mid-run; the test runs each line as written
+    **{command: (None, "tests/test_multinode.py runs it (a free port, a tiny model, 24 steps)") for command in [
+        "torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=localhost:29500 --rdzv-id=two_nodes "
+        "-m fxtrain.train experiment=tiny_lm parallel=dp hydra.run.dir=outputs/two_nodes",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=1 -m fxtrain.train "
+        "experiment=tiny_lm parallel=dp hydra.run.dir=outputs/restartable resume=auto trainer.checkpoint_every=100"]},
     **{command: (command.removeprefix("watch -n 5 "), "once, not every 5 s") for command in [
         "watch -n 5 .venv/bin/python -m fxtrain.report multirun/<date>/<time> --no-plot",
         "watch -n 5 python -m fxtrain.report multirun/<date>/<time> --no-plot"]},

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -20,8 +22,34 @@ def init_from_env() -> tuple[int, int]:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        hazard = _restart_hazard(os.environ)
+        if hazard and os.environ.get("RANK", "0") == "0":  # said at the start: the restart comes after a failure
+            logging.getLogger("fxtrain").warning(f"warning: {hazard}")
         dist.init_process_group(backend=backend)
     return rank_and_world()
+
+
+def _restart_hazard(env: Mapping[str, str]) -> str | None:
+    """Why a restart of this torchrun group would fail, or ``None``.
+
+    torchrun (torch 2.13) keeps the store it shares with its workers (``TORCHELASTIC_USE_AGENT_STORE``) across
+    the restarts of ``--max-restarts``: a restarted group finds the failed group's keys there, and its gloo ranks
+    connect to the dead ranks' addresses, so the restart fails or hangs (pytorch/pytorch#135712).
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes a c10d rendezvous (``--standalone`` included) give every
+    start a store of its own; a static one (``--master-addr``/``--master-port``) always shares its store.
+
+    >>> _restart_hazard({"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}).split(":")[0]
+    'torchrun --max-restarts=1 shares its store with every start of the group'
+    >>> _restart_hazard({"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    True
+    """
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if restarts == "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return (f"torchrun --max-restarts={restarts} shares its store with every start of the group: a restarted group "
+            "reads the failed one's addresses there and fails or hangs (pytorch/pytorch#135712). Launch torchrun "
+            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and a c10d rendezvous (--standalone, or --rdzv-backend=c10d) "
+            "to give every start its own")
 
 
 def rank_and_world() -> tuple[int, int]:
