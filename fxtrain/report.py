@@ -7,6 +7,11 @@ writes those rows to ``summary.csv`` after every job and prints them as a table 
 ``python -m fxtrain.report SWEEP_DIR`` prints the same table and plots the curves to a PNG (matplotlib:
 ``pip install 'fxtrain[plot]'``).
 
+Seeds: jobs that differ only in seed keys (``seed``, ``data.seed``, ``data.split_seed``; ``--seed-keys`` to
+name others) are repeats of one configuration. :func:`by_config` groups them and ranks the configurations
+by the mean of the metric (with its standard deviation and ``n``); the ``best:`` line names the best
+configuration, not its luckiest seed, and the plot draws mean +- std per value.
+
 Example:
     >>> from fxtrain.report import format_table
     >>> print(format_table([{"job": "0", "status": "completed", "seed": "1", "test_accuracy": 0.97123}]))
@@ -33,9 +38,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from fxtrain import distributed, tasks
 
-__all__ = ["collect", "read_jsonl", "format_table", "write_csv", "plot", "figure", "best", "SweepSummary", "finish_sweep", "main"]
+__all__ = ["collect", "read_jsonl", "format_table", "write_csv", "plot", "figure", "best", "by_config", "describe",
+           "SEED_KEYS", "SweepSummary", "finish_sweep", "main"]
 
 _FINAL = ("test_accuracy", "test_loss", "loss", "accuracy")  # final metrics shown after the optimized one
+SEED_KEYS = ("seed", "data.seed", "data.split_seed")  # overrides whose jobs are repeats of one configuration
 
 
 def collect(sweep_dir: str | pathlib.Path) -> list[dict[str, Any]]:
@@ -181,6 +188,52 @@ def best(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
     return min(done, key=rank)
 
 
+def by_config(rows: list[dict[str, Any]], metric: str, varied: list[str],
+              seed_keys: tuple[str, ...] = SEED_KEYS) -> list[dict[str, Any]]:
+    """The jobs grouped by configuration (their ``varied`` overrides other than ``seed_keys``), best first.
+
+    Each group is a dict: the configuration's overrides, ``n`` (completed jobs with a finite ``metric``),
+    ``mean`` and ``std`` of ``metric`` over them (sample std; 0.0 for one job), and ``jobs`` (every job of the
+    configuration, in job order). Groups rank by ``mean``, lowest first where :func:`fxtrain.tasks.lower_is_better`,
+    else highest (the one direction rule), ties to the larger ``n``; groups without a completed job come last.
+
+    >>> rows = [{"job": j, "status": "completed", "lr": lr, "seed": s, "val_accuracy": a}
+    ...         for j, (lr, s, a) in enumerate([("0.1", "1", 0.90), ("0.1", "2", 0.70), ("0.3", "1", 0.85),
+    ...                                          ("0.3", "2", 0.83)])]
+    >>> [(g["lr"], round(g["mean"], 3), round(g["std"], 3), g["n"]) for g in by_config(rows, "val_accuracy", ["lr", "seed"])]
+    [('0.3', 0.84, 0.014, 2), ('0.1', 0.8, 0.141, 2)]
+    >>> best(rows, "val_accuracy")["job"]   # the luckiest single job is the other configuration's
+    0
+    """
+    keys = [k for k in varied if k not in seed_keys]
+    groups: dict[tuple, dict[str, Any]] = {}
+    for row in rows:
+        config = tuple((k, row.get(k)) for k in keys)
+        groups.setdefault(config, {**dict(config), "jobs": []})["jobs"].append(row)
+    sign = 1 if tasks.lower_is_better(metric) else -1
+    for g in groups.values():
+        values = [r[metric] for r in g["jobs"] if r.get("status") == "completed" and _finite(r.get(metric))]
+        g["n"] = len(values)
+        g["mean"] = statistics.fmean(values) if values else None
+        g["std"] = statistics.stdev(values) if len(values) > 1 else 0.0 if values else None
+    return sorted(groups.values(), key=lambda g: (g["mean"] is None, sign * (g["mean"] or 0.0), -g["n"]))
+
+
+def _seeded(rows: list[dict], metric: str, varied: list[str], seed_keys: tuple[str, ...]) -> bool:
+    """Whether seeds repeat a configuration: a seed key varies and some configuration has two completed jobs."""
+    if not any(k in seed_keys for k in varied):
+        return False
+    return any(g["n"] > 1 for g in by_config(rows, metric, varied, seed_keys))
+
+
+def _config_label(group: dict, keys: list[str], names: dict[str, str] | None = None) -> str:
+    return " ".join(f"{(names or {}).get(k, k)}={group[k]}" for k in keys if group.get(k) is not None)
+
+
+def _pm(group: dict) -> str:
+    return f"{_fmt(group['mean'])} +- {_fmt(group['std'])}, n={group['n']}"
+
+
 def _metric_of(sweep_dir: pathlib.Path, rows: list[dict]) -> str | None:
     for d in [sweep_dir, *(sweep_dir / str(r["job"]) for r in rows)]:
         name = _read_json(d / "summary.json").get("optimized_metric")
@@ -189,23 +242,45 @@ def _metric_of(sweep_dir: pathlib.Path, rows: list[dict]) -> str | None:
     return None
 
 
-def describe(sweep_dir: str | pathlib.Path) -> str:
-    """The table of :func:`collect`, overrides shared by every job on one line, the best job and failures.
+def describe(sweep_dir: str | pathlib.Path, metric: str | None = None,
+             seed_keys: tuple[str, ...] = SEED_KEYS) -> str:
+    """The table of :func:`collect`, overrides shared by every job on one line, the best and failures.
 
     ``summary.csv`` has every column; the table leaves out the overrides that are the same in every job
-    (``trainer.max_steps=200`` given to the whole sweep) and lists them once below.
+    (``trainer.max_steps=200`` given to the whole sweep) and lists them once below. ``metric`` (default: the
+    optimized one the jobs recorded) is what ranks. Where seeds repeat configurations (:func:`by_config`: a
+    seed key varies and a configuration has two completed jobs), a
+    second table ranks the configurations by their mean, and ``best:`` names the best configuration with
+    its mean +- std over seeds; otherwise ``best:`` names the best job.
     """
     sweep_dir = pathlib.Path(sweep_dir)
     rows = collect(sweep_dir)
     varied, shared = _split_overrides(sweep_dir, rows)
+    metric = metric or _metric_of(sweep_dir, rows)
+    if metric:
+        for row in rows:  # the ranked metric as a column, also one the summary leaves out (--metric)
+            job = _job(sweep_dir, row, metric)
+            if job.final is not None and metric not in row:
+                row[metric] = job.final
     text = format_table([{k: v for k, v in row.items() if k not in shared} for row in rows])
     if shared:
         text += "\nevery job: " + " ".join(f"{k}={v}" for k, v in shared.items())
-    metric = _metric_of(sweep_dir, rows)
-    top = best(rows, metric) if metric else None
-    if top is not None:
-        changed = " ".join(f"{k}={top[k]}" for k in varied if k in top)
-        text += f"\nbest: job {top['job']} ({metric} {_fmt(top[metric])})" + (f": {changed}" if changed else "")
+    if metric and _seeded(rows, metric, varied, seed_keys):
+        keys = [k for k in varied if k not in seed_keys]
+        groups = by_config(rows, metric, varied, seed_keys)
+        table = [{**{k: g[k] for k in keys}, f"{metric} mean": g["mean"], "std": g["std"], "n": g["n"],
+                  "jobs": " ".join(str(r["job"]) for r in g["jobs"])} for g in groups]
+        text += f"\n\nby configuration ({metric} over {', '.join(k for k in seed_keys if k in varied)}, best first):\n"
+        text += format_table(table)
+        if groups and groups[0]["n"] and keys:
+            text += f"\nbest: {_config_label(groups[0], keys)} ({metric} {_pm(groups[0])})"
+        elif groups and groups[0]["n"]:  # seeds of one configuration: nothing to choose between
+            text += f"\nseeds: one configuration, {metric} {_pm(groups[0])}"
+    elif metric:
+        top = best(rows, metric)
+        if top is not None:
+            changed = " ".join(f"{k}={top[k]}" for k in varied if k in top)
+            text += f"\nbest: job {top['job']} ({metric} {_fmt(top[metric])})" + (f": {changed}" if changed else "")
     failed = [r["job"] for r in rows if r["status"] != "completed"]
     if failed:
         text += f"\nnot completed: job {', '.join(map(str, failed))}"
@@ -230,7 +305,7 @@ _FEW_JOBS = 6  # up to this many jobs: a colour and a legend entry per job; more
 
 
 def plot(sweep_dir: str | pathlib.Path, path: str | pathlib.Path | None = None,
-         metric: str | None = None) -> pathlib.Path:
+         metric: str | None = None, seed_keys: tuple[str, ...] = SEED_KEYS) -> pathlib.Path:
     """Saves :func:`figure` of ``sweep_dir`` to a PNG and returns its path (default ``SWEEP_DIR/curves.png``).
 
     Needs matplotlib (``pip install 'fxtrain[plot]'``).
@@ -248,11 +323,11 @@ def plot(sweep_dir: str | pathlib.Path, path: str | pathlib.Path | None = None,
     """
     sweep_dir = pathlib.Path(sweep_dir)
     path = pathlib.Path(path) if path is not None else sweep_dir / "curves.png"
-    figure(sweep_dir, metric).savefig(path, dpi=110)
+    figure(sweep_dir, metric, seed_keys).savefig(path, dpi=110)
     return path
 
 
-def figure(sweep_dir: str | pathlib.Path, metric: str | None = None) -> Any:
+def figure(sweep_dir: str | pathlib.Path, metric: str | None = None, seed_keys: tuple[str, ...] = SEED_KEYS) -> Any:
     """The sweep's training loss and ``metric`` (default: the optimized one) against step, as a matplotlib Figure.
 
     Up to 6 jobs: one colour per job, named in a legend beside the panels. More: one row of panels per
@@ -261,7 +336,9 @@ def figure(sweep_dir: str | pathlib.Path, metric: str | None = None) -> Any:
     a colour per name for words), and a third panel of the final ``metric`` against the value (one point per job, so
     seeds are repeated points). In both, the best job (:func:`best`) is thick and black and named in the
     title; failed or unfinished jobs are grey and dashed (and a grey x on the final panel), counted in the
-    title with the overrides every job shares.
+    title with the overrides every job shares. Where seeds repeat configurations (:func:`by_config`), the
+    per-value panels are drawn whatever the number of jobs, each value's mean +- std over its jobs is a bar on
+    the final panel, and "best" is the configuration with the best mean (all its seeds black).
 
     Example:
         >>> import pathlib, shutil, tempfile
@@ -284,18 +361,26 @@ def figure(sweep_dir: str | pathlib.Path, metric: str | None = None) -> Any:
     metric = metric or _metric_of(sweep_dir, rows) or "test_accuracy"
     varied, shared = _split_overrides(sweep_dir, rows)
     jobs = [_job(sweep_dir, row, metric) for row in rows]
-    top = best([{**j.row, metric: j.final} for j in jobs], metric)
-    kinds = ["best" if top is not None and j.row["job"] == top["job"] else
+    finals = [{**j.row, metric: j.final} for j in jobs]
+    seeded = _seeded(finals, metric, varied, seed_keys)
+    if seeded:  # the best configuration: every seed of it
+        groups = by_config(finals, metric, varied, seed_keys)
+        top = groups[0] if groups and groups[0]["n"] else None
+        best_jobs = {r["job"] for r in top["jobs"]} if top else set()
+    else:
+        top = best(finals, metric)
+        best_jobs = {top["job"]} if top is not None else set()
+    kinds = ["best" if j.row["job"] in best_jobs else
              "done" if j.row["status"] == "completed" else "failed" for j in jobs]
-    keys = [k for k in varied if k != "seed"] or varied or ["job"]
-    if len(jobs) <= _FEW_JOBS:
+    keys = [k for k in varied if k not in seed_keys] or varied or ["job"]
+    if len(jobs) <= _FEW_JOBS and not seeded:
         fig = Figure(figsize=(12, 4.2), layout="constrained")
         _per_job(fig, jobs, kinds, varied, metric)
     else:
         fig = Figure(figsize=(14, 0.9 + 2.8 * len(keys)), layout="constrained")
         _per_value(fig, jobs, kinds, keys, metric, _short_names(keys))
     FigureCanvasAgg(fig)  # a canvas of its own: no pyplot, no global backend switch
-    fig.suptitle(_title(sweep_dir, jobs, shared, top, varied, metric), fontsize=10)
+    fig.suptitle(_title(sweep_dir, jobs, shared, top, varied, metric, seeded), fontsize=10)
     return fig
 
 
@@ -356,7 +441,7 @@ def _per_value(fig: Any, jobs: list[_Job], kinds: list[str], keys: list[str], me
         ax.set_xlabel("")
     axes[0, 0].set_title("training loss (smoothed)", fontsize=9)
     axes[0, 1].set_title(metric, fontsize=9)
-    axes[0, 2].set_title(f"final {metric}, a point per job", fontsize=9)
+    axes[0, 2].set_title(f"final {metric} (bars: mean +- std)", fontsize=9)
 
 
 _STYLE = {  # how a job's curve is drawn, by what became of it
@@ -419,6 +504,15 @@ def _finals(ax: Any, jobs: list[_Job], kinds: list[str], colours: list, key: str
         else:
             ax.plot(x, job.final, "o", color=colour, markeredgecolor="white", markersize=7, alpha=0.85,
                     gid=f"job {job.row['job']}")
+    at: dict[float, list[float]] = {}  # each value's finals: their mean +- std, a bar beside the points
+    for job, kind in zip(jobs, kinds):
+        x = scale.position.get(str(job.row[key])) if job.row.get(key) is not None else None
+        if x is not None and kind != "failed" and job.final is not None:
+            at.setdefault(x, []).append(job.final)
+    for x, values in at.items():
+        if len(values) > 1:
+            ax.errorbar(x, statistics.fmean(values), yerr=statistics.stdev(values), fmt="_", color="0.2",
+                        markersize=16, capsize=5, elinewidth=1.4, zorder=5, gid=f"mean {x:g}")
     if scale.log:
         ax.set_xscale("log")
     if scale.ticks is not None:
@@ -541,13 +635,18 @@ def _short_names(keys: list[str]) -> dict[str, str]:
 
 
 def _title(sweep_dir: pathlib.Path, jobs: list[_Job], shared: dict, top: dict | None, varied: list[str],
-           metric: str) -> str:
+           metric: str, seeded: bool = False) -> str:
     statuses = [j.row["status"] for j in jobs if j.row["status"] != "completed"]
     status = ", ".join(f"{statuses.count(s)} {s}" for s in sorted(set(statuses))) + ": grey, dashed"
     lines = [f"{sweep_dir}: {len(jobs)} job{'s' * (len(jobs) != 1)}" + (f" ({status})" if statuses else "")]
     if shared:
         lines.append(_short("every job: " + " ".join(f"{k}={v}" for k, v in shared.items()), 150))
-    if top is not None:
+    if top is not None and seeded:
+        keys = [k for k in varied if k in top and k != "jobs"]
+        label = _config_label(top, keys, _short_names(varied))
+        lines.append(f"best (black): {label}, {metric} {_pm(top)}" if label else
+                     f"seeds of one configuration: {metric} {_pm(top)}")
+    elif top is not None:
         names = _short_names(varied)
         changed = " ".join(f"{names[k]}={top[k]}" for k in varied if k in top)
         lines.append(f"best (black): job {top['job']}, {metric} {_fmt(top[metric])}" + (f": {changed}" if changed else ""))
@@ -603,19 +702,24 @@ def finish_sweep() -> None:
 # --- python -m fxtrain.report ------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m fxtrain.report SWEEP_DIR [--metric NAME] [--out PNG] [--no-plot]``."""
+    """``python -m fxtrain.report SWEEP_DIR [--metric NAME] [--seed-keys K,K] [--out PNG] [--no-plot]``.
+
+    ``--metric`` changes every part of the output: the ranked column, the ``best:`` line and the plot."""
     parser = argparse.ArgumentParser(prog="python -m fxtrain.report", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=pathlib.Path, help="a multirun directory (or a single run's)")
-    parser.add_argument("--metric", help="the metric to plot next to the loss (default: the optimized one)")
+    parser.add_argument("--metric", help="the metric to rank by and plot (default: the optimized one)")
     parser.add_argument("--out", type=pathlib.Path, help="PNG path (default: SWEEP_DIR/curves.png)")
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
+    parser.add_argument("--seed-keys", default=",".join(SEED_KEYS),
+                        help=f"overrides whose jobs repeat one configuration (default: {','.join(SEED_KEYS)})")
     args = parser.parse_args(argv)
     if not args.sweep_dir.is_dir():
         parser.error(f"{args.sweep_dir} is not a directory")
-    print(describe(args.sweep_dir))
+    seed_keys = tuple(k.strip() for k in args.seed_keys.split(",") if k.strip())
+    print(describe(args.sweep_dir, args.metric, seed_keys))
     if not args.no_plot:
         try:
-            print(f"curves: {plot(args.sweep_dir, args.out, args.metric)}")
+            print(f"curves: {plot(args.sweep_dir, args.out, args.metric, seed_keys)}")
         except ImportError as e:
             print(f"curves: not plotted ({e})")
 

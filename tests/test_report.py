@@ -127,7 +127,7 @@ GRID36 = {"optim.chain.adamw.learning_rate": ["1e-3", "3e-3", "3e-2"], "warmup":
 
 
 def job_lines(ax):
-    return {line.get_gid(): line for line in ax.get_lines()}
+    return {line.get_gid(): line for line in ax.get_lines() if str(line.get_gid()).startswith("job ")}
 
 
 def overlaps(a, b):
@@ -156,13 +156,17 @@ def test_plot_many_jobs_colours_by_value(tmp_path):
     assert isinstance(lr_bar.norm, LogNorm) and type(warmup_bar.norm) is Normalize   # 1e-3..1 spans decades
     assert isinstance(clip_bar.norm, BoundaryNorm)                                    # words: a colour each
     assert [t.get_text() for t in clip_bar.ax.get_yticklabels()] == ["1.0", "none"]
-    best = report.best(rows, "test_accuracy")
+    # Seeds repeat each configuration: the best is the configuration with the best mean, all its seeds black.
+    best = report.by_config(rows, "test_accuracy", list(GRID36))[0]
+    best_jobs = {f"job {r['job']}" for r in best["jobs"]}
+    assert len(best_jobs) == 2
     for row_axes in zip(panels[0::3], panels[1::3]):
         for ax in row_axes:
             lines = job_lines(ax)
             assert set(lines) == jobs                                          # every job's curve is drawn
-            top = lines.pop(f"job {best['job']}")
-            assert top.get_color() == "black" and top.get_linewidth() > max(l.get_linewidth() for l in lines.values())
+            tops = [lines.pop(j) for j in best_jobs]
+            assert all(t.get_color() == "black" and t.get_linewidth() > max(l.get_linewidth() for l in lines.values())
+                       for t in tops)
             assert lines["job 36"].get_linestyle() == "--"                     # the failed one: dashed grey
             assert {l.get_linestyle() for k, l in lines.items() if k != "job 36"} == {"-"}
         assert row_axes[0].get_yscale() == "log"
@@ -170,11 +174,12 @@ def test_plot_many_jobs_colours_by_value(tmp_path):
     lr_lines = job_lines(panels[0])
     assert lr_lines["job 0"].get_color() == lr_lines["job 1"].get_color() != lr_lines["job 12"].get_color()
     finals = job_lines(panels[2])
-    assert len(finals) == 37 and finals[f"job {best['job']}"].get_marker() == "*"
+    assert len(finals) == 37 and all(finals[j].get_marker() == "*" for j in best_jobs)
     assert finals["job 36"].get_marker() == "x"
     title = fig._suptitle.get_text()
     assert f"{sweep}: 37 jobs (1 failed: grey, dashed)" in title and "every job: data=digits" in title
-    assert f"best (black): job {best['job']}, test_accuracy" in title and "learning_rate=" in title
+    label = " ".join(f"{k.split('.')[-1]}={best[k]}" for k in GRID36 if k != "seed")
+    assert f"best (black): {label}, test_accuracy {report._pm(best)}" in title
 
 
 def test_plot_eight_jobs_has_no_legend_over_the_panels(tmp_path):
@@ -252,7 +257,70 @@ def test_the_metric_a_task_function_declares_ranks_the_sweep(launcher, tmp_path,
         assert "task   mine, optimizes test_accuracy" in (tmp_path / "sweep" / job / "train.log").read_text()
     top = max(rows, key=lambda r: (r["test_accuracy"], -r["test_loss"]))  # highest accuracy; ties: lowest test_loss
     assert report.best(rows, "test_accuracy") == top
-    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("best: ")]
-    assert printed == [line for line in report.describe("sweep").splitlines() if line.startswith("best: ")]
-    assert printed[0].startswith(f"best: job {top['job']} (test_accuracy ") and printed[0].endswith(f"seed={top['seed']}")
-    assert f"best (black): job {top['job']}, test_accuracy" in report.figure("sweep")._suptitle.get_text()
+    # Three seeds of one configuration: nothing to choose between, their mean +- std by the declared metric.
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("best: ", "seeds: "))]
+    assert printed == [line for line in report.describe("sweep").splitlines() if line.startswith(("best: ", "seeds: "))]
+    assert printed == [f"seeds: one configuration, test_accuracy {report._pm(report.by_config(rows, 'test_accuracy', ['seed'])[0])}"]
+    assert "seeds of one configuration: test_accuracy" in report.figure("sweep")._suptitle.get_text()
+
+
+# --- seeds: jobs that differ only in a seed key are repeats of one configuration -------------------------
+
+SEEDED = {  # (learning_rate, seed) -> final test_accuracy: 0.1's luckiest seed beats every 0.3 job
+    ("0.1", "1"): 0.95, ("0.1", "2"): 0.70, ("0.1", "3"): 0.72,
+    ("0.3", "1"): 0.86, ("0.3", "2"): 0.84, ("0.3", "3"): 0.85,
+}
+
+
+@pytest.fixture
+def seeded(tmp_path):
+    for job, ((lr, seed), acc) in enumerate(SEEDED.items()):
+        curve = [{"step": s, "loss": 1.0 / s, "test_accuracy": acc - 0.1 / s} for s in (1, 5, 10)]
+        make_job(tmp_path, str(job), [f"optim.chain.adamw.learning_rate={lr}", f"seed={seed}"],
+                 completed(acc, 1.0 - acc if lr == "0.1" else 0.5), curve)
+    return tmp_path
+
+
+def test_seeds_group_into_configurations_ranked_by_mean(seeded):
+    rows = report.collect(seeded)
+    assert report.best(rows, "test_accuracy")["job"] == "0"         # the luckiest job is lr=0.1's seed 1
+    groups = report.by_config(rows, "test_accuracy", ["optim.chain.adamw.learning_rate", "seed"])
+    assert [g["optim.chain.adamw.learning_rate"] for g in groups] == ["0.3", "0.1"]
+    assert [g["n"] for g in groups] == [3, 3]
+    assert groups[0]["mean"] == pytest.approx(0.85) and groups[0]["std"] == pytest.approx(0.01)
+    assert groups[1]["mean"] == pytest.approx(0.79) and groups[1]["std"] == pytest.approx(0.1389, abs=1e-4)
+    text = report.describe(seeded)
+    assert "by configuration (test_accuracy over seed, best first):" in text
+    assert "best: optim.chain.adamw.learning_rate=0.3 (test_accuracy 0.85 +- 0.01, n=3)" in text
+    assert "best: job" not in text
+    table = text.split("by configuration")[1].splitlines()[1:]
+    assert table[0].split() == ["optim.chain.adamw.learning_rate", "test_accuracy", "mean", "std", "n", "jobs"]
+    assert table[2].split()[:4] == ["0.3", "0.85", "0.01", "3"] and table[2].split()[4:] == ["3", "4", "5"]
+
+
+def test_metric_changes_the_best_line_too(seeded, capsys):
+    # test_loss: lr=0.1's seeds have 0.10, 0.60, 0.56 (mean 0.42), lr=0.3's 1.0 each: 0.1 is best by loss.
+    assert "best: optim.chain.adamw.learning_rate=0.1 (test_loss 0.42 +- 0.2778, n=3)" in report.describe(seeded, "test_loss")
+    report.main([str(seeded), "--metric", "test_loss", "--no-plot"])
+    assert "best: optim.chain.adamw.learning_rate=0.1 (test_loss" in capsys.readouterr().out
+
+
+def test_seed_keys_name_what_repeats(seeded, capsys):
+    # With no seed keys every job is its own configuration, and the best is the luckiest job.
+    report.main([str(seeded), "--seed-keys", "data.seed", "--no-plot"])
+    out = capsys.readouterr().out
+    assert "by configuration" not in out and "best: job 0 (test_accuracy 0.95)" in out
+
+
+def test_plot_of_seeds_shows_mean_and_std_per_value(seeded):
+    pytest.importorskip("matplotlib")
+    fig = report.figure(seeded)
+    panels = fig.axes[:3]                                               # one row: learning_rate (seed left out)
+    assert panels[2].get_xlabel() == "learning_rate"
+    bars = [c for c in panels[2].containers]                            # errorbar containers: one per value
+    assert len(bars) == 2
+    means = sorted(bar.lines[0].get_ydata()[0] for bar in bars)
+    assert means == pytest.approx([0.79, 0.85])
+    lines = job_lines(panels[1])
+    assert {k for k, l in lines.items() if l.get_color() == "black"} == {"job 3", "job 4", "job 5"}  # best config's seeds
+    assert "best (black): learning_rate=0.3, test_accuracy 0.85 +- 0.01, n=3" in fig._suptitle.get_text()
