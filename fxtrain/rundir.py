@@ -69,7 +69,7 @@ METRICS = "metrics.jsonl"
 # Keys (or whole nodes) that do not change what a run computes, only how it is launched or recorded: a relaunch
 # may change them.
 UNHASHED = ("resume", "resume_force", "resume_relayout", "trainer.progress", "trainer.cpu_threads", "trainer.keep_last", "trainer.eval_batch_size",
-            "logger")
+            "trainer.export", "trainer.orbax_naming", "logger")
 _STEP = re.compile(r"^step_(\d+)$")
 
 

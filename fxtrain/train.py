@@ -30,6 +30,9 @@ config, and only rank 0 writes or prints (checkpoints are written by all ranks t
   checkpoint); training continues in this run's own directory. The checkpoint must be of this config (the
   config hash its manifest, or its run's ``run.json``, records): another run's is refused unless
   ``resume_force=true``.
+* ``resume=orbax:PATH``: an Orbax checkpoint a JAX program wrote (params and Optax state), read into this run,
+  which goes on from its step; ``trainer.export=orbax`` writes one into the run directory at the end
+  (:mod:`fxtrain.interop.run_hooks`).
 
 Both verify the checkpoint first (:func:`fxtrain.checkpoint.verify`; nothing in it is read by a loader that
 runs code): ``resume=auto`` goes back past a newest checkpoint that does not verify to the previous one,
@@ -75,6 +78,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import fxtrain as fx
 from fxtrain.errors import ConfigError
 from fxtrain import build, checkpoint, distributed, loggers, parallel, report, rundir, tasks, tree, validate
+from fxtrain.interop import run_hooks as orbax_hooks  # resume=orbax:PATH, trainer.export=orbax
 from fxtrain.models import count_params
 from fxtrain.parallel import evaluate, loss_function  # noqa: F401 - the runner's loss and evaluation (fxtrain.sweep uses them)
 
@@ -112,6 +116,7 @@ def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> float:
     built = build_run(cfg, run.device, run.dims)
     start, params, opt_state, buffers = _resume(cfg, run, built)
     final = _loop(cfg, run, built, start, params, opt_state, buffers, t0)
+    orbax_hooks.export(cfg, run.out, run.ckpt_dir, built.model, params, opt_state, buffers, built.tx)
     return finish_run(cfg, run.out, final, time.perf_counter() - t0, run.say)
 
 
@@ -193,7 +198,10 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
 def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, Any]:
     """``(start, params, opt_state, buffers)``: the checkpoint's, or step 0's; says the run's first lines."""
     start, params, opt_state, buffers, resumed = 0, built.params, built.opt_state, built.buffers, "from step 0"
-    if run.source is not None:
+    orbax = orbax_hooks.start(cfg, built.model, params, buffers, built.tx, run.dims.world)  # resume=orbax:PATH
+    if orbax is not None:
+        start, opt_state, resumed = orbax
+    elif run.source is not None:
         state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers),
                         saved_placements=True)  # a held gradient keeps its own (it may differ from its param's)
         # Into the built trees, in place: FSDP and pipeline stages compute with their modules' own tensors,
@@ -430,7 +438,7 @@ def _resume_plan(cfg: DictConfig, ckpt_dir: pathlib.Path | None,
       fxtrain.errors.ConfigError: ``resume=PATH`` with no checkpoint there, or ``resume_force`` not a boolean.
     """
     resume = cfg.get("resume")
-    if resume in (None, ""):
+    if resume in (None, "") or orbax_hooks.orbax_path(resume) is not None:  # orbax: read in _resume
         return None, None
     if meta is None:
         world = distributed.rank_and_world()[1]

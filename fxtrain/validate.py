@@ -44,7 +44,7 @@ Example:
     >>> check(cfg)
     Traceback (most recent call last):
     ...
-    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, device, cpu_threads, progress, allow_no_descent, early_stopping, eval_hooks
+    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, device, cpu_threads, progress, allow_no_descent, early_stopping, eval_hooks, export, orbax_naming
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
 from fxtrain import _base, build, checkpoint, distributed
+from fxtrain.interop import run_hooks as orbax_hooks
 from fxtrain.errors import ConfigError
 
 __all__ = ["check", "one_line_errors", "message", "DiskFull", "metric_names", "SCHEMA", "ARG_RULES"]
@@ -104,6 +105,7 @@ def check(cfg: DictConfig) -> None:
         _flag(cfg, key)
     _device(cfg)
     _resume(cfg)
+    orbax_hooks.check_settings(cfg)  # resume=orbax:PATH, trainer.export, trainer.orbax_naming
     _task_values(cfg)  # task.optimized_metric before the optimized_metric that follows it
     _text(cfg, "optimized_metric")
     _early_stopping_values(cfg)
@@ -178,7 +180,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
          "schedule", "amp", "accumulate", "parallel", "trainer", "logger"),
     "optim": ("chain",),
     "trainer": ("max_steps", "log_every", "eval_every", "eval_batch_size", "checkpoint_every", "keep_last", "device",
-                "cpu_threads", "progress", "allow_no_descent", "early_stopping", "eval_hooks"),
+                "cpu_threads", "progress", "allow_no_descent", "early_stopping", "eval_hooks", "export", "orbax_naming"),
     "trainer.early_stopping": ("metric", "patience", "mode", "min_delta"),
     "amp": ("policy", "loss_scale"),
     "accumulate": ("every", "mean", "accumulator_dtype"),
@@ -329,7 +331,7 @@ def _resume(cfg: DictConfig) -> None:
     if not (isinstance(value, str) and value.strip()):
         raise ConfigError(f"resume={_show(value)}: expected null (start at step 0), auto (this run's newest checkpoint) "
                           "or the path of a checkpoint or run directory")
-    if value != "auto":
+    if value != "auto" and orbax_hooks.orbax_path(value) is None:  # orbax:PATH: orbax_hooks.check_settings
         path = pathlib.Path(value)
         if not ((path / checkpoint.MANIFEST).exists() or checkpoint.latest(path / "checkpoints")
                 or checkpoint.latest(path)):
