@@ -74,6 +74,8 @@ STUDIES: dict[str, list[list[str]]] = {
         ["{py}", "experiments/lr_sweep/analyze.py", "{out}/runs", "--out", "{out}"],
     ],
     "jax_parity": [["{py}", "experiments/jax_parity/run.py", "--out", "{out}"]],  # ~15 s
+    # JAX -> Orbax -> fxtrain and back, against the runs that never crossed: ~20 s
+    "interop_roundtrip": [["{py}", "experiments/interop_roundtrip/run.py", "--out", "{out}"]],
 }
 
 

@@ -18,6 +18,7 @@ SCRIPTS = {
     "resnet_clip_accumulate/run.py": ("main", [], ["results.md", "loss_curves.png"]),
     "tiny_lm/run.py": ("main", [], ["results.md", "val_loss.png"]),
     "jax_parity/run.py": ("main", [], ["results.md", "loss_curves.png"]),
+    "interop_roundtrip/run.py": ("main", [], ["results.md"]),
     "amp/compare.py": ("main", [], ["results.md"]),
     "accumulation/accumulation.py": ("main", [], ["results.md"]),
     "clip_parallel/scale.py": ("main", [], ["results.md", "scale.png"]),

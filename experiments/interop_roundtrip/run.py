@@ -1,6 +1,7 @@
 """Round trip through Orbax: JAX -> fxtrain and fxtrain -> JAX, against the run that never crossed.
 
-    .venv/bin/python experiments/interop_roundtrip/run.py --out experiments/interop_roundtrip
+    .venv/bin/python experiments/interop_roundtrip/run.py --write              # replaces results.md here
+    .venv/bin/python experiments/interop_roundtrip/run.py --out /tmp/roundtrip  # a fresh copy (make studies)
 
 An MLP (flax.linen Dense 16-64-64-4 / torch nn.Linear, tanh) is trained with chain(clip_by_global_norm(1.0),
 adamw(1e-3, weight_decay=1e-2)) on seeded regression batches. JAX -> fxtrain: STEPS steps in JAX (jit),
@@ -21,8 +22,11 @@ import tempfile
 import torch
 from torch import nn
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE.parent / "bench"))
+import _common  # noqa: E402 - experiments/bench/_common.py: where results go
 
 import fxtrain as fx  # noqa: E402
 from fxtrain.interop import from_linen, load_orbax, save_orbax, to_jax, to_linen  # noqa: E402
@@ -106,11 +110,12 @@ def rel(got: dict, expected: dict) -> float:
     return max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in expected)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent))
     parser.add_argument("--steps", type=int, default=50, help="steps on each side of the crossing")
-    args = parser.parse_args()
+    _common.add_output_args(parser, HERE)  # results.md
+    args = parser.parse_args(argv)
+    out = _common.output_dir(parser, args, HERE)
     torch.set_num_threads(1)
     n = args.steps
     data = batches(2 * n)
@@ -150,7 +155,6 @@ def main() -> None:
         rows.append((f"fxtrain {n} ({kind}) -> Orbax -> JAX {n}", f"fxtrain {2 * n} ({kind})",
                      rel(from_linen({"params": jp}, net), full), losses[-1], fx_losses[-1]))
 
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"MLP {'-'.join(map(str, SIZES))} (tanh), batch {BATCH}, chain(clip_by_global_norm({CLIP}), "
              f"adamw({LR}, weight_decay={WD})), {n} + {n} steps against {2 * n}, float32, torch threads 1",
