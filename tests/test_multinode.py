@@ -172,7 +172,9 @@ def test_a_killed_rank_restarts_the_group_and_resumes(tmp_path, one_launcher):
             finish([proc], tmp_path, ["restart.log"])
             pytest.fail(f"the run ended (exit {proc.returncode}) before its first checkpoint was seen")
         time.sleep(0.01)
-    os.kill(workers(proc.pid)[0], signal.SIGKILL)  # rank 0: the writer of the run's files, and the lock holder
+    ranks = workers(proc.pid)
+    assert 0 in ranks, f"rank 0 ended before the kill (the run outpaced the test): {ranks}"
+    os.kill(ranks[0], signal.SIGKILL)  # rank 0: the writer of the run's files, and the lock holder
     finish([proc], tmp_path, ["restart.log"])
     log = (tmp_path / "restart.log").read_text()
     assert "failed (exitcode: -9) local_rank: 0" in log, log[-3000:]  # torchrun saw the kill, and went on
