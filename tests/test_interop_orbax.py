@@ -119,6 +119,41 @@ def test_round_trip_without_a_module_and_with_optax_like(tmp_path):
     assert torch.equal(s2[1][0].nu["b"], state[1][0].nu["b"])
 
 
+def test_scheduled_hyperparameters_cross_as_optax_stateful_inject(tmp_path):
+    # optax.inject_hyperparams with a schedule keeps a WrappedScheduleState(count) per scheduled hyperparameter
+    # (Optax >= 0.2.5): save_orbax(schedules=...) writes it, so Optax's own init is the restore target, and
+    # load_orbax reads it back as fxtrain's count. The step rides in the checkpoint's metadata (orbax_step).
+    from fxtrain.interop._orbax import orbax_step
+
+    shape = fx.linear_schedule(1.0, 0.0, 10)
+    tx = fx.inject_hyperparams(fx.adamw)(learning_rate=lambda n: LR * shape(n), weight_decay=WD)
+    otx = optax.inject_hyperparams(optax.adamw)(learning_rate=optax.linear_schedule(LR, 0.0, 10), weight_decay=WD)
+    params, grads = {"w": torch.randn(3, 2)}, {"w": torch.randn(3, 2)}
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = tx.update(grads, state, params)
+    save_orbax(tmp_path / "a", params, state, tx, step=3, schedules=("learning_rate",))
+    target = {"params": to_jax(params), "opt_state": otx.init(to_jax(params))}
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "a", jax.tree.map(ocp.utils.to_shape_dtype_struct, target))
+    assert int(restored["opt_state"].hyperparams_states["learning_rate"].count) == 3 == orbax_step(tmp_path / "a")
+    assert float(restored["opt_state"].hyperparams["learning_rate"]) == float(state.hyperparams["learning_rate"])
+    # what JAX writes (no step recorded) reads back into fxtrain's state, the schedules' counts as its count
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "b", restored)
+    checkpointer.wait_until_finished()
+    assert orbax_step(tmp_path / "b") is None
+    _, back = load_orbax(tmp_path / "b", params, tx)
+    assert int(back.count) == 3 and torch.equal(back.inner_state[0].nu["w"], state.inner_state[0].nu["w"])
+    # a hyperparameter state that is not a plain schedule's count is refused by its path
+    bad = {"params": restored["params"],
+           "opt_state": restored["opt_state"]._replace(hyperparams_states={"learning_rate": {"count": 3, "x": 1.0}})}
+    checkpointer.save(tmp_path / "c", bad)
+    checkpointer.wait_until_finished()
+    with pytest.raises(ValueError, match=r"differs at 'opt_state.hyperparams_states.learning_rate': dict where a "
+                                         r"WrappedScheduleState\(count\) is"):
+        load_orbax(tmp_path / "c", params, tx)
+
+
 def test_errors_name_the_path(tmp_path):
     _, tx = txs()
     params = {"w": torch.ones(3)}

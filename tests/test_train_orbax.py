@@ -8,6 +8,7 @@ import pytest
 ocp = pytest.importorskip("orbax.checkpoint")
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
+pytestmark = pytest.mark.jax
 
 import torch  # noqa: E402
 
