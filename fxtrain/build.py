@@ -28,7 +28,6 @@ import argparse
 import difflib
 import functools
 import importlib
-import importlib.util
 import inspect
 import pathlib
 import re
@@ -39,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
-from fxtrain import data, distributed, tasks
+from fxtrain import data, distributed, extras, tasks
 from fxtrain.errors import ConfigError
 
 __all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
@@ -697,7 +696,7 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
     Hydra reports an unknown option of a multi-select group (``optim/transform@optim.chain=[adamz]``)
     without listing the options; this lists them for every group, from every search-path entry (fxtrain's
     ``conf/``, ``--config-dir``, ``hydra.searchpath``), with the closest one, and names the optional extra
-    that ``hparams_search`` needs when it is missing. Options of a user's own groups are options like ours.
+    that a launcher, sweeper, logger or ``hparams_search`` needs when it is missing (:mod:`fxtrain.extras`). Options of a user's own groups are options like ours.
 
     >>> check_overrides(["seed=1", "model=resnet"])   # fine
     >>> check_overrides(["-m", "model=mlp,resnett"])
@@ -710,6 +709,8 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
     repo, overrides = search_path(argv, primary)
     for arg in overrides:
         m = _CHOICE.match(arg)
+        for option in _named_options(arg) if m else ():
+            extras.check_choice(m["group"], option, arg)  # an optional launcher, sweeper or logger: its extra
         if not m or m["group"].startswith("hydra") or not repo.group_exists(m["group"]):
             continue
         group = m["group"]
@@ -723,8 +724,6 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
                                   if source.is_group(group) and (found := sorted(
                                       source.list(group, ObjectType.CONFIG))))
                 raise ConfigError(f"{arg}: no {kind} {value!r} in {group}{hint}; available: {where}")
-        if group == "hparams_search" and _named_options(arg):
-            _require_optuna(arg)
 
 
 def _named_options(arg: str) -> list[str]:
@@ -747,12 +746,3 @@ def _named_options(arg: str) -> list[str]:
     values = (getattr(value, "list", None) or []) if override.is_sweep_override() else [value]  # glob, range: none
     return [str(name) for v in values for name in (v if isinstance(v, list) else [v]) if name is not None]
 
-
-def _require_optuna(arg: str) -> None:
-    try:
-        found = importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
-    except ImportError:  # no hydra_plugins namespace at all
-        found = False
-    if not found:
-        raise ConfigError(f"{arg} runs the Optuna sweeper, which is not installed: "
-                          "pip install 'fxtrain[optuna]' (optuna and hydra-optuna-sweeper)")

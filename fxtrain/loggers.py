@@ -11,7 +11,7 @@ and closes however the loop ends. Only rank 0 opens loggers.
 ``csv``                   ``metrics.csv``: one column per metric         nothing
 ``tensorboard``           ``tensorboard/events.out.tfevents.*``          ``fxtrain[tensorboard]``
 ``wandb``                 ``wandb/offline-run-*`` (``mode: offline``)    ``fxtrain[wandb]``
-``mlflow``                ``mlruns/`` (a local file store)               ``fxtrain[mlflow]``
+``mlflow``                ``mlflow.db`` (a local SQLite store)           ``fxtrain[mlflow]``
 ========================  =============================================  ======================
 
 ``metrics.jsonl`` is the run's record: the report, the plots, ``resume`` and :mod:`fxtrain.rundir` read it, so
@@ -50,7 +50,7 @@ import warnings
 from typing import Any, Mapping
 
 from fxtrain.errors import ConfigError
-from fxtrain import build
+from fxtrain import build, extras
 
 __all__ = ["RECORD", "open_loggers", "Loggers", "JsonlLogger", "CsvLogger", "TensorBoardLogger", "WandbLogger",
            "MlflowLogger", "mlflow_file_store"]
@@ -292,7 +292,7 @@ class TensorBoardLogger(_FileLogger):
     def __init__(self, dir: str | os.PathLike, subdir: str = "tensorboard", *, start: int = 0,
                  config: dict | None = None):
         del config
-        _require("tensorboard", "tensorboard", "tensorboard")
+        extras.require("tensorboard", "logger=tensorboard", "tensorboard", "tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = pathlib.Path(dir) / subdir
@@ -336,7 +336,7 @@ class WandbLogger(_FileLogger):
     def __init__(self, dir: str | os.PathLike, project: str = "fxtrain", name: str | None = None,
                  mode: str = "offline", settings: dict | None = None, *, start: int = 0, config: dict | None = None):
         del start
-        wandb = _require("wandb", "wandb", "wandb")
+        wandb = extras.require("wandb", "logger=wandb", "wandb", "wandb")
         pathlib.Path(dir).mkdir(parents=True, exist_ok=True)
         # create_new: the vmap launcher runs several jobs' loggers in one process, each its own run.
         self.run = wandb.init(dir=str(dir), project=project, name=name or str(dir), mode=mode, config=config,
@@ -352,17 +352,20 @@ class WandbLogger(_FileLogger):
 
 
 class MlflowLogger(_FileLogger):
-    """An MLflow run in a local file store, ``dir/mlruns`` by default: metrics by step, the config as params.
+    """An MLflow run in a local SQLite store, ``dir/mlflow.db`` by default: metrics by step, the config as params.
 
     The params are the run's config flattened to dotted keys (``optim.chain.adamw.learning_rate``). Each
-    launch is its own MLflow run in the experiment ``experiment``. ``mlflow ui --backend-store-uri
-    dir/mlruns`` shows it (with ``MLFLOW_ALLOW_FILE_STORE=true`` on MLflow 3.14 and later).
+    launch is its own MLflow run in the experiment ``experiment``. SQLite is MLflow 3's local store: its own
+    ``MlflowClient("sqlite:///<run dir>/mlflow.db")`` and ``mlflow ui --backend-store-uri
+    sqlite:///<run dir>/mlflow.db`` read it with no extra environment (the ``file:`` store that MLflow 3
+    deprecates, and 3.14 refuses without ``MLFLOW_ALLOW_FILE_STORE=true``, is still taken when
+    ``tracking_uri`` names one, opted in around this logger's own calls).
 
     Args:
       dir: the run directory.
       experiment: the MLflow experiment's name (created when missing).
       run_name: the run's name; ``None``: the run directory.
-      tracking_uri: ``None``: ``file:<dir>/mlruns``; or any MLflow tracking URI (a server, a shared store).
+      tracking_uri: ``None``: ``sqlite:///<dir>/mlflow.db``; or any MLflow tracking URI (a server, a shared store).
       start: unused.
       config: the run's resolved config.
 
@@ -371,23 +374,22 @@ class MlflowLogger(_FileLogger):
     >>> d = tempfile.mkdtemp()
     >>> with MlflowLogger(d, config={"optim": {"lr": 0.1}}) as logger:
     ...     logger.log(1, {"loss": 0.5})
-    >>> with mlflow_file_store():
-    ...     client = MlflowClient(logger.tracking_uri)
-    ...     [(m.step, m.value) for m in client.get_metric_history(logger.run_id, "loss")]
-    ...     client.get_run(logger.run_id).data.params
+    >>> client = MlflowClient(logger.tracking_uri)   # MLflow's own client, no environment to set
+    >>> [(m.step, m.value) for m in client.get_metric_history(logger.run_id, "loss")]
     [(1, 0.5)]
+    >>> client.get_run(logger.run_id).data.params
     {'optim.lr': '0.1'}
     """
 
     def __init__(self, dir: str | os.PathLike, experiment: str = "fxtrain", run_name: str | None = None,
                  tracking_uri: str | None = None, *, start: int = 0, config: dict | None = None):
         del start
-        _require("mlflow", "mlflow", "mlflow")
+        extras.require("mlflow", "logger=mlflow", "mlflow", "mlflow")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        self.tracking_uri = tracking_uri or (pathlib.Path(dir) / "mlruns").resolve().as_uri()
-        with mlflow_file_store():
+        self.tracking_uri = tracking_uri or f"sqlite:///{(pathlib.Path(dir) / 'mlflow.db').resolve()}"
+        with _opted_in(self.tracking_uri):
             self._client = MlflowClient(self.tracking_uri)
             found = self._client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
@@ -400,15 +402,27 @@ class MlflowLogger(_FileLogger):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        with mlflow_file_store():
+        with _opted_in(self.tracking_uri):
             self._client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def close(self) -> None:
-        with mlflow_file_store():
+        with _opted_in(self.tracking_uri):
             self._client.set_terminated(self.run_id)
 
     def __repr__(self) -> str:
         return f"MlflowLogger({self.tracking_uri!r})"
+
+
+@contextlib.contextmanager
+def _opted_in(tracking_uri: str):
+    """Around this logger's MLflow calls: :func:`mlflow_file_store` for a ``file:`` store; for SQLite, silence
+    SQLAlchemy 2.1's deprecation of the ``noload`` loader that MLflow's store models still use (a warning about
+    MLflow's code, raised once per process when its tables are mapped, that a user cannot act on)."""
+    with mlflow_file_store() if tracking_uri.startswith("file:") else contextlib.nullcontext():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The ``noload`` loader strategy is deprecated",
+                                    category=DeprecationWarning)
+            yield
 
 
 @contextlib.contextmanager
@@ -417,8 +431,9 @@ def mlflow_file_store():
 
     MLflow 3.x deprecates the file store: 3.6-3.13 warn (a ``FutureWarning`` at every store it opens), 3.14 and
     later refuse it unless ``MLFLOW_ALLOW_FILE_STORE=true``. A run directory's own store, no server and nothing
-    shared, is what :class:`MlflowLogger` is for, so it opts in around its own calls only; a value you set
-    yourself stays. Reading the store back needs the same (``mlflow ui``: set the variable).
+    shared, was what :class:`MlflowLogger` wrote before it took SQLite; it opts in around its own calls only where
+    ``tracking_uri`` names a ``file:`` store; a value you set yourself stays. Reading such a store back needs the
+    same (``mlflow ui``: set the variable).
 
     >>> import os
     >>> with mlflow_file_store():
@@ -446,11 +461,3 @@ def _flat(tree: Mapping, prefix: str = "") -> dict[str, str]:
         else:
             flat[f"{prefix}{k}"] = v if isinstance(v, str) else json.dumps(v)
     return flat
-
-
-def _require(module: str, logger: str, extra: str) -> Any:
-    """Imports ``module`` for ``logger=<logger>``, or says which extra installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"logger={logger} needs {module}: pip install 'fxtrain[{extra}]'") from None

@@ -59,17 +59,6 @@ def test_lr_sweep_config_is_the_grid_of_the_readme():
     assert cfg.hydra.sweep.dir.startswith("experiments/lr_sweep/runs/")
 
 
-def test_optuna_search_names_the_extra_it_needs():
-    try:
-        import hydra_plugins.hydra_optuna_sweeper  # noqa: F401
-        pytest.skip("the optuna extra is installed")
-    except ImportError:
-        pass
-    assert run_main("hparams_search=digits_optuna", "trainer.max_steps=300") == (
-        "Error: hparams_search=digits_optuna runs the Optuna sweeper, which is not installed: "
-        "pip install 'fxtrain[optuna]' (optuna and hydra-optuna-sweeper)")
-
-
 # --- experiments/resnet_clip_accumulate ----------------------------------------------------------------
 
 VARIANTS = ["resnet_baseline", "resnet_clip", "resnet_accumulate", "resnet_bf16"]

@@ -208,28 +208,27 @@ def test_wandb_offline_run_holds_the_history_and_config(tmp_path):
     assert run_record.display_name == str(tmp_path)
 
 
-def test_mlflow_file_store_read_back_by_mlflow(tmp_path, monkeypatch):
+def test_mlflow_store_read_back_by_mlflow_without_environment(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # MLflow 3.14+ refuses a file: store without it
 
     config = {"optim": {"chain": {"adamw": {"learning_rate": 0.003, "b1": 0.9}}}, "resume": None, "data": {}}
     with open_loggers(node("mlflow"), tmp_path, config=config) as group:
         for step in (1, 2, 3):
             group.log(step, {"loss": 1.0 / step, "grad_norm": NAN if step == 3 else 1.0})
     logger = group.loggers["mlflow"]
-    assert logger.tracking_uri == (tmp_path / "mlruns").as_uri()
-    with loggers.mlflow_file_store():
-        client = MlflowClient(logger.tracking_uri)
-        loss = client.get_metric_history(logger.run_id, "loss")
-        grad_norm = client.get_metric_history(logger.run_id, "grad_norm")
-        run = client.get_run(logger.run_id)
+    assert logger.tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(logger.tracking_uri)  # MLflow's own client, as a user opens it: no environment
+    loss = client.get_metric_history(logger.run_id, "loss")
+    grad_norm = client.get_metric_history(logger.run_id, "grad_norm")
+    run = client.get_run(logger.run_id)
     assert [(m.step, m.value) for m in loss] == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
     assert math.isnan(grad_norm[-1].value)
     assert run.data.params == {"optim.chain.adamw.learning_rate": "0.003", "optim.chain.adamw.b1": "0.9",
                                "resume": "null", "data": "{}"}
     assert run.info.status == "FINISHED" and run.info.run_name == str(tmp_path)
-    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # opted in around its own calls only
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
 
 
 # --- the runner ---------------------------------------------------------------------------------------------

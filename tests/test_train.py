@@ -87,8 +87,7 @@ def test_hparams_search_needs_the_optuna_extra(capsys):
         assert cfg.optimized_metric == "test_accuracy"
         return
     assert run_main("hparams_search=digits_optuna") == (
-        "Error: hparams_search=digits_optuna runs the Optuna sweeper, which is not installed: "
-        "pip install 'fxtrain[optuna]' (optuna and hydra-optuna-sweeper)")
+        "Error: hparams_search=digits_optuna needs hydra-optuna-sweeper: pip install 'fxtrain[optuna]'")
 
 
 # --- the chain -------------------------------------------------------------------------------------
