@@ -38,19 +38,54 @@ def _mesh():
 
 
 def _sharded(t, mesh):
-    """``t`` with every tensor leaf as a DTensor: ``Shard(0)`` where it has a dimension, else ``Replicate``."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    """``t`` with every tensor leaf as a DTensor: ``Shard(0)`` where it has a dimension, else ``Replicate``.
+    Each rank holds the whole ``t`` (the same seeds), so it takes its own piece, as ``distribute_tensor`` would
+    cut it (``torch.chunk``; a rank past the last chunk holds an empty one), without a collective."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def one(x):
         if not isinstance(x, torch.Tensor):
             return x
-        return distribute_tensor(x.clone(), mesh, [Shard(0) if x.ndim else Replicate()])
+        if not x.ndim:
+            return DTensor.from_local(x.clone(), mesh, [Replicate()], run_check=False)
+        return DTensor.from_local(_piece(x).clone(), mesh, [Shard(0)], run_check=False, shape=x.shape,
+                                  stride=x.stride())
 
     return fx.tree.map(one, t)
 
 
-def _full(t):
-    return fx.tree.map(lambda x: x.full_tensor() if hasattr(x, "full_tensor") else x, t)
+def _piece(x):
+    """This rank's piece of ``x`` under ``Shard(0)`` on 2 ranks."""
+    pieces = torch.chunk(x, 2)
+    rank = torch.distributed.get_rank()
+    return pieces[rank] if rank < len(pieces) else x[:0]
+
+
+def _part(x, d):
+    """The part of the plain leaf ``x`` that this rank's DTensor leaf ``d`` holds: its piece under ``Shard(0)``,
+    else all of it."""
+    from torch.distributed.tensor import Shard
+
+    return _piece(x) if getattr(d, "placements", None) == (Shard(0),) else x
+
+
+def _held(d, x):
+    """What this rank compares of the DTensor leaf ``d`` (its local piece under ``Shard(0)`` or ``Replicate``;
+    otherwise the gathered tensor); a donated kernel may return ``None`` for an update it leaves untouched
+    (see test_conformance): zeros."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if d is None:
+        return torch.zeros_like(x)
+    if not hasattr(d, "placements"):
+        return d
+    return d.to_local() if d.placements in ((Shard(0),), (Replicate(),)) else d.full_tensor()
+
+
+def _compared(plain, dts):
+    """(this rank's part of the DTensor tree ``dts``, the same part of the plain tree): every rank checks its
+    own pieces, so no gather is needed."""
+    return fx.tree.map(lambda x, d: _held(d, x), plain, dts), fx.tree.map(_part, plain, dts)
 
 
 def _params():
@@ -90,13 +125,11 @@ def _check(name):
     for mode in ("no_grad", "autograd", "donated"):
         dts, p_dt, _ = _run(build(), _sharded(_params(), mesh), lambda k: _sharded(_grads(k), mesh), mode)
         for k in range(STEPS):
-            # a donated kernel may return None for an update it leaves untouched (see test_conformance)
-            ours = fx.tree.map(lambda u, d: torch.zeros_like(u) if d is None else d, plain[k], _full(dts[k]))
             try:
-                assert_trees_close(ours, plain[k], **TOL)
+                assert_trees_close(*_compared(plain[k], dts[k]), **TOL)
             except AssertionError as e:
                 raise AssertionError(f"{name} ({mode}), step {k}: {e}") from None
-        assert_trees_close(_full(p_dt), p_plain, **TOL)
+        assert_trees_close(*_compared(p_plain, p_dt), **TOL)
 
 
 def _all_cases() -> dict:
