@@ -50,9 +50,9 @@ return a detached gradient.
 torch kernel (``fx.adam``, ``fx.adamw``, ``fx.sgd`` with plain-number arguments, alone or after
 ``clip_by_global_norm``, whose coefficient rides in the kernel's ``grad_scale``; see
 :mod:`fxtrain.transforms._fused`) runs its update and ``apply_updates_`` as that one kernel when the leaves
-allow it (plain floating tensors on one device); ``compile=True`` then compiles only the stacks that have
-no such kernel. It is the same math on the same state, to float32
-rounding; a pure step under ``torch.no_grad()`` runs the same kernel on copies, so donated and pure
+allow it (floating tensors on one device; DTensor params on their local pieces, their gradients placed
+first: every parallel layout); ``compile=True`` then compiles only the stacks that have no such kernel.
+It is the same math on the same state, to float32 rounding; a pure step under ``torch.no_grad()`` runs the same kernel on copies, so donated and pure
 steps still agree exactly there. Which stacks declare a kernel is :mod:`fxtrain.transforms._fused`'s
 business; the others take the foreach kernels.
 
@@ -238,16 +238,17 @@ def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool
         grads, loss, aux = grad(fn, params, batch, tx)
         # Nothing was written before this point: a failure above leaves the inputs as they were.
         with torch.no_grad():
+            grads = _owned(grads)
             # A fused torch kernel, where the stack declares one and the leaves allow it, also beats the
-            # compiled update (inductor's loops: 74 against 42 ms for clip + AdamW at 50M params). Fused
-            # kernels take plain tensors only (Partial DTensors never reach them): no sync here, else a
-            # DTensor step would all-reduce its gradients twice.
+            # compiled update (inductor's loops: 74 against 42 ms for clip + AdamW at 50M params). On DTensor
+            # leaves it runs on the local pieces and places the gradients itself (its collectives are the
+            # sync's): no sync before it, else a data-parallel step would all-reduce its gradients twice.
             if fused and _fused.step_(tx, grads, opt_state, params):
                 pass
             elif compiled is not None:
-                params, opt_state = compiled(sync(_owned(grads), params), opt_state, params, **extra(loss))
+                params, opt_state = compiled(sync(grads, params), opt_state, params, **extra(loss))
             else:
-                updates, opt_state = update_(tx, sync(_owned(grads), params), opt_state, params, **extra(loss))
+                updates, opt_state = update_(tx, sync(grads, params), opt_state, params, **extra(loss))
                 params = apply_updates_(params, updates)
         return params, opt_state, _metrics(loss, aux, opt_state, has_aux, constants)
 

@@ -17,7 +17,7 @@ import fxtrain as fx
 from tests import _worlds
 
 CASES, case = _worlds.registry(worlds=(2, 4))  # name -> (function(world), world sizes it runs at)
-TIMEOUT_S = 180
+TIMEOUT_S = 360  # a limit for the worlds of this file (the layout cases train 30 steps each), not their time
 STEPS = 10
 OPTIMIZERS = {
     "adamw": lambda: fx.adamw(1e-2, weight_decay=1e-2),
@@ -449,6 +449,192 @@ def test_plain_leaves_compose_with_vmap_and_grad(shard_over):
     params = nested_params()
     ours, ref = torch.func.grad(lambda p: loss(tx, p))(params), torch.func.grad(lambda p: loss(inner, p))(params)
     assert_trees_close(ours, ref, rtol=0, atol=0)
+
+
+# --- the fused kernel on every parallel layout (fxtrain/transforms/_fused.py) -------------------------------
+#
+# The runner's default stack, chain(clip_by_global_norm, sharded_apply(adamw)), trained 30 float32 steps on
+# a tiny TransformerLM under each of the runner's layouts, against one process with plain tensors (where the
+# same kernel runs). torch's own DDP/FSDP2 + fused AdamW end ~2e-6 from one process; the unfused out-of-place
+# path ended ~8e-6 away.
+
+LAYOUT_STEPS, LAYOUT_TOL, VOCAB = 30, 3e-6, 16
+
+
+def lm(experts: int = 0):
+    from fxtrain.models import TransformerLM
+
+    torch.manual_seed(0)
+    return TransformerLM(vocab_size=VOCAB, context=8, d_model=8, n_layers=2, n_heads=2, experts=experts)
+
+
+def lm_batches(world: int) -> list:
+    """LAYOUT_STEPS global batches (inputs, targets) of 2 sequences per rank, the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(LAYOUT_STEPS):
+        x = torch.randint(0, VOCAB, (2 * world, 9), generator=g)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
+def xent(logits, y):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def lm_loss(apply, buffers):
+    def loss_fn(params, b):
+        return xent(apply(params, buffers, b[0], train=True)[0], b[1])
+
+    return loss_fn
+
+
+def default_stack(groups=()):
+    return fx.chain(fx.clip_by_global_norm(0.5, groups=groups), fx.sharded_apply(fx.adamw(1e-2, weight_decay=0.1)))
+
+
+class FusedCalls:
+    """Records what every fused-kernel attempt of the steps returned (True: the kernel ran, False: fallback)."""
+
+    def __enter__(self):
+        from fxtrain.transforms import _fused
+
+        self.module, self.real, self.calls = _fused, _fused.step_, []
+        _fused.step_ = lambda *a: self.calls.append(self.real(*a)) or self.calls[-1]
+        return self.calls
+
+    def __exit__(self, *exc):
+        self.module.step_ = self.real
+
+
+_ONE_PROCESS: dict = {}
+
+
+def one_process(world: int, experts: int = 0) -> dict:
+    """The default stack's params after LAYOUT_STEPS steps in this process, plain tensors, whole batches."""
+    key = (world, experts)
+    if key not in _ONE_PROCESS:
+        apply, params, buffers = fx.functional(lm(experts))
+        tx = default_stack()
+        step, state = fx.train_step(lm_loss(apply, buffers), tx), tx.init(params)
+        with FusedCalls() as calls:
+            for b in lm_batches(world):
+                params, state, _ = step(params, state, b)
+        assert calls == [True] * LAYOUT_STEPS, calls
+        _ONE_PROCESS[key] = params
+    return _ONE_PROCESS[key]
+
+
+def train_layout(step, params, tx, batches) -> dict:
+    """LAYOUT_STEPS steps of ``step``; asserts every one ran the fused kernel. The params, gathered."""
+    state = tx.init(params)
+    with FusedCalls() as calls:
+        for b in batches:
+            params, state, _ = step(params, state, b)
+    assert calls == [True] * LAYOUT_STEPS, f"the fused kernel did not run on every step: {calls}"
+    return {k: full(v).detach() for k, v in params.items()}
+
+
+def assert_near_one_process(params: dict, ref: dict) -> None:
+    """Within LAYOUT_TOL of one process, except the attention key biases: softmax ignores a bias added to every
+    key, so their gradient is zero in exact arithmetic and rounding noise of ~1e-10 is all Adam sees, which it
+    normalises into steps of lr (1e-4 apart after 30 steps on any two reduction orders, one process too)."""
+    assert params.keys() <= ref.keys() and params, sorted(params)
+    errs = {k: float((params[k] - ref[k]).abs().max()) for k in params if not k.endswith("attn.k.bias")}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= LAYOUT_TOL, \
+        f"{worst} is {errs[worst]:.2g} from one process after {LAYOUT_STEPS} steps (> {LAYOUT_TOL})"
+
+
+def my_rows(b: tuple, index: int, parts: int) -> tuple:
+    n = len(b[1]) // parts
+    return tuple(t[index * n:(index + 1) * n] for t in b)
+
+
+@case(2)
+def case_fused_kernel_on_dp_replicated_params(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    apply, params, buffers = fx.parallel.data_parallel(lm(), init_device_mesh("cpu", (world,)))
+    tx, rank = default_stack(), dist.get_rank()
+    batches = [my_rows(b, rank, world) for b in lm_batches(world)]
+    assert_near_one_process(train_layout(fx.train_step(lm_loss(apply, buffers), tx), params, tx, batches),
+                            one_process(world))
+
+
+@case(2)
+def case_fused_kernel_on_fsdp_shards(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, mesh = lm(), init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    apply, params, buffers = fx.parallel.fully_sharded(model)
+    tx, rank = default_stack(), dist.get_rank()
+    step = fx.parallel.fully_sharded_step(lm_loss(apply, buffers), tx, model)
+    batches = [my_rows(b, rank, world) for b in lm_batches(world)]
+    assert_near_one_process(train_layout(step, params, tx, batches), one_process(world))
+
+
+@case(2)
+def case_fused_kernel_on_tp_shards(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = lm()
+    apply, params, buffers = fx.parallel.tensor_parallel(model, model.tp_plan(),
+                                                         init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    tx = default_stack()
+    step = fx.train_step(lm_loss(apply, buffers), tx)
+    assert_near_one_process(train_layout(step, params, tx, lm_batches(world)), one_process(world))
+
+
+@case(4)
+def case_fused_kernel_on_fsdp_x_tp_shards(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = lm()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], model.tp_plan())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    apply, params, buffers = fx.parallel.fully_sharded(model)
+    tx = default_stack()
+    step = fx.parallel.fully_sharded_step(lm_loss(apply, buffers), tx, model)
+    batches = [my_rows(b, mesh["dp"].get_local_rank(), world // 2) for b in lm_batches(world)]
+    assert_near_one_process(train_layout(step, params, tx, batches), one_process(world))
+
+
+@case(2)
+def case_fused_kernel_on_pipeline_stages(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    pp, rank = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",)), dist.get_rank()
+    module = lm().pipeline_stage(rank, world)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), group=pp.get_group())
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=xent)
+    _, params, _ = fx.functional(module)
+    tx = default_stack(groups=(pp,))  # stages hold disjoint params: the norm sums over the pp group
+    step = fx.parallel.pipeline_step(schedule, tx, pp_group=pp)
+    batches = [(x if rank == 0 else None, y if rank == world - 1 else None) for x, y in lm_batches(world)]
+    assert_near_one_process(train_layout(step, params, tx, batches), one_process(world))
+
+
+@case(2)
+def case_fused_kernel_on_expert_shards_and_replicated_dense_params(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    apply, params, buffers = fx.parallel.expert_parallel(lm(experts=4), mesh)
+    tx, rank = default_stack(), dist.get_rank()
+    batches = [my_rows(b, rank, world) for b in lm_batches(world)]
+    step = fx.train_step(lm_loss(apply, buffers), tx)
+    assert_near_one_process(train_layout(step, params, tx, batches), one_process(world, experts=4))
 
 
 # --- the pytest side: one spawned world per world size runs every case (tests/_worlds.py) ----------------

@@ -36,10 +36,22 @@ with the foreach path to float32 rounding, with one caveat:
 * clipping: ``g / (norm / m)`` in the kernel against ``g * (m / norm)`` on the foreach path, 1 float32
   rounding apart per element. ``torch.nn.utils.clip_grad_norm_`` divides by ``norm + 1e-6`` instead.
 
-Leaves must allow it too (:func:`step_` checks each call, in Python, on metadata only): plain (not
-DTensor) floating-point tensors, all on one device, each param, gradient and state leaf of one dtype and
-contiguous; with a clip, gradients that share no storage (the kernel writes the clipped gradients back
-into them). Otherwise the step takes the foreach kernels (same numbers, up to the above).
+Leaves must allow it too (:func:`step_` checks each call, in Python, on metadata only): floating-point
+tensors on one device, each param, gradient and state leaf of one dtype, params and state contiguous;
+with a clip, gradients that do not overlap in memory (the kernel writes the clipped gradients back into
+them). Otherwise the step takes the foreach kernels (same numbers, up to the above).
+
+**Parallel layouts.** The kernels are elementwise, so on DTensor params they run on the local pieces
+(``_local_tensor``), as ``sharded_apply`` does, and give the numbers of the whole tensor, provided each
+piece is updated once and its gradient is the whole batch's, placed like the param. So a DTensor param
+needs a gradient on its mesh and state placed exactly like it (``sharded_apply(adamw)``'s, or plain
+``adamw``'s ``zeros_like``); :func:`step_` first brings the gradients to their params' placements
+(:func:`fxtrain.distributed.match_placements`: data parallel's ``Partial`` ones all-reduced in one bucket
+per process group, FSDP2's ``Shard(0)`` ones already there, TP's ``Replicate`` embedding gradient sliced),
+and the clip's norm is :func:`fxtrain.distributed.global_norm` of those DTensors (each shard summed over
+its mesh, each mesh once, the clip's ``groups``: pipeline stages). This covers every layout of the runner:
+dp (``Replicate``), fsdp (``Shard(0)``), tp, fsdp x tp (``(_StridedShard, Shard)``), pp (plain stage
+params, norm over the pp group) and ep (experts ``Shard(0)`` on ep, dense params ``Replicate`` on dp).
 
 Example:
     >>> import torch, fxtrain as fx
@@ -70,6 +82,8 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
+
+from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 from fxtrain._base import FUSED_KERNELS, FusedSpec, GradientTransformation, traits, with_traits
@@ -132,16 +146,17 @@ def _plan(tx, grads, state, params):
         g, p, mu, nu = tree.align(grads, params, state[0].mu, state[0].nu, what="params")
         if not _allowed(g, p, mu, nu) or not _distinct(g, clip_state):
             return None
-        count = state[0].count
+        count = tree.local(state[0].count)
         fused = torch._fused_adamw_ if s.name == "adamw" else torch._fused_adam_
 
         def run():
             count.add_(1)
             if p:
+                lg, scale = _grads(g, p, s, clip_state)
                 steps = [count.to(torch.float32)] * len(p)  # read, not written, by the kernel
-                fused(p, g, mu, nu, [], steps, lr=hp["learning_rate"], beta1=hp["b1"], beta2=hp["b2"],
-                      weight_decay=hp.get("weight_decay", 0.0), eps=hp["eps"], amsgrad=False, maximize=False,
-                      grad_scale=_grad_scale(g, s, clip_state))
+                fused(_locals(p), lg, _locals(mu), _locals(nu), [], steps, lr=hp["learning_rate"], beta1=hp["b1"],
+                      beta2=hp["b2"], weight_decay=hp.get("weight_decay", 0.0), eps=hp["eps"], amsgrad=False,
+                      maximize=False, grad_scale=scale)
         return run
     if isinstance(state[0], TraceState):  # sgd with momentum (never 0: sgd declares no kernel then)
         g, p, bufs = tree.align(grads, params, state[0].trace, what="params")
@@ -154,10 +169,31 @@ def _plan(tx, grads, state, params):
 
     def run():
         if p:
-            torch._fused_sgd_(p, g, bufs, weight_decay=0.0, momentum=hp["momentum"], lr=hp["learning_rate"],
-                              dampening=0.0, nesterov=hp["nesterov"], maximize=False, is_first_step=False,
-                              grad_scale=_grad_scale(g, s, clip_state))
+            lg, scale = _grads(g, p, s, clip_state)
+            torch._fused_sgd_(_locals(p), lg, _locals(bufs), weight_decay=0.0, momentum=hp["momentum"],
+                              lr=hp["learning_rate"], dampening=0.0, nesterov=hp["nesterov"], maximize=False,
+                              is_first_step=False, grad_scale=scale)
     return run
+
+
+def _grads(g: list, p: list, s: FusedSpec, clip_state: Any) -> tuple[list, torch.Tensor | None]:
+    """The kernel's gradients (local pieces, placed like their params) and ``grad_scale``.
+
+    DTensor gradients are first brought to their params' placements (:func:`fxtrain.distributed.match_placements`:
+    ``Partial`` ones reduced in one bucketed collective per process group; FSDP's ``Shard(0)`` ones are already
+    there), so each rank's kernel updates its own piece of every param exactly once, with the gradient of the
+    whole batch: elementwise math on local pieces is the math on the whole tensor. The clip's norm is taken
+    of the placed DTensors, so it sums every shard over its mesh and every mesh once.
+    """
+    if any(isinstance(x, DTensor) for x in g):
+        g = distributed.match_placements(g, p)
+    local = [x if x.is_contiguous() else x.contiguous() for x in _locals(g)]  # a Shard(1) slice is strided
+    return local, _grad_scale(g, s, clip_state)
+
+
+def _locals(xs: list) -> list:
+    """The local pieces (``_local_tensor``: views the kernel writes into) of DTensor leaves; plain ones as they are."""
+    return [x._local_tensor if isinstance(x, DTensor) else x for x in xs]
 
 
 def _grad_scale(g: list, s: FusedSpec, clip_state: Any) -> torch.Tensor | None:
@@ -176,24 +212,45 @@ def _grad_scale(g: list, s: FusedSpec, clip_state: Any) -> torch.Tensor | None:
     return (norm / max_norm).clamp_(min=1.0).to(torch.float32)  # the kernels read a float32 scale
 
 
-def _allowed(*lists: list) -> bool:
-    """Plain floating tensors on one device, leafwise one dtype, contiguous (metadata only, no sync)."""
-    first = lists[0]
-    if not first:
+def _allowed(g: list, p: list, *states: list) -> bool:
+    """Metadata only, no sync: floating tensors on one device, leafwise one dtype; params and state contiguous.
+
+    A DTensor param needs a DTensor gradient on its mesh (any placements: the kernel's caller places it) and
+    state DTensors placed exactly like it (``sharded_apply``'s, or ``zeros_like`` of the param), so that the
+    local pieces line up element for element. Plain params need plain leaves throughout.
+    """
+    if not p:
         return True
-    device = first[0].device
-    for row in zip(*lists):
-        dtype = row[0].dtype
-        for x in row:
-            if (type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter)) or x.dtype != dtype \
-                    or x.device != device or not x.is_floating_point() or not x.is_contiguous():
+    device = tree.local(p[0]).device
+    for row in zip(g, p, *states):
+        x = row[1]
+        dtype = x.dtype
+        if isinstance(x, DTensor):
+            grad, mesh, placements = row[0], x.device_mesh, x.placements
+            if not (isinstance(grad, DTensor) and grad.device_mesh == mesh and grad.shape == x.shape) \
+                    or not all(isinstance(y, DTensor) and y.device_mesh == mesh and y.placements == placements
+                               for y in row[2:]):
+                return False
+        elif any(isinstance(y, DTensor) for y in row):
+            return False
+        for y in row:
+            local = tree.local(y)
+            if type(local) is not torch.Tensor and not isinstance(local, torch.nn.Parameter):
+                return False
+            if y.dtype != dtype or local.device != device or not y.is_floating_point():
+                return False
+            if y is not row[0] and not local.is_contiguous():  # gradients are placed (and made contiguous) first
                 return False
     return True
 
 
 def _distinct(g: list, clip_state: Any) -> bool:
-    """No two gradients share storage, where the kernel writes them (a clip): autograd may hand one buffer
-    to two leaves (``(a + b).sum()``), which would be divided twice. Metadata only."""
+    """No two gradients overlap in memory, where the kernel writes them (a clip): autograd may hand one buffer
+    to two leaves (``(a + b).sum()``), which would be divided twice. Disjoint slices of one buffer are fine
+    (FSDP2's reduce-scatter leaves a module's gradients so). Metadata only; a step copies overlapping
+    gradients before it asks (:func:`fxtrain.step.train_step`, as for its foreach kernels)."""
     if clip_state is None or len(g) < 2:
         return True
-    return len({x.untyped_storage().data_ptr() for x in g}) == len(g)
+    spans = sorted((x.untyped_storage().data_ptr(), x.data_ptr(), x.data_ptr() + x.numel() * x.element_size())
+                   for x in _locals(g))
+    return all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))

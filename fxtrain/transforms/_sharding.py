@@ -51,7 +51,9 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import distributed, tree
-from fxtrain._base import forwarded, GradientTransformation, call, is_elementwise, public_factory, transform, with_traits
+from fxtrain._base import (
+    GradientTransformation, call, forwarded, is_elementwise, public_factory, traits, transform, with_traits,
+)
 from fxtrain.distributed._collectives import check_same_mesh, contiguous_stride, redistribute
 
 __all__ = ["sharded_apply"]
@@ -157,13 +159,12 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
         roles = _roles([p if p is not None else u for p, u in zip(flat_p, flat_u)], shard_over)
         flat_u = _sync_grads(flat_u, roles, flat_p, lambda: tree.paths(updates))
         zero = _Zero.build(flat_u, roles) if any(r is not None for r in roles) else None
-        # The local piece: a view to write into when donated; to_local() (seen by autograd) when pure.
-        local_u = [tree.local(u) for u in flat_u]
+        local_u = [_piece(u) for u in flat_u]
         if zero is not None:
             _refuse_grad(local_u, "its ZeRO reduce-scatter and all-gather (shard_over) are outside autograd")
             zero.scatter(local_u)
         local_p = [_local_param(p, role) for p, role in zip(flat_p, roles)]
-        local_s = [tree.local(x) for x in flat_s]
+        local_s = [_piece(x) for x in flat_s]
 
         new_u, new_s = inner(tree.unflatten(uspec, local_u), tree.unflatten(sspec, local_s),
                              None if params is None else tree.unflatten(pspec, local_p), extra_args)
@@ -181,8 +182,10 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
     # Partial gradients come in unreduced (train_step skips its reduce_partials): ZeRO leaves are
     # reduce-scattered, the rest reduced here, packed.
     # ZeRO leaves need collectives: not nestable in a local map, hence not elementwise with shard_over.
+    # Without shard_over the state is tx's, placed like the params: tx's fused kernel (if it declares one)
+    # computes the same update on the same local pieces (fxtrain/transforms/_fused.py).
     return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=True, elementwise=shard_over is None,
-                       **forwarded(tx))
+                       fused=traits(tx).fused if shard_over is None else None, **forwarded(tx))
 
 
 _factory.__name__ = _factory.__qualname__ = "sharded_apply"
@@ -229,11 +232,21 @@ def _row_splits(rows: int, n: int) -> list[tuple[int, int]]:
     return [(min(k * c, rows), min(k * c + c, rows)) for k in range(n)]
 
 
-def _local_param(x: Any, role: _Role | None) -> Any:
+def _piece(x: Any) -> Any:
+    """The local piece of a DTensor leaf; anything else as is.
+
+    ``to_local()`` (an autograd Function, ~10 us) only where autograd must see it: a leaf that requires grad
+    while recording. Otherwise ``_local_tensor`` itself: the view a donated update writes into, and what
+    the pure update reads without writing (its math runs out of place).
+    """
     if not isinstance(x, DTensor):
         return x
-    local = tree.local(x)
-    return local if role is None else local[role.start:role.stop]
+    return x.to_local() if x.requires_grad and torch.is_grad_enabled() else x._local_tensor
+
+
+def _local_param(x: Any, role: _Role | None) -> Any:
+    local = _piece(x)
+    return local if role is None or not isinstance(x, DTensor) else local[role.start:role.stop]
 
 
 def _refuse_grad(xs: Sequence, why: str) -> None:
@@ -276,6 +289,11 @@ def _rewrap(new: Any, old: Any, old_local: Any) -> Any:
         return new
     if new is old_local:
         return old  # in place: the DTensor already holds the result, no from_local
+    if new.dtype == old.dtype and new.shape == old_local.shape and new.stride() == old_local.stride() \
+            and not (new.requires_grad and torch.is_grad_enabled()):
+        # old's spec (mesh, placements, global shape, stride, dtype) describes new exactly: the DTensor
+        # constructor takes it as is (~1 us), where from_local (an autograd Function, ~25 us) rebuilds it.
+        return DTensor(new, old._spec, requires_grad=new.requires_grad)
     return DTensor.from_local(new, old.device_mesh, old.placements, run_check=False, shape=old.shape,
                               stride=old.stride())
 
@@ -289,15 +307,17 @@ def _sync_grads(flat_u: list, roles: list, flat_p: list, paths: Callable[[], lis
     for u, p, role in zip(flat_u, flat_p, roles):
         if not isinstance(u, DTensor):
             targets.append(None)
+        elif role is None and isinstance(p, DTensor) and u.device_mesh is p.device_mesh:
+            targets.append(p.placements)  # the common case, without comparing meshes
         elif role is not None:
             targets.append(tuple(q if d == role.dim or not q.is_partial() else Replicate()
                                  for d, q in enumerate(u.placements)))
         elif isinstance(p, DTensor):
             check_same_mesh(u, p, paths, len(targets))
-            targets.append(tuple(p.placements))
+            targets.append(p.placements)
         else:  # no param to follow: reduce Partial dims only
             targets.append(tuple(Replicate() if q.is_partial() else q for q in u.placements))
-    if all(t is None or t == tuple(u.placements) for u, t in zip(flat_u, targets)):
+    if all(t is None or t == u.placements for u, t in zip(flat_u, targets)):
         return flat_u
     # Slices (Replicate -> Shard) are differentiable; reductions of Partial gradients are collectives.
     _refuse_grad([u for u, t in zip(flat_u, targets) if t is not None
@@ -421,8 +441,7 @@ def _local_map(fn: Callable, in_placements: Any, out_placements: Any, mesh: Any)
                     elif x.device_mesh != found[0]:
                         raise ValueError(f"sharded_apply({_fname(fn)}): argument {a} at '{path}' is on {x.device_mesh}, "
                                          f"another input on {found[0]}: one function runs on one mesh")
-                    # to_local() where autograd must see it (a differentiable input), else the piece itself
-                    x = x.to_local() if torch.is_grad_enabled() and x.requires_grad else x._local_tensor
+                    x = _piece(x)
                 out.append(x)
             local_args.append(tree.unflatten(spec, out))
         result = fn(*local_args)
