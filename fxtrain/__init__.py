@@ -24,6 +24,18 @@ from fxtrain._base import (
     with_traits,
 )
 
+# --- writing your own transforms: what the library's own wrappers use (fxtrain/_base.py)
+from fxtrain._base import (
+    call,
+    check_learning_rate,
+    check_needs_params,
+    check_nonnegative,
+    combine,
+    describe,
+    forwarded,
+    kernel,
+)
+
 # --- transforms and optimizers (fxtrain/transforms/, fxtrain/optimizers.py)
 from fxtrain.optimizers import adagrad, adam, adamw, lion, nadam, nadamw, polyak_sgd, rmsprop, sgd
 from fxtrain.transforms._adam import ScaleByAdamState, scale_by_adam

@@ -67,7 +67,12 @@ class FusedSpec(NamedTuple):
 class Traits(NamedTuple):
     """Facts about a transform that the step and the combinators need, declared once (see :func:`transform`).
 
-    Read them with :func:`traits`; combinators merge their children's in :func:`merge_traits`.
+    Read them with :func:`traits`; combinators merge their children's in :func:`merge_traits`. The repr
+    shows the traits that are set (``Traits()``: none).
+
+    >>> import fxtrain as fx
+    >>> fx.Traits(elementwise=True, extra_args=True)
+    Traits(elementwise=True, extra_args=True)
     """
 
     elementwise: bool = False  #: acts on each element independently (what ``sharded_apply`` requires)
@@ -79,6 +84,14 @@ class Traits(NamedTuple):
     #: names its state reports that stay constant (``inject_hyperparams``' unscheduled ``b1``, ``eps``...):
     #: the state keeps them, :func:`fxtrain.train_step` leaves them out of its metrics
     constant_reports: frozenset = frozenset()
+
+    def __repr__(self) -> str:
+        # Only what differs from the defaults: a stack's traits read at a glance.
+        ds = self._field_defaults
+        fused = lambda v: repr(v.name) if isinstance(v, FusedSpec) else repr(v)  # noqa: E731
+        shown = [f"{k}={fused(v) if k == 'fused' else describe(v)}" for k, v in zip(self._fields, self)
+                 if v is not ds[k] and v != ds[k]]
+        return f"Traits({', '.join(shown)})"
 
 
 class GradientTransformation(NamedTuple):
@@ -175,11 +188,18 @@ def call(tx: GradientTransformation, updates: Updates, state: State, params: Par
 
 
 def traits(tx: GradientTransformation) -> Traits:
-    """The :class:`Traits` ``tx`` declares (all false for a hand-written transform).
+    """The :class:`Traits` ``tx`` declares (none for a hand-written transform): the one way to ask for a trait.
+
+    A transform is ``elementwise`` only where its factory declares it (``@transform(elementwise=True)``);
+    combinators are when all their children are.
 
     >>> import fxtrain as fx
-    >>> fx.traits(fx.adam(0.1)).elementwise, fx.traits(fx.accumulate(fx.sgd(0.1), every=2)).partial_grads
-    (True, True)
+    >>> fx.traits(fx.adam(0.1))
+    Traits(elementwise=True, fused='adam')
+    >>> fx.traits(fx.chain(fx.clip_by_global_norm(1.0), fx.adam(0.1))).elementwise
+    False
+    >>> fx.traits(fx.accumulate(fx.sgd(0.1), every=2)).partial_grads
+    True
     """
     return tx.update.traits if isinstance(tx.update, _Update) else _PLAIN
 
@@ -212,12 +232,15 @@ def forwarded(*inner: GradientTransformation) -> dict[str, Any]:
             "constant_reports": frozenset().union(*(t.constant_reports for t in ts))}
 
 
-def named(tx: GradientTransformation, name: str) -> GradientTransformation:
+def named(tx: GradientTransformation, name: str | Callable[[], str]) -> GradientTransformation:
     """``tx`` printed as ``name``: in its repr, a chain's, the runner's ``stack`` line and error messages.
 
     The label is the one ``@transform`` gives library transforms (``scale(2.0)``); kernel, state and
     traits are ``tx``'s. A hand-written transform prints without it as the function that made its
-    ``update`` (``scale_by_foo`` for ``scale_by_foo.<locals>.update_fn``).
+    ``update`` (``scale_by_foo`` for ``scale_by_foo.<locals>.update_fn``). ``name`` may be a function of
+    no arguments returning the label: it is called on the first read (a label that formats tensor
+    hyperparameters would cost a host sync each time the transform is built). Format argument values
+    with :func:`describe`.
 
     >>> import torch, fxtrain as fx
     >>> def scale_by_two():
@@ -227,8 +250,8 @@ def named(tx: GradientTransformation, name: str) -> GradientTransformation:
     >>> fx.chain(fx.clip(1.0), scale_by_two(), fx.named(scale_by_two(), "double(mine)"))
     chain(clip(1.0), scale_by_two, double(mine))
     """
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"named: name must be a non-empty string, got {name!r}")
+    if not callable(name) and (not isinstance(name, str) or not name):
+        raise TypeError(f"named: name must be a non-empty string (or a function returning one), got {name!r}")
     return GradientTransformation(tx.init, _Update(kernel(tx), name, traits(tx)))
 
 
@@ -304,7 +327,14 @@ def is_elementwise(tx: GradientTransformation) -> bool:
     return traits(tx).elementwise
 
 
-def _name(obj: Any) -> str:
+def describe(obj: Any) -> str:
+    """How ``obj`` reads inside a transform's label: a transform by its repr, a function by its name, anything
+    else by its repr (what :func:`transform` writes for each argument; use it in labels of your own).
+
+    >>> import fxtrain as fx
+    >>> fx.describe(fx.scale(2.0)), fx.describe(fx.cosine_decay_schedule), fx.describe(0.1)
+    ('scale(2.0)', 'cosine_decay_schedule', '0.1')
+    """
     if isinstance(obj, GradientTransformation):
         return repr(obj)
     if inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.ismethod(obj):
@@ -329,17 +359,17 @@ def _label(name: str, sig: inspect.Signature, args: tuple, kwargs: dict) -> str:
     for n, v in bound.arguments.items():
         p = params[n]
         if p.kind == p.VAR_POSITIONAL:
-            children += [f"{x[0]}={_name(x[1])}" if _is_named_pair(x) else _name(x) for x in v]
+            children += [f"{x[0]}={describe(x[1])}" if _is_named_pair(x) else describe(x) for x in v]
         elif p.kind == p.VAR_KEYWORD:
-            head += [f"{k}={_name(x)}" for k, x in v.items()]
+            head += [f"{k}={describe(x)}" for k, x in v.items()]
         elif isinstance(v, GradientTransformation):
-            children.append(_name(v))
+            children.append(describe(v))
         elif p.default is not p.empty and _same(v, p.default):
             continue
         elif len(required) == 1 and n == required[0]:
-            head.insert(0, _name(v))
+            head.insert(0, describe(v))
         else:
-            head.append(f"{n}={_name(v)}")
+            head.append(f"{n}={describe(v)}")
     return f"{name}({', '.join(head + children)})"
 
 
@@ -372,7 +402,7 @@ def factories() -> dict[str, Callable]:
     return dict(_FACTORIES)
 
 
-def transform(factory: Callable | None = None, *, elementwise: bool | None = True,
+def transform(factory: Callable | None = None, *, elementwise: bool | None = False,
               partial_grads: bool | None = None, host: bool | None = None, extra_args: bool | None = None):
     """Decorator for transform factories: pure ``update`` around the kernel, declared traits, a readable repr.
 
@@ -380,8 +410,10 @@ def transform(factory: Callable | None = None, *, elementwise: bool | None = Tru
       factory: returns ``GradientTransformation(init_fn, update_fn)`` where ``update_fn`` is written with
         :mod:`fxtrain.tree`'s op layer: it may write into ``updates`` and ``state`` through it (never
         ``params``) and returns its results (see the module docstring).
-      elementwise: whether the transform treats every element independently (what
-        ``sharded_apply`` requires). ``None`` inherits the trait of the transform the factory returns
+      elementwise: each output element depends only on the same element of the inputs (updates,
+        params) and of the state: no norms, means or shapes across elements, no position in the leaf.
+        What ``sharded_apply`` requires, so it runs the transform on each rank's local shard. Opt-in:
+        ``False`` unless declared. ``None`` inherits the trait of the transform the factory returns
         (for optimizers, which are chains).
       partial_grads: takes data-parallel ``Partial`` gradients unreduced; ``None`` inherits.
       host: decides on the host between calls; ``None`` inherits.
@@ -394,7 +426,7 @@ def transform(factory: Callable | None = None, *, elementwise: bool | None = Tru
 
     Example:
         >>> import torch, fxtrain as fx
-        >>> @fx.transform
+        >>> @fx.transform(elementwise=True)     # each element on its own: sharded_apply may run it
         ... def add_one():
         ...     def init_fn(params):
         ...         del params
@@ -439,7 +471,7 @@ def _checked_init(init: Callable[[Params], State], update: _Update) -> Callable[
     return init_fn
 
 
-# --- validation -------------------------------------------------------------------------------------
+# --- validation: the checks transforms share, one message each ---------------------------------------
 
 def check_nonnegative(transform_name: str, **values: Any) -> None:
     """Checks numeric hyperparameters: Python numbers must be >= 0; tensors must be 0-dim and floating.
@@ -464,7 +496,22 @@ def check_nonnegative(transform_name: str, **values: Any) -> None:
                              "torch.func.vmap or use inject_hyperparams)")
 
 
-# --- combinators ----------------------------------------------------------------------------------
+def check_needs_params(name: str, params: Params) -> None:
+    """The check of a transform whose ``update`` reads the params: ``params=None`` is refused, one message.
+
+    ``name`` is what the message calls the transform (its factory's name, or the option that needs the
+    params: ``"weight_decay=0.1"``); the transform's label is prefixed when it runs under ``tx.update``.
+
+    >>> import fxtrain as fx
+    >>> fx.check_needs_params("scale_by_foo", {"w": 1.0})
+    >>> fx.check_needs_params("scale_by_foo", None)
+    Traceback (most recent call last):
+    ...
+    ValueError: scale_by_foo needs the params: call update(updates, state, params)
+    """
+    if params is None:
+        raise ValueError(f"{name} needs the params: call update(updates, state, params)")
+
 
 def check_learning_rate(name: str, **values: Any) -> None:
     """An optimizer's argument checks, for the library's aliases and users' own: a learning rate is required
@@ -473,9 +520,9 @@ def check_learning_rate(name: str, **values: Any) -> None:
     tensor's sign is checked at ``init`` by the optimizers (reading it here would be a host sync).
 
     Example:
-        >>> from fxtrain._base import check_learning_rate
-        >>> check_learning_rate("my_sgd", learning_rate=0.1, momentum=0.9)
-        >>> check_learning_rate("my_sgd", learning_rate=None)
+        >>> import fxtrain as fx
+        >>> fx.check_learning_rate("my_sgd", learning_rate=0.1, momentum=0.9)
+        >>> fx.check_learning_rate("my_sgd", learning_rate=None)
         Traceback (most recent call last):
         ...
         ValueError: my_sgd: learning_rate=None would apply the raw update direction (an ascent with step size 1); pass a number, a 0-dim tensor or a schedule
@@ -495,6 +542,8 @@ def check_learning_rate(name: str, **values: Any) -> None:
             raise ValueError(f"{name}: learning_rate is a schedule whose value at step 0 is {first:g}; it must be "
                              ">= 0 (a negative learning rate climbs the loss)")
 
+
+# --- combinators ----------------------------------------------------------------------------------
 
 def wrap_loss(tx: GradientTransformation, loss_fn: LossFn, state: State) -> LossFn:
     """``tx.wrap_loss(loss_fn, state)``, or ``loss_fn`` itself when ``tx`` does not touch the forward pass."""
@@ -523,7 +572,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return _combined(init_fn, update_fn, txs, lambda s: s)
+    return combine(init_fn, update_fn, txs, lambda s: s)
 
 
 @transform(elementwise=None)
@@ -551,12 +600,52 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
             updates, new_state[n] = call(t, updates, state[n], params, extra_args)
         return updates, new_state
 
-    return _combined(init_fn, update_fn, txs, lambda s: [s[n] for n in names])
+    return combine(init_fn, update_fn, txs, lambda s: [s[n] for n in names])
 
 
-def _combined(init_fn: Callable, update_fn: Callable, children: Sequence[GradientTransformation],
-              states_of: Callable | None = None) -> GradientTransformation:
-    """A combinator's transform, carrying its children's merged traits (:func:`merge_traits`)."""
+def combine(init_fn: Callable, update_fn: Callable, children: Sequence[GradientTransformation],
+            states_of: Callable | None = None) -> GradientTransformation:
+    """A wrapper transform that runs ``children``: it carries their merged traits (:func:`merge_traits`).
+
+    How the library's own wrappers (``chain``, ``masked``, ``apply_if_finite``, ``lookahead``...) are
+    built, and how you build yours: ``update_fn(updates, state, params=None, **extra_args)`` runs each
+    child with :func:`call` (which passes ``value=`` and other extra arguments on to the children that
+    read them); the result reads extra arguments if a child does, is elementwise only if every child is,
+    and keeps the children's constant reports. ``states_of(state)`` gives the children's states in order;
+    with it a child's ``wrap_loss`` (``amp_cast``) and a fused kernel carry over, without it such a child
+    is refused. Decorate the factory with :func:`transform` for its repr, and declare its own
+    elementwise-ness there: ``@transform(elementwise=None)`` keeps the children's. See the README's
+    "Writing your own transform".
+
+    Example: ``every_other(tx)`` applies ``tx`` on odd steps and passes updates through on even ones.
+
+        >>> import torch, fxtrain as fx
+        >>> from typing import Any, NamedTuple
+        >>> class EveryOtherState(NamedTuple):
+        ...     count: torch.Tensor
+        ...     inner: Any
+        >>> @fx.transform(elementwise=None)    # elementwise when tx is
+        ... def every_other(tx: fx.GradientTransformation) -> fx.GradientTransformation:
+        ...     def init_fn(params):
+        ...         return EveryOtherState(torch.zeros((), dtype=torch.int32), tx.init(params))
+        ...     def update_fn(updates, state, params=None, **extra_args):
+        ...         new, inner = fx.call(tx, updates, state.inner, params, extra_args)
+        ...         odd = state.count % 2 == 0      # the 1st, 3rd... update; no host sync
+        ...         new = fx.tree.map(lambda n, u: torch.where(odd, n, u), new, updates)
+        ...         return new, EveryOtherState(state.count + 1, inner)
+        ...     return fx.combine(init_fn, update_fn, (tx,), lambda s: (s.inner,))
+        >>> tx = every_other(fx.scale(-0.1))
+        >>> tx, fx.traits(tx)
+        (every_other(scale(-0.1)), Traits(elementwise=True))
+        >>> g = {"w": torch.ones(2)}
+        >>> state = tx.init(g)
+        >>> for _ in range(3):
+        ...     u, state = tx.update(g, state)
+        ...     print(u["w"].tolist())
+        [-0.1, -0.1]
+        [1.0, 1.0]
+        [-0.1, -0.1]
+    """
     return GradientTransformation(init_fn, _Update(update_fn, "", merge_traits(children, states_of)))
 
 
@@ -570,7 +659,7 @@ def _composed_wrap_loss(txs: tuple, states_of: Callable) -> Callable:
     return wrap
 
 
-@transform
+@transform(elementwise=True)
 def identity() -> GradientTransformation:
     """Leaves updates unchanged (Optax's ``identity``).
 

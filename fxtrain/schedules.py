@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from fxtrain._base import _name
+from fxtrain._base import describe
 
 Count = int | torch.Tensor
 Value = float | torch.Tensor
@@ -112,7 +112,7 @@ def _schedule(factory: Callable) -> Callable[..., Schedule]:
     def build(*args, **kwargs) -> Schedule:
         bound = bind(name, name, sig, args, kwargs)
         given = dict(bound.arguments)
-        label = lambda: f"{name}({', '.join(f'{k}={_name(v)}' for k, v in given.items())})"
+        label = lambda: f"{name}({', '.join(f'{k}={describe(v)}' for k, v in given.items())})"
         bound.apply_defaults()
         return Schedule(factory(**bound.arguments), label)
 

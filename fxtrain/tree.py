@@ -43,13 +43,15 @@ Tree = Any
 _NS = "fxtrain"  # optree namespace; register custom nodes with optree.register_pytree_node(..., namespace="fxtrain")
 
 
-def _kw(none_is_leaf: bool = True) -> dict:
+def optree_options(none_is_leaf: bool = True) -> dict:
+    """fxtrain's optree keyword arguments (``None`` a leaf unless told, fxtrain's node namespace), for calling
+    ``optree`` directly on the trees this module handles: ``optree.tree_map(f, t, **tree.optree_options())``."""
     return {"none_is_leaf": none_is_leaf, "namespace": _NS}
 
 
 def flatten(tree: Tree) -> tuple[list, optree.PyTreeSpec]:
     """Flattens ``tree`` into (leaves, spec); ``None`` leaves are kept so structures stay aligned."""
-    return optree.tree_flatten(tree, **_kw())
+    return optree.tree_flatten(tree, **optree_options())
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: Sequence) -> Tree:
@@ -59,21 +61,22 @@ def unflatten(spec: optree.PyTreeSpec, leaves: Sequence) -> Tree:
 
 def structure(tree: Tree) -> optree.PyTreeSpec:
     """The treespec of ``tree`` (``None`` counted as a leaf)."""
-    return optree.tree_structure(tree, **_kw())
+    return optree.tree_structure(tree, **optree_options())
 
 
 def leaves(tree: Tree) -> list:
     """The non-``None`` leaves of ``tree`` in flatten order."""
-    return optree.tree_leaves(tree, **_kw(False))
+    return optree.tree_leaves(tree, **optree_options(False))
 
 
-def _path_str(path: tuple) -> str:
+def path_str(path: tuple) -> str:
+    """A leaf's optree path as :func:`paths` writes it: ``"layer.0.w"``, ``"<root>"`` for the root."""
     return ".".join(str(p) for p in path) or "<root>"
 
 
 def paths(tree: Tree) -> list[str]:
     """Dotted paths of every leaf (``None`` included), in flatten order."""
-    return [_path_str(p) for p in optree.tree_paths(tree, **_kw())]
+    return [path_str(p) for p in optree.tree_paths(tree, **optree_options())]
 
 
 def first_mismatch(a: Tree, b: Tree) -> str | None:
@@ -87,17 +90,17 @@ def first_mismatch(a: Tree, b: Tree) -> str | None:
     """
     if structure(a) == structure(b):
         return None
-    a_paths = [tuple(p) for p in optree.tree_paths(a, **_kw())]
-    b_paths = [tuple(p) for p in optree.tree_paths(b, **_kw())]
+    a_paths = [tuple(p) for p in optree.tree_paths(a, **optree_options())]
+    b_paths = [tuple(p) for p in optree.tree_paths(b, **optree_options())]
     a_set, b_set = frozenset(a_paths), frozenset(b_paths)  # (`set` below is tree.set, Optax's tree_set)
     for p in a_paths + b_paths:  # a leaf that one tree has and the other lacks
         if p not in a_set or p not in b_set:
-            return _path_str(_deepest_shared_prefix(p, a_set if p in b_set else b_set))
+            return path_str(_deepest_shared_prefix(p, a_set if p in b_set else b_set))
     # Same leaf paths, different containers (a list where a tuple was expected, say): name the node.
     for p in a_paths:
         for k in range(len(p)):
             if type(_get(a, p[:k])) is not type(_get(b, p[:k])):
-                return _path_str(p[:k])
+                return path_str(p[:k])
     return "<root>"
 
 
@@ -123,7 +126,7 @@ def map(fn: Callable, tree: Tree, *rest: Tree) -> Tree:  # noqa: A001 - mirrors 
     {'a': 3, 'b': None}
     """
     _check_like(tree, rest)
-    return optree.tree_map(lambda x, *r: None if x is None else fn(x, *r), tree, *rest, **_kw())
+    return optree.tree_map(lambda x, *r: None if x is None else fn(x, *r), tree, *rest, **optree_options())
 
 
 def _check_like(tree: Tree, others: Sequence[Tree], what: str = "tree") -> None:
@@ -555,11 +558,13 @@ def put(like: Tree, mask: Tree, new: Sequence) -> Tree:
     flat, spec = flatten(like)
     keep = flatten(mask)[0] if mask is not like else flat
     it = iter(new)
-    out = [x if m is None else _rewrap(next(it), x) for x, m in zip(flat, keep)]
+    out = [x if m is None else rewrap(next(it), x) for x, m in zip(flat, keep)]
     return unflatten(spec, out)
 
 
-def _rewrap(new: Any, old: Any) -> Any:
+def rewrap(new: Any, old: Any) -> Any:
+    """``new``, computed from ``old``'s local piece (:func:`local`), as a DTensor placed like ``old`` when
+    ``old`` is one (its global shape and stride kept); ``new`` itself otherwise."""
     if isinstance(old, DTensor) and not isinstance(new, DTensor):
         return DTensor.from_local(new, old.device_mesh, old.placements, run_check=False, shape=old.shape,
                                   stride=old.stride())
@@ -595,7 +600,7 @@ def where_(pred: torch.Tensor, new: Sequence[torch.Tensor], out: Sequence[torch.
     Returns the selected leaves (``out`` itself in place; new tensors inside :func:`functional`).
     """
     if is_functional():
-        return [_rewrap(torch.where(pred, local(n), local(o)), o) for n, o in zip(new, out)]
+        return [rewrap(torch.where(pred, local(n), local(o)), o) for n, o in zip(new, out)]
     for n, o in zip(new, out):
         o = local(o)
         torch.where(pred, local(n), o, out=o)
@@ -605,7 +610,7 @@ def where_(pred: torch.Tensor, new: Sequence[torch.Tensor], out: Sequence[torch.
 def zero_where_(pred: torch.Tensor, xs: Sequence[torch.Tensor]) -> list:
     """``xs[i]`` with every element set to 0 where the 0-dim boolean ``pred`` is true (NaN and inf included)."""
     if is_functional():
-        return [_rewrap(local(x).masked_fill(pred, 0), x) for x in xs]
+        return [rewrap(local(x).masked_fill(pred, 0), x) for x in xs]
     for x in xs:
         local(x).masked_fill_(pred, 0)
     return list(xs)
@@ -673,7 +678,7 @@ def _children(node: Any) -> tuple[list, list, Callable[[list], Any]] | None:
     if node is None or isinstance(node, torch.Tensor):
         return None
     try:
-        children, meta, entries, unflatten_one = optree.tree_flatten_one_level(node, **_kw())
+        children, meta, entries, unflatten_one = optree.tree_flatten_one_level(node, **optree_options())
     except ValueError:  # a leaf type
         return None
     if _is_named_tuple(node):

@@ -1,5 +1,7 @@
 """Tests for fxtrain/_base.py: the protocol, the @transform decorator, chain, named_chain, apply_updates."""
 
+import re
+
 import pytest
 import torch
 
@@ -62,7 +64,7 @@ def test_hand_written_transforms_print_by_name_in_a_chain():
     assert fx.is_elementwise(fx.named(fx.scale(2.0), "s")) and not fx.is_elementwise(fx.named(_double(), "d"))
     with pytest.raises(ValueError, match=r"^foo\(3.0\): chain of 1 transforms got a state of 2"):
         fx.named(fx.chain(scale_by_foo(3.0)), "foo(3.0)").update(g, (fx.EmptyState(),) * 2)
-    with pytest.raises(TypeError, match="named: name must be a non-empty string, got ''"):
+    with pytest.raises(TypeError, match=r"named: name must be a non-empty string \(or a function returning one\), got ''"):
         fx.named(fx.scale(1.0), "")
 
 
@@ -89,6 +91,46 @@ def test_elementwise_flags_compose():
     assert fx.is_elementwise(fx.chain(fx.scale(1.0), fx.identity()))
     assert not fx.is_elementwise(fx.chain(fx.scale(1.0), fx.stateless(lambda u, p: u)))
     assert not fx.is_elementwise(_double())
+
+
+def test_elementwise_is_opt_in_and_traits_show_in_their_repr():
+    @fx.transform
+    def undeclared():
+        return fx.GradientTransformation(lambda p: fx.EmptyState(), lambda u, s, p=None: (u, s))
+
+    @fx.transform(elementwise=True)
+    def declared():
+        return fx.GradientTransformation(lambda p: fx.EmptyState(), lambda u, s, p=None: (u, s))
+
+    assert fx.traits(undeclared()) == fx.Traits() and repr(fx.traits(undeclared())) == "Traits()"
+    assert repr(fx.traits(declared())) == "Traits(elementwise=True)"
+    assert repr(fx.traits(fx.chain(declared(), undeclared()))) == "Traits()"
+    assert repr(fx.traits(fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(0.1)))) == "Traits(fused='adamw')"
+    assert repr(fx.traits(fx.contrib.reduce_on_plateau())).startswith("Traits(extra_args=True")
+    with pytest.raises(ValueError, match=r"^sharded_apply: undeclared\(\) is not elementwise"):
+        fx.sharded_apply(undeclared())
+    assert fx.is_elementwise(fx.sharded_apply(declared()))
+
+
+def test_one_needs_params_check_with_one_message():
+    g = {"w": torch.ones(2)}
+    for tx, name in [(fx.add_decayed_weights(0.1), "add_decayed_weights"),
+                     (fx.scale_by_trust_ratio(), "scale_by_trust_ratio"), (fx.scale_by_lbfgs(), "scale_by_lbfgs"),
+                     (fx.contrib.prodigy(), "prodigy"), (fx.contrib.scale_by_cocob(), "scale_by_cocob"),
+                     (fx.adaptive_grad_clip(0.1), "adaptive_grad_clip"),
+                     (fx.chain(fx.scale(1.0), fx.scale_by_factored_rms()), "scale_by_factored_rms")]:
+        message = f"{tx!r}: {name} needs the params: call update(updates, state, params)"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            tx.update(g, tx.init(g))
+
+
+def test_the_extension_api_is_what_library_wrappers_use():
+    # the README's names, reachable from fx, and the library's own wrappers are built with them
+    for name in ("combine", "call", "kernel", "forwarded", "describe", "named", "with_traits", "traits",
+                 "check_learning_rate", "check_needs_params", "check_nonnegative"):
+        assert getattr(fx, name) is getattr(_base, name)
+    tx = fx.masked(fx.add_decayed_weights(0.1), {"w": True})
+    assert fx.traits(tx) == fx.traits(fx.combine(tx.init, tx.update, (fx.add_decayed_weights(0.1),)))
 
 
 def test_wrap_loss_composes_first_outermost():

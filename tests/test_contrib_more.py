@@ -63,7 +63,7 @@ def test_errors_name_the_argument():
         C.dog(-1.0)
     for tx, name in [(C.scale_by_dog(("distance", 1.0)), "scale_by_dog"), (C.scale_by_cocob(), "scale_by_cocob"),
                      (C.scale_by_madgrad(0.1), "scale_by_madgrad")]:
-        with pytest.raises(ValueError, match=rf"{name} needs params at update"):
+        with pytest.raises(ValueError, match=rf"{name} needs the params: call update\(updates, state, params\)"):
             tx.update(torch.ones(2), tx.init(torch.ones(2)))
     with pytest.raises(ValueError, match=r"scale_by_cocob: alpha=-1.0 must be >= 0"):
         C.cocob(alpha=-1.0)
@@ -206,7 +206,7 @@ def test_mechanize_passes_extra_args_and_needs_params():
     p = torch.tensor([1.0, 2.0])
     u, _ = tx.update(2 * p, tx.init(p), p, value=(p ** 2).sum())  # reaches momo
     assert torch.isfinite(u).all()
-    with pytest.raises(ValueError, match="mechanize needs params at update"):
+    with pytest.raises(ValueError, match=r"mechanize needs the params: call update"):
         tx.update(2 * p, tx.init(p))
     with pytest.raises(ValueError, match=r"mechanize: num_betas=0 must be an int >= 1"):
         C.mechanize(fx.sgd(1.0), num_betas=0)

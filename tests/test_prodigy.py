@@ -75,7 +75,7 @@ def test_pure_dtypes_and_none_leaves():
 def test_needs_params():
     tx = fx.contrib.prodigy()
     g = {"w": torch.ones(2)}
-    with pytest.raises(ValueError, match=r"^prodigy\(\): needs the params"):
+    with pytest.raises(ValueError, match=r"^prodigy\(\): prodigy needs the params: call update\(updates, state, params\)$"):
         tx.update(g, tx.init(g))
 
 

@@ -138,7 +138,7 @@ def test_errors_name_the_argument():
         SF.schedule_free(fx.sgd(0.1), 0.1, b1=0.0)
     with pytest.raises(ValueError, match=r"schedule_free_sgd: learning_rate=-1.0 must be >= 0"):
         SF.schedule_free_sgd(-1.0)
-    with pytest.raises(ValueError, match=r"needs params"):
+    with pytest.raises(ValueError, match=r"schedule_free needs the params: call update"):
         tx = SF.schedule_free_sgd()
         tx.update(torch.ones(1), tx.init(torch.ones(1)))
     with pytest.raises(ValueError, match=r"ScheduleFreeState"):

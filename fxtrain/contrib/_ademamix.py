@@ -47,7 +47,7 @@ class ScaleByAdemamixState(NamedTuple):
     nu: Updates  # EMA of the squared gradients, in mu_dtype
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_ademamix(b1: Scalar = 0.9, b2: Scalar = 0.999, b3: ScalarOrSchedule = 0.9999,
                       alpha: ScalarOrSchedule = 6.0, eps: Scalar = 1e-8, eps_root: Scalar = 0.0,
                       mu_dtype: torch.dtype | str | None = None) -> GradientTransformation:
@@ -176,7 +176,7 @@ class ScaleBySimplifiedAdEMAMixState(NamedTuple):
     n: Updates  # EMA of the squared gradients
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_simplified_ademamix(b1: Scalar = 0.99, b2: Scalar = 0.95, alpha: ScalarOrSchedule = 0.0,
                                  eps: Scalar = 1e-8, eps_root: Scalar = 0.0) -> GradientTransformation:
     r"""Rescales updates with Simplified AdEMAMix: one undamped momentum plus the gradient (Optax's).

@@ -22,7 +22,7 @@ def _quarter_power(count: torch.Tensor) -> torch.Tensor:
     return count ** 0.25
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_adopt(b1: Scalar = 0.9, b2: Scalar = 0.9999, eps: Scalar = 1e-6,
                    mu_dtype: torch.dtype | str | None = None, *, nesterov: bool = False,
                    use_clipping: bool = True, clip_value_fn: Callable = _quarter_power) -> GradientTransformation:

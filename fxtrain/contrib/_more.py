@@ -11,11 +11,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
-from fxtrain._base import (GradientTransformation, Params, call, chain, check_nonnegative, identity, is_elementwise,
-                           transform, with_traits)
-from fxtrain.contrib._schedule_free import _scalar_dtype
+from fxtrain._base import (GradientTransformation, Params, call, chain, check_needs_params, check_nonnegative, identity,
+                           is_elementwise, transform, with_traits)
 from fxtrain.transforms._masking import Mask
-from fxtrain.transforms._moments import Scalar, bias_correction, counter, is_zero, param_device, safe_increment_
+from fxtrain.transforms._moments import (Scalar, bias_correction, counter, is_zero, param_device, safe_increment_,
+                                        scalar_dtype)
 from fxtrain.schedules import value_at
 from fxtrain.transforms._scaling import precision, scale_by_learning_rate
 from fxtrain.transforms._weight_decay import add_decayed_weights
@@ -28,12 +28,6 @@ __all__ = ["DoGState", "scale_by_dog", "dog", "DoWGState", "scale_by_dowg", "dow
 
 LearningRate = Scalar | Callable
 _INIT_STEPS = ("distance", "learning_rate", "heuristic")
-
-
-def _needs_params(name: str, params: Params) -> None:
-    if params is None:
-        raise ValueError(f"{name} needs params at update (it measures their distance from the initial ones): "
-                         "tx.update(grads, state, params)")
 
 
 def _sum_sq(xs: list) -> torch.Tensor:
@@ -107,7 +101,7 @@ def scale_by_dog(init_step: tuple[Literal["distance", "learning_rate", "heuristi
     check_nonnegative("scale_by_dog", init_step=value, eps=eps)
 
     def init_fn(params):
-        dtype = _scalar_dtype(params)
+        dtype = scalar_dtype(params)
         if kind == "distance":
             r_eps = value
         elif kind == "heuristic":
@@ -123,7 +117,7 @@ def scale_by_dog(init_step: tuple[Literal["distance", "learning_rate", "heuristi
                         sum_sq_norm_grads=torch.zeros((), dtype=dtype, device=param_device(params)))
 
     def update_fn(updates, state, params=None):
-        _needs_params("scale_by_dog", params)
+        check_needs_params("scale_by_dog", params)
         g, x0, x = tree.align(updates, state.init_params, params)
         max_dist = torch.maximum(state.max_dist, _safe_sqrt(_sq_dist(x0, x)).to(state.max_dist.dtype))
         sum_sq = state.sum_sq_norm_grads + _sum_sq(g).to(state.sum_sq_norm_grads.dtype)
@@ -222,14 +216,14 @@ def scale_by_dowg(init_estim_sq_dist: Scalar | None = None, eps: Scalar = 1e-4) 
     check_nonnegative("scale_by_dowg", init_estim_sq_dist=init_estim_sq_dist, eps=eps)
 
     def init_fn(params):
-        dtype, device = _scalar_dtype(params), param_device(params)
+        dtype, device = scalar_dtype(params), param_device(params)
         first = eps if init_estim_sq_dist is None else init_estim_sq_dist
         return DoWGState(init_params=tree.clone(params),
                          weighted_sq_norm_grads=torch.zeros((), dtype=dtype, device=device),
                          estim_sq_dist=torch.as_tensor(first, dtype=dtype, device=device).clone())
 
     def update_fn(updates, state, params=None):
-        _needs_params("scale_by_dowg", params)
+        check_needs_params("scale_by_dowg", params)
         g, x0, x = tree.align(updates, state.init_params, params)
         estim = torch.maximum(state.estim_sq_dist, _sq_dist(x0, x).to(state.estim_sq_dist.dtype))
         weighted = estim * _sum_sq(g).to(estim.dtype) + state.weighted_sq_norm_grads
@@ -294,7 +288,7 @@ class COCOBState(NamedTuple):
     reward: Params  # R: the bettor's wealth
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_cocob(alpha: Scalar = 100.0, eps: Scalar = 1e-8) -> GradientTransformation:
     r"""Rescales updates by COntinuous COin Betting (COCOB-Backprop; Optax's ``contrib.scale_by_cocob``).
 
@@ -334,8 +328,7 @@ def scale_by_cocob(alpha: Scalar = 100.0, eps: Scalar = 1e-8) -> GradientTransfo
                           subgradients=tree.zeros_like(params), reward=tree.zeros_like(params))
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError("scale_by_cocob needs params at update: tx.update(grads, state, params)")
+        check_needs_params("scale_by_cocob", params)
         g, x0, c, lo, s, r, x = tree.align(updates, *state, params)
         with tree.functional():  # two temporaries: |g| and the bet's distance
             a, d = tree.abs_(g), tree.add_(x, x0, -1.0)
@@ -412,7 +405,7 @@ def _cbrt_(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return xs
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_madgrad(learning_rate: LearningRate, momentum: Scalar = 0.9, eps: Scalar = 1e-6
                      ) -> GradientTransformation:
     r"""Rescales updates by MADGRAD's momentumized dual averaging (Optax's ``contrib.scale_by_madgrad``).
@@ -456,8 +449,7 @@ def scale_by_madgrad(learning_rate: LearningRate, momentum: Scalar = 0.9, eps: S
                             x0=tree.clone(params))
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError("scale_by_madgrad needs params at update: tx.update(grads, state, params)")
+        check_needs_params("scale_by_madgrad", params)
         lr = _scheduled(learning_rate, state.count, updates)
         lamb = (lr + eps) * (state.count + 1).to(precision(tree.leaves(updates))).sqrt()
         g, sq, s, x0, x = tree.align(updates, state.grad_sum_sq, state.s, state.x0, params)
@@ -524,8 +516,7 @@ _vdot = tree.vdot
 
 
 def _momo_check(name: str, params: Params, value: Any) -> None:
-    if params is None:
-        raise ValueError(f"{name} needs params at update: tx.update(grads, state, params, value=loss)")
+    check_needs_params(name, params)
     if value is None:
         raise ValueError(f"{name} needs the loss value at update: tx.update(grads, state, params, value=loss)")
 
@@ -548,7 +539,7 @@ def _polyak_step(f, barf, gamma, lb, iprod, sq_norm, alpha, bc1, lower_bound, ad
 
 
 def _momo_init(params: Params, lower_bound: Scalar) -> tuple:
-    dtype, device = _scalar_dtype(params), param_device(params)
+    dtype, device = scalar_dtype(params), param_device(params)
     zero = torch.zeros((), dtype=dtype, device=device)
     return zero, zero.clone(), torch.as_tensor(lower_bound, dtype=dtype, device=device).clone(), counter(params)
 
@@ -796,14 +787,13 @@ angle`:
         raise ValueError(f"mechanize: num_betas={num_betas!r} must be an int >= 1")
 
     def init_fn(params):
-        dtype, device = _scalar_dtype(params), param_device(params)
+        dtype, device = scalar_dtype(params), param_device(params)
         zeros = torch.zeros(num_betas, dtype=dtype, device=device)
         return MechanicState(base_optimizer_state=base_optimizer.init(params), count=counter(params), r=zeros,
                              m=zeros.clone(), v=zeros.clone(), s=torch.full_like(zeros, s_init), x0=tree.clone(params))
 
     def update_fn(updates, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError("mechanize needs params at update: tx.update(grads, state, params)")
+        check_needs_params("mechanize", params)
         g = tree.clone(tree.leaves(updates))  # the gradients, before the base optimizer writes its update there
         base_updates, base_state = call(base_optimizer, updates, state.base_optimizer_state, params, extra_args)
         u, x0, x = tree.align(base_updates, state.x0, params)
@@ -906,15 +896,14 @@ ight), \quad
     sb2 = beta2 ** 0.5
 
     def init_fn(params):
-        dtype, device = _scalar_dtype(params), param_device(params)
+        dtype, device = scalar_dtype(params), param_device(params)
         return DAdaptAdamWState(tree.zeros_like(params), tree.zeros_like(params), tree.zeros_like(params),
                                 torch.as_tensor(estim_lr0, dtype=dtype, device=device).clone(),
                                 torch.zeros((), dtype=dtype, device=device), counter(params))
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        if params is None:
-            raise ValueError("dadapt_adamw needs params at update: tx.update(grads, state, params)")
+        check_needs_params("dadapt_adamw", params)
         sched = _scheduled(learning_rate, state.count, updates)
         count = state.count + 1
         bc = bias_correction(beta2, count) ** 0.5 / bias_correction(beta1, count)

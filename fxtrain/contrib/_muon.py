@@ -222,10 +222,10 @@ def _broadcast(dims: Any, t: Any) -> Any:
     """``dims`` (a :class:`MuonDimensionNumbers`, ``None``, or a tree of them, a prefix of ``t``) given to
     every leaf of ``t``; masked-out subtrees (:class:`MaskedNode`) stay masked."""
     def fill(d, sub):
-        return optree.tree_map(lambda _: d, sub, **tree._kw())
+        return optree.tree_map(lambda _: d, sub, **tree.optree_options())
 
     try:
-        return optree.tree_map(fill, dims, t, is_leaf=_is_dims, **tree._kw())
+        return optree.tree_map(fill, dims, t, is_leaf=_is_dims, **tree.optree_options())
     except ValueError as e:
         raise ValueError(f"weight dimension numbers do not match the params' structure ({e})") from None
 
@@ -490,7 +490,8 @@ def muon(learning_rate: Scalar | Callable, ns_coeffs: Sequence | str = _DEFAULT_
     else:
         def labels(params):
             return optree.tree_map(lambda d: "adam" if d is None else "muon",
-                                   _resolve(muon_weight_dimension_numbers, params), is_leaf=_is_dims, **tree._kw())
+                                   _resolve(muon_weight_dimension_numbers, params), is_leaf=_is_dims,
+                                   **tree.optree_options())
         dims = muon_weight_dimension_numbers
 
     return partition({

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, Traits, _name, _Update, chain, check_nonnegative, identity, kernel, traits
+from fxtrain._base import GradientTransformation, chain, check_nonnegative, describe, identity, named
 from fxtrain.transforms._momentum import trace
 from fxtrain.transforms._per_example import check_batch_axis, clip_sum
 from fxtrain.transforms._scaling import scale_by_learning_rate
@@ -84,7 +84,7 @@ def _seed(key: Any, seed: Any, owner: str) -> int | torch.Tensor:
     if seed is not None:
         warnings.warn(f'{owner}: "seed" is deprecated (as in Optax), use "key"', DeprecationWarning, stacklevel=3)
         if key is not None:
-            raise ValueError(f"{owner}: pass one of key={_name(key)} or seed={_name(seed)}, not both")
+            raise ValueError(f"{owner}: pass one of key={describe(key)} or seed={describe(seed)}, not both")
         key = seed
     if key is None:
         warnings.warn(f"{owner}: no key given, using key=0 (as Optax does); pass key= for your own noise",
@@ -171,9 +171,9 @@ def differentially_private_aggregate(l2_norm_clip: Any, noise_multiplier: Any,
         return (tree.unflatten(spec, [None if x is None else next(it) for x in flat]),
                 DifferentiallyPrivateAggregateState(new_key))
 
-    label = lambda: (f"{owner}({_name(l2_norm_clip)}, {_name(noise_multiplier)}"  # noqa: E731
-                     f"{'' if key is None and seed is None else f', key={_name(seed32)}'})")
-    return GradientTransformation(init_fn, _Update(update_fn, label, Traits(elementwise=False)))
+    label = lambda: (f"{owner}({describe(l2_norm_clip)}, {describe(noise_multiplier)}"  # noqa: E731
+                     f"{'' if key is None and seed is None else f', key={describe(seed32)}'})")
+    return named(GradientTransformation(init_fn, update_fn), label)
 
 
 def dpsgd(learning_rate: Any, l2_norm_clip: Any, noise_multiplier: Any,
@@ -224,7 +224,7 @@ def dpsgd(learning_rate: Any, l2_norm_clip: Any, noise_multiplier: Any,
         warnings.warn('dpsgd: "seed" is deprecated (as in Optax), use "key" (the same noise)', DeprecationWarning,
                       stacklevel=2)
         if key is not None:
-            raise ValueError(f"dpsgd: pass one of key={_name(key)} or seed={_name(seed)}, not both")
+            raise ValueError(f"dpsgd: pass one of key={describe(key)} or seed={describe(seed)}, not both")
         key = seed
     if key is None:
         warnings.warn("dpsgd: no key given, using key=0 (as Optax does); pass key= for your own noise", UserWarning,
@@ -233,9 +233,9 @@ def dpsgd(learning_rate: Any, l2_norm_clip: Any, noise_multiplier: Any,
     tx = chain(differentially_private_aggregate(l2_norm_clip, noise_multiplier, key=key),
                trace(decay=momentum, nesterov=nesterov) if momentum is not None else identity(),
                scale_by_learning_rate(learning_rate))
-    args = [_name(learning_rate), _name(l2_norm_clip), _name(noise_multiplier), f"key={_name(key)}"]
+    args = [describe(learning_rate), describe(l2_norm_clip), describe(noise_multiplier), f"key={describe(key)}"]
     if momentum is not None:
-        args.append(f"momentum={_name(momentum)}")
+        args.append(f"momentum={describe(momentum)}")
     if nesterov:
         args.append("nesterov=True")
-    return GradientTransformation(tx.init, _Update(kernel(tx), lambda: f"dpsgd({', '.join(args)})", traits(tx)))
+    return named(tx, lambda: f"dpsgd({', '.join(args)})")

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, Updates, check_nonnegative, transform
+from fxtrain._base import GradientTransformation, Updates, check_needs_params, check_nonnegative, transform
 from fxtrain.schedules import value_at
 from fxtrain.transforms._moments import Scalar, counter, ema_, ema_sq_, is_zero, param_device, safe_increment_
 from fxtrain.transforms._scaling import precision
@@ -116,8 +116,7 @@ def prodigy(learning_rate: Scalar | Callable = 1.0, betas: tuple[Scalar, Scalar]
             numerator_weighted=torch.zeros((), dtype=dtype, device=device), count=counter(params))
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError("needs the params: call update(updates, state, params)")  # prefixed with the repr
+        check_needs_params("prodigy", params)
         g, m, v, s, x0, x = tree.align(updates, state.exp_avg, state.exp_avg_sq, state.grad_sum, state.params0,
                                        params)
         d = state.estim_lr

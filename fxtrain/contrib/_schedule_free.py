@@ -7,11 +7,12 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import (forwarded, GradientTransformation, Params, call, chain, check_nonnegative, is_elementwise,
-                           transform, with_traits)
+from fxtrain._base import (forwarded, GradientTransformation, Params, call, chain, check_needs_params, check_nonnegative,
+                           is_elementwise, transform, with_traits)
 from fxtrain.optimizers import sgd
 from fxtrain.schedules import linear_schedule
-from fxtrain.transforms._moments import Scalar, as_dtype, mixed_dtypes, param_device, safe_increment_
+from fxtrain.transforms._moments import (Scalar, as_dtype, mixed_dtypes, param_device, safe_increment_,
+                                        scalar_dtype)
 from fxtrain.transforms._rms import scale_by_rms
 from fxtrain.transforms._scaling import scale_by_learning_rate
 from fxtrain.transforms._weight_decay import add_decayed_weights
@@ -67,14 +68,6 @@ def schedule_free_eval_params(state: ScheduleFreeState, params: Params) -> Param
     return tree.map(lambda y, zi: ((y - (1 - b1) * zi) / b1).to(y.dtype), params, z)
 
 
-def _scalar_dtype(params: Params) -> torch.dtype:
-    """Optax's ``tree.dtype(params, 'lowest')`` for the 0-dim state: the narrowest floating dtype of the
-    params (complex params: its real counterpart, since the learning rates are real)."""
-    dtypes = {x.dtype.to_real() if x.is_complex() else x.dtype for x in tree.leaves(params)
-              if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())}
-    return min(dtypes, key=lambda d: (torch.finfo(d).bits, torch.finfo(d).eps), default=torch.float32)
-
-
 @transform(elementwise=None, extra_args=True)
 def schedule_free(base_optimizer: GradientTransformation, learning_rate: LearningRate, b1: Scalar = 0.9,
                   weight_lr_power: Scalar = 2.0, state_dtype: torch.dtype | str | None = None
@@ -128,7 +121,7 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate: Learnin
     state_dtype = as_dtype(state_dtype, "schedule_free: state_dtype")
 
     def init_fn(params):
-        dtype, device = _scalar_dtype(params), param_device(params)
+        dtype, device = scalar_dtype(params), param_device(params)
         # z is a copy: a donated update writes into it, never into the params.
         z = tree.map(lambda p: p.to(state_dtype or p.dtype, copy=True), params)
         return ScheduleFreeState(
@@ -139,8 +132,7 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate: Learnin
             base_optimizer_state=base_optimizer.init(params), z=z)
 
     def update_fn(updates, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError("schedule_free needs params at update: tx.update(grads, state, params)")
+        check_needs_params("schedule_free", params)
         lr = learning_rate(state.step_count) if callable(learning_rate) else learning_rate
         max_lr = torch.maximum(state.max_lr, torch.as_tensor(lr, dtype=state.max_lr.dtype,
                                                               device=state.max_lr.device))

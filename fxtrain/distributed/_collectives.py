@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from fxtrain import tree
-from fxtrain.distributed._norms import _REDUCE_OPS, _acc, _flat, _unflat, to_local
+from fxtrain.distributed._norms import REDUCE_OPS, acc_dtype, pack, to_local, unpack
 
 __all__ = ["match_placements", "reduce_partials", "reduce_scatter_flat", "all_gather_flat"]
 
@@ -159,11 +159,11 @@ def redistribute(flat: list, targets: list, paths: Callable[[], list]) -> list:
             elif m.kind == "reduce":
                 idx = [i for i, _ in m.items]
                 like = [cur[i] for i in idx]
-                buf = _flat(like, m.acc, mixed=len({x.dtype for x in like}) > 1)
+                buf = pack(like, m.acc, mixed=len({x.dtype for x in like}) > 1)
                 dist.all_reduce(buf, op=m.op, group=m.group)
                 if m.div != 1:
                     buf.div_(m.div)
-                for i, piece in zip(idx, _unflat(buf, like)):
+                for i, piece in zip(idx, unpack(buf, like)):
                     cur[i] = piece.to(flat[i].dtype)
             else:
                 _reduce_scatter(m, cur, flat)
@@ -212,9 +212,9 @@ def _plan_moves(flat: list, targets: list) -> _Moves:
                 continue
             kind = "scatter" if to.is_shard() else "reduce"
             group = mesh.get_group(d)
-            op = getattr(dist.ReduceOp, _REDUCE_OPS[have.reduce_op])
+            op = getattr(dist.ReduceOp, REDUCE_OPS[have.reduce_op])
             div = n if have.reduce_op == "avg" else 1
-            acc = _acc(x.dtype)
+            acc = acc_dtype(x.dtype)
             bkey = (kind, tuple(dist.get_process_group_ranks(group)), str(op), div, acc)
             move = next((m for m in stages[d] if isinstance(m, _Move) and m.key == bkey), None)
             if move is None:

@@ -52,7 +52,8 @@ __all__ = ["global_norm", "global_sum_sq", "global_count", "GlobalSumSq", "to_lo
 
 Group = Any  # a torch.distributed ProcessGroup, or a 1-D DeviceMesh
 
-_REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}  # avg: SUM, then divide
+#: ``Partial(reduce_op)`` -> the name of the ``dist.ReduceOp`` that reduces it (avg: SUM, then divide)
+REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 _MAX_PLANS = 64  # cached plans (one per leaf signature seen); more than that and the oldest goes
 
 
@@ -187,7 +188,8 @@ def _as_real(x: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(x) if x.is_complex() else x
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype reductions of ``dtype`` values accumulate in: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -234,16 +236,16 @@ def _build_plan(leaves: list) -> _Plan:
                 if p.is_replicate():
                     continue  # every rank along d holds the same values: summing would count them twice
                 if p.is_partial():
-                    op = getattr(dist.ReduceOp, _REDUCE_OPS[p.reduce_op])
+                    op = getattr(dist.ReduceOp, REDUCE_OPS[p.reduce_op])
                     reductions.append((gk, op, mesh.size(d) if p.reduce_op == "avg" else 1))
                 else:  # Shard, _StridedShard: disjoint pieces along d
                     summed.append(gk)
             bucket = tuple(sorted(set(summed)))
             if reduced != tuple(x.placements):  # Partial (on a dim of size 1 too)
-                pkey = (id(mesh), x.placements, _acc(x.dtype))
+                pkey = (id(mesh), x.placements, acc_dtype(x.dtype))
                 if pkey not in partials:
                     partials[pkey] = _Partial([], [(groups[g], op, div) for g, op, div in reductions],
-                                              _acc(x.dtype))
+                                              acc_dtype(x.dtype))
                     partial_bucket[pkey] = bucket
                 partials[pkey].positions.append(i)
                 partials[pkey].mixed |= leaves[partials[pkey].positions[0]].dtype != x.dtype
@@ -255,7 +257,7 @@ def _build_plan(leaves: list) -> _Plan:
         if numel <= _PACK_MAX_NUMEL:
             small.setdefault((bucket, x.dtype), []).append(i)
         else:
-            big.setdefault(_acc(x.dtype), []).append(i)
+            big.setdefault(acc_dtype(x.dtype), []).append(i)
 
     # Local values come out in this order: one per big leaf, one per pack, one per partial group.
     order = [leaf_bucket[i] for pos in big.values() for i in pos] + [b for b, _ in small]
@@ -266,7 +268,7 @@ def _build_plan(leaves: list) -> _Plan:
     nb, n = len(bucket_index), len(order)
     foreach = [(None if all(leaves[i].dtype == acc for i in pos) else acc,
                 None if len(pos) == len(leaves) else pos) for acc, pos in big.items()]
-    packs = [(_acc(dtype), None if len(pos) == len(leaves) else pos) for (_, dtype), pos in small.items()]
+    packs = [(acc_dtype(dtype), None if len(pos) == len(leaves) else pos) for (_, dtype), pos in small.items()]
 
     steps = []
     for gk in groups:  # order of first appearance: the same on every rank, mesh dims in order
@@ -287,7 +289,7 @@ def _build_plan(leaves: list) -> _Plan:
 
 # --- execution ------------------------------------------------------------------------------------
 
-def _flat(xs: list[torch.Tensor], acc: torch.dtype, mixed: bool = False) -> torch.Tensor:
+def pack(xs: list[torch.Tensor], acc: torch.dtype, mixed: bool = False) -> torch.Tensor:
     """A new 1-D buffer of dtype ``acc`` holding every element of ``xs`` (one C++ call for the list)."""
     if len(xs) == 1:
         return xs[0].reshape(-1).to(acc, copy=True)
@@ -296,15 +298,15 @@ def _flat(xs: list[torch.Tensor], acc: torch.dtype, mixed: bool = False) -> torc
     return torch._utils._flatten_dense_tensors(xs).to(acc)
 
 
-def _unflat(buf: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Views of the 1-D ``buf`` shaped like ``like``, in order (the inverse of :func:`_flat`, dtype aside)."""
+def unpack(buf: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Views of the 1-D ``buf`` shaped like ``like``, in order (the inverse of :func:`pack`, dtype aside)."""
     return torch._utils._unflatten_dense_tensors(buf, like)
 
 
 def _all_reduce_flat(xs: list[torch.Tensor], acc: torch.dtype, reductions: list, mixed: bool = False) -> torch.Tensor:
     """``xs`` packed into one new buffer of dtype ``acc`` and all-reduced in place, one collective per
     ``(process group, ReduceOp, divisor)`` of ``reductions`` (the norm of ``Partial`` leaves)."""
-    buf = _flat(xs, acc, mixed)
+    buf = pack(xs, acc, mixed)
     for pg, op, div in reductions:
         dist.all_reduce(buf, op=op, group=pg)
         if div != 1:
@@ -329,7 +331,7 @@ def _local_sums(plan: _Plan, local: list[torch.Tensor]) -> torch.Tensor:
         values.append(torch.stack(torch._foreach_norm(xs, 2, dtype=dtype)).square())
     for acc, pos in plan.packs:
         # In place on our own copy (a second large temporary costs more than the math), pairwise sum.
-        values.append(_flat(local if pos is None else [local[i] for i in pos], acc).pow_(2).sum().reshape(1))
+        values.append(pack(local if pos is None else [local[i] for i in pos], acc).pow_(2).sum().reshape(1))
     for p in plan.partials:
         values.append(_reduced_buffer(p, local).pow_(2).sum().reshape(1))
     if not values:

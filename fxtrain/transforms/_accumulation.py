@@ -68,7 +68,7 @@ import optree
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import forwarded, GradientTransformation, _name, call, kernel, transform, with_traits
+from fxtrain._base import forwarded, GradientTransformation, describe, call, kernel, transform, with_traits
 from fxtrain.transforms._hyperparams import safe_increment_
 from fxtrain.transforms._moments import as_dtype, param_device
 
@@ -190,7 +190,7 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
             raise ValueError(f"accumulate: should_skip_update_fn must be a callable (updates, gradient_step, "
                              f"params) -> (skip, skip_state), got {should_skip_update_fn!r}")
         if not isinstance(every, numbers.Integral):
-            raise ValueError(f"accumulate: every={_name(every)} is a schedule, evaluated on the host, but with a "
+            raise ValueError(f"accumulate: every={describe(every)} is a schedule, evaluated on the host, but with a "
                              "should_skip_update_fn the window is decided on device: pass an integer every")
 
     def inner_kernel(extra_args):
@@ -226,7 +226,7 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
                 raise ValueError(f"accumulate: the counters mini_step and emitted must be 0-dim (per model), got "
                                  f"shapes {tuple(state.mini_step.shape)} and {tuple(state.emitted.shape)}") from None
             if not isinstance(every, numbers.Integral):
-                raise ValueError(_SCHEDULE_ON_DEVICE.format(_name(every))) from None
+                raise ValueError(_SCHEDULE_ON_DEVICE.format(describe(every))) from None
             with tree.functional():
                 return _update_on_device(inner_kernel(extra_args), int(every), mean, updates, state, params)
         k = window(n)

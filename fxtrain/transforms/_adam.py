@@ -19,7 +19,7 @@ class ScaleByAdamState(NamedTuple):
     nu: Updates  # second moment, in the param dtype
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8, eps_root: Scalar = 0.0,
                   mu_dtype: torch.dtype | str | None = None, *, nesterov: bool = False
                   ) -> GradientTransformation:

@@ -16,7 +16,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, Updates, chain, check_learning_rate, check_nonnegative, transform
+from fxtrain._base import (GradientTransformation, Updates, chain, check_learning_rate, check_needs_params,
+                           check_nonnegative, transform)
 from fxtrain.transforms._adam import ScaleByAdamState, scale_by_adam
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._normalizing import block_norms
@@ -147,7 +148,7 @@ class ScaleByAmsgradState(NamedTuple):
     nu_max: Updates  # running maximum of the (bias-corrected) second moment
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_amsgrad(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8, eps_root: Scalar = 0.0,
                      mu_dtype: torch.dtype | str | None = None, bias_correction_mu: bool = True,
                      bias_correction_nu: bool = True) -> GradientTransformation:
@@ -210,7 +211,7 @@ def scale_by_amsgrad(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8, e
     return GradientTransformation(init_fn, update_fn)
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_adamax(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> GradientTransformation:
     r"""Rescales updates with AdaMax: Adam with an infinity-norm second moment (Optax's ``scale_by_adamax``).
 
@@ -270,7 +271,7 @@ class ScaleByBeliefState(NamedTuple):
     nu: Updates  # second moment of the prediction error g - mu, plus eps_root
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_belief(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-16, eps_root: Scalar = 1e-16, *,
                     nesterov: bool = False) -> GradientTransformation:
     r"""Rescales updates with AdaBelief: Adam whose second moment tracks the gradient's deviation from
@@ -337,7 +338,7 @@ def scale_by_belief(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-16, e
     return GradientTransformation(init_fn, update_fn)
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_yogi(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-3, eps_root: Scalar = 0.0,
                   initial_accumulator_value: Scalar = 1e-6) -> GradientTransformation:
     r"""Rescales updates with Yogi: Adam whose second moment moves additively (Optax's ``scale_by_yogi``).
@@ -396,7 +397,7 @@ def scale_by_yogi(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-3, eps_
     return GradientTransformation(init_fn, update_fn)
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_radam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8, eps_root: Scalar = 0.0,
                    threshold: Scalar = 5.0, *, nesterov: bool = False) -> GradientTransformation:
     r"""Rescales updates with Rectified Adam (Optax's ``scale_by_radam``).
@@ -482,7 +483,7 @@ class ScaleByAdaDeltaState(NamedTuple):
     e_x: Updates  # moving average of squared updates
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_adadelta(rho: Scalar = 0.9, eps: Scalar = 1e-6) -> GradientTransformation:
     r"""Rescales updates with AdaDelta (Optax's ``scale_by_adadelta``).
 
@@ -542,7 +543,7 @@ class ScaleByAdanState(NamedTuple):
     t: torch.Tensor  # 0-dim int32: number of updates so far
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_adan(b1: Scalar = 0.98, b2: Scalar = 0.92, b3: Scalar = 0.99, eps: Scalar = 1e-8,
                   eps_root: Scalar = 0.0) -> GradientTransformation:
     r"""Rescales updates with Adan, adaptive Nesterov momentum (Optax's ``scale_by_adan``).
@@ -671,8 +672,8 @@ def scale_by_novograd(b1: Scalar = 0.9, b2: Scalar = 0.25, eps: Scalar = 1e-8, e
                                                 params))
 
     def update_fn(updates, state, params=None):
-        if decays and params is None:
-            raise ValueError(f"weight_decay={weight_decay!r} needs the params: call update(updates, state, params)")
+        if decays:
+            check_needs_params(f"weight_decay={weight_decay!r}", params)
         g, mu, nu, p = tree.align(updates, state.mu, state.nu, params if decays else updates)
         count = safe_increment_(state.count)
         if not g:
@@ -709,7 +710,7 @@ class ScaleByOptimisticGradientState(NamedTuple):
     previous_gradient: Updates
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_optimistic_gradient(alpha: Scalar = 1.0, beta: Scalar = 1.0) -> GradientTransformation:
     r"""Optimistic gradients: extrapolates from the previous gradient (Optax's ``scale_by_optimistic_gradient``).
 

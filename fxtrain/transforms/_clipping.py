@@ -83,7 +83,7 @@ def clip_by_global_norm(max_norm: float, *, groups: Sequence[Any] = ()) -> Gradi
                           max_norm=max_norm)
 
 
-@transform
+@transform(elementwise=True)
 def clip(max_delta: float) -> GradientTransformation:
     """Clips every element of the updates to ``[-max_delta, max_delta]`` (Optax's ``clip``).
 

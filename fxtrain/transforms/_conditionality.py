@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
-from fxtrain._base import forwarded, GradientTransformation, _combined, call, report, traits, transform, with_traits
+from fxtrain._base import forwarded, GradientTransformation, combine, call, report, traits, transform, with_traits
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "ConditionallyTransformState", "conditionally_transform",
@@ -290,7 +290,7 @@ def _conditional(init_fn: Callable, update_fn: Callable, inner: GradientTransfor
                  forward_extra_args: bool) -> GradientTransformation:
     """A conditional wrapper's transform: ``inner``'s traits (merged), reading extra arguments itself when its
     condition does; ``Partial`` gradients are reduced before it (a pass-through must return real updates)."""
-    tx = _combined(init_fn, update_fn, (inner,))
+    tx = combine(init_fn, update_fn, (inner,))
     return with_traits(tx, partial_grads=False, extra_args=traits(tx).extra_args or forward_extra_args)
 
 
@@ -340,7 +340,7 @@ def skip_where_(pred: torch.Tensor, xs: Sequence[torch.Tensor]) -> list:
     [-0.0, -0.0]
     """
     if tree.is_functional():
-        return [tree._rewrap(tree.local(x).masked_fill(pred, -0.0), x) for x in xs]
+        return [tree.rewrap(tree.local(x).masked_fill(pred, -0.0), x) for x in xs]
     for x in xs:
         tree.local(x).masked_fill_(pred, -0.0)
     return list(xs)

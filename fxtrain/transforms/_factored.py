@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, Updates, chain, check_nonnegative, transform
+from fxtrain._base import GradientTransformation, Updates, chain, check_needs_params, check_nonnegative, transform
 
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._moments import LearningRate, Scalar, as_dtype, counter, safe_increment_
@@ -148,8 +148,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: Scalar = 0.8, step_
         return u.to(g.dtype), row, col
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError("scale_by_factored_rms needs the params: call update(updates, state, params)")
+        check_needs_params("scale_by_factored_rms", params)
         g, row, col, v, p = tree.align(updates, state.v_row, state.v_col, state.v, params, what="state")
         decay = decay_rate_fn(state.count - step_offset, decay_rate)
         count = safe_increment_(state.count)

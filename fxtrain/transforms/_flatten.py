@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, _combined, call, transform, with_traits
+from fxtrain._base import GradientTransformation, combine, call, transform, with_traits
 
 __all__ = ["flatten"]
 
@@ -53,7 +53,7 @@ def flatten(inner: GradientTransformation) -> GradientTransformation:
         return tree.put(updates, updates, tree.copy_(us, pieces)), state
 
     # One vector mixes every leaf: Partial gradients are reduced before (the step does it).
-    return with_traits(_combined(init_fn, update_fn, (inner,)), partial_grads=False)
+    return with_traits(combine(init_fn, update_fn, (inner,)), partial_grads=False)
 
 
 def _flat(xs: list) -> Any:

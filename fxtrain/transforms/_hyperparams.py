@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, _name, _Update, call, public_factory, traits
+from fxtrain._base import GradientTransformation, call, describe, named, public_factory, traits, with_traits
 from fxtrain.schedules import bind, value_at
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
@@ -118,7 +118,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
     @functools.wraps(inner_factory)
     def wrapped(*args, **kwargs) -> GradientTransformation:
         bound = bind(head, fname, sig, args, kwargs)
-        label = f"{head}({', '.join(f'{k}={_name(v)}' for k, v in bound.arguments.items())})"
+        label = f"{head}({', '.join(f'{k}={describe(v)}' for k, v in bound.arguments.items())})"
         bound.apply_defaults()
         schedules, numeric, other = {}, {}, {}
         for k, v in bound.arguments.items():
@@ -184,9 +184,9 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
 
         # Unscheduled hyperparameters never change by themselves: the step does not report them every step.
         constants = traits(proto).constant_reports | (frozenset(numeric) - {"learning_rate"})
-        update = _Update(update_fn, label, traits(proto)._replace(
-            fused=None, wrap_loss=None if proto.wrap_loss is None else wrap_loss, constant_reports=constants))
-        return GradientTransformation(init_fn, update)
+        inherited = traits(proto)._replace(fused=None, wrap_loss=None if proto.wrap_loss is None else wrap_loss,
+                                           constant_reports=constants)
+        return with_traits(named(GradientTransformation(init_fn, update_fn), label), **inherited._asdict())
 
     return wrapped
 

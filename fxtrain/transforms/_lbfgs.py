@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, Updates, chain, identity, transform
+from fxtrain._base import GradientTransformation, Updates, chain, check_needs_params, identity, transform
 from fxtrain.distributed._collectives import contiguous_stride
 from fxtrain.transforms._linesearch import scale_by_zoom_linesearch, vdot
 from fxtrain.transforms._moments import Scalar, counter, param_device, safe_increment_
@@ -83,8 +83,7 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
             weights_memory=torch.zeros(memory, dtype=_weights_dtype(params), device=param_device(params)))
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError("update needs params: tx.update(grads, state, params)")
+        check_needs_params("scale_by_lbfgs", params)
         u, p, old_p, old_u, dw_mem, du_mem = tree.align(updates, params, state.params, state.updates,
                                                         state.diff_params_memory, state.diff_updates_memory)
         memory = state.weights_memory.shape[0]  # memory_size, as a shape (no host sync on a tensor)

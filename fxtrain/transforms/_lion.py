@@ -20,7 +20,7 @@ class ScaleByLionState(NamedTuple):
     mu: Updates  # momentum, in mu_dtype (default: the param dtype)
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_lion(b1: Scalar = 0.9, b2: Scalar = 0.99, mu_dtype: torch.dtype | str | None = None, *,
                   mode: Literal["hard", "smooth", "refined"] = "hard", smooth_beta: float = 1.0
                   ) -> GradientTransformation:

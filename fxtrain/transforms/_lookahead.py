@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, _combined, call, check_nonnegative, transform, with_traits
+from fxtrain._base import GradientTransformation, combine, call, check_nonnegative, transform, with_traits
 from fxtrain.transforms._conditionality import select
 from fxtrain.transforms._moments import counter
 
@@ -125,7 +125,7 @@ def lookahead(fast_optimizer: GradientTransformation, sync_period: int, slow_ste
         return new, LookaheadState(fast_state, steps)
 
     # The updates are a (fast, slow) pair: no Partial gradients (the step reduces them first).
-    return with_traits(_combined(init_fn, update_fn, (fast_optimizer,)), partial_grads=False)
+    return with_traits(combine(init_fn, update_fn, (fast_optimizer,)), partial_grads=False)
 
 
 def _reset_where(sync: torch.Tensor, state: Any, fresh: Any) -> Any:

@@ -16,14 +16,14 @@ from typing import Any, Hashable, Mapping, NamedTuple
 import optree
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, _combined, call, transform
+from fxtrain._base import GradientTransformation, combine, call, transform
 from fxtrain.transforms._simple import set_to_zero
 
 __all__ = ["MaskedNode", "MaskedState", "PartitionState", "masked", "partition", "multi_transform", "freeze",
            "selective_transform"]
 
 Mask = Any  # a tree of bools (prefix of the params) or a callable returning one
-_KW = tree._kw()  # fxtrain's optree conventions: None is a leaf, fxtrain's node namespace
+_KW = tree.optree_options()  # fxtrain's optree conventions: None is a leaf, fxtrain's node namespace
 
 
 class MaskedState(NamedTuple):
@@ -47,11 +47,11 @@ def _prefix_mismatch(prefix: Any, full: Any, path: tuple = ()) -> str | None:
     if optree.treespec_is_leaf(optree.tree_structure(prefix, **_KW)):
         return None
     if optree.treespec_is_leaf(optree.tree_structure(full, **_KW)) or type(prefix) is not type(full):
-        return tree._path_str(path)
+        return tree.path_str(path)
     p, f = optree.tree_flatten_one_level(prefix, **_KW), optree.tree_flatten_one_level(full, **_KW)
     if tuple(p.entries) != tuple(f.entries):
         missing = [e for e in list(p.entries) + list(f.entries) if e not in p.entries or e not in f.entries]
-        return tree._path_str(path + (missing[0],)) if missing else tree._path_str(path)
+        return tree.path_str(path + (missing[0],)) if missing else tree.path_str(path)
     for entry, cp, cf in zip(p.entries, p.children, f.children):
         bad = _prefix_mismatch(cp, cf, path + (entry,))
         if bad is not None:
@@ -154,7 +154,7 @@ def masked(inner: GradientTransformation, mask: Mask, *, mask_compatible_extra_a
         new, inner_state = call(inner, mask_tree(updates, m), state.inner_state, masked_params, extra_args)
         return _unmask(m, new, updates), MaskedState(inner_state)
 
-    return _combined(init_fn, update_fn, (inner,))
+    return combine(init_fn, update_fn, (inner,))
 
 
 @transform(elementwise=None)
@@ -213,7 +213,7 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
             updates, new_states[k] = call(group, updates, state.inner_states[k], params, extra_args)
         return updates, PartitionState(new_states)
 
-    return _combined(init_fn, update_fn, tuple(txs.values()))
+    return combine(init_fn, update_fn, tuple(txs.values()))
 
 
 @transform(elementwise=None)

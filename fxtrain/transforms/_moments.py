@@ -52,6 +52,20 @@ def param_device(params: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def scalar_dtype(params: Any) -> torch.dtype:
+    """The dtype of a transform's 0-dim float state (learning rates, distances): Optax's ``tree.dtype(params,
+    'lowest')``, the narrowest floating dtype of the params (complex params: its real counterpart, since
+    learning rates are real); float32 when there is none.
+
+    >>> import torch
+    >>> scalar_dtype({"w": torch.ones(2, dtype=torch.bfloat16), "b": torch.ones(2)})
+    torch.bfloat16
+    """
+    dtypes = {x.dtype.to_real() if x.is_complex() else x.dtype for x in tree.leaves(params)
+              if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())}
+    return min(dtypes, key=lambda d: (torch.finfo(d).bits, torch.finfo(d).eps), default=torch.float32)
+
+
 def counter(params: Any) -> torch.Tensor:
     """A 0-dim int32 step counter, zero, on :func:`param_device`."""
     return torch.zeros((), dtype=torch.int32, device=param_device(params))

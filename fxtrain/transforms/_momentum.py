@@ -17,7 +17,7 @@ class TraceState(NamedTuple):
     trace: Params
 
 
-@transform
+@transform(elementwise=True)
 def trace(decay: Scalar, nesterov: bool = False, accumulator_dtype: torch.dtype | str | None = None
           ) -> GradientTransformation:
     r"""Accumulates a trace of past updates: momentum (Optax's ``trace``).

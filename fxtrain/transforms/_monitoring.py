@@ -10,7 +10,7 @@ from fxtrain.transforms._moments import Scalar
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, _combined, call, chain, stateless, transform
+from fxtrain._base import GradientTransformation, combine, call, chain, stateless, transform
 from fxtrain.transforms._simple import ema
 
 __all__ = ["SnapshotState", "snapshot", "MonitorState", "monitor", "measure_with_ema"]
@@ -126,7 +126,7 @@ def monitor(measures: Mapping[str, GradientTransformation | Callable[[Any], Any]
             states.append(s)
         return updates, MonitorState(measurements, tuple(states))
 
-    return _combined(init_fn, update_fn, tuple(txs.values()))
+    return combine(init_fn, update_fn, tuple(txs.values()))
 
 
 @transform(elementwise=False)

@@ -108,7 +108,9 @@ def _key(key) -> int:
     raise TypeError(f"add_noise: key must be an int, a 0-dim integer tensor or a torch.Generator, got {key!r}")
 
 
-@transform
+# Not elementwise: an element's noise is a function of its index in the whole leaf (a local shard's
+# indices would repeat the same noise on every shard).
+@transform(elementwise=False)
 def add_noise(eta: Scalar, gamma: Scalar, key: int | torch.Generator | None = None) -> GradientTransformation:
     r"""Adds annealed Gaussian noise to the updates (Optax's ``add_noise``).
 

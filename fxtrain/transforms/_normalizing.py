@@ -21,8 +21,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
-from fxtrain._base import (EmptyState, GradientTransformation, Traits, Updates, _name, _Update, check_nonnegative,
-                           transform)
+from fxtrain._base import (EmptyState, GradientTransformation, Updates, check_needs_params, check_nonnegative, describe,
+                           named, transform)
 from fxtrain.transforms._moments import Scalar, as_dtype, param_device
 from fxtrain.transforms._per_example import check_batch_axis, clip_sum
 
@@ -82,10 +82,6 @@ def _scale_blocks(updates: Updates, local: list[torch.Tensor], coefs: torch.Tens
     """``updates`` with local piece ``i`` times (or over) ``coefs[i]``; written in place when donated."""
     cs = list(coefs.unbind())
     return tree.put(updates, updates, tree.div_(local, cs) if divide else tree.scale_(local, cs))
-
-
-def _no_params(name: str) -> ValueError:
-    return ValueError(f"{name} needs the params: call update(updates, state, params)")
 
 
 def _empty_init(params: Any) -> EmptyState:
@@ -151,8 +147,7 @@ def scale_by_param_block_norm(min_scale: Scalar = 1e-3) -> GradientTransformatio
     check_nonnegative("scale_by_param_block_norm", min_scale=min_scale)
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise _no_params("scale_by_param_block_norm")
+        check_needs_params("scale_by_param_block_norm", params)
         g, p = tree.align(updates, params, what="params")
         if not g:
             return updates, state
@@ -184,8 +179,7 @@ def scale_by_param_block_rms(min_scale: Scalar = 1e-3) -> GradientTransformation
     check_nonnegative("scale_by_param_block_rms", min_scale=min_scale)
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise _no_params("scale_by_param_block_rms")
+        check_needs_params("scale_by_param_block_rms", params)
         g, p = tree.align(updates, params, what="params")
         if not g:
             return updates, state
@@ -299,8 +293,7 @@ def adaptive_grad_clip(clipping: Scalar, eps: Scalar = 1e-3, axis: int | tuple[i
     check_nonnegative("adaptive_grad_clip", clipping=clipping, eps=eps)
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise _no_params("adaptive_grad_clip")
+        check_needs_params("adaptive_grad_clip", params)
         g, p = tree.align(updates, params, what="params")
         if not g:
             return updates, state
@@ -443,8 +436,7 @@ def scale_by_distance_over_gradients(reps_rel: Scalar = 1e-6, eps: Scalar = 1e-8
             init_params=tree.clone(tree.cast(params, param_dtype)))
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise _no_params("scale_by_distance_over_gradients")
+        check_needs_params("scale_by_distance_over_gradients", params)
         g, p, d, sos, p0 = tree.align(updates, params, state.max_dist, state.grad_sum_of_squares,
                                       state.init_params)
         if not g:
@@ -547,8 +539,8 @@ def per_example_layer_norm_clip(global_l2_norm_clip: Scalar, uniform: bool = Tru
     # gradients) do not fit a transform that sums away an axis. The label is formatted when first read.
     def label() -> str:
         extra = "" if uniform else ", uniform=False"
-        return f"per_example_layer_norm_clip({_name(global_l2_norm_clip)}{extra})"
+        return f"per_example_layer_norm_clip({describe(global_l2_norm_clip)}{extra})"
 
-    return GradientTransformation(_empty_init, _Update(update_fn, label, Traits(elementwise=False)))
+    return named(GradientTransformation(_empty_init, update_fn), label)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fxtrain import tree
-from fxtrain._base import EmptyState, GradientTransformation, Traits, _name, _Update, check_nonnegative
+from fxtrain._base import EmptyState, GradientTransformation, check_nonnegative, describe, named
 
 __all__ = ["per_example_global_norm_clip", "clip_sum"]
 
@@ -75,8 +75,8 @@ def per_example_global_norm_clip(l2_norm_clip: Any) -> GradientTransformation:
     # Not @transform: that registers a public factory for the conformance test, whose checks (updates
     # shaped like the gradients) a transform that sums away an axis cannot pass. The label is formatted
     # when first read (a tensor's repr reads its value).
-    label = lambda: f"per_example_global_norm_clip({_name(l2_norm_clip)})"  # noqa: E731
-    return GradientTransformation(init_fn, _Update(update_fn, label, Traits(elementwise=False)))
+    label = lambda: f"per_example_global_norm_clip({describe(l2_norm_clip)})"  # noqa: E731
+    return named(GradientTransformation(init_fn, update_fn), label)
 
 
 def clip_sum(grads: list[torch.Tensor], l2_norm_clip: Any) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -33,7 +33,7 @@ class ApplyEvery(NamedTuple):
     grad_acc: Any
 
 
-@transform
+@transform(elementwise=True)
 def apply_every(k: int = 1) -> GradientTransformation:
     r"""Sums the gradients of ``k`` calls and emits the sum every ``k``-th call, zeros otherwise (Optax's).
 

@@ -62,7 +62,7 @@ def _debiased(v, decay, count):
         return tree.div_(v, _moments.bias_correction(decay, count, v))
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_rms(decay: Scalar = 0.9, eps: Scalar = 1e-8, initial_scale: Scalar = 0.0,
                  eps_in_sqrt: bool = True, bias_correction: bool = False) -> GradientTransformation:
     r"""Divides updates by the root of a moving average of squared gradients (RMSProp; Optax's).
@@ -120,7 +120,7 @@ def scale_by_rms(decay: Scalar = 0.9, eps: Scalar = 1e-8, initial_scale: Scalar 
     return GradientTransformation(init_fn, update_fn)
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_stddev(decay: Scalar = 0.9, eps: Scalar = 1e-8, initial_scale: Scalar = 0.0,
                     eps_in_sqrt: bool = True, bias_correction: bool = False) -> GradientTransformation:
     r"""Divides updates by a moving estimate of the gradients' standard deviation (centered RMSProp).
@@ -184,7 +184,7 @@ def scale_by_stddev(decay: Scalar = 0.9, eps: Scalar = 1e-8, initial_scale: Scal
     return GradientTransformation(init_fn, update_fn)
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_rss(initial_accumulator_value: Scalar = 0.1, eps: Scalar = 1e-7) -> GradientTransformation:
     r"""Divides updates by the root of the sum of all squared gradients so far (Adagrad; Optax's).
 

@@ -21,7 +21,7 @@ class ScaleByScheduleState(NamedTuple):
     count: torch.Tensor
 
 
-@transform
+@transform(elementwise=True)
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     r"""Multiplies updates by ``step_size`` (Optax's ``scale``).
 
@@ -50,7 +50,7 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     return GradientTransformation(init_fn, update_fn)
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     r"""Multiplies updates by ``step_size_fn(count)``, ``count`` being the number of updates so far.
 
@@ -86,7 +86,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     return GradientTransformation(init_fn, update_fn)
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_learning_rate(learning_rate: float | torch.Tensor | Schedule | None = None, *,
                            flip_sign: bool = True) -> GradientTransformation:
     r"""Multiplies updates by the negative learning rate, a number or a schedule (Optax's).

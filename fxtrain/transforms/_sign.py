@@ -15,7 +15,7 @@ from fxtrain.transforms._simple import ema
 
 __all__ = ["ScaleByRpropState", "rprop", "scale_by_rprop", "scale_by_sign", "sign_sgd", "signum"]
 
-@transform
+@transform(elementwise=True)
 def scale_by_sign() -> GradientTransformation:
     r"""Replaces each update by its sign (Optax's ``scale_by_sign``).
 
@@ -117,7 +117,7 @@ class ScaleByRpropState(NamedTuple):
     prev_updates: Updates  # the last update (0 where the gradient changed sign)
 
 
-@transform
+@transform(elementwise=True)
 def scale_by_rprop(learning_rate: Scalar, eta_minus: Scalar = 0.5, eta_plus: Scalar = 1.2,
                    min_step_size: Scalar = 1e-6, max_step_size: Scalar = 50.0) -> GradientTransformation:
     r"""Resilient backpropagation: per-element step sizes adapted to sign changes (Optax's ``scale_by_rprop``).

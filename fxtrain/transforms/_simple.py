@@ -20,7 +20,7 @@ class EmaState(NamedTuple):
     ema: Updates  # the moving average, not debiased, in accumulator_dtype (default: the param dtype)
 
 
-@transform
+@transform(elementwise=True)
 def ema(decay: Scalar, debias: bool = True, accumulator_dtype: torch.dtype | str | None = None
         ) -> GradientTransformation:
     r"""An exponential moving average of past updates (Optax's ``ema``).
@@ -127,7 +127,7 @@ def _zero_nans_(xs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 
-@transform
+@transform(elementwise=True)
 def set_to_zero() -> GradientTransformation:
     r"""Maps every update to zero (Optax's ``set_to_zero``): :math:`u = 0`, NaN and inf included.
 

@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from fxtrain import tree
-from fxtrain._base import EmptyState, GradientTransformation, chain, check_learning_rate, check_nonnegative, transform
+from fxtrain._base import (EmptyState, GradientTransformation, chain, check_learning_rate, check_needs_params,
+                           check_nonnegative, transform)
 
 from fxtrain.transforms._adam import scale_by_adam
 from fxtrain.transforms._masking import Mask, masked
@@ -72,8 +73,7 @@ def scale_by_trust_ratio(min_norm: Scalar = 0.0, trust_coefficient: Scalar = 1.0
         return EmptyState()
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError("scale_by_trust_ratio needs the params: call update(updates, state, params)")
+        check_needs_params("scale_by_trust_ratio", params)
         g, p = tree.align(updates, params, what="params")
         if not g:
             return updates, state

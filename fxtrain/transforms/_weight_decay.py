@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import EmptyState, GradientTransformation, check_nonnegative, transform
+from fxtrain._base import EmptyState, GradientTransformation, check_needs_params, check_nonnegative, transform
 from fxtrain.transforms._masking import Mask, masked
 from fxtrain.schedules import value_at
 from fxtrain.transforms._moments import Scalar, counter, is_zero
@@ -20,7 +20,7 @@ class WeightDecaySchedule(NamedTuple):
     count: torch.Tensor  # 0-dim int32
 
 
-@transform
+@transform(elementwise=True)
 def add_decayed_weights(weight_decay: Scalar | Callable = 0.0, mask: Mask | None = None
                         ) -> GradientTransformation:
     r"""Adds the params scaled by ``weight_decay`` to the updates (Optax's ``add_decayed_weights``).
@@ -56,8 +56,7 @@ def add_decayed_weights(weight_decay: Scalar | Callable = 0.0, mask: Mask | None
         return WeightDecaySchedule(count=counter(params)) if scheduled else EmptyState()
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError("add_decayed_weights needs the params: call update(updates, state, params)")
+        check_needs_params("add_decayed_weights", params)
         if updates is None:  # an empty tree of updates (Optax's test: update(None, 0, params) -> (None, 0))
             return None, WeightDecaySchedule(tree.inc_(state.count)) if scheduled else state
         g, p = tree.align(updates, params, what="params")
