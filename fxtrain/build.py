@@ -395,7 +395,7 @@ def stack(cfg: DictConfig, dims: distributed.ParallelDims | None = None,
       ``learning_rate`` is built with :func:`fxtrain.inject_hyperparams` and ``learning_rate = value *
       schedule(batches)`` (the ``schedule`` group gives the shape, the entry the peak), so the step
       reports ``learning_rate``.
-    * With a parallel strategy (``dims``, several ranks) the params are DTensors: each run of consecutive
+    * With a parallel layout (``dims``, several ranks) the params are DTensors: each run of consecutive
       elementwise entries (the optimizers) becomes one ``fx.sharded_apply`` (plain local math, state
       sharded like the params), with ``shard_over="dp"`` under ``parallel.shard_optimizer=true`` (ZeRO-1/2:
       every rank keeps 1/dp of the state); global ones (``clip_by_global_norm``) stay as they are. The
@@ -421,22 +421,24 @@ def stack(cfg: DictConfig, dims: distributed.ParallelDims | None = None,
     shape = (instantiate(cfg.schedule, "schedule", **_values_under(values, "schedule"))
              if cfg.get("schedule") is not None else None)
     # Pipeline stages hold disjoint params: a global transform (clip_by_global_norm) sums over the pp group.
-    stages = {"groups": (dims.mesh["pp"] if dims.mesh.ndim > 1 else dims.mesh,)} if dims and dims.strategy == "pp" else {}
+    stages = {"groups": dims.norm_groups} if dims is not None and dims.norm_groups else {}
     txs = [_transform(node, f"optim.chain.{name}", shape, every,
                       {**_values_under(values, f"optim.chain.{name}"), **_accepted(node, stages)})
            for name, node in chain_cfg.items()]
     shard = cfg.parallel.get("shard_optimizer", False)
     if shard not in (True, False):
         raise ConfigError(f"parallel.shard_optimizer: expected true or false, got {shard!r}")
-    if shard and cfg.parallel.strategy != "dp":
-        raise ConfigError(f"parallel.shard_optimizer=true needs parallel=dp (it shards the optimizer state over the "
-                          f"data-parallel ranks), but parallel.strategy={cfg.parallel.strategy!r}")
+    if shard and not _replicas_only(cfg.parallel):
+        shown = " ".join(f"parallel.{d}={cfg.parallel.get(d, 1)}" for d in distributed.DIMS)
+        raise ConfigError(f"parallel.shard_optimizer=true needs data-parallel replicas alone (parallel=dp: it shards "
+                          f"the optimizer state over dp_replicate), but the layout is {shown}")
     if dims is not None and dims.mesh is not None:
-        txs = _shard_elementwise(txs, list(chain_cfg), "dp" if shard else None)
+        over = "dp_replicate" if shard and dims.enabled("dp_replicate") else None
+        txs = _shard_elementwise(txs, list(chain_cfg), over)
     tx = fx.chain(*txs)
     if cfg.amp.policy is not None:
         kwargs = {"policy": cfg.amp.policy}
-        if dims is not None and dims.strategy in FSDP_STRATEGIES:
+        if dims is not None and fsdp_casts(dims):
             # FSDP casts the params once per all-gather (MixedPrecisionPolicy, see fxtrain/parallel/_parallelize.py);
             # amp_cast keeps loss scaling, the overflow check and skipping, computing in the params' dtype.
             policy = _call(_wrapper("Policy", "amp.policy").parse, "amp.policy", cfg.amp.policy)
@@ -452,7 +454,15 @@ def stack(cfg: DictConfig, dims: distributed.ParallelDims | None = None,
     return tx
 
 
-FSDP_STRATEGIES = ("fsdp", "fsdp_tp")  # params cast by FSDP's MixedPrecisionPolicy, not by amp_cast
+def _replicas_only(node: DictConfig) -> bool:
+    """Whether ``cfg.parallel`` asks for data-parallel replicas (``dp_replicate`` not 1) and nothing else."""
+    return node.get("dp_replicate", 1) != 1 and all(node.get(d, 1) == 1 for d in distributed.DIMS if d != "dp_replicate")
+
+
+def fsdp_casts(dims: distributed.ParallelDims) -> bool:
+    """Whether FSDP's ``MixedPrecisionPolicy`` casts the params (FSDP-sharded whole models; a pipeline stage's
+    params are cast by ``amp_cast`` through :func:`fxtrain.parallel.pipeline_step`)."""
+    return dims.params_sharded and not dims.enabled("pp") and not dims.enabled("ep")
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -460,9 +470,9 @@ def _short(dtype: torch.dtype) -> str:
 
 
 def mixed_precision(cfg: DictConfig, dims: distributed.ParallelDims) -> Any:
-    """FSDP's ``MixedPrecisionPolicy`` for ``amp.policy`` under an FSDP strategy (compute dtype for the
+    """FSDP's ``MixedPrecisionPolicy`` for ``amp.policy`` under FSDP (:func:`fsdp_casts`; compute dtype for the
     all-gathered params, float32 gradient reduction), or ``None``."""
-    if cfg.amp.policy is None or dims.strategy not in FSDP_STRATEGIES:
+    if cfg.amp.policy is None or not fsdp_casts(dims):
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -475,31 +485,29 @@ def mixed_precision(cfg: DictConfig, dims: distributed.ParallelDims) -> Any:
 
 
 def parallel_dims(cfg: DictConfig, world: int) -> distributed.ParallelDims:
-    """The run's :class:`fxtrain.distributed.ParallelDims` from ``cfg.parallel`` (not built), checked against
-    the world size; a mismatch names the ``parallel.*`` keys."""
+    """The run's :class:`fxtrain.distributed.ParallelDims` from ``cfg.parallel``'s degrees (not built), checked
+    against the world size; a mismatch names the ``parallel.*`` keys."""
     node = cfg.parallel
-    strategy = node.strategy
-    if strategy not in distributed.STRATEGIES:
-        raise ConfigError(f"parallel.strategy={strategy}: expected one of {', '.join(distributed.STRATEGIES)}")
-    if world > 1 and strategy == "none":
-        raise ConfigError(f"parallel=none, but {world} processes run this script (torchrun): pick a strategy "
-                          f"(parallel=dp, fsdp, tp, fsdp_tp, pp or ep)")
-    if world == 1:
-        if strategy not in ("none", "dp"):
-            raise ConfigError(f"parallel={strategy} needs several processes: launch with torchrun (torchrun "
-                              f"--nproc_per_node=2 -m fxtrain.train parallel={strategy} ...), or use parallel=none")
-        return distributed.ParallelDims.of("none", world=1)  # data parallel over one rank: the plain run
-    sizes = {d: node.get(d) for d in ("dp", "tp", "pp", "ep") if node.get(d) is not None}
+    if node.get("dp") is not None:
+        raise ConfigError(f"parallel.dp={node.dp}: the data-parallel degree is now parallel.dp_replicate (replicated "
+                          f"params, parallel=dp) or parallel.dp_shard (FSDP, parallel=fsdp)")
+    degrees = {d: node.get(d) for d in distributed.DIMS}
+    given = " ".join(f"parallel.{d}={v}" for d, v in degrees.items() if v not in (1, None))
+    if world > 1 and not given:
+        raise ConfigError(f"parallel=none, but {world} processes run this script (torchrun): pick a layout "
+                          "(parallel=dp, fsdp, hsdp, tp, fsdp_tp, pp, ep...) or degrees (parallel.dp_shard=-1 ...)")
     try:
-        dims = distributed.ParallelDims.of(strategy, world=world, **sizes)
+        dims = distributed.ParallelDims.of(world=world, **degrees)
     except ValueError as e:
-        keys = " ".join(f"parallel.{d}={v}" for d, v in sizes.items())
-        raise ConfigError(f"parallel={strategy} {keys}: {e}") from None
+        if world == 1:
+            raise ConfigError(f"{given} needs several processes: launch with torchrun (torchrun --nproc_per_node=2 "
+                              "-m fxtrain.train ...), or use parallel=none") from None
+        raise ConfigError(f"{given or 'parallel=none'}: {e}") from None
     batch = cfg.data.get("batch_size")
     if isinstance(batch, int) and batch % dims.data_world:
         raise ConfigError(f"data.batch_size={batch} does not split evenly over the {dims.data_world} ranks that read "
                           f"different slices ({dims.describe()}): make it a multiple of {dims.data_world}")
-    if strategy == "pp" and isinstance(batch, int) and (batch // dims.data_world) % int(node.get("microbatches", 1)):
+    if dims.enabled("pp") and isinstance(batch, int) and (batch // dims.data_world) % int(node.get("microbatches", 1)):
         raise ConfigError(f"parallel.microbatches={node.microbatches} does not divide the per-rank batch of "
                           f"{batch // dims.data_world} (data.batch_size={batch}): pick a divisor")
     return dims

@@ -281,7 +281,7 @@ def differing(there: dict[str, Any], here: dict[str, Any], cfg: DictConfig) -> l
     (one that a newer fxtrain added, at its default) do not count; nor do the ``parallel.*`` keys when
     ``cfg.resume_relayout`` is true: they are the layout, which :func:`check_layout` compares.
 
-    >>> differing({"a": 1, "parallel.strategy": "fsdp"}, {"a": 2, "parallel.strategy": "none", "b": 0},
+    >>> differing({"a": 1, "parallel.dp_shard": -1}, {"a": 2, "parallel.dp_shard": 1, "b": 0},
     ...           OmegaConf.create({"resume_relayout": True}))
     ['a']
     """
@@ -301,7 +301,7 @@ def _failed_early(out: pathlib.Path) -> bool:
 
 
 def _identity(cfg: DictConfig, world: int) -> dict[str, Any]:
-    """The run's world size and parallel layout (``parallel=fsdp [fsdp=2]``): part of what it computes."""
+    """The run's world size and parallel layout (``parallel dp_shard=2``): part of what it computes."""
     try:
         layout = build.parallel_dims(cfg, world).describe()
     except ConfigError:
@@ -317,10 +317,10 @@ def _identity_of(record: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def describe_layout(identity: dict[str, Any]) -> str:
-    """``2 ranks, parallel=fsdp [fsdp=2]`` (or ``1 process``) for messages and the run's start line.
+    """``2 ranks, parallel dp_shard=2`` (or ``1 process``) for messages and the run's start line.
 
-    >>> describe_layout({"world_size": 4, "layout": "parallel=fsdp [fsdp=4]"})
-    '4 ranks, parallel=fsdp [fsdp=4]'
+    >>> describe_layout({"world_size": 4, "layout": "parallel dp_shard=4"})
+    '4 ranks, parallel dp_shard=4'
     """
     n = identity.get("world_size")
     head = "1 process" if n == 1 else f"{n} ranks"
@@ -330,7 +330,7 @@ def describe_layout(identity: dict[str, Any]) -> str:
 def check_layout(what: str, then: dict[str, Any] | None, now: dict[str, Any], cfg: DictConfig) -> str | None:
     """Refuses to continue ``what`` (a run directory, a checkpoint) trained on ``then`` (world size and layout)
     on another one ``now``, unless ``cfg.resume_relayout`` is true; returns the note the run's start line
-    gives then (``relayout from 2 ranks, parallel=dp [dp=2]``), or ``None`` when nothing changed.
+    gives then (``relayout from 2 ranks, parallel dp_replicate=2``), or ``None`` when nothing changed.
 
     A checkpoint that records only its world size (``fx.save`` without ``meta``) is compared by world size.
 

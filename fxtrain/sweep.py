@@ -267,8 +267,10 @@ def _sequential_reason(group: Group, world: int) -> str | None:
         return "a group of one"
     if world > 1:
         return f"{world} processes run the sweep (torchrun); the vmap launcher batches jobs in one process"
-    if cfg.parallel.strategy != "none":
-        return f"parallel={cfg.parallel.strategy} (the vmap launcher batches jobs of parallel=none only)"
+    layout = {d: cfg.parallel.get(d, 1) for d in distributed.DIMS}
+    if any(v != 1 for v in layout.values()):
+        shown = " ".join(f"parallel.{d}={v}" for d, v in layout.items() if v != 1)
+        return f"{shown} (the vmap launcher batches jobs of parallel=none only)"
     if cfg.trainer.get("eval_hooks") or (cfg.trainer.get("early_stopping") or {}).get("metric") is not None:
         return "trainer.eval_hooks or trainer.early_stopping (a vmapped group evaluates the task's metrics only and " \
                "trains every job to max_steps)"

@@ -179,7 +179,7 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     exactly the params, state and RNG state its own run would. It passes ``data`` (built already, for the
     same ``cfg.data``) to share one dataset between jobs, when building it draws no torch random numbers.
     """
-    dims = dims or distributed.ParallelDims.of("none", world=1)
+    dims = dims or distributed.ParallelDims.of(world=1)
     torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order): the same on every rank
     data = build.dataset(cfg.data, _choice("data", "data")).to(device) if data is None else data
     model = build.instantiate(cfg.model, "model").to(device)
@@ -189,7 +189,7 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
         placed = parallel.parallelize(model, tx, dims, task=task, pipeline=_pipeline_options(cfg),
                                         mp_policy=build.mixed_precision(cfg, dims))
     except ValueError as e:
-        raise ConfigError(f"parallel={dims.strategy} model={_choice('model')}: {e}") from None
+        raise ConfigError(f"{dims.describe()} model={_choice('model')}: {e}") from None
     params = build.cast_params(cfg, placed.params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
     return Built(data, model, placed.apply, params, placed.buffers, tx, tx.init(params), placed.step, placed.evaluate,
                  task)

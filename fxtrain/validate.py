@@ -184,7 +184,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "trainer.early_stopping": ("metric", "patience", "mode", "min_delta"),
     "amp": ("policy", "loss_scale"),
     "accumulate": ("every", "mean", "accumulator_dtype"),
-    "parallel": ("strategy", "dp", "tp", "pp", "ep", "shard_optimizer", "schedule", "microbatches"),
+    "parallel": (*distributed.DIMS, "dp", "shard_optimizer", "schedule", "microbatches"),
 }
 # Nodes whose entries are named by the user, each a _target_ node: their keys are checked against the target.
 TARGET_NODES = ("model", "data", "task", "schedule")
@@ -477,15 +477,21 @@ def _accumulate(cfg: DictConfig) -> None:
 
 
 def _parallel(cfg: DictConfig) -> None:
-    strategy = _value(cfg, "parallel.strategy")
-    if strategy not in distributed.STRATEGIES:
-        raise ConfigError(f"parallel.strategy={_show(strategy)}: expected one of {', '.join(distributed.STRATEGIES)} "
-                          "(pick it with parallel=dp...)")
-    for dim in ("dp", "tp", "pp", "ep"):
+    dp = _value(cfg, "parallel.dp")
+    if dp is not None:
+        raise ConfigError(f"parallel.dp={_show(dp)}: the data-parallel degree is now parallel.dp_replicate (replicated "
+                          "params, parallel=dp) or parallel.dp_shard (FSDP, parallel=fsdp)")
+    free = []
+    for dim in distributed.DIMS:
         size = _value(cfg, f"parallel.{dim}")
         if size is not None and not (_is_whole(size) and (size == -1 or 1 <= size <= MAX_COUNT)):
             raise ConfigError(f"parallel.{dim}={_show(size)}: expected a positive whole number of ranks, or -1 (the "
                               "rest of the world)")
+        if size == -1:
+            free.append(f"parallel.{dim}=-1")
+    if len(free) > 1:
+        raise ConfigError(f"{' and '.join(free)}: only one degree can take the rest of the world; give the others a "
+                          "size (e.g. parallel.dp_replicate=2)")
     _flag(cfg, "parallel.shard_optimizer")
     schedule = _value(cfg, "parallel.schedule")
     if schedule is not None and schedule not in ("gpipe", "1f1b"):

@@ -79,8 +79,8 @@ NOT_RUN = {
 
 # Shell commands (as written, comments and continuation lines joined) that are not run as written -> (what
 # runs instead, or None for nothing, and why). Every other command of a shell block runs as written.
-TORCHRUN = ("needs torchrun with 2-4 ranks for minutes; tests/test_train_parallel.py and tests/test_strategies.py "
-            "run every parallel= strategy under torchrun")
+TORCHRUN = ("needs torchrun with 2-8 ranks for minutes; tests/test_train_parallel.py runs every layout under "
+            "torchrun or in its 4-rank world, experiments/strategies/run.py the 8-rank 3-D one for 100 steps")
 COMMANDS = {
     "make train": ("python -m fxtrain.train",
                    "make's recipe without building .venv (the suite runs in it); its output is checked below"),
@@ -94,8 +94,11 @@ COMMANDS = {
         "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=fsdp",
         "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=tp",
         "torchrun --nproc_per_node=4 -m fxtrain.train experiment=tiny_lm parallel=fsdp_tp",
+        "torchrun --nproc_per_node=4 -m fxtrain.train experiment=tiny_lm parallel=hsdp",
         "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=pp",
-        "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=ep model=moe"]},
+        "torchrun --nproc_per_node=8 -m fxtrain.train experiment=tiny_lm parallel=3d",
+        "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=ep model=moe",
+        "torchrun --nproc_per_node=4 -m fxtrain.train experiment=tiny_lm parallel.tp=2 parallel.dp_shard=-1"]},
     # README "Beyond one machine": two launchers at once, and a rank killed mid-run; the test runs each line as written
     **{command: (None, "tests/test_multinode.py runs it (a free port, a tiny model, 24 steps)") for command in [
         "torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=localhost:29500 --rdzv-id=two_nodes "

@@ -229,7 +229,7 @@ def test_another_world_size_or_layout_is_refused_unless_relayout(tmp_path, caplo
     owner = json.loads((run / "run.json").read_text())
     assert (owner["world_size"], owner["layout"]) == (1, "parallel=none")
     (run / "summary.json").unlink()                                       # killed after its step-4 checkpoint
-    two = {"world_size": 2, "layout": "parallel=dp [dp=2]"}
+    two = {"world_size": 2, "layout": "parallel dp_replicate=2"}
     for step in ("step_0000002", "step_0000004"):
         path = run / "checkpoints" / step
         assert fx.checkpoint.verify(path)["meta"]["layout"] == "parallel=none"
@@ -237,7 +237,7 @@ def test_another_world_size_or_layout_is_refused_unless_relayout(tmp_path, caplo
     rundir.write_json(run / "run.json", {**owner, **two})
     before = files(run)
     for resume in ("resume=auto", f"resume={run / 'checkpoints' / 'step_0000002'}"):
-        with pytest.raises(rundir.RunDirError, match=r"was trained on 2 ranks, parallel=dp \[dp=2\]; this launch is "
+        with pytest.raises(rundir.RunDirError, match=r"was trained on 2 ranks, parallel dp_replicate=2; this launch is "
                                                      r"1 process, parallel=none.*resume_relayout=true"):
             runner.train(cfg_of(*cfg, resume), run)
     assert files(run) == before
@@ -245,13 +245,13 @@ def test_another_world_size_or_layout_is_refused_unless_relayout(tmp_path, caplo
     with pytest.raises(rundir.RunDirError, match=r"the checkpoint .*step_0000002 was trained on 2 ranks"):
         runner.train(cfg_of(*cfg, f"resume={run / 'checkpoints' / 'step_0000002'}"), tmp_path / "elsewhere")
     # parallel=none is the same run on another layout: its parallel.* keys are the layout, not another config
-    with pytest.raises(rundir.RunDirError, match=r"another config \(parallel\.strategy=dp there, none here\)"):
+    with pytest.raises(rundir.RunDirError, match=r"another config \(parallel\.dp_replicate=-1 there, 1 here\)"):
         runner.train(cfg_of(*SHORT, f"resume={run / 'checkpoints' / 'step_0000002'}"), tmp_path / "none")
     runner.train(cfg_of(*SHORT, f"resume={run / 'checkpoints' / 'step_0000002'}", "resume_relayout=true"),
                  tmp_path / "none")
     with caplog.at_level("INFO", logger="fxtrain"):
         runner.train(cfg_of(*cfg, "resume=auto", "resume_relayout=true"), run)
-    assert ("(step 4), relayout from 2 ranks, parallel=dp [dp=2] to 1 process, parallel=none" in caplog.text)
+    assert ("(step 4), relayout from 2 ranks, parallel dp_replicate=2 to 1 process, parallel=none" in caplog.text)
     owner = json.loads((run / "run.json").read_text())
     assert (owner["world_size"], owner["layout"]) == (1, "parallel=none")
 

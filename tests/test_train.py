@@ -182,8 +182,8 @@ def test_unknown_optimized_metric_lists_the_metrics(tmp_path):
 
 
 def test_shard_optimizer_needs_parallel_dp():
-    with pytest.raises(build.ConfigError, match=r"^parallel.shard_optimizer=true needs parallel=dp .*"
-                       r"parallel.strategy='none'"):
+    with pytest.raises(build.ConfigError, match=r"^parallel.shard_optimizer=true needs data-parallel replicas alone "
+                       r"\(parallel=dp.*but the layout is parallel.pp=1 parallel.dp_replicate=1"):
         build.stack(cfg_of("parallel.shard_optimizer=true"))
     with pytest.raises(build.ConfigError, match=r"^parallel.shard_optimizer: expected true or false, got 'yes'"):
         build.stack(cfg_of("parallel=dp", "parallel.shard_optimizer=yes"))
@@ -192,19 +192,21 @@ def test_shard_optimizer_needs_parallel_dp():
 
 def test_several_ranks_need_a_strategy(monkeypatch):
     monkeypatch.setattr(runner.distributed, "rank_and_world", lambda: (0, 2))
-    with pytest.raises(build.ConfigError, match=r"^parallel=none, but 2 processes run this script .*parallel=dp"):
+    with pytest.raises(build.ConfigError, match=r"^parallel=none, but 2 processes run this script \(torchrun\): "
+                                                r"pick a layout \(parallel=dp"):
         runner.train(cfg_of("experiment=smoke"))
 
 
 @pytest.mark.parametrize("overrides,world,message", [
-    (["parallel=tp"], 1, r"^parallel=tp needs several processes: launch with torchrun .*or use parallel=none"),
-    (["parallel=fsdp_tp", "parallel.tp=3"], 4, r"^parallel=fsdp_tp parallel.dp=-1 parallel.tp=3: tp=3 = 3 ranks "
-                                               r"does not divide the world of 4"),
-    (["parallel=tp", "parallel.dp=3", "parallel.tp=2"], 4, r"^parallel=tp parallel.dp=3 parallel.tp=2: dp=3 x tp=2 = 6 "
-                                                           r"ranks, but the world has 4"),
+    (["parallel=fsdp_tp"], 1, r"^parallel.dp_shard=-1 parallel.tp=2 needs several processes: launch with torchrun "
+                              r".*or use parallel=none"),
+    (["parallel=fsdp_tp", "parallel.tp=3"], 4, r"^parallel.dp_shard=-1 parallel.tp=3: tp=3 = 3 ranks does not divide "
+                                               r"the world of 4"),
+    (["parallel=tp", "parallel.dp_replicate=3", "parallel.tp=2"], 4, r"^parallel.dp_replicate=3 parallel.tp=2: "
+                                                                     r"dp_replicate=3 x tp=2 = 6 ranks, but the world has 4"),
     (["parallel=dp", "data.batch_size=30"], 4, r"^data.batch_size=30 does not split evenly over the 4 ranks"),
     (["parallel=pp", "parallel.microbatches=3"], 2, r"^parallel.microbatches=3 does not divide the per-rank batch"),
-    (["parallel=dp", "+parallel.tp=2"], 2, r"^parallel=dp .*tp=2: strategy dp has no tp dim"),
+    (["parallel=dp", "parallel.tp=-1"], 2, r"^parallel.dp_replicate=-1 parallel.tp=-1: dp_replicate=-1 and tp=-1: only one"),
 ])
 def test_parallel_sizes_are_checked_against_the_world(overrides, world, message):
     with pytest.raises(build.ConfigError, match=message):
@@ -213,9 +215,9 @@ def test_parallel_sizes_are_checked_against_the_world(overrides, world, message)
 
 def test_parallel_sizes_resolve_the_rest_of_the_world():
     dims = build.parallel_dims(cfg_of("experiment=smoke", "parallel=fsdp_tp"), 4)
-    assert (dims.strategy, dims.sizes, dims.data_world) == ("fsdp_tp", {"dp": 2, "tp": 2}, 2)
-    assert build.parallel_dims(cfg_of("experiment=smoke", "parallel=dp"), 1).strategy == "none"  # one rank: plain
-    assert build.parallel_dims(cfg_of("experiment=smoke", "parallel=ep"), 2).sizes == {"dp": 1, "ep": 2}
+    assert (dims.mesh_dims, dims.data_world) == (("dp_shard", "tp"), 2)
+    assert build.parallel_dims(cfg_of("experiment=smoke", "parallel=dp"), 1).mesh_dims == ()  # one rank: plain
+    assert build.parallel_dims(cfg_of("experiment=smoke", "parallel=ep"), 2).mesh_dims == ("ep",)
 
 
 # --- a run ----------------------------------------------------------------------------------------
@@ -324,7 +326,7 @@ def test_torchrun_two_ranks_data_parallel(tmp_path):
     stdout, run = torchrun_train(tmp_path, "parallel=dp", *args)    # one summary.json: one run directory
     assert len(list((tmp_path / "outputs").glob("*/*"))) == 1                    # one directory, all ranks
     assert stdout.count("stack  chain(clip_by_global_norm(1.0), sharded_apply(") == 1    # rank 0 prints
-    assert "[2 ranks, parallel=dp [dp=2]]" in stdout
+    assert "[2 ranks, parallel dp_replicate=2]" in stdout
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [2, 4, 6]               # rank 0 writes
     assert (run / "train.log").read_text().count("stack  ") == 1
     # Same numbers as one process on the whole batch (the mean of two half-batch gradients).
@@ -365,7 +367,7 @@ def test_torchrun_sharded_optimizer_state_matches_plain_dp_with_half_the_state(t
     args = ["experiment=smoke", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=6", "parallel=dp"]
     plain_out, plain = torchrun_train(tmp_path / "plain", *args)
     zero_out, zero = torchrun_train(tmp_path / "zero", *args, "parallel.shard_optimizer=true")
-    assert "sharded_apply(shard_over='dp', inject_hyperparams(adamw)" in zero_out
+    assert "sharded_apply(shard_over='dp_replicate', inject_hyperparams(adamw)" in zero_out
     # adamw's mu and nu are split in two; the step count and injected hyperparameters (a few bytes) are not.
     full, half = state_bytes_line(plain_out), state_bytes_line(zero_out)
     assert full / 2 <= half <= full / 2 + 64, (full, half)

@@ -208,7 +208,7 @@ def test_resolved_config_records_the_numbers():
     cfg = cfg_of(*FAST, "trainer.max_steps=300", "trainer.eval_every=null")
     with pytest.raises(build.ConfigError, match=r"^trainer.eval_every=null: expected a positive whole number"):
         validate.check(cfg)
-    text = runner._resolved_yaml(cfg_of("trainer.max_steps=300"))
+    text = runner.resolved_yaml(cfg_of("trainer.max_steps=300"))
     assert "eval_every: 30\n" in text and "warmup_steps: 15\n" in text and "log_every: 8\n" in text
 
 
@@ -219,7 +219,7 @@ def test_resolved_config_records_the_numbers():
     ("+max_steps=5", "max_steps: not a setting fxtrain reads; the top-level settings are seed,"),
     ("+amp.polcy=bf16", "amp.polcy: not a setting fxtrain reads (did you mean amp.policy?)"),
     ("+accumulate.evry=2", "accumulate.evry: not a setting fxtrain reads (did you mean accumulate.every?)"),
-    ("+parallel.stratgy=dp", "parallel.stratgy: not a setting fxtrain reads (did you mean parallel.strategy?)"),
+    ("+parallel.dp_shrad=2", "parallel.dp_shrad: not a setting fxtrain reads (did you mean parallel.dp_shard?)"),
     # early stopping is off (metric null): its keys were not read at all
     ("+trainer.early_stopping.patiense=3", "trainer.early_stopping.patiense: not a setting fxtrain reads (did you "
                                            "mean trainer.early_stopping.patience?)"),
@@ -278,8 +278,10 @@ def test_values_that_would_change_what_is_trained_are_refused(overrides, message
     ("amp.loss_scale=abc", "amp.loss_scale=abc: expected null"),
     ("trainer.early_stopping.patience=0", "trainer.early_stopping.patience=0: expected a whole number >= 1"),
     ("trainer.early_stopping.mode=lowest", "trainer.early_stopping.mode='lowest': expected auto, min or max"),
-    ("+parallel.dp=0", "parallel.dp=0: expected a positive whole number of ranks, or -1"),
-    ("+parallel.microbatches=0", "parallel.microbatches=0: expected a positive whole number"),
+    ("parallel.tp=0", "parallel.tp=0: expected a positive whole number of ranks, or -1"),
+    ("parallel.dp=2", "parallel.dp=2: the data-parallel degree is now parallel.dp_replicate (replicated params, "
+                      "parallel=dp) or parallel.dp_shard (FSDP, parallel=fsdp)"),
+    ("parallel.microbatches=0", "parallel.microbatches=0: expected a positive whole number"),
     ("accumulate.accumulator_dtype=float17", "accumulate.accumulator_dtype=float17: expected null"),
 ])
 def test_settings_this_run_does_not_use_are_checked_all_the_same(override, message):

@@ -1,6 +1,6 @@
-"""The runner's parallel strategies against one process: `experiment=tiny_lm amp=off accumulate=off`.
+"""The runner's parallel layouts against one process: `experiment=tiny_lm amp=off accumulate=off`.
 
-Each strategy is one `torchrun ... -m fxtrain.train` run (gloo, CPU, one thread per rank) of the same config
+Each layout (a `conf/parallel` preset of degrees) is one `torchrun ... -m fxtrain.train` run (gloo, CPU, one thread per rank) of the same config
 as the single-process run; the table gives each final loss, its relative distance from the single-process
 one (the issue's acceptance: within 2e-3 after 100 steps) and the wall time. Usage::
 
@@ -29,9 +29,14 @@ RUNS = [  # (label, torchrun ranks or 0 for one process, overrides)
     ("parallel=fsdp", 2, ["parallel=fsdp"]),
     ("parallel=tp", 2, ["parallel=tp"]),
     ("parallel=pp", 2, ["parallel=pp"]),
-    ("parallel=fsdp_tp", 4, ["parallel=fsdp_tp"]),
+    ("parallel=fsdp_tp (dp_shard=2 x tp=2)", 4, ["parallel=fsdp_tp"]),
+    ("parallel=hsdp (dp_replicate=2 x dp_shard=2)", 4, ["parallel=hsdp"]),
+    ("parallel=pp_fsdp (pp=2 x dp_shard=2)", 4, ["parallel=pp_fsdp"]),
+    ("parallel=pp_tp (pp=2 x tp=2)", 4, ["parallel=pp_tp"]),
+    ("parallel=3d (pp=2 x dp_shard=2 x tp=2)", 8, ["parallel=3d"]),
     ("model=moe (one process)", 0, ["model=moe"]),
     ("parallel=ep model=moe", 2, ["parallel=ep", "model=moe"]),
+    ("parallel=ep_fsdp model=moe (ep=2 x dp_shard=2)", 4, ["parallel=ep_fsdp", "model=moe"]),
 ]
 
 
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{seconds:.0f}"])
     table = _common.table(["run", "ranks", "final train loss", "rel. diff from one process", "test_loss",
                            "wall s"], rows)
-    body = (f"# The runner's strategies against one process\n\n{_common.environment()}\n\n"
+    body = (f"# The runner's parallel layouts against one process\n\n{_common.environment()}\n\n"
             f"Command: `.venv/bin/python experiments/strategies/run.py --steps {args.steps}` "
             f"(`experiment=tiny_lm amp=off accumulate=off trainer.max_steps={args.steps}`; the MoE runs are "
             "compared with the one-process MoE run)\n\n" + table + "\n")

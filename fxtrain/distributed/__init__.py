@@ -23,7 +23,7 @@ Example:
 from fxtrain.distributed._collectives import (
     all_gather_flat, contiguous_stride, match_placements, reduce_partials, reduce_scatter_flat,
 )
-from fxtrain.distributed._mesh import STRATEGIES, ParallelDims
+from fxtrain.distributed._mesh import DIMS, ParallelDims
 from fxtrain.distributed._norms import GlobalSumSq, global_count, global_norm, global_sum_sq, local_leaves, to_local
 from fxtrain.distributed._runtime import (
     device, init_from_env, mean_across_ranks, rank_and_world, shared_stamp, shutdown, world_mesh,
@@ -35,7 +35,7 @@ __all__ = [
     # collectives
     "match_placements", "reduce_partials", "reduce_scatter_flat", "all_gather_flat", "contiguous_stride",
     # the mesh of a run
-    "ParallelDims", "STRATEGIES",
+    "ParallelDims", "DIMS",
     # runtime
     "init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device", "mean_across_ranks", "shutdown",
 ]

@@ -1,9 +1,18 @@
-"""One mesh object for a run: the sizes of its parallel dims, the ``DeviceMesh`` built from them once, and
-which slice of each batch this rank reads (torchtitan's ``ParallelDims``).
+"""One mesh object for a run: its parallel degrees, the ``DeviceMesh`` built from them once, and the answers
+callers need from it (torchtitan's ``ParallelDims``).
 
-The runner builds it from ``cfg.parallel`` and hands it to whoever needs a mesh: the data (its slice), the
-model (plans, sharding), the stack (``sharded_apply(shard_over="dp")``) and checkpoints. Nothing else
-makes a mesh, and no module finds one by name.
+A layout is a product of degrees, one per kind of parallelism, that equals the world size:
+
+* ``dp_replicate``: replicas of the params; each reads its own slice of the batch.
+* ``dp_shard``: FSDP ranks (params, gradients and optimizer state sharded); each reads its own slice. With
+  ``dp_replicate`` too this is HSDP: sharded within a replica group, replicated across groups.
+* ``ep``: expert-parallel ranks (an MoE layer's experts split over them); each reads its own slice.
+* ``tp``: tensor-parallel ranks (Megatron's split of each block); they read the same slice.
+* ``pp``: pipeline stages; they read the same slice (the first stage its inputs, the last its targets).
+
+The runner builds it from ``cfg.parallel`` and hands it to whoever needs a mesh: the data (:meth:`local_batch`),
+the model (:mod:`fxtrain.parallel`), the stack (:attr:`norm_groups`, ``sharded_apply``) and checkpoints.
+Nothing else makes a mesh, and no module compares layout names: they ask this object.
 """
 
 from __future__ import annotations
@@ -12,108 +21,129 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["ParallelDims", "STRATEGIES"]
+__all__ = ["ParallelDims", "DIMS"]
 
-# The mesh dims each strategy uses, in mesh order (pipeline outermost, tensor parallel innermost: its
-# collectives are the most frequent and want the closest ranks). A dim of size 1 is still a mesh dim when
-# the strategy names it, so plans and sharding find it; ``dp`` of size 1 is dropped where nothing needs it.
-STRATEGIES: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "dp": ("dp",),            # replicated params, each rank its slice of the batch
-    "fsdp": ("dp",),          # FSDP2 fully_shard over dp
-    "tp": ("dp", "tp"),       # parallelize_module on tp; dp x tp with dp > 1
-    "fsdp_tp": ("dp", "tp"),  # parallelize_module on tp, fully_shard on dp
-    "pp": ("pp", "dp"),       # pipeline stages over pp (dp > 1: each stage fully_shard-ed over dp)
-    "ep": ("dp", "ep"),       # experts sharded over ep, dense params replicated over dp x ep
-}
-_DATA_DIMS = ("dp", "ep")  # ranks along these read different slices of a batch; tp and pp ranks the same one
+# The degrees in mesh order, outermost first: pipeline stages talk least (one send per micro-batch), tensor
+# parallel most (every block), so tp gets the closest ranks (torchtitan's order). Context parallel ("cp")
+# would sit between ep and tp: its ranks read slices of the same sequences.
+DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+# Ranks along these read different slices of a batch; tp and pp ranks read the same one.
+_BATCH_DIMS = ("dp_replicate", "dp_shard", "ep")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelDims:
-    """The sizes of a run's parallel dims, checked against the world size; :meth:`build` makes the mesh.
+    """A run's parallel degrees, checked against the world size; :meth:`build` makes the mesh.
 
     Args:
-      strategy: a key of :data:`STRATEGIES`.
       world: the number of processes.
-      sizes: ``{dim: size}`` for the strategy's dims; ``-1`` (one dim at most) is the rest of the world.
+      degrees: ``{dim: size}`` for every dim of :data:`DIMS` (:meth:`of` fills and checks them).
+      mesh: the ``DeviceMesh`` over the enabled dims (``None`` before :meth:`build`, or with none enabled).
 
     Example:
-        >>> dims = ParallelDims.of("tp", world=4, dp=-1, tp=2)
-        >>> dims.sizes, dims.data_world
-        ({'dp': 2, 'tp': 2}, 2)
-        >>> ParallelDims.of("tp", world=4, dp=3, tp=2)
+        >>> dims = ParallelDims.of(world=8, pp=2, dp_shard=-1, tp=2)
+        >>> dims.mesh_dims, dims.data_world, dims.enabled("dp_replicate"), dims.params_sharded
+        (('pp', 'dp_shard', 'tp'), 2, False, True)
+        >>> dims.describe()
+        'parallel pp=2 x dp_shard=2 x tp=2'
+        >>> ParallelDims.of(world=4, dp_shard=3, tp=2)
         Traceback (most recent call last):
         ...
-        ValueError: dp=3 x tp=2 = 6 ranks, but the world has 4: make the product 4 (dp=-1 takes the rest)
+        ValueError: dp_shard=3 x tp=2 = 6 ranks, but the world has 4: make the product 4 (one degree -1 takes the rest)
     """
 
-    strategy: str
     world: int
-    sizes: dict
+    degrees: dict
     mesh: Any = None
 
     @staticmethod
-    def of(strategy: str, *, world: int, **sizes: int) -> ParallelDims:
-        """Resolves ``-1`` and checks the product; dims the strategy does not use must be 1 (or absent)."""
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
-        dims = STRATEGIES[strategy]
-        for name, size in sizes.items():
-            if name not in dims and size not in (1, -1, None):
-                raise ValueError(f"{name}={size}: strategy {strategy} has no {name} dim (its dims: "
-                                 f"{', '.join(dims) or 'none'}); leave it at 1")
-        given = {d: int(sizes[d]) if sizes.get(d) is not None else 1 for d in dims}
+    def of(*, world: int, **degrees: int | None) -> ParallelDims:
+        """Resolves ``-1`` (one dim at most: the rest of the world) and checks that the product is ``world``;
+        an absent or ``None`` degree is 1."""
+        unknown = [d for d in degrees if d not in DIMS]
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not a parallel degree; the degrees are {', '.join(DIMS)}")
+        given = {d: 1 if degrees.get(d) is None else degrees[d] for d in DIMS}
+        for d, s in given.items():
+            if isinstance(s, bool) or not isinstance(s, int) or (s < 1 and s != -1):
+                raise ValueError(f"{d}={s}: expected a positive whole number of ranks, or -1 for the rest of the world")
         free = [d for d, s in given.items() if s == -1]
         if len(free) > 1:
-            raise ValueError(f"{' and '.join(f'{d}=-1' for d in free)}: only one dim can take the rest of the world")
-        if any(s < 1 and s != -1 for s in given.values()):
-            bad = next(d for d, s in given.items() if s < 1 and s != -1)
-            raise ValueError(f"{bad}={given[bad]}: expected a positive size, or -1 for the rest of the world")
+            raise ValueError(f"{' and '.join(f'{d}=-1' for d in free)}: only one degree can take the rest of the "
+                             "world; give the others a size")
         fixed = math.prod(s for s in given.values() if s != -1)
+        shown = " x ".join(f"{d}={s}" for d, s in given.items() if s not in (1, -1)) or "1"
         if free:
             if world % fixed:
-                raise ValueError(f"{' x '.join(f'{d}={s}' for d, s in given.items() if s != -1)} = {fixed} ranks "
-                                 f"does not divide the world of {world}: pick sizes whose product divides it")
+                raise ValueError(f"{shown} = {fixed} ranks does not divide the world of {world}: pick degrees whose "
+                                 "product divides it")
             given[free[0]] = world // fixed
-        total = math.prod(given.values())
-        if total != world:
-            shown = " x ".join(f"{d}={s}" for d, s in given.items())
-            raise ValueError(f"{shown} = {total} ranks, but the world has {world}: make the product {world} "
-                             f"({dims[0] if dims else 'dp'}=-1 takes the rest)")
-        return ParallelDims(strategy, world, given)
+        elif fixed != world:
+            raise ValueError(f"{shown} = {fixed} ranks, but the world has {world}: make the product {world} "
+                             "(one degree -1 takes the rest)")
+        return ParallelDims(world, given)
+
+    def enabled(self, dim: str) -> bool:
+        """Whether ``dim`` splits the work (its degree is above 1)."""
+        if dim not in self.degrees:
+            raise ValueError(f"{dim}: not a parallel degree; the degrees are {', '.join(DIMS)}")
+        return self.degrees[dim] > 1
 
     @property
     def mesh_dims(self) -> tuple[str, ...]:
-        """The dims of the mesh :meth:`build` makes: the strategy's, minus a ``dp`` of size 1 where nothing
-        needs it (``tp`` with ``dp=1`` is a 1-D tp mesh, as ``parallelize_module`` wants)."""
-        if self.strategy in ("dp", "fsdp", "fsdp_tp"):  # their dp dim is what they shard or replicate over
-            return tuple(self.sizes)
-        return tuple(d for d, s in self.sizes.items() if s > 1 or d != "dp")
+        """The dims of the mesh :meth:`build` makes: the enabled ones, in :data:`DIMS` order."""
+        return tuple(d for d in DIMS if self.enabled(d))
+
+    @property
+    def params_sharded(self) -> bool:
+        """Whether FSDP shards the params (``dp_shard > 1``, with experts on their own ``ep`` dim)."""
+        return self.enabled("dp_shard")
+
+    @property
+    def data_world(self) -> int:
+        """How many different slices a batch is cut into (the product of the batch-reading degrees)."""
+        return math.prod(self.degrees[d] for d in _BATCH_DIMS)
 
     def build(self, device_type: str) -> ParallelDims:
-        """This object with its ``DeviceMesh`` (``None`` for ``strategy=none``); every rank calls it once."""
+        """This object with its ``DeviceMesh`` (``None`` with no dim enabled); every rank calls it once."""
         if not self.mesh_dims:
             return self
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = tuple(self.sizes[d] for d in self.mesh_dims)
+        shape = tuple(self.degrees[d] for d in self.mesh_dims)
         return dataclasses.replace(self, mesh=init_device_mesh(device_type, shape, mesh_dim_names=self.mesh_dims))
 
+    def submesh(self, *dims: str) -> Any:
+        """The mesh over ``dims`` (enabled ones, in mesh order): ``submesh("dp_shard")`` is FSDP's,
+        ``submesh("dp_replicate", "dp_shard")`` HSDP's 2-D one. Needs :meth:`build`."""
+        if self.mesh is None:
+            raise ValueError(f"ParallelDims.submesh{dims}: the mesh is not built (call build(device_type) first)")
+        off = [d for d in dims if not self.enabled(d)]
+        if off:
+            raise ValueError(f"ParallelDims.submesh: {', '.join(off)} is not enabled in {self.describe()}")
+        names = tuple(d for d in self.mesh_dims if d in dims)
+        return self.mesh if names == self.mesh_dims else self.mesh[names if len(names) > 1 else names[0]]
+
     @property
-    def data_world(self) -> int:
-        """How many different slices a batch is cut into (the product of the data-parallel dims)."""
-        return math.prod(s for d, s in self.sizes.items() if d in _DATA_DIMS)
+    def fsdp_mesh(self) -> Any:
+        """The mesh ``fully_shard`` takes: ``dp_shard``'s, or ``(dp_replicate, dp_shard)`` for HSDP."""
+        return self.submesh(*(d for d in ("dp_replicate", "dp_shard") if self.enabled(d)))
+
+    @property
+    def norm_groups(self) -> tuple:
+        """The meshes a global norm must also sum over: the pipeline's (each stage holds other params as plain
+        tensors or DTensors of its own mesh); the other dims' params are DTensors, which carry their mesh."""
+        return (self.submesh("pp"),) if self.enabled("pp") else ()
 
     @property
     def data_rank(self) -> int:
-        """Which slice this rank reads: its coordinate over the data-parallel dims (0 without a mesh)."""
+        """Which slice this rank reads: its coordinate over the batch-reading dims (0 without a mesh)."""
         if self.mesh is None:
             return 0
         rank = 0
         for d in self.mesh_dims:
-            if d in _DATA_DIMS:
-                rank = rank * self.mesh.size(self.mesh_dims.index(d)) + self.mesh.get_local_rank(d)
+            if d in _BATCH_DIMS:
+                rank = rank * self.degrees[d] + self.mesh.get_local_rank(d)
         return rank
 
     def local_batch(self, batch: tuple) -> tuple:
@@ -127,6 +157,6 @@ class ParallelDims:
         return tuple(x.tensor_split(n)[self.data_rank] for x in batch)
 
     def describe(self) -> str:
-        """``parallel=tp [dp=2 x tp=2]`` for the run's first lines."""
-        sizes = " x ".join(f"{d}={s}" for d, s in self.sizes.items())
-        return f"parallel={self.strategy}" + (f" [{sizes}]" if sizes else "")
+        """``parallel pp=2 x dp_shard=2 x tp=2`` (or ``parallel=none``) for the run's first lines and run.json."""
+        shown = " x ".join(f"{d}={self.degrees[d]}" for d in self.mesh_dims)
+        return f"parallel {shown}" if shown else "parallel=none"

@@ -4,6 +4,7 @@ Layout (torchtitan's and Megatron's)::
 
     expert params  (w_in, b_in, w_out, b_out: [E, ...])   DTensor on mesh: Shard(0) on ep, Replicate elsewhere
     dense params   (router, attention, norms, embedding)   DTensor on the dp mesh: all ranks of mesh, Replicate
+                                                           (shard_dense=True: Shard(0), ZeRO-3 / FSDP's layout)
 
 Every rank holds its own share of the batch. In a call, each MoE layer routes its rank's tokens, all-gathers
 tokens, gates and choices over the ep group, runs its ``E / ep`` experts on every gathered token routed to
@@ -28,7 +29,8 @@ from fxtrain.models import MoE, experts_forward
 __all__ = ["expert_parallel"]
 
 
-def expert_parallel(module: nn.Module, mesh: Any, *, ep: str = "ep") -> tuple[ApplyFn, Params, Buffers]:
+def expert_parallel(module: nn.Module, mesh: Any, *, ep: str = "ep",
+                    shard_dense: bool = False) -> tuple[ApplyFn, Params, Buffers]:
     """``fx.functional`` for a module with :class:`fxtrain.models.MoE` layers, their experts sharded over ``ep``.
 
     Each MoE layer's ``E`` experts are split into ``mesh[ep].size()`` contiguous blocks, one per ep rank
@@ -48,6 +50,10 @@ def expert_parallel(module: nn.Module, mesh: Any, *, ep: str = "ep") -> tuple[Ap
       mesh: a ``DeviceMesh`` over the ranks, with a dim named ``ep``: e.g. ``init_device_mesh("cpu",
         (dp, ep), mesh_dim_names=("dp", "ep"))`` or ``("ep",)`` alone.
       ep: the name of the expert-parallel mesh dim.
+      shard_dense: shard the dense params too: ``Shard(0)`` over the dp mesh (FSDP's layout; with ep the
+        runner's ``ep x dp_shard``). ``apply_fn`` all-gathers each one (a blocking gloo/NCCL collective, as
+        FSDP's unsharded forward) and its backward reduce-scatters the gradient, which comes out ``Shard(0)``
+        like the param: every rank keeps and updates ``1 / ranks`` of each dense param and its state.
 
     Returns:
       ``(apply_fn, params, buffers)`` like :func:`fxtrain.functional`: ``apply_fn(params, buffers, *args,
@@ -107,12 +113,18 @@ def expert_parallel(module: nn.Module, mesh: Any, *, ep: str = "ep") -> tuple[Ap
     # fx.functional's params share the module's storage).
     params = {k: DTensor.from_local(v.chunk(n)[rank], mesh, expert, run_check=False, shape=v.shape,
                                     stride=v.stride()) if k in expert_names
-              else DTensor.from_local(v, dp_mesh, (Replicate(),), run_check=False) for k, v in full.items()}
+              else _dense(v, dp_mesh, shard_dense) for k, v in full.items()}
     dispatch = _AllGatherDispatch(mesh, axis, rank)
+    if shard_dense:  # the local shard's gradient is reduce-scattered by _GatherRows' backward: Shard(0) as it is
+        dense_grad = (Shard(0),)
     plan = [(k, expert_grad, 1.0 / n) if k in expert_names else (k, dense_grad, None) for k in params]
+    dense_group = dp_mesh.get_group() if shard_dense else None
 
     def apply_fn(params: Params, buffers: Buffers, *args: Any, train: bool, **kwargs: Any):
         local = {k: _local(k, params[k], grads, scale) for k, grads, scale in plan}
+        if dense_group is not None:
+            local = {k: v if k in expert_names else _GatherRows.apply(v, params[k].shape, dense_group)
+                     for k, v in local.items()}
         for layer in layers.values():
             layer.dispatch = dispatch
         try:
@@ -131,6 +143,43 @@ def _local(name: str, p: Any, grad_placements: tuple, scale: float | None) -> to
                          "that expert_parallel returned (DTensors), as the step updates it")
     x = p.to_local(grad_placements=grad_placements)
     return x if scale is None else _ScaleGrad.apply(x, scale)
+
+
+def _dense(v: torch.Tensor, dp_mesh: Any, shard: bool) -> DTensor:
+    """A dense param on the dp mesh: ``Replicate`` (a view of ``v``), or this rank's ``Shard(0)`` rows (torch's
+    ``chunk`` split, as ``distribute_tensor`` makes it; a copy, so the module's full tensor can be freed)."""
+    if not shard:
+        return DTensor.from_local(v, dp_mesh, (Replicate(),), run_check=False)
+    rows = _rows(v.shape[0], dp_mesh.size())[dp_mesh.get_local_rank()]
+    return DTensor.from_local(v[rows].clone(), dp_mesh, (Shard(0),), run_check=False, shape=v.shape,
+                              stride=v.stride())
+
+
+def _rows(n: int, ranks: int) -> list[slice]:
+    """Each rank's rows of ``n`` under ``Shard(0)``: ``torch.chunk``'s split (the last ones may be short or empty)."""
+    size = -(-n // ranks)
+    return [slice(min(r * size, n), min((r + 1) * size, n)) for r in range(ranks)]
+
+
+class _GatherRows(torch.autograd.Function):
+    """A ``Shard(0)`` param's full tensor from every rank's rows (all-gather, padded to equal chunks); the
+    backward averages the full gradient over the ranks and hands each its rows (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shape: torch.Size, group: Any) -> torch.Tensor:
+        ranks = dist.get_world_size(group)
+        size = -(-shape[0] // ranks)
+        ctx.group, ctx.rows, ctx.size, ctx.n = group, x.shape[0], size, shape[0]
+        padded = x.new_zeros((size, *shape[1:]))
+        padded[:x.shape[0]] = x
+        return _gather(padded, group)[:shape[0]]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        ranks = dist.get_world_size(ctx.group)
+        padded = g.new_zeros((ctx.size * ranks, *g.shape[1:]))
+        padded[:ctx.n] = g
+        return _scatter(padded, ctx.group)[:ctx.rows] / ranks, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):

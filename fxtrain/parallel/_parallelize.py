@@ -1,23 +1,21 @@
-"""From ``cfg.parallel`` to a model on the run's mesh and a step: one short function per ``conf/parallel`` file.
+"""From ``cfg.parallel``'s degrees to a model on the run's mesh and a step: one composition of torch's engines.
 
-Every strategy gives the runner the same :class:`Parallel`: ``(apply, params, buffers)`` as
+Every layout gives the runner the same :class:`Parallel`: ``(apply, params, buffers)`` as
 :func:`fxtrain.functional` gives them, ``step(params, opt_state, buffers, batch) -> (params, opt_state,
 buffers, metrics)`` on this rank's slice of a batch, and ``evaluate(params, buffers, test)``. The mesh
-comes in once, as a :class:`fxtrain.distributed.ParallelDims`; the parallel machinery is torch's own
-(``parallelize_module``, ``fully_shard``, ``torch.distributed.pipelining``), driven through
-:mod:`fxtrain.parallel`'s adapters.
+comes in once, as a :class:`fxtrain.distributed.ParallelDims`; :func:`parallelize` asks it which degrees are
+on and composes torch's own machinery in torchtitan's order, each on its sub-mesh:
 
-======== ============================================================ =====================================
-strategy model                                                        step
-======== ============================================================ =====================================
-none     ``fx.functional``                                            ``fx.train_step``
-dp       ``fx.parallel.data_parallel`` (Replicate params)             ``fx.train_step`` (Partial grads)
-fsdp     ``fully_shard`` per block and root, ``fully_sharded``        ``fx.parallel.fully_sharded_step``
-tp       ``fx.parallel.tensor_parallel(model, model.tp_plan())``      ``fx.train_step``
-fsdp_tp  ``parallelize_module`` on tp, then ``fully_shard`` on dp     ``fx.parallel.fully_sharded_step``
-pp       ``model.pipeline_stage(stage, n)``, ``PipelineStage``        ``fx.parallel.pipeline_step``
-ep       ``fx.parallel.expert_parallel`` (MoE experts over ep)        ``fx.train_step``
-======== ============================================================ =====================================
+1. ``pp``: the model is cut into its stage (``model.pipeline_stage``), which the rest applies to; a
+   ``torch.distributed.pipelining`` schedule runs it (``fx.parallel.pipeline_step``).
+2. ``tp``: ``parallelize_module`` with ``model.tp_plan()`` on the tp mesh.
+3. ``dp_shard`` (and ``dp_replicate``, HSDP): ``fully_shard`` per block and root on the ``dp_shard`` mesh or
+   the 2-D ``(dp_replicate, dp_shard)`` one; the step is ``fx.parallel.fully_sharded_step``.
+   ``dp_replicate`` alone: replicated DTensor params (``fx.parallel.data_parallel``, or
+   ``fx.parallel.tensor_parallel``'s dp x tp bridge), gradients reduced by ``fx.train_step``.
+4. ``ep``: ``fx.parallel.expert_parallel``, the MoE layers' experts ``Shard(0)`` over ep.
+
+With none on, the model is ``fx.functional``'s and the step ``fx.train_step``.
 """
 
 from __future__ import annotations
@@ -56,85 +54,99 @@ class Parallel(NamedTuple):
 
 def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims, *,
                 task: tasks.Task | None = None, pipeline: dict | None = None, mp_policy: Any = None) -> Parallel:
-    """``model`` on ``dims.mesh`` as ``dims.strategy`` says, and its step with ``tx`` (see the module table).
+    """``model`` on ``dims.mesh`` as its degrees say, and its step with ``tx`` (see the module docstring).
 
     Args:
       model: the built model (on the run's device).
       tx: the transform stack.
       dims: the run's mesh object (built).
       task: the loss and metrics (:mod:`fxtrain.tasks`); ``None``: classification.
-      pipeline: for ``pp``: ``{"schedule": "gpipe" | "1f1b", "microbatches": int}``.
-      mp_policy: for ``fsdp`` and ``fsdp_tp``: FSDP's ``MixedPrecisionPolicy`` (the amp group's compute dtype).
+      pipeline: under ``pp``: ``{"schedule": "gpipe" | "1f1b", "microbatches": int}``.
+      mp_policy: under ``dp_shard`` without ``pp``: FSDP's ``MixedPrecisionPolicy`` (the amp group's compute dtype).
 
     Raises:
-      ValueError: the model cannot take the strategy (no TP plan, no pipeline split, no MoE layer),
-        naming the model class and the fix.
+      ValueError: the model cannot take a degree (no TP plan, no pipeline split, no MoE layer), naming the
+        model class and the fix, or a combination the runner does not compose, naming the degrees.
+
+    Example:
+        >>> import fxtrain as fx
+        >>> from fxtrain.models import MLP
+        >>> placed = parallelize(MLP((4,), (8,), 2), fx.sgd(0.1), ParallelDims.of(world=1))
+        >>> sorted(placed.params)[:2]
+        ['net.1.bias', 'net.1.weight']
     """
-    build = _BUILDERS[dims.strategy]
-    options = {"pp": {"pipeline": pipeline}, "fsdp": {"mp_policy": mp_policy}, "fsdp_tp": {"mp_policy": mp_policy}}
-    return build(model, tx, dims, task or tasks.classification(), **options.get(dims.strategy, {}))
-
-
-# --- one function per strategy -------------------------------------------------------------------------
-
-def _none(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
-    apply, params, buffers = functional(model)
+    task = task or tasks.classification()
+    _check(model, dims)
+    if dims.enabled("pp"):
+        return _pipelined(model, tx, dims, task, pipeline or {})
+    if dims.enabled("ep"):
+        # Experts over ep; the dense params replicated over the data ranks, or sharded (FSDP's layout) with dp_shard.
+        apply, params, buffers = expert_parallel(model, dims.mesh, ep="ep", shard_dense=dims.params_sharded)
+        return _autograd(apply, params, buffers, tx, task)
+    if dims.params_sharded:
+        twin = _twin(model)
+        _placed(model, dims, model.tp_plan() if dims.enabled("tp") else None, mp_policy)
+        return _fully_sharded(model, tx, task, twin)
+    if dims.enabled("tp"):
+        mesh = dims.submesh(*(d for d in ("dp_replicate", "tp") if dims.enabled(d)))
+        apply, params, buffers = tensor_parallel(model, model.tp_plan(), mesh, dp="dp_replicate")
+    elif dims.enabled("dp_replicate"):
+        apply, params, buffers = data_parallel(model, dims.submesh("dp_replicate"))
+    else:
+        apply, params, buffers = functional(model)
     return _autograd(apply, params, buffers, tx, task)
 
 
-def _dp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
-    apply, params, buffers = data_parallel(model, dims.mesh)
-    return _autograd(apply, params, buffers, tx, task)
+def _check(model: nn.Module, dims: ParallelDims) -> None:
+    """Refuses what the model or the composition cannot take, before any mesh is used."""
+    name, shown = type(model).__name__, dims.describe()
+    if dims.enabled("tp") and not hasattr(model, "tp_plan"):
+        raise ValueError(f"{shown}: {name} has no tensor-parallel plan (tp_plan); use model=transformer or model=moe")
+    if dims.enabled("pp") and not hasattr(model, "pipeline_stage"):
+        raise ValueError(f"{shown}: {name} has no pipeline split (pipeline_stage); use model=transformer or model=moe")
+    if dims.enabled("ep") and (dims.enabled("tp") or dims.enabled("pp")):
+        raise ValueError(f"{shown}: expert parallel composes with dp_replicate and dp_shard here; set parallel.tp "
+                         "and parallel.pp to 1 (or drop ep)")
+    if dims.enabled("pp") and dims.enabled("dp_replicate") and not dims.params_sharded:
+        raise ValueError(f"{shown}: pipeline replicas are FSDP-sharded stages; use parallel.dp_shard for them "
+                         "(parallel.dp_replicate with dp_shard > 1 is HSDP per stage)")
 
 
-def _tp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
-    apply, params, buffers = tensor_parallel(model, _plan(model, dims), dims.mesh)
-    return _autograd(apply, params, buffers, tx, task)
-
-
-def _ep(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task) -> Parallel:
-    apply, params, buffers = expert_parallel(model, dims.mesh, ep="ep")
-    return _autograd(apply, params, buffers, tx, task)
-
-
-def _fsdp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, mp_policy: Any = None) -> Parallel:
-    twin = _twin(model)
-    _fully_shard(model, dims.mesh["dp"] if dims.mesh.ndim > 1 else dims.mesh, mp_policy)
-    return _fully_sharded(model, tx, task, twin)
-
-
-def _fsdp_tp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, mp_policy: Any = None) -> Parallel:
+def _placed(module: nn.Module, dims: ParallelDims, plan: dict | None, mp_policy: Any = None) -> None:
+    """``module`` (the model, or its pipeline stage) through torch's engines in torchtitan's order:
+    ``parallelize_module`` with ``plan`` on tp, then ``fully_shard`` on dp_shard (HSDP's 2-D mesh with dp_replicate)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = _plan(model, dims)
-    twin = _twin(model)
-    parallelize_module(model, dims.mesh["tp"], plan)
-    _fully_shard(model, dims.mesh["dp"], mp_policy)
-    return _fully_sharded(model, tx, task, twin)
+    if dims.enabled("tp"):
+        parallelize_module(module, dims.submesh("tp"), plan)
+    if dims.params_sharded:
+        _fully_shard(module, dims.fsdp_mesh, mp_policy)
 
 
-def _pp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: dict | None = None) -> Parallel:
+def _stage_plan(model: nn.Module) -> dict:
+    """The TP plan of a pipeline stage: the blocks' entries of Megatron's plan without sequence parallel, so the
+    activations the stages send each other stay plain, whole tensors (a DTensor cannot travel through the
+    schedule's sends); the embeddings, the final norm and the tied head stay plain params on every tp rank."""
+    return {k: v for k, v in model.tp_plan(sequence_parallel=False).items() if k.startswith("blocks.")}
+
+
+def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: dict) -> Parallel:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    pipeline = pipeline or {}
     schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
     name = pipeline.get("schedule", "gpipe")
     if name not in schedules:
         raise ValueError(f"parallel.schedule={name}: expected one of {', '.join(schedules)}")
-    if not hasattr(model, "pipeline_stage"):
-        raise ValueError(f"parallel=pp: {type(model).__name__} has no pipeline split (pipeline_stage); use "
-                         "model=transformer or model=moe")
-    pp = dims.mesh["pp"] if dims.mesh.ndim > 1 else dims.mesh
+    pp = dims.submesh("pp")
     n, stage_index = pp.size(), pp.get_local_rank()
+    plan = _stage_plan(model) if dims.enabled("tp") else None
     module = model.pipeline_stage(stage_index, n)
-    if dims.sizes.get("dp", 1) > 1:
-        _fully_shard(module, dims.mesh["dp"])
+    _placed(module, dims, plan)
     device = next(module.parameters()).device
     stage = PipelineStage(module, stage_index, n, device, group=pp.get_group())
     microbatches = int(pipeline.get("microbatches", 4))
     schedule = schedules[name](stage, n_microbatches=microbatches, loss_fn=lambda out, y: task.compute(out, y)[0])
-    apply, params, buffers = (fully_sharded(module) if dims.sizes.get("dp", 1) > 1
-                              else functional(module))
+    apply, params, buffers = fully_sharded(module) if dims.params_sharded else functional(module)
     train = pipeline_step(schedule, tx, pp_group=pp)
     first, last = stage_index == 0, stage_index == n - 1
     seen: list[int] = []  # the per-rank batch size: a stage's buffers are shaped by its first micro-batches
@@ -169,13 +181,10 @@ def _pp(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: di
     return Parallel(apply, params, buffers, step, evaluate_pp)
 
 
-_BUILDERS = {"none": _none, "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "pp": _pp, "ep": _ep}
-
-
 # --- shared pieces -----------------------------------------------------------------------------------
 
 def _autograd(apply: Callable, params: Any, buffers: Any, tx, task: tasks.Task) -> Parallel:
-    """The strategies whose params are a pure function's (plain tensors or DTensors): ``fx.train_step``."""
+    """The layouts whose params are a pure function's (plain tensors or DTensors): ``fx.train_step``."""
     train = train_step(loss_function(apply, task), tx, has_aux=True)
     return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply, task))
 
@@ -227,13 +236,6 @@ def _fully_shard(model: nn.Module, mesh: Any, mp_policy: Any = None) -> None:
     for block in getattr(model, "blocks", ()):
         fully_shard(block, mesh=mesh, mp_policy=inner)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-
-
-def _plan(model: nn.Module, dims: ParallelDims) -> dict:
-    if not hasattr(model, "tp_plan"):
-        raise ValueError(f"parallel={dims.strategy}: {type(model).__name__} has no tensor-parallel plan (tp_plan); "
-                         "use model=transformer or model=moe")
-    return model.tp_plan()
 
 
 def loss_function(apply: Callable, task: tasks.Task | None = None) -> Callable:
