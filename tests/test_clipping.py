@@ -1,4 +1,4 @@
-"""Tests for fxtrain/transforms/_clipping.py: clip, clip_by_global_norm (single process; see test_distributed.py)."""
+"""Tests for fxtrain/transforms/_clipping.py: clip, clip_by_global_norm (single process; see test_norms.py)."""
 
 import math
 
