@@ -1,23 +1,28 @@
-"""FSDP2 benchmark case: fxtrain's step on a ``fully_shard``-ed TransformerLM against torch's imperative loop.
+"""Benchmark cases on torch's data-parallel engines: fxtrain's step against torch's imperative loop.
 
 Run (the driver ``experiments/bench/parallel.py`` does this)::
 
-    torchrun --nproc-per-node 2 experiments/bench/_parallel_fsdp.py --out results.jsonl --steps 20
+    torchrun --nproc-per-node 2 experiments/bench/_parallel_fsdp.py --out results.jsonl --steps 20 [--layout fsdp]
 
-Both sides train their own copy of the same model (same initial weights, ``fully_shard`` on every block
-and on the root, float32, gloo on CPU, one thread per rank) on the same batch, one step of each per round
-in alternating order (``_common.interleaved``'s rotation, timed on the wall clock and the CPU clock):
+``--layout``: ``fsdp`` (FSDP2, ``fully_shard`` on every block and on the root), ``hsdp`` (the same on a
+``(dp_replicate=2, dp_shard)`` mesh: sharded within a replica group, replicated across; 4 ranks), ``dp``
+(``fx.parallel.data_parallel``'s Replicate params against ``DistributedDataParallel``) and ``ep`` (an MoE
+TransformerLM, experts ``Shard(0)`` over ep through ``fx.parallel.expert_parallel``, against DDP with every
+expert on every rank: torch has no expert-parallel training loop of its own). Both sides train their own
+copy of the same model (same initial weights, float32, gloo on CPU, one thread per rank) on the same batch,
+one step of each per round in alternating order (``_common.interleaved``'s rotation, timed on the wall
+clock and the CPU clock):
 
-* fxtrain: ``fx.parallel.fully_sharded_step(loss_fn, chain(clip_by_global_norm(1.0),
-  sharded_apply(adamw(1e-3, weight_decay=0.1))), model)``;
+* fxtrain: ``chain(clip_by_global_norm(1.0), sharded_apply(adamw(1e-3, weight_decay=0.1)))`` through
+  ``fx.parallel.fully_sharded_step`` (FSDP layouts) or ``fx.train_step``; the donated step runs torch's
+  fused AdamW kernel on the local pieces (fxtrain/transforms/_fused.py);
 * torch (torchtitan's loop): ``loss.backward()``, ``clip_grad_norm_(1.0)``, ``AdamW(foreach=True).step()``,
   ``zero_grad(set_to_none=True)``.
 
 Collectives per step are counted on one extra step of each side with ``CommDebugMode``, which sees c10d
 calls (FSDP's all-gathers and reduce-scatters, fxtrain's norm all-reduce) and DTensor's functional
-collectives (``clip_grad_norm_``'s) alike; both sides are counted the same way, by kind. The
-optimizer half alone (what differs) is timed too, on gradients left by one backward, and reported in the note.
-Rank 0 appends one JSON line to ``--out``.
+collectives (``clip_grad_norm_``'s) alike; both sides are counted the same way, by kind. Under FSDP layouts the optimizer half alone (what differs) is timed
+too, on gradients left by one backward, and reported in the note. Rank 0 appends one JSON line to ``--out``.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--layout", choices=list(LAYOUTS), default="fsdp")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -83,24 +89,109 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     warnings.filterwarnings("ignore", message="Full backward hook is firing.*")
     rank, world = fx.distributed.init_from_env()
-    mesh = fx.distributed.world_mesh("cpu", "dp")
+    mesh = _mesh(args.layout, world)
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own slice of the global batch
     idx = torch.randint(CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
     target = torch.randint(CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
 
-    # fxtrain
-    model = build(mesh)
-    apply, params, buffers = fx.parallel.fully_sharded(model)
+    fxtrain_step, torch_step, pairs, fsdp_models = _sides(args.layout, mesh, idx, target)
+    times, cpu = _timed({"fxtrain": fxtrain_step, "torch": torch_step}, rounds=args.steps, warmup=3)
+    counts = {"fxtrain": collectives(fxtrain_step), "torch": collectives(torch_step)}
+
+    # Same number of steps on the same batch: the params agree up to the two optimizers' rounding (clip by
+    # norm against norm + 1e-6). Per leaf: |a - b|_2 / |b|_2, over the leaves whose gradient is not zero in
+    # exact arithmetic: softmax ignores a bias added to every key, so the attention key biases' gradients are
+    # rounding noise (~1e-10) that each Adam normalises into steps of lr, whatever the two sides compute.
+    rel = 0.0
+    with torch.no_grad():
+        for name, p, q in pairs():
+            if name.endswith("attn.k.bias"):
+                continue
+            a, b = _full(p), _full(q)
+            rel = max(rel, float((a - b).norm() / b.norm().clamp_min(1e-12)))
+
+    # The optimizer half alone, on one backward's gradients (what differs between the two sides).
+    update = _optimizer_halves(*fsdp_models, idx, target, rounds=max(args.steps, 10)) if fsdp_models else None
+
+    if rank == 0:
+        fx_ms = statistics.median(times["fxtrain"]) * 1e3
+        torch_ms = statistics.median(times["torch"]) * 1e3
+        halves = (f"optimizer half alone: fxtrain {update['fxtrain']:.2f} ms, torch {update['torch']:.2f} ms; "
+                  if update else "")
+        row = {
+            "strategy": LAYOUTS[args.layout][0], "world": world,
+            "fxtrain_ms": round(fx_ms, 2), "torch_ms": round(torch_ms, 2), "ratio": round(fx_ms / torch_ms, 3),
+            "fxtrain_collectives": counts["fxtrain"], "torch_collectives": counts["torch"],
+            "max_rel_diff": float(f"{rel:.3g}"),
+            "note": (f"TransformerLM {_size(args.layout)} f32, {LAYOUTS[args.layout][1]}, batch {BATCH}x{SEQ}/rank; "
+                     "fxtrain chain(clip(1.0), sharded_apply(adamw)) (the fused AdamW kernel on the local pieces) "
+                     f"vs clip_grad_norm_+AdamW(foreach); {halves}"
+                     f"CPU time per step (rank 0, waits excluded): fxtrain {cpu['fxtrain']:.1f} ms, "
+                     f"torch {cpu['torch']:.1f} ms; max_rel_diff is per-leaf relative L2 (attention key biases left "
+                     "out: zero gradient in exact arithmetic); collectives by CommDebugMode (c10d and functional, "
+                     "same counting)"),
+        }
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row))
+    dist.barrier()
+    fx.distributed.shutdown()
+
+
+LAYOUTS = {  # --layout: (row label, what each side runs)
+    "fsdp": ("FSDP2", "fully_shard per block + root on both sides"),
+    "hsdp": ("HSDP", "fully_shard per block + root on a (dp_replicate=2, dp_shard) mesh on both sides"),
+    "dp": ("DP", "fx.parallel.data_parallel + train_step vs DistributedDataParallel"),
+    "ep": ("EP", "MoE (4 experts, top 2): fx.parallel.expert_parallel (experts Shard(0) over ep) vs "
+                 "DistributedDataParallel with every expert on every rank (torch has no expert-parallel loop)"),
+}
+EXPERTS = 4
+
+
+def _mesh(layout: str, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout == "hsdp":
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("ep" if layout == "ep" else "dp",))
+
+
+def _lm(layout: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TransformerLM(**CONFIG, experts=EXPERTS if layout == "ep" else 0)
+
+
+def _size(layout: str) -> str:
+    return f"{count_params(dict(_lm(layout).named_parameters())) / 1e6:.2f}M params"
+
+
+def _full(x: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _sides(layout: str, mesh, idx: torch.Tensor, target: torch.Tensor):
+    """``(fxtrain_step, torch_step, pairs, fsdp_models)``: one step of each side, ``pairs()`` yielding
+    ``(name, fxtrain param, torch param)``, and for FSDP layouts what :func:`_optimizer_halves` needs."""
     tx = fx.chain(fx.clip_by_global_norm(CLIP), fx.sharded_apply(fx.adamw(LR, weight_decay=WD)))
-    step = fx.parallel.fully_sharded_step(lambda p, b: xent(apply(p, buffers, b[0], train=True)[0], b[1]), tx, model)
+    if layout in ("fsdp", "hsdp"):
+        model = build(mesh)
+        apply, params, buffers = fx.parallel.fully_sharded(model)
+        step = fx.parallel.fully_sharded_step(lambda p, b: xent(apply(p, buffers, b[0], train=True)[0], b[1]), tx,
+                                              model)
+        torch_model = build(mesh)
+    else:
+        model = _lm(layout)
+        parallel = fx.parallel.data_parallel if layout == "dp" else fx.parallel.expert_parallel
+        apply, params, buffers = parallel(model, mesh)
+        step = fx.train_step(lambda p, b: xent(apply(p, buffers, b[0], train=True)[0], b[1]), tx)
+        torch_model = torch.nn.parallel.DistributedDataParallel(_lm(layout))
     state = {"params": params, "opt": tx.init(params)}
+    opt = torch.optim.AdamW(torch_model.parameters(), lr=LR, weight_decay=WD, foreach=True)
 
     def fxtrain_step():
         state["params"], state["opt"], _ = step(state["params"], state["opt"], (idx, target))
-
-    # torch: FSDP2 + torch.optim.AdamW(foreach) + clip_grad_norm_
-    torch_model = build(mesh)
-    opt = torch.optim.AdamW(torch_model.parameters(), lr=LR, weight_decay=WD, foreach=True)
 
     def torch_step():
         xent(torch_model(idx), target).backward()
@@ -108,41 +199,12 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times, cpu = _timed({"fxtrain": fxtrain_step, "torch": torch_step}, rounds=args.steps, warmup=3)
-    counts = {"fxtrain": collectives(fxtrain_step), "torch": collectives(torch_step)}
+    def pairs():
+        mine = getattr(torch_model, "module", torch_model)
+        return [(n, state["params"][n], q) for n, q in mine.named_parameters()]
 
-    # Same number of steps on the same batch: the params agree up to the two optimizers' rounding (AdamW
-    # bias corrections in float32 in fxtrain, float64 in torch; clip by norm against norm + 1e-6), which
-    # Adam's sign-like first steps amplify where a gradient is near 0. Per leaf: |a - b|_2 / |b|_2.
-    rel = 0.0
-    with torch.no_grad():
-        for p, q in zip(state["params"].values(), torch_model.parameters()):
-            a, b = p.full_tensor(), q.full_tensor()
-            rel = max(rel, float((a - b).norm() / b.norm().clamp_min(1e-12)))
-
-    # The optimizer half alone, on one backward's gradients (what differs between the two sides).
-    update = _optimizer_halves(model, state, tx, torch_model, opt, idx, target, rounds=max(args.steps, 10))
-
-    if rank == 0:
-        fx_ms = statistics.median(times["fxtrain"]) * 1e3
-        torch_ms = statistics.median(times["torch"]) * 1e3
-        row = {
-            "strategy": "FSDP2", "world": world,
-            "fxtrain_ms": round(fx_ms, 2), "torch_ms": round(torch_ms, 2), "ratio": round(fx_ms / torch_ms, 3),
-            "fxtrain_collectives": counts["fxtrain"], "torch_collectives": counts["torch"],
-            "max_rel_diff": float(f"{rel:.3g}"),
-            "note": (f"TransformerLM {count_params(params) / 1e6:.2f}M params f32, fully_shard per block + root, "
-                     f"batch {BATCH}x{SEQ}/rank; clip(1.0)+sharded_apply(adamw) vs clip_grad_norm_+AdamW(foreach); "
-                     f"optimizer half alone: fxtrain {update['fxtrain']:.2f} ms, torch {update['torch']:.2f} ms; "
-                     f"CPU time per step (rank 0, waits excluded): fxtrain {cpu['fxtrain']:.1f} ms, "
-                     f"torch {cpu['torch']:.1f} ms; max_rel_diff is per-leaf relative L2; "
-                     "collectives by CommDebugMode (c10d and functional, same counting)"),
-        }
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(json.dumps(row))
-    dist.barrier()
-    fx.distributed.shutdown()
+    fsdp_models = (model, state, tx, torch_model, opt) if layout in ("fsdp", "hsdp") else ()
+    return fxtrain_step, torch_step, pairs, fsdp_models
 
 
 def _timed(fns: dict, rounds: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, float]]:
@@ -168,6 +230,7 @@ def _optimizer_halves(model, state, tx, torch_model, opt, idx, target, rounds: i
     """Median ms of the update half of each side, from gradients kept aside (cloned in, not timed)."""
     from fxtrain._base import apply_updates_, update_
     from fxtrain.step import _owned
+    from fxtrain.transforms import _fused
 
     xent(model(idx), target).backward()
     fx_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -180,8 +243,10 @@ def _optimizer_halves(model, state, tx, torch_model, opt, idx, target, rounds: i
         grads = {n: g.clone() for n, g in fx_grads.items()}
         t0 = time.perf_counter()
         with torch.no_grad():  # what the donated step runs after the backward (fxtrain/step.py)
-            updates, state["opt"] = update_(tx, _owned(grads), state["opt"], state["params"])
-            apply_updates_(state["params"], updates)
+            grads = _owned(grads)
+            if not _fused.step_(tx, grads, state["opt"], state["params"]):
+                updates, state["opt"] = update_(tx, grads, state["opt"], state["params"])
+                apply_updates_(state["params"], updates)
         out["fxtrain"].append(time.perf_counter() - t0)
         for p, g in zip(torch_model.parameters(), torch_grads):
             p.grad = g.clone()

@@ -3,7 +3,9 @@
 One row per strategy, each from its case script run under ``torchrun`` (gloo, CPU, one thread per rank):
 
 * ``_parallel_tp.py``: "TP" (2 ranks, ``parallelize_module``) and "2-D" (4 ranks, dp x tp = 2 x 2);
-* ``_parallel_fsdp.py``: "FSDP2" (2 ranks, ``fully_shard``);
+* ``_parallel_fsdp.py``: "FSDP2" (2 ranks, ``fully_shard``), "HSDP" (4 ranks, ``fully_shard`` on a 2 x 2
+  ``(dp_replicate, dp_shard)`` mesh), "DP" (2 ranks, Replicate params against DDP) and "EP" (2 ranks, MoE
+  experts sharded over ep against DDP with every expert on every rank);
 * ``_parallel_pp.py``: "pipeline" (2 ranks, ``ScheduleGPipe``, 4 micro-batches).
 
 Each case times both sides in one run, one step of each per round with the order rotating, and reports
@@ -13,7 +15,7 @@ says how) and how far the params end apart. Usage::
     .venv/bin/python experiments/bench/parallel.py              # all rows, writes results/parallel.md
     .venv/bin/python experiments/bench/parallel.py --only TP --steps 10 --no-write
 
-Goals from the issue: TP <= 0.6x torch's time, FSDP2 <= 1.05x, collectives never more than torch's.
+Goals (issue 26): TP <= 0.6x torch's time, FSDP2 <= 1.0x, 2-D <= 0.9x, collectives never more than torch's.
 """
 
 from __future__ import annotations
@@ -29,20 +31,23 @@ from pathlib import Path
 import _common
 
 HERE = Path(__file__).resolve().parent
-CASES = [  # (row label, script, ranks)
-    ("TP", "_parallel_tp.py", 2),
-    ("2-D", "_parallel_tp.py", 4),
-    ("FSDP2", "_parallel_fsdp.py", 2),
-    ("pipeline", "_parallel_pp.py", 2),
+CASES = [  # (row label, script, ranks, extra arguments)
+    ("TP", "_parallel_tp.py", 2, []),
+    ("2-D", "_parallel_tp.py", 4, []),
+    ("FSDP2", "_parallel_fsdp.py", 2, ["--layout", "fsdp"]),
+    ("HSDP", "_parallel_fsdp.py", 4, ["--layout", "hsdp"]),
+    ("DP", "_parallel_fsdp.py", 2, ["--layout", "dp"]),
+    ("EP", "_parallel_fsdp.py", 2, ["--layout", "ep"]),
+    ("pipeline", "_parallel_pp.py", 2, []),
 ]
-GOALS = {"TP": 0.6, "FSDP2": 1.05}
+GOALS = {"TP": 0.6, "FSDP2": 1.0, "2-D": 0.9}
 
 
-def run_case(script: str, ranks: int, steps: int, out: Path) -> None:
+def run_case(script: str, ranks: int, steps: int, out: Path, extra: list[str]) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [str(torchrun), "--nproc-per-node", str(ranks), "--master-port", str(_common.free_port()),
-           str(HERE / script), "--out", str(out), "--steps", str(steps)]
+           str(HERE / script), "--out", str(out), "--steps", str(steps), *extra]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -55,11 +60,11 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for label, script, ranks in CASES:
+        for label, script, ranks, extra in CASES:
             if args.only and label not in args.only:
                 continue
             out = Path(tmp) / f"{label}.jsonl"
-            run_case(script, ranks, args.steps, out)
+            run_case(script, ranks, args.steps, out, extra)
             rows += [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
 
     table = _common.table(

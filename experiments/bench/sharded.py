@@ -8,8 +8,10 @@ collectives-free updates stay in step):
   ``torch._foreach_*`` goes through DTensor's dispatch (sharding propagation per op, per leaf list).
 * ``sharded_apply(adamw)``: the same math on the local pieces, rewrapped.
 
-Both donated (``fx.update_``, as ``train_step`` runs them) and pure (``tx.update``, which copies the
-gradients and state first). Ratio = median of the dispatch variant / median of sharded_apply.
+Donated (``fx.update_`` under ``no_grad``, as ``train_step`` runs its update half), pure (``tx.update``
+with autograd recording: out of place, differentiable), and donated update + ``apply_updates_``, the whole
+update half, next to what ``train_step`` now runs for this stack: torch's fused AdamW kernel on the local
+pieces (``fxtrain/transforms/_fused.py``). Ratio = median of the dispatch variant / median of the row.
 
 Memory: the same 64 leaves ``Replicate`` over a ``dp`` mesh of 1, 2 and 4 ranks; bytes of the local
 pieces of every optimizer-state leaf on one rank, with and without ``shard_over="dp"``.
@@ -39,6 +41,7 @@ LEAVES, SHAPE = 64, (32, 32)
 
 def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
     import fxtrain as fx
+    from fxtrain.transforms import _fused
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -68,11 +71,29 @@ def _worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
         result["max_abs_diff"] = max(float((a.to_local() - b.to_local()).abs().max()) for a, b in zip(u1, u2))
         g1 = [fx.tree.clone(x) for x in grads]
         g2 = [fx.tree.clone(x) for x in grads]
+        g3 = [fx.tree.clone(x) for x in grads]
+        p1, p2, p3 = ([fx.tree.clone(x) for x in params] for _ in range(3))
+        s3 = sharded.init(params)
+
+        def donated(tx, g, state, ps=None):
+            # As train_step runs its update half: under no_grad, the update (and with ps the add) in place.
+            with torch.no_grad():
+                u, _ = fx.update_(tx, g, state, params if ps is None else ps)
+                if ps is not None:
+                    fx.apply_updates_(ps, u)
+
+        def fused_step():
+            with torch.no_grad():
+                assert _fused.step_(sharded, g3, s3, p3)  # the fused AdamW kernel on the local pieces
+
         variants = {
-            "adamw (DTensor dispatch), donated": lambda: fx.update_(plain, g1, s_plain, params),
-            "sharded_apply(adamw), donated": lambda: fx.update_(sharded, g2, s_sharded, params),
+            "adamw (DTensor dispatch), donated": lambda: donated(plain, g1, s_plain),
+            "sharded_apply(adamw), donated": lambda: donated(sharded, g2, s_sharded),
             "adamw (DTensor dispatch), pure": lambda: plain.update(grads, s_plain, params),
             "sharded_apply(adamw), pure": lambda: sharded.update(grads, s_sharded, params),
+            "adamw (DTensor dispatch), donated + apply": lambda: donated(plain, g1, s_plain, p1),
+            "sharded_apply(adamw), donated + apply": lambda: donated(sharded, g2, s_sharded, p2),
+            "fused kernel on local pieces, update + apply": fused_step,
         }
         times = _common.interleaved(variants, rounds=rounds)
         result["times"] = {k: _common.summary(v) for k, v in times.items()}
@@ -101,9 +122,12 @@ def main() -> None:
 
     t = runs[2]["times"]
     rows = []
-    for mode in ("donated", "pure"):
+    for mode in ("donated", "pure", "donated + apply"):
         base = t[f"adamw (DTensor dispatch), {mode}"]["median"]
-        for name in (f"adamw (DTensor dispatch), {mode}", f"sharded_apply(adamw), {mode}"):
+        names = [f"adamw (DTensor dispatch), {mode}", f"sharded_apply(adamw), {mode}"]
+        if mode == "donated + apply":
+            names.append("fused kernel on local pieces, update + apply")
+        for name in names:
             s = t[name]
             rows.append([name, s["median"], f"{s['q1']:.2f}-{s['q3']:.2f}", s["min"], f"{base / s['median']:.2f}x"])
     mem = []
