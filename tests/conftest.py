@@ -52,6 +52,22 @@ def _seed():
 
 
 
+@pytest.fixture(scope="module")
+def one_rank_mesh(tmp_path_factory):
+    """A 1-rank gloo mesh in this process (FileStore: no ports, no subprocess), for DTensor leaves in
+    single-process tests (test_step.py, test_composable_step.py); the process group is this module's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owned = not dist.is_initialized()
+    if owned:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (dist.get_world_size(),))
+    if owned:
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def mse_steps():
     """``mse_steps(net, tx, params, state, n, (x, y))``: ``n`` pure fxtrain steps (``tx.update``, then

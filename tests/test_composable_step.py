@@ -252,22 +252,7 @@ def test_grad_of_vmapped_ensemble_loss():
         assert_trees_close(_model(g, i), torch.func.grad(single)(_model(params, i)), rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    """A 1-rank gloo mesh in this process (FileStore: no ports, no subprocess)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    owned = not dist.is_initialized()
-    if owned:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield init_device_mesh("cpu", (dist.get_world_size(),))
-    if owned:
-        dist.destroy_process_group()
-
-
-def test_autograd_through_pure_steps_on_dtensor_params(mesh):
+def test_autograd_through_pure_steps_on_dtensor_params(one_rank_mesh):
     """DTensor params take torch.autograd.grad with create_graph: the gradient through two steps equals
     the plain-tensor one (torch.func.grad does not run on DTensors)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -285,13 +270,13 @@ def test_autograd_through_pure_steps_on_dtensor_params(mesh):
         return loss(params, batches[-1]), params
 
     def dloss(params, batch):
-        x, y = (distribute_tensor(t, mesh, [Replicate()]) for t in batch)
+        x, y = (distribute_tensor(t, one_rank_mesh, [Replicate()]) for t in batch)
         return ((torch.tanh(x @ params["w"]) @ params["v"] + params["b"] - y) ** 2).mean().full_tensor()
 
     plain = fx.tree.map(lambda p: p.clone().requires_grad_(), _params())
     loss, _ = meta(plain, _loss)
     loss.backward()
-    dparams = fx.tree.map(lambda p, pl: distribute_tensor(p.clone(), mesh, [pl]).requires_grad_(),
+    dparams = fx.tree.map(lambda p, pl: distribute_tensor(p.clone(), one_rank_mesh, [pl]).requires_grad_(),
                           _params(), placements)
     dloss_value, trained = meta(dparams, dloss)
     dloss_value.backward()

@@ -324,34 +324,19 @@ def test_non_float_param_leaf_is_named():
 
 # --- DTensor parameters -----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    """A 1-rank gloo mesh in this process (FileStore: no ports, no subprocess)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    owned = not dist.is_initialized()
-    if owned:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield init_device_mesh("cpu", (dist.get_world_size(),))
-    if owned:
-        dist.destroy_process_group()
-
-
 # Plain adam/adamw on DTensor leaves is sharded_apply's job (DESIGN 3.3); here: clip and elementwise SGD.
 # donate=False covers the pure fx.apply_updates, which must keep each param's placements.
 @pytest.mark.parametrize("name, donate", [("clip+scale", True), ("sgd-momentum", True), ("sgd-momentum", False)])
-def test_dtensor_params_train_like_plain_ones(mesh, name, donate):
+def test_dtensor_params_train_like_plain_ones(one_rank_mesh, name, donate):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     plain = _mlp_params()
     placements = {"l1": {"w": Shard(0), "b": Replicate()}, "l2": [Shard(1), Replicate()]}
-    dparams = fx.tree.map(lambda p, pl: distribute_tensor(p.clone(), mesh, [pl]), plain, placements)
+    dparams = fx.tree.map(lambda p, pl: distribute_tensor(p.clone(), one_rank_mesh, [pl]), plain, placements)
 
     def dloss(params, batch):
         x, y = batch
-        x = distribute_tensor(x, mesh, [Replicate()])
+        x = distribute_tensor(x, one_rank_mesh, [Replicate()])
         h = torch.tanh(F.linear(x, params["l1"]["w"], params["l1"]["b"]))
         return F.cross_entropy(F.linear(h, *params["l2"]).full_tensor(), y)
 
@@ -388,11 +373,11 @@ def test_donated_step_copies_gradients_autograd_shares(loss_fn):
     assert_trees_close(outs[0], outs[1], rtol=0, atol=0)
 
 
-def test_apply_updates_on_a_tree_mixing_plain_tensors_and_dtensors(mesh):
+def test_apply_updates_on_a_tree_mixing_plain_tensors_and_dtensors(one_rank_mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    params = {"d": distribute_tensor(torch.ones(4), mesh, [Shard(0)]), "p": torch.ones(2)}
-    updates = {"d": distribute_tensor(torch.full((4,), 0.5), mesh, [Shard(0)]), "p": torch.full((2,), 0.5)}
+    params = {"d": distribute_tensor(torch.ones(4), one_rank_mesh, [Shard(0)]), "p": torch.ones(2)}
+    updates = {"d": distribute_tensor(torch.full((4,), 0.5), one_rank_mesh, [Shard(0)]), "p": torch.full((2,), 0.5)}
     pure = fx.apply_updates(params, updates)
     assert pure["d"].placements == (Shard(0),) and pure["d"].full_tensor().tolist() == [1.5] * 4
     assert params["p"].tolist() == [1.0, 1.0]  # pure left the input alone
