@@ -52,7 +52,7 @@ COMPOSABLE: dict = {
     "sam": (lambda: fx.contrib.sam(fx.sgd(0.1, momentum=0.5), fx.chain(fx.contrib.normalize(), fx.adam(1e-2))),
             lambda o: o.contrib.sam(o.sgd(0.1, momentum=0.5), o.chain(o.contrib.normalize(), o.adam(1e-2)))),
     # No Optax reference: a gradient through dog's first update is NaN in Optax (the sqrt of the distance 0),
-    # 0 here; test_contrib_more.py checks the values against Optax.
+    # 0 here; this file's PARITY checks the values against Optax (tests/test_optax_parity.py).
     "dog": (lambda: fx.contrib.dog(init_step=("distance", 0.1), weight_decay=0.1), None),
     "dowg": (lambda: fx.contrib.dowg(0.5, init_estim_sq_dist=0.01), lambda o: o.contrib.dowg(0.5, init_estim_sq_dist=0.01)),
     "scale_by_dog": (lambda: fx.chain(fx.contrib.scale_by_dog(("learning_rate", 0.1)), fx.scale(-1.0)), None),
@@ -71,7 +71,7 @@ COMPOSABLE: dict = {
     "momo_adam": (lambda: _with_value(fx.contrib.momo_adam(1e-3, weight_decay=0.1)),
                   lambda o: _with_value_optax(o.contrib.momo_adam(1e-3, weight_decay=0.1))),
     # No Optax reference, as for dog: Optax's gradient through mechanize is NaN (sqrt(v) at v = 0 on the first
-    # update), 0 here; test_contrib_more.py checks the values against Optax.
+    # update), 0 here; tests/test_more.py checks the values against Optax.
     "mechanize": (lambda: fx.contrib.mechanize(fx.adam(1.0), s_init=1e-3), None),
     "dadapt_adamw": (lambda: fx.contrib.dadapt_adamw(estim_lr0=1e-3, weight_decay=0.1),
                      lambda o: o.contrib.dadapt_adamw(estim_lr0=1e-3, weight_decay=0.1)),
