@@ -1,7 +1,7 @@
 """Tests for fxtrain/transforms/_sharding.py: sharded_apply on DTensor shards across gloo worlds of 2 and 4
 CPU ranks, against the same transform on full tensors in one process.
 
-As in tests/test_distributed.py, each world size is spawned once per session and runs every case; each
+As in tests/test_norms.py, each world size is spawned once per session and runs every case; each
 case is reported as its own test.
 """
 
