@@ -3,7 +3,8 @@ commands. Each test runs the README's line as written, on a free port, with the 
 
 * **Two nodes on one machine.** Two torchrun launchers meet at a c10d rendezvous on localhost and start
   ``--nproc-per-node`` ranks each; the layout's replicate dim spans them (a rank is node x nproc-per-node + local
-  rank, and replication is the mesh's outer dim). The run equals one launcher's with the same world size bit for
+  rank, and dp_replicate is outer to dp_shard on the mesh): ``parallel=dp`` replicates across the two nodes,
+  ``parallel=hsdp`` too while it shards within each. The run equals one launcher's with the same world size bit for
   bit (metrics.jsonl, summary.json, the final checkpoint's every leaf): the same ranks read the same batches and
   run the same gloo collectives in the same order; only the process tree around them differs.
 * **Restarts.** Under ``--max-restarts=1`` a rank killed with SIGKILL once the run's first checkpoint is written
@@ -37,9 +38,9 @@ from tests.test_readme import BLOCKS, commands
 TINY = ["data.max_bytes=20000", "data.eval_windows=16", "model.d_model=16", "model.n_heads=2", "data.batch_size=8",
         "data.context=16", "trainer.max_steps=24", "trainer.log_every=1", "trainer.eval_every=12",
         "schedule.warmup_steps=1", "amp=off", "accumulate=off", "trainer.checkpoint_every=4"]
-# layout -> (what replaces the README line's parallel=dp, ranks per node); two nodes each. HSDP joins as
-# "hsdp": (["parallel=hsdp"], 2): dp_replicate=2 across the nodes x dp_shard=2 within each, 4 ranks.
-LAYOUTS = {"dp": (["parallel=dp"], 1)}
+# layout -> (what replaces the README line's parallel=dp, ranks per node); two nodes each. hsdp: dp_replicate=2
+# across the nodes x dp_shard=2 within each, 4 ranks.
+LAYOUTS = {"dp": (["parallel=dp"], 1), "hsdp": (["parallel=hsdp"], 2)}
 TIMEOUT_S = 300
 
 
