@@ -217,6 +217,29 @@ def evaluate(task: Task, forward: Callable[[torch.Tensor], torch.Tensor], test: 
     return {f"test_{name}": value for name, value in zip(totals, values)}
 
 
+SPLITS = ("val", "test")  # the held-out splits: validation (every evaluation), test (once, at the end)
+
+
+def split_metrics(metrics: dict[str, float], split: str) -> dict[str, float]:
+    """:func:`evaluate`'s ``test_*`` metrics named for the split they were computed on (``val_loss``...).
+
+    >>> split_metrics({"test_loss": 0.5, "test_accuracy": 0.9}, "val")
+    {'val_loss': 0.5, 'val_accuracy': 0.9}
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)}")
+    return {f"{split}_{k.removeprefix('test_')}" if k.startswith("test_") else k: v for k, v in metrics.items()}
+
+
+def reads_test(metric: str | None) -> bool:
+    """Whether ``metric`` is a test-split metric (``test_*``), which exists only once training ended.
+
+    >>> reads_test("test_accuracy"), reads_test("val_accuracy"), reads_test(None)
+    (True, False, False)
+    """
+    return isinstance(metric, str) and metric.startswith("test_")
+
+
 class EvalContext(NamedTuple):
     """What an evaluation hook (``trainer.eval_hooks``) is called with, at every evaluation.
 
