@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PIP     := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: train test studies bench bench-suite setup clean
+.PHONY: train test studies bench bench-suite gpu-check setup clean
 
 # Reinstall when the project metadata or pins change; otherwise reuse the venv.
 $(STAMP): pyproject.toml constraints.txt
@@ -36,6 +36,11 @@ bench: $(STAMP)
 
 bench-suite: $(STAMP)
 	$(BIN)/python experiments/bench/suite.py --threads 2 $(ARGS)
+
+# On a machine with CUDA (under 8 minutes): the `cuda` tests, the AMP table of the ResNet and tiny LM experiments
+# and the vmapped-sweep speedup, into experiments/gpu/results/gpu_check.md. Without CUDA it skips in one line.
+gpu-check: $(STAMP)
+	$(BIN)/python experiments/gpu/check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -67,6 +67,16 @@ class _Batches:
         return _OnDevice(self, device)
 
 
+def _to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``x`` on ``device``. From the host to a CUDA device the copy goes through pinned memory and does not
+    wait: the training loop never stalls on a batch or an index made on the host (a copy from pageable
+    memory makes the host wait for the GPU). The copy is queued on the current stream, before the step's
+    kernels that read it, and torch keeps the pinned buffer until it is done."""
+    if torch.device(device).type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 class _OnDevice(_Batches):
     """``batches`` (any object with ``batches[k]``) with each batch moved to ``device`` as it is produced."""
 
@@ -75,7 +85,7 @@ class _OnDevice(_Batches):
 
     def __getitem__(self, step: int) -> Batch:
         x, y = self.batches[step]
-        return x.to(self.device), y.to(self.device)
+        return _to_device(x, self.device), _to_device(y, self.device)
 
     def to(self, device: torch.device | str) -> "_OnDevice":
         return _OnDevice(self.batches, device)
@@ -102,7 +112,7 @@ class _Epochs(_Batches):
         epoch, i = divmod(step, len(self))
         if self._perm is None or self._perm[0] != epoch:
             perm = np.random.default_rng([self.seed, epoch]).permutation(self._n)
-            self._perm = (epoch, torch.as_tensor(perm, device=self._device))
+            self._perm = (epoch, _to_device(torch.from_numpy(perm), self._device))
         return self._perm[1][i * self.batch_size:(i + 1) * self.batch_size]
 
 
@@ -266,7 +276,7 @@ class WindowBatches(_Batches):
 
     def __getitem__(self, step: int) -> Batch:
         starts = np.random.default_rng([self.seed, step]).integers(0, len(self.tokens) - self.context, self.batch_size)
-        rows = self.tokens[torch.as_tensor(starts, device=self.tokens.device)[:, None] + self._window]
+        rows = self.tokens[_to_device(torch.from_numpy(starts), self.tokens.device)[:, None] + self._window]
         return rows[:, :-1], rows[:, 1:]
 
     def to(self, device: torch.device | str) -> "WindowBatches":

@@ -64,9 +64,13 @@ def clip_by_global_norm(max_norm: float, *, groups: Sequence[Any] = ()) -> Gradi
     check_nonnegative("clip_by_global_norm", max_norm=max_norm)
 
     def init_fn(params):
-        # The norm's dtype, so the state keeps one dtype from init on: float64 only for float64 trees.
-        wide = any(getattr(x, "dtype", None) == torch.float64 for x in tree.leaves(params))
-        return ClipByGlobalNormState(torch.zeros((), dtype=torch.float64 if wide else torch.float32))
+        # The norm's dtype and device, so the state keeps them from init on: float64 only for float64 trees; on
+        # the params' device, where a donated step writes the norm into it (on the host, that copy would make
+        # every step on a GPU wait for it).
+        leaves = [x for x in tree.leaves(params) if isinstance(x, torch.Tensor)]
+        wide = any(x.dtype == torch.float64 for x in leaves)
+        device = leaves[0].device if leaves else None
+        return ClipByGlobalNormState(torch.zeros((), dtype=torch.float64 if wide else torch.float32, device=device))
 
     def update_fn(updates, state, params=None):
         del params, state
