@@ -261,6 +261,18 @@ def test_clip_declines_gradients_that_share_a_buffer():
     assert float(metrics["grad_norm"]) == pytest.approx(6 ** 0.5)
 
 
+def test_clip_takes_disjoint_slices_of_one_buffer_and_declines_overlapping_ones():
+    # FSDP2's reduce-scatter leaves a module's gradients as disjoint slices of one buffer: each is written once.
+    tx = PAIRS["clip-adamw"][0]()
+    params = {"a": torch.ones(3), "b": torch.ones(3)}
+    buf = torch.arange(6.0)
+    state = tx.init(params)
+    assert _fused.applies(tx, {"a": buf[:3], "b": buf[3:]}, state, params)
+    assert not _fused.applies(tx, {"a": buf[:3], "b": buf[2:5]}, state, params)  # element 2 in both
+    assert _fused.step_(tx, {"a": buf[:3], "b": buf[3:]}, state, params)
+    assert float(state[0].grad_norm) == pytest.approx(float(torch.arange(6.0).norm()))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_clip_non_finite_gradients_poison_the_step_as_on_the_foreach_path(bad):
     # Optax's rule: no skipping (that is apply_if_finite's or amp_cast's job); the params become non-finite.
