@@ -196,8 +196,7 @@ class TraceState(NamedTuple):
     trace: Any
 
 
-@fx.transform
-@fx.transform
+@fx.transform(elementwise=True)
 def reference_trace(decay: float) -> fx.GradientTransformation:
     """Optax's ``trace`` (no Nesterov), written here so wrapper tests do not depend on fxtrain's optimizers.
 

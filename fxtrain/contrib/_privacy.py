@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, chain, check_nonnegative, describe, identity, named
+from fxtrain._base import (GradientTransformation, chain, check_learning_rate, check_nonnegative, describe, identity,
+                           named)
 from fxtrain.transforms._momentum import trace
 from fxtrain.transforms._per_example import check_batch_axis, clip_sum
 from fxtrain.transforms._scaling import scale_by_learning_rate
@@ -216,10 +217,7 @@ def dpsgd(learning_rate: Any, l2_norm_clip: Any, noise_multiplier: Any,
     References:
       Abadi et al., `Deep Learning with Differential Privacy <https://arxiv.org/abs/1607.00133>`_, 2016.
     """
-    if learning_rate is None:
-        raise ValueError("dpsgd: learning_rate=None would apply the raw update direction; pass a number, a 0-dim "
-                         "tensor or a schedule")
-    check_nonnegative("dpsgd", learning_rate=learning_rate, momentum=momentum)
+    check_learning_rate("dpsgd", learning_rate=learning_rate, momentum=momentum)
     if seed is not None:
         warnings.warn('dpsgd: "seed" is deprecated (as in Optax), use "key" (the same noise)', DeprecationWarning,
                       stacklevel=2)
