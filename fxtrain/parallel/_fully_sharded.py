@@ -19,8 +19,11 @@ What each layer does with FSDP2, and what it must not:
 
 * **Clipping** (``clip_by_global_norm``) sees ``Shard(0)`` (FSDP) or ``(_StridedShard, Shard)`` (FSDP x TP)
   gradients and sums their squares over every mesh dim they are sharded on: exact, one small all-reduce.
-* **Optimizers**: ``sharded_apply(adamw(...))`` runs on the local shards with state born sharded (no
-  DTensor dispatch, no communication); plain ``adamw`` works too, through DTensor dispatch.
+* **Optimizers**: ``adam``, ``adamw`` and ``sgd`` (alone, after the clip, plain or in ``sharded_apply``)
+  run as torch's fused kernel on each rank's local shards, the clip's coefficient in its ``grad_scale``
+  (:mod:`fxtrain.transforms._fused`); other elementwise stacks run on the local shards through
+  ``sharded_apply`` with state born sharded (no DTensor dispatch, no communication), or through DTensor
+  dispatch without it.
 * **Mixed precision**: casting the parameters for the forward pass is FSDP's job
   (``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))``:
   it casts once per all-gather and reduces in ``reduce_dtype``). ``amp_cast`` keeps the rest: loss scaling,
