@@ -86,26 +86,32 @@ def instantiate(node: DictConfig | dict, key: str, **given: Any) -> Any:
       key: where it sits in the config (``"model"``), for messages.
       given: extra keyword arguments.
     """
-    return _build(_resolve(node, key), key, given)
+    return _build(resolve(node, key), key, given)
 
 
 def target(node: DictConfig | dict, key: str) -> tuple[Callable, dict]:
     """The located ``_target_`` of ``node`` and its other keys (resolved, nested targets built), checked."""
-    return _parts(_resolve(node, key), key, {})
+    return _parts(resolve(node, key), key, {})
 
 
-def _resolve(node: DictConfig | dict, key: str) -> dict:
+def resolve(node: DictConfig | dict, key: str) -> dict:
+    """The node of a ``_target_`` (``key`` names it in messages) as a plain dict, interpolations resolved;
+    one that fails to resolve, or has no ``_target_``, is a ConfigError naming ``key``.
+
+    >>> resolve({"_target_": "fxtrain.adamw", "learning_rate": 0.1}, "optim.chain.adamw")
+    {'_target_': 'fxtrain.adamw', 'learning_rate': 0.1}
+    """
     try:
         spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{key}: {_omegaconf_message(e)}") from None
+        raise ConfigError(f"{key}: {omegaconf_message(e)}") from None
     if not isinstance(spec, dict) or "_target_" not in spec:
         raise ConfigError(f"{key}: expected a node with a _target_ (what to build), got {spec!r}")
     return spec
 
 
 def _parts(spec: dict, key: str, given: dict) -> tuple[Callable, dict]:
-    fn = _locate(spec, key)
+    fn = locate(spec, key)
     kwargs = {k: _build_nested(v, f"{key}.{k}") for k, v in spec.items() if k != "_target_"}
     kwargs.update(given)
     check_args(fn, kwargs, key, spec["_target_"])
@@ -132,7 +138,13 @@ def _build_nested(value: Any, key: str) -> Any:
     return value
 
 
-def _locate(spec: dict, key: str) -> Callable:
+def locate(spec: dict, key: str) -> Callable:
+    """The callable ``spec["_target_"]`` names (a dotted path); one that does not import or exist is a
+    ConfigError naming ``key`` and the nearest names there.
+
+    >>> locate({"_target_": "fxtrain.adamw"}, "optim.chain.adamw").__name__
+    'adamw'
+    """
     path = spec["_target_"]
     if not isinstance(path, str) or "." not in path:
         raise ConfigError(f"{key}._target_: expected a dotted path like fxtrain.adamw, got {path!r}")
@@ -180,7 +192,16 @@ def check_args(fn: Callable, kwargs: dict, key: str, label: str) -> None:
         raise ConfigError(f"{key}: {label} needs {', '.join(missing)}; add {key}.{missing[0]}=...")
 
 
-def _omegaconf_message(e: OmegaConfBaseException) -> str:
+def omegaconf_message(e: OmegaConfBaseException) -> str:
+    """The first line of an OmegaConf error's own message (without its ``full_key``/``object_type`` lines).
+
+    >>> from omegaconf import OmegaConf
+    >>> try:
+    ...     OmegaConf.create({"a": "${b}"}).a
+    ... except Exception as e:
+    ...     print(omegaconf_message(e))
+    Interpolation key 'b' not found
+    """
     msg = getattr(e, "msg", None) or str(e)
     return msg.splitlines()[0]
 
@@ -210,7 +231,7 @@ def dataset(node: DictConfig | dict, name: str = "data") -> Any:
     ...
     fxtrain.errors.ConfigError: data: batch_sise is not an argument of sklearn.datasets.make_regression nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, split_seed, seed, test_batches, input_shape, num_classes
     """
-    spec = _resolve(node, "data")
+    spec = resolve(node, "data")
     fn, takes = data_keys(spec)
     own = {k: v for k, v in spec.items() if k != "_target_" and (takes is None or k in takes or k not in DATA_KEYS)}
     runner = {k: spec[k] for k in DATA_KEYS if k in spec}  # also when the target took them: the facts are checked
@@ -231,7 +252,7 @@ def data_keys(spec: dict) -> tuple[Callable, set[str] | None]:
     ...
     fxtrain.errors.ConfigError: data: batch_sise is not an argument of fxtrain.data.digits nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, split_seed, seed, test_batches, input_shape, num_classes
     """
-    fn = _locate(spec, "data")
+    fn = locate(spec, "data")
     takes = _arguments(fn)
     for k in spec:
         if takes is not None and k != "_target_" and k not in takes and k not in DATA_KEYS:
@@ -336,8 +357,8 @@ def eval_hooks(cfg: DictConfig) -> list[tuple[str, Callable]]:
     hooks = []
     for name, node in (cfg.trainer.get("eval_hooks") or {}).items():
         key = f"trainer.eval_hooks.{name}"
-        spec = _resolve(node, key)
-        fn = _locate(spec, key)
+        spec = resolve(node, key)
+        fn = locate(spec, key)
         kwargs = {k: _build_nested(v, f"{key}.{k}") for k, v in spec.items() if k != "_target_"}
         check_args(functools.partial(fn, None), kwargs, key, spec["_target_"])  # the context is its first argument
         hooks.append((str(name), lambda ctx, fn=fn, kwargs=kwargs: fn(ctx, **kwargs)))
@@ -560,7 +581,7 @@ def _accepted(node: DictConfig, extra: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``extra`` that ``node``'s target takes as arguments (``groups`` for global transforms)."""
     if not extra:
         return {}
-    fn = _locate(_resolve(node, "optim.chain"), "optim.chain")
+    fn = locate(resolve(node, "optim.chain"), "optim.chain")
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -570,7 +591,7 @@ def _accepted(node: DictConfig, extra: dict[str, Any]) -> dict[str, Any]:
 
 def _transform(node: DictConfig, key: str, shape: Callable | None, every: int,
                given: dict[str, Any]) -> fx.GradientTransformation:
-    factory, kwargs = _parts(_resolve(node, key), key, given)
+    factory, kwargs = _parts(resolve(node, key), key, given)
     kwargs = floats_where_expected(factory, kwargs)  # weight_decay=0 from the command line: 0.0
     if "learning_rate" in kwargs and shape is not None:
         lr = kwargs.pop("learning_rate")

@@ -30,14 +30,19 @@ outputs are the same.
 ``metrics.jsonl`` (same keys, same steps), checkpoints (an ordinary :class:`fxtrain.TrainState` of that
 job alone: ``resume=auto`` and ``resume=PATH`` work per job, with either launcher) and ``summary.json``,
 written by the functions :func:`fxtrain.train.train` uses; the launcher then finishes each job through
-Hydra's ``run_job`` (``.hydra/``, ``train.log``, callbacks: ``summary.csv`` and the table). A job whose loss
-turns NaN stops logging and fails alone, as its own run would; the others go on. Evaluation runs per job
-(:func:`fxtrain.train.evaluate` on that job's params).
+Hydra's ``run_job`` (``.hydra/``, ``train.log``, callbacks: ``summary.csv`` and the table). Each job is
+checked and built as its own run is (:func:`fxtrain.train.check`, :func:`fxtrain.train.plan_run`,
+:func:`fxtrain.train.build_run`, :func:`fxtrain.train.load_start`): a bad setting sends the group to the
+jobs' own runs, which report it.
 
-**The loop.** One vmapped call runs the steps up to the next step that logs, evaluates or checkpoints
-(at most 50): the stack and the step are built once per call, inside it, and the Python loop over those
-steps runs under vmap. Only those steps' metrics are read, as in :func:`fxtrain.train.train`, so a NaN is
-caught at the same logged step.
+**The loop is the run's.** A group trains in :func:`fxtrain.train.loop`, the loop every run trains in, with
+one :class:`fxtrain.train.Member` per job and :class:`GroupSteps` as its steps: a vmapped group is a batched
+run. Logging, evaluation (the task's metrics and ``trainer.eval_hooks``, on that job's params), early
+stopping and checkpoints are per job, on the run's cadence; a job whose loss turns NaN, or that early
+stopping ends, stops logging alone (the NaN one fails, as its own run would); the others go on. One vmapped
+call runs the steps up to the next step that logs, evaluates or checkpoints (at most 50): the stack and the
+step are built once per call, inside it, and the Python loop over those steps runs under vmap. Only those
+steps' metrics are read, as in a run, so a NaN is caught at the same logged step.
 The vmapped step is the pure, out-of-place path: each elementwise op of the optimizer update allocates
 an ``(N, ...)`` tensor (2 MiB for the default MLP's 256x256 weight at N=8); :func:`vmapped_steps` has glibc
 serve those from the heap rather than a fresh ``mmap`` each (once per process, see ``_reuse_freed_memory``).
@@ -60,7 +65,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import json
 import logging
 import pathlib
 import time
@@ -68,15 +72,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 import fxtrain as fx
-from fxtrain.errors import ConfigError
-from fxtrain import build, distributed, loggers, rundir, tree
+from fxtrain import build, distributed, parallel, rundir, tree, validate
 from fxtrain import train as runner
 
-__all__ = ["Job", "Group", "Result", "NotBatchable", "plan", "train_group", "hyperparams", "vmapped_steps",
-           "stack_trees", "pick", "vmap_trees"]
+__all__ = ["Job", "Group", "Result", "NotBatchable", "plan", "train_group", "GroupSteps", "hyperparams",
+           "vmapped_steps", "stack_trees", "pick", "vmap_trees"]
 
 log = logging.getLogger("fxtrain")
 
@@ -271,9 +273,6 @@ def _sequential_reason(group: Group, world: int) -> str | None:
     if any(v != 1 for v in layout.values()):
         shown = " ".join(f"parallel.{d}={v}" for d, v in layout.items() if v != 1)
         return f"{shown} (the vmap launcher batches jobs of parallel=none only)"
-    if cfg.trainer.get("eval_hooks") or (cfg.trainer.get("early_stopping") or {}).get("metric") is not None:
-        return "trainer.eval_hooks or trainer.early_stopping (a vmapped group evaluates the task's metrics only and " \
-               "trains every job to max_steps)"
     return None
 
 
@@ -343,16 +342,7 @@ def stack_trees(trees: Sequence[Any], what: str = "tree") -> Any:
     return tree.unflatten(spec, out)
 
 
-def _next_event(step: int, trainer: DictConfig, longest: int = 50) -> int:
-    """The first step after ``step`` that logs, evaluates or checkpoints (or the last), at most ``longest`` on."""
-    every = [n for n in (trainer.log_every, trainer.eval_every, trainer.checkpoint_every) if n]
-    for i in range(step + 1, min(step + longest, trainer.max_steps)):
-        if any(i % n == 0 for n in every):
-            return i
-    return min(step + longest, trainer.max_steps)
-
-
-def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool) -> Callable:
+def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool, task: Any = None) -> Callable:
     """The steps of every job of a group as one vmapped call: ``run(hp, params, opt_state, buffers, xs, ys) ->
     (params, opt_state, buffers, metrics)``.
 
@@ -360,9 +350,10 @@ def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool) -> Call
     :func:`stack_trees`) runs ``fx.train_step(loss_fn, tx, has_aux=True, donate=False)`` on the batches
     ``xs[k], ys[k]`` in order, ``tx`` built once per call by :func:`fxtrain.build.stack` with its own
     ``hp`` values (0-dim tensors) and ``loss_fn`` the one :func:`fxtrain.train.train` uses. ``metrics`` are
-    the last step's. ``xs, ys``: ``(K, ...)`` shared by every job, or ``(N, K, ...)`` with ``batch_per_job``.
+    the last step's. ``xs, ys``: ``(K, ...)`` shared by every job, or ``(N, K, ...)`` with ``batch_per_job``;
+    ``task``: the group's (built from ``cfg`` when ``None``).
     """
-    loss_fn = runner.loss_function(apply, build.task(cfg))
+    loss_fn = parallel.loss_function(apply, build.task(cfg) if task is None else task)
     _reuse_freed_memory()
 
     def steps(hp, params, opt_state, buffers, xs, ys):
@@ -383,7 +374,7 @@ def _dataset_without_rng(cfg: DictConfig, device: torch.device) -> Any:
     numbers (then every job must build its own, or the params init after it would change)."""
     torch.manual_seed(cfg.seed)
     before = torch.get_rng_state()
-    data = build.dataset(cfg.data, runner._choice("data", "data")).to(device)
+    data = build.dataset(cfg.data, runner.choice("data", "data")).to(device)
     return data if torch.equal(before, torch.get_rng_state()) else None
 
 
@@ -441,159 +432,131 @@ def _reuse_freed_memory() -> None:
 def _train_group(group: Group) -> list[Result]:
     t0 = time.perf_counter()
     jobs = group.jobs
-    cfg = jobs[0].cfg
-    trainer = cfg.trainer
-    task = build.task(cfg)  # one task per group: a job with another task is in another group
     results = {job.num: Result() for job in jobs}
-    device = distributed.device(trainer.device)
-    if device.type == "cpu" and trainer.cpu_threads:
-        torch.set_num_threads(trainer.cpu_threads)
+    device = distributed.device(jobs[0].cfg.trainer.device)
+    if device.type == "cpu" and jobs[0].cfg.trainer.cpu_threads:
+        torch.set_num_threads(jobs[0].cfg.trainer.cpu_threads)
 
-    # --- build every job as its own run would, then stack them ----------------------------------
-    live, built, sources = [], [], []
+    # --- every job checked, built and resumed as its own run would be (fxtrain.train); nothing written ---
+    live: list[_Job] = []
     datasets: dict[str, Any] = {}  # one dataset per data config, when building it draws no torch random numbers
     for job in jobs:
-        source = runner._resume_source(job.cfg, job.out / "checkpoints")
-        if source == "completed":  # resume=auto on a finished run: left as it is, as train() does
-            value = json.loads((job.out / "summary.json").read_text())["value"]
+        checked = runner.check(job.cfg)  # a bad setting: the jobs run one by one, and each says why
+        run = runner.plan_run(job.cfg, job.out, say=results[job.num].lines.append)
+        if run.source == "completed":  # resume=auto on a finished run: left as it is, as train() does
+            value = rundir.read_summary(job.out)["value"]
             results[job.num] = Result(float(value), None, [f"resume=auto: {job.out} completed "
                                                            f"{job.cfg.trainer.max_steps} steps already; nothing to do"])
             continue
         key = repr(OmegaConf.to_container(job.cfg.data))
         if key not in datasets:
             datasets[key] = _dataset_without_rng(job.cfg, device)
-        data, model, apply, params, buffers, tx, opt_state, *_ = runner.build_run(job.cfg, device, data=datasets[key])
-        rng, start = fx.rng_state(), 0
-        if source is not None:
-            state = fx.load(source, like=fx.TrainState(0, params, opt_state, rng, buffers))
-            start, params, opt_state, buffers, rng = state.step, state.params, state.opt_state, state.buffers, state.rng
-            if start > trainer.max_steps:
-                raise ConfigError(f"resume: the checkpoint {source} is at step {start}, beyond "
-                                        f"trainer.max_steps={trainer.max_steps}")
-        live.append(job)
-        built.append(dict(data=data, model=model, apply=apply, params=params, buffers=buffers, tx=tx,
-                          opt_state=opt_state, rng=rng, start=start))
-        sources.append(source)
+        built = runner.build_run(job.cfg, device, run.dims, data=datasets[key], task=checked.task)
+        state, resumed = runner.load_start(job.cfg, run, built)
+        live.append(_Job(job, run, checked, built, state, resumed))
     if not live:
         return [results[job.num] for job in jobs]
-    starts = sorted({b["start"] for b in built})
+    starts = sorted({m.state.step for m in live})
     if len(starts) > 1:
         raise NotBatchable(f"the jobs resume from different steps ({', '.join(map(str, starts))})")
-    start, max_steps = starts[0], trainer.max_steps
-    n = len(live)
-    params = stack_trees([b["params"] for b in built], "params")
-    opt_state = stack_trees([b["opt_state"] for b in built], "optimizer state")
-    buffers = stack_trees([b["buffers"] for b in built], "buffers")
-    kept = [i for i, job in enumerate(jobs) if any(job is other for other in live)]
+    start, cfg = starts[0], live[0].job.cfg
+    kept = [i for i, job in enumerate(jobs) if any(job is m.job for m in live)]
     hp = hyperparams({k: [vs[i] for i in kept] for k, vs in group.values.items()}, device)
-    shared_data = all(job.cfg.data == cfg.data for job in live)
-    datas = [b["data"] for b in built]
-    apply = built[0]["apply"]  # the jobs' modules differ only in their tensors, which the trees carry
-
-    constants = fx.traits(built[0]["tx"]).constant_reports
-    run_steps = vmapped_steps(cfg, apply, batch_per_job=not shared_data)
-
-    def batches(first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batches of steps first+1..end (data.train[first:end]), stacked: (K, ...) or, a batch per job, (N, K, ...)."""
-        per_job = [tuple(torch.stack(t) for t in zip(*(d.train[i] for i in range(first, end))))
-                   for d in (datas[:1] if shared_data else datas)]
-        return per_job[0] if shared_data else tuple(torch.stack(t) for t in zip(*per_job))
+    steps = GroupSteps(cfg, [m.built for m in live], [m.state for m in live], hp,
+                       shared_data=all(m.job.cfg.data == cfg.data for m in live))
 
     # --- the first update, before anything is written: can this group be vmapped at all? --------
-    if start < max_steps:
+    if start < cfg.trainer.max_steps:
         try:  # accumulate emits at its every-th call
-            run_steps(hp, params, opt_state, buffers, *batches(start, min(start + cfg.accumulate.every, max_steps)))
+            steps.probe(start, min(start + cfg.accumulate.every, cfg.trainer.max_steps))
         except Exception as e:  # noqa: BLE001 - any failure means: run these jobs as the basic launcher does
             raise NotBatchable(f"the vmapped step raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
-    # --- loop: one vmapped call per stretch of steps that ends where something is logged or saved ----
-    alive = list(range(n))
-    train_metrics: list[dict[str, float]] = [{} for _ in live]
-    eval_metrics: list[dict[str, float]] = [{} for _ in live]
-    last = [(start, s) if s is not None else None for s in sources]
-    bar = tqdm(total=max_steps, initial=start, desc=f"train x{n}", disable=not trainer.progress, dynamic_ncols=True)
-
-    def fail(j: int, error: BaseException) -> None:
-        alive.remove(j)
-        results[live[j].num].error = error
-        runner.write_failure(live[j].out, live[j].cfg, error)
-
-    job_loggers: list[loggers.Loggers] = []  # one per live job: metrics.jsonl and the configured loggers
+    # --- the loop every run runs (fxtrain.train.loop), one member per job ------------------------
+    members = [runner.Member(m.job.cfg, m.run, m.checked.hooks, m.checked.stopper) for m in live]
     try:
-        # --- every job's directory, as train() starts it --------------------------------------------
-        for job, b, source in zip(live, built, sources):
-            job.out.mkdir(parents=True, exist_ok=True)
-            (job.out / "config.yaml").write_text(runner._resolved_yaml(job.cfg))
-            rundir.rewind(job.out, start)  # as train() does: one timeline in the directory
-            job_loggers.append(loggers.open_loggers(job.cfg.logger, job.out, start=start,
-                                                    config=OmegaConf.to_container(job.cfg, resolve=True)))
-            resumed = (f"from {source} (step {start})" if source is not None else
-                       f"from step 0 (resume=auto: no checkpoint in {job.out / 'checkpoints'})"
-                       if job.cfg.get("resume") == "auto" else "from step 0")
-            others = ",".join(str(o.num) for o in live if o is not job)
-            results[job.num].lines = [
-                f"run    {job.out}  [vmap: one process with jobs {others}]",
-                *runner.describe_run(b["data"], b["model"], b["params"], b["tx"], b["opt_state"], device, task=task),
-                f"start  {resumed}"]
-        batched = ", ".join([*group.values, *(["seed"] if len({job.cfg.seed for job in live}) > 1 else [])]) or "nothing"
-        log.info(f"vmap   jobs {','.join(str(j.num) for j in live)} as one process: {n} jobs, batched over {batched}; "
-                 f"{'one batch for all' if shared_data else 'a batch per job'}")
-
-        with bar:
-            if start == max_steps:  # killed after their last checkpoint, before their summaries
-                for j in alive:
-                    eval_metrics[j] = runner.evaluate(apply, pick(params, j), pick(buffers, j), datas[j].test,
-                                                      trainer.eval_batch_size, task)
-            i = start
-            while i < max_steps:
-                first, i = i, _next_event(i, trainer)
-                params, opt_state, buffers, metrics = run_steps(hp, params, opt_state, buffers, *batches(first, i))
-                bar.update(i - first)
-                if first == start:
-                    runner._check_metric_name(cfg.optimized_metric, runner._metric_names(runner._logged(metrics, constants)))
-                log_now, eval_now = i % trainer.log_every == 0 or i == max_steps, i % trainer.eval_every == 0 or i == max_steps
-                ckpt_now = (trainer.checkpoint_every and i % trainer.checkpoint_every == 0) or i == max_steps
-                for j in list(alive):
-                    record: dict[str, float] = {}
-                    if log_now:
-                        train_metrics[j] = runner._floats(pick(runner._logged(metrics, constants), j))
-                        record.update(train_metrics[j])
-                    if eval_now:
-                        eval_metrics[j] = runner.evaluate(apply, pick(params, j), pick(buffers, j), datas[j].test,
-                                                          trainer.eval_batch_size, task)
-                        record.update(eval_metrics[j])
-                    try:
-                        if record:
-                            runner._stop_if_not_finite(record, i, last[j])
-                            record["time_s"] = round(time.perf_counter() - t0, 3)
-                            job_loggers[j].log(i, record)
-                        if ckpt_now:
-                            state = fx.TrainState(i, pick(params, j), pick(opt_state, j), built[j]["rng"],
-                                                  pick(buffers, j))
-                            last[j] = (i, runner.save_checkpoint(live[j].out / "checkpoints", state,
-                                                                 trainer.keep_last, last[j], 0))
-                    except FloatingPointError as e:
-                        fail(j, e)
-                if alive and log_now:
-                    bar.set_postfix({"loss": f"{min(train_metrics[j].get('loss', float('inf')) for j in alive):.4g}",
-                                     "jobs": len(alive)})
-    except Exception as e:  # noqa: BLE001 - a failure of the group is every live job's failure
-        for j in list(alive):
-            fail(j, e)
-    finally:
-        for logger in job_loggers:
-            logger.close()
+        for m, member in zip(live, members):  # every job's directory, as train() starts it
+            m.run = member.run = runner.start_run(m.job.cfg, m.run)
+            others = ",".join(str(o.job.num) for o in live if o is not m)
+            results[m.job.num].lines.extend(runner.begin_run(m.job.cfg, m.run, m.built, m.state, m.resumed,
+                                                             where=f"vmap: one process with jobs {others}"))
+        batched = ", ".join([*group.values, *(["seed"] if len({m.job.cfg.seed for m in live}) > 1 else [])]) or "nothing"
+        log.info(f"vmap   jobs {','.join(str(m.job.num) for m in live)} as one process: {len(live)} jobs, batched over "
+                 f"{batched}; {'one batch for all' if steps.shared else 'a batch per job'}")
+        runner.loop(steps, members, start, cfg.trainer, t0)
+    except Exception as e:  # noqa: BLE001 - a failure of the group is every unfinished job's failure
+        for member in members:
+            if member.final is None and member.error is None:
+                member.error = e
 
     # --- summaries --------------------------------------------------------------------------------------
     elapsed = time.perf_counter() - t0
-    for j in alive:
-        job = live[j]
-        final = {**train_metrics[j], **eval_metrics[j]}
-        if job.cfg.optimized_metric not in final:  # resumed at max_steps: the logged train metrics
-            final = {**runner._last_record(job.out / "metrics.jsonl", max_steps), **final}
-        try:
-            results[job.num].value = runner.finish_run(job.cfg, job.out, final, elapsed, results[job.num].lines.append)
-        except (FloatingPointError, KeyError) as e:
-            results[job.num].error = e
-            runner.write_failure(job.out, job.cfg, e)
+    for j, (m, member) in enumerate(zip(live, members)):
+        result = results[m.job.num]
+        if member.error is None:
+            try:
+                result.value = runner.close_run(m.job.cfg, m.run, m.built, steps.state(cfg.trainer.max_steps, j),
+                                                member.final, elapsed)
+                continue
+            except (FloatingPointError, KeyError) as e:
+                member.error = e
+        result.error = member.error
+        runner.write_failure(m.job.out, m.job.cfg, member.error)
     return [results[job.num] for job in jobs]
+
+
+@dataclasses.dataclass
+class _Job:
+    """A job of a group that trains: what its own run would have built before its loop."""
+
+    job: Job
+    run: runner.Run
+    checked: validate.Checked
+    built: runner.Built
+    state: fx.TrainState  # where it starts
+    resumed: str  # how, for its start line
+
+
+class GroupSteps:
+    """The :class:`fxtrain.train.Steps` of a vmapped group: the members' params, optimizer states and buffers
+    stacked (:func:`stack_trees`), each call of :meth:`advance` one :func:`vmapped_steps` call over up to 50
+    steps; evaluation and checkpoints per member (:func:`pick`), as the member's own run makes them."""
+
+    longest = 50
+
+    def __init__(self, cfg: DictConfig, built: Sequence[runner.Built], states: Sequence[fx.TrainState],
+                 hp: dict[str, torch.Tensor], shared_data: bool):
+        self.desc, self.built, self.hp, self.shared = f"train x{len(built)}", list(built), hp, shared_data
+        self.params = stack_trees([s.params for s in states], "params")
+        self.opt_state = stack_trees([s.opt_state for s in states], "optimizer state")
+        self.buffers = stack_trees([s.buffers for s in states], "buffers")
+        self.rngs = [s.rng for s in states]  # a vmapped step draws no random numbers (vmap refuses a model that does)
+        self.constants = fx.traits(built[0].tx).constant_reports
+        self.eval_batch_size = cfg.trainer.eval_batch_size
+        # The jobs' modules differ only in their tensors, which the trees carry: the first job's apply serves all.
+        self.vmapped = vmapped_steps(cfg, built[0].apply, batch_per_job=not shared_data, task=built[0].task)
+
+    def batches(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batches of steps first+1..end (data.train[first:end]), stacked: (K, ...) or, a batch per job, (N, K, ...)."""
+        per_job = [tuple(torch.stack(t) for t in zip(*(b.data.train[i] for i in range(first, end))))
+                   for b in (self.built[:1] if self.shared else self.built)]
+        return per_job[0] if self.shared else tuple(torch.stack(t) for t in zip(*per_job))
+
+    def probe(self, first: int, end: int) -> None:
+        """Runs steps first+1..end and drops what they return (the step is pure): raises where vmap cannot."""
+        self.vmapped(self.hp, self.params, self.opt_state, self.buffers, *self.batches(first, end))
+
+    def advance(self, first: int, end: int) -> dict[str, Any]:
+        self.params, self.opt_state, self.buffers, metrics = self.vmapped(self.hp, self.params, self.opt_state,
+                                                                      self.buffers, *self.batches(first, end))
+        return metrics
+
+    def logged(self, metrics: dict[str, Any], j: int) -> dict[str, float]:
+        return runner.host_metrics(pick(metrics, j), self.constants)
+
+    def evaluate(self, step: int, j: int, hooks: list[tuple[str, Callable]]) -> dict[str, float]:
+        return runner.evaluate_run(self.built[j], pick(self.params, j), pick(self.buffers, j), step, hooks,
+                                   self.eval_batch_size)
+
+    def state(self, step: int, j: int) -> fx.TrainState:
+        return fx.TrainState(step, pick(self.params, j), pick(self.opt_state, j), self.rngs[j], pick(self.buffers, j))

@@ -55,6 +55,7 @@ refused, and so is the same config with ``resume=null`` (use ``resume=auto``); o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.resources
 import importlib.util
 import json
@@ -64,7 +65,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import hydra
 import torch
@@ -80,7 +81,7 @@ from fxtrain.errors import ConfigError
 from fxtrain import build, checkpoint, distributed, loggers, parallel, report, rundir, tasks, tree, validate
 from fxtrain.interop import run_hooks as orbax_hooks  # resume=orbax:PATH, trainer.export=orbax
 from fxtrain.models import count_params
-from fxtrain.parallel import evaluate, loss_function  # noqa: F401 - the runner's loss and evaluation (fxtrain.sweep uses them)
+from fxtrain.parallel import evaluate, loss_function  # noqa: F401 - the runner's loss and evaluation (experiments use them)
 
 log = logging.getLogger("fxtrain")
 # conf/ at the repository root, installed as the package fxtrain.conf (pyproject.toml maps it): Hydra reads it as
@@ -88,12 +89,15 @@ log = logging.getLogger("fxtrain")
 CONF_DIR = pathlib.Path(str(importlib.resources.files("fxtrain.conf")))
 
 
-def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
+def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None,
+          checked: validate.Checked | None = None) -> float:
     """Trains the experiment ``cfg`` describes and returns ``float(metrics[cfg.optimized_metric])``.
 
     Args:
       cfg: a composed ``conf/train.yaml`` (Hydra hands it over; tests use ``hydra.compose``).
       out_dir: the run directory; ``None`` writes nothing. Only rank 0 writes.
+      checked: what :func:`fxtrain.validate.check` built from ``cfg`` (task, eval hooks, early stopping) when
+        the caller checked it already (``python -m fxtrain.train`` does); ``None``: checked here.
 
     Raises:
       FloatingPointError: a non-finite loss or metric; training stops there, and ``metrics.jsonl`` and
@@ -101,30 +105,44 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None) -> float:
       fxtrain.errors.ConfigError: a config that cannot be built, naming the key.
       fxtrain.rundir.RunDirError: ``out_dir`` holds another run, this run without ``resume``, or a live process.
     """
-    build.settle_optimized_metric(cfg)  # the task's own where the config leaves it to the task (a _target_ function's)
-    validate.check(cfg)  # every setting, before anything is written (fxtrain/validate.py)
+    if checked is None:
+        checked = check(cfg)
     with rundir.claim(out_dir, cfg):  # one run, one live process per directory (fxtrain/rundir.py)
-        return _train(cfg, out_dir)
+        return _train(cfg, out_dir, checked)
 
 
-def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> float:
+def check(cfg: DictConfig) -> validate.Checked:
+    """``cfg`` parsed and checked once, before anything is written: its ``optimized_metric`` settled (the task's
+    own where the config leaves it to the task, a ``_target_`` function's) and :func:`fxtrain.validate.check`'s
+    objects (the task, the eval hooks, early stopping), which the run uses."""
+    build.settle_optimized_metric(cfg)
+    return validate.check(cfg)
+
+
+def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None, checked: validate.Checked) -> float:
     t0 = time.perf_counter()
-    run = _setup(cfg, out_dir)
+    run = plan_run(cfg, out_dir)
     if run.source == "completed":  # resume=auto on a finished run: leave it as it is
         run.say(f"resume=auto: {out_dir} completed {cfg.trainer.max_steps} steps already; nothing to do")
         return float(rundir.read_summary(out_dir)["value"])
-    built = build_run(cfg, run.device, run.dims)
-    start, params, opt_state, buffers = _resume(cfg, run, built)
-    final = _loop(cfg, run, built, start, params, opt_state, buffers, t0)
-    orbax_hooks.export(cfg, run.out, run.ckpt_dir, built.model, params, opt_state, buffers, built.tx)
-    return finish_run(cfg, run.out, final, time.perf_counter() - t0, run.say)
+    run = start_run(cfg, run)
+    built = build_run(cfg, run.device, run.dims, task=checked.task)
+    state, resumed = load_start(cfg, run, built)
+    for line in begin_run(cfg, run, built, state, resumed):
+        run.say(line)
+    steps = RunSteps(built, run.dims, state, cfg.trainer.eval_batch_size)
+    member = Member(cfg, run, checked.hooks, checked.stopper)
+    loop(steps, [member], state.step, cfg.trainer, t0)
+    if member.error is not None:
+        raise member.error
+    return close_run(cfg, run, built, steps.state(cfg.trainer.max_steps, 0), member.final, time.perf_counter() - t0)
 
 
-class _Run(NamedTuple):
-    """Where and how this process runs: what :func:`_setup` reads from the config and the environment once."""
+class Run(NamedTuple):
+    """Where and how one run goes: what :func:`plan_run` reads from the config and the environment once."""
 
     rank: int
-    dims: distributed.ParallelDims  # the run's mesh object, built: handed to the model, stack, data and checkpoints
+    dims: distributed.ParallelDims  # the run's mesh object (built by start_run): the model, stack, data, checkpoints
     device: torch.device
     out: pathlib.Path | None  # the run directory on rank 0 (the only writer of files other than checkpoints)
     ckpt_dir: pathlib.Path | None  # every rank writes its shards here
@@ -134,24 +152,29 @@ class _Run(NamedTuple):
     note: str | None = None  # how the resume differs ("relayout from 2 ranks, parallel=dp [dp=2] to 1 process")
 
 
-def _setup(cfg: DictConfig, out_dir: str | pathlib.Path | None) -> _Run:
+def plan_run(cfg: DictConfig, out_dir: str | pathlib.Path | None, say: Callable[[str], Any] | None = None) -> Run:
+    """The :class:`Run` of ``cfg`` in ``out_dir`` (``say``: where its lines go; rank 0's log by default), its
+    checkpoint to resume from checked (:func:`resume_plan`). Writes nothing."""
     rank, world = distributed.rank_and_world()
     dims = build.parallel_dims(cfg, world)  # checked before anything is written
-    say = log.info if rank == 0 else (lambda *args: None)
+    say = say or (log.info if rank == 0 else (lambda *args: None))
     out = pathlib.Path(out_dir) if out_dir is not None and rank == 0 else None
     ckpt_dir = pathlib.Path(out_dir) / "checkpoints" if out_dir is not None else None
     digest, flat = rundir.config_hash(cfg)
     meta = {"config_sha256": digest, "config": flat, "world_size": world, "layout": dims.describe()}
-    source, note = _resume_plan(cfg, ckpt_dir, meta)
-    device = distributed.device(cfg.trainer.device)
-    if source != "completed":
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(_resolved_yaml(cfg))
-        if device.type == "cpu" and cfg.trainer.cpu_threads:
-            torch.set_num_threads(cfg.trainer.cpu_threads)
-        dims = dims.build(device.type)
-    return _Run(rank, dims, device, out, ckpt_dir, source, say, meta, note)
+    source, note = resume_plan(cfg, ckpt_dir, meta)
+    return Run(rank, dims, distributed.device(cfg.trainer.device), out, ckpt_dir, source, say, meta, note)
+
+
+def start_run(cfg: DictConfig, run: Run) -> Run:
+    """Writes ``config.yaml`` (resolved) into the run directory, sets ``trainer.cpu_threads`` and builds the
+    mesh: the :class:`Run` that :func:`build_run` builds on."""
+    if run.out is not None:
+        run.out.mkdir(parents=True, exist_ok=True)
+        (run.out / "config.yaml").write_text(resolved_yaml(cfg))
+    if run.device.type == "cpu" and cfg.trainer.cpu_threads:
+        torch.set_num_threads(cfg.trainer.cpu_threads)
+    return run._replace(dims=run.dims.build(run.device.type))
 
 
 class Built(NamedTuple):
@@ -170,38 +193,41 @@ class Built(NamedTuple):
 
 
 def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelDims | None = None,
-              data: Any = None) -> Built:
+              data: Any = None, task: tasks.Task | None = None) -> Built:
     """What :func:`train` builds from ``cfg`` before its loop, in this order after ``torch.manual_seed(cfg.seed)``:
     the data, the model, the task (:mod:`fxtrain.tasks`), the stack (:func:`fxtrain.build.stack`), the model
     placed on ``dims``' mesh with its step (:func:`fxtrain.parallel.parallelize`) and the stack's state.
 
-    The sweep launcher (``hydra/launcher=vmap``) builds each job of a group with it, so every job starts from
-    exactly the params, state and RNG state its own run would. It passes ``data`` (built already, for the
-    same ``cfg.data``) to share one dataset between jobs, when building it draws no torch random numbers.
+    ``task``: the one :func:`check` built (``None`` builds it). The sweep launcher (``hydra/launcher=vmap``)
+    builds each job of a group with it, so every job starts from exactly the params, state and RNG state its
+    own run would. It passes ``data`` (built already, for the same ``cfg.data``) to share one dataset between
+    jobs, when building it draws no torch random numbers.
     """
     dims = dims or distributed.ParallelDims.of(world=1)
     torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order): the same on every rank
-    data = build.dataset(cfg.data, _choice("data", "data")).to(device) if data is None else data
+    data = build.dataset(cfg.data, choice("data", "data")).to(device) if data is None else data
     model = build.instantiate(cfg.model, "model").to(device)
-    task = build.task(cfg)
+    task = build.task(cfg) if task is None else task
     tx = build.stack(cfg, dims)
     try:
         placed = parallel.parallelize(model, tx, dims, task=task, pipeline=_pipeline_options(cfg),
                                         mp_policy=build.mixed_precision(cfg, dims))
     except ValueError as e:
-        raise ConfigError(f"{dims.describe()} model={_choice('model')}: {e}") from None
+        raise ConfigError(f"{dims.describe()} model={choice('model')}: {e}") from None
     params = build.cast_params(cfg, placed.params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
     return Built(data, model, placed.apply, params, placed.buffers, tx, tx.init(params), placed.step, placed.evaluate,
                  task)
 
 
-def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, Any]:
-    """``(start, params, opt_state, buffers)``: the checkpoint's, or step 0's; says the run's first lines."""
+def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, str]:
+    """The state training starts from, the checkpoint's (``resume``) or step 0's, and how (for the ``start``
+    line). The checkpoint is read into ``built``'s params and buffers in place and its RNG state set; writes
+    nothing."""
     start, params, opt_state, buffers, resumed = 0, built.params, built.opt_state, built.buffers, "from step 0"
     orbax = orbax_hooks.start(cfg, built.model, params, buffers, built.tx, run.dims.world)  # resume=orbax:PATH
     if orbax is not None:
         start, opt_state, resumed = orbax
-    elif run.source is not None:
+    elif isinstance(run.source, pathlib.Path):
         state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers),
                         saved_placements=True)  # a held gradient keeps its own (it may differ from its param's)
         # Into the built trees, in place: FSDP and pipeline stages compute with their modules' own tensors,
@@ -217,95 +243,240 @@ def _resume(cfg: DictConfig, run: _Run, built: Built) -> tuple[int, Any, Any, An
         resumed = f"from {run.source} (step {start})" + (f", {run.note}" if run.note else "")
     elif cfg.get("resume") == "auto":
         resumed = f"from step 0 (resume=auto: no checkpoint in {run.ckpt_dir})"
-    rundir.rewind(run.out, start)  # no summary, no checkpoint or metrics.jsonl line after `start`: one timeline
+    return fx.TrainState(start, params, opt_state, fx.rng_state(), buffers), resumed
+
+
+def begin_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, resumed: str,
+              where: str | None = None) -> list[str]:
+    """Cuts the run directory back to ``state.step`` (:func:`fxtrain.rundir.rewind`: one timeline) and returns
+    the run's first lines: ``run`` (``where``: how it runs, default its layout), ``data``, ``model``, ``task``,
+    ``stack``, ``state`` and ``start``."""
+    rundir.rewind(run.out, state.step)  # no summary, no checkpoint or metrics.jsonl line after the start
     dims = run.dims
-    where = str(run.out) if run.out is not None else "(not saved)"
-    run.say(f"run    {where}" + (f"  [{dims.world} ranks, {dims.describe()}"
-                                 + (", shard_optimizer" if cfg.parallel.get("shard_optimizer") else "") + "]"
-                                 if dims.world > 1 else ""))
-    for line in describe_run(built.data, built.model, params, built.tx, opt_state, run.device, task=built.task):
-        run.say(line)
-    run.say(f"start  {resumed}")
-    return start, params, opt_state, buffers
+    if where is None and dims.world > 1:
+        where = (f"{dims.world} ranks, {dims.describe()}"
+                 + (", shard_optimizer" if cfg.parallel.get("shard_optimizer") else ""))
+    return [f"run    {run.out if run.out is not None else '(not saved)'}" + (f"  [{where}]" if where else ""),
+            *describe_run(built.data, built.model, state.params, built.tx, state.opt_state, run.device,
+                          task=built.task),
+            f"start  {resumed}"]
 
 
-def _loop(cfg: DictConfig, run: _Run, built: Built, start: int, params: Any, opt_state: Any, buffers: Any,
-          t0: float) -> dict[str, float]:
-    """Steps ``start + 1 .. max_steps``: step, log, evaluate, checkpoint; stops early when
-    ``trainer.early_stopping`` says so. Returns the last train and eval metrics (and ``"stopped_early"``)."""
-    trainer, dims = cfg.trainer, run.dims
-    constants = fx.traits(built.tx).constant_reports  # b1, eps...: constant, in config.yaml (strategies' own steps report them)
-    hooks = build.eval_hooks(cfg)
-    stopper = build.early_stopping(cfg)
-    logger = (loggers.open_loggers(cfg.get("logger"), run.out, start=start,  # metrics.jsonl and the listed ones
-                                   config=OmegaConf.to_container(cfg, resolve=True)) if run.out is not None else None)
-    if stopper is not None and isinstance(run.source, pathlib.Path):  # the lines its checkpoint's run logged
-        logged = report.read_jsonl(run.source.parent.parent / rundir.METRICS)  # <run>/checkpoints/step_N
-        stopper.replay([r for r in logged if r.get("step", 0) <= start])
+# --- the loop: one run, or the members of a vmapped group (fxtrain.sweep) ---------------------------
+
+class Steps(Protocol):
+    """What :func:`loop` drives: one run's params (:class:`RunSteps`) or a vmapped group's, stacked with a leading
+    member axis (:mod:`fxtrain.sweep`). Member ``j`` is ``0`` for a run."""
+
+    desc: str  #: the progress bar's label
+    longest: int  #: the most steps one :meth:`advance` runs (it stops earlier where anything is logged or saved)
+    constants: set[str]  #: reports of the stack that are constant (``b1``, ``eps``...): never logged
+
+    def advance(self, first: int, end: int) -> dict[str, Any]:
+        """Trains steps ``first + 1 .. end`` (batches ``data.train[first:end]``); returns the last one's metrics."""
+
+    def logged(self, metrics: dict[str, Any], j: int) -> dict[str, float]:
+        """Member ``j``'s train metrics of a log line (floats, less the constants; averaged over ranks)."""
+
+    def evaluate(self, step: int, j: int, hooks: list[tuple[str, Callable]]) -> dict[str, float]:
+        """Member ``j``'s eval metrics now: the task's and each eval hook's."""
+
+    def state(self, step: int, j: int) -> fx.TrainState:
+        """Member ``j``'s :class:`fxtrain.TrainState` now (what its checkpoint holds)."""
+
+
+class RunSteps:
+    """The :class:`Steps` of one run: its built step on this rank's slice of each batch, one step per call."""
+
+    desc, longest = "train", 1
+
+    def __init__(self, built: Built, dims: distributed.ParallelDims, state: fx.TrainState, eval_batch_size: int):
+        self.built, self.dims, self.eval_batch_size = built, dims, eval_batch_size
+        self.params, self.opt_state, self.buffers = state.params, state.opt_state, state.buffers
+        self.constants = fx.traits(built.tx).constant_reports  # b1, eps...: constant, in config.yaml
+
+    def advance(self, first: int, end: int) -> dict[str, Any]:
+        for i in range(first + 1, end + 1):
+            batch = self.dims.local_batch(self.built.data.train[i - 1])
+            self.params, self.opt_state, self.buffers, metrics = self.built.step(self.params, self.opt_state,
+                                                                                 self.buffers, batch)
+        return metrics
+
+    def logged(self, metrics: dict[str, Any], j: int) -> dict[str, float]:
+        return host_metrics(metrics, self.constants, self.dims.world)
+
+    def evaluate(self, step: int, j: int, hooks: list[tuple[str, Callable]]) -> dict[str, float]:
+        return evaluate_run(self.built, self.params, self.buffers, step, hooks, self.eval_batch_size, self.dims.world)
+
+    def state(self, step: int, j: int) -> fx.TrainState:
+        return fx.TrainState(step, self.params, self.opt_state, fx.rng_state(), self.buffers)
+
+
+@dataclasses.dataclass
+class Member:
+    """One run in :func:`loop`: its config, directory and early stopping, and what it logged. A run is one
+    member; a vmapped group has one per job, which fails or stops early alone (``error``, ``final``)."""
+
+    cfg: DictConfig
+    run: Run
+    hooks: list[tuple[str, Callable]] = dataclasses.field(default_factory=list)  #: trainer.eval_hooks, built
+    stopper: tasks.EarlyStopping | None = None  #: trainer.early_stopping, built
+    train_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  #: the last logged ones
+    eval_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    stopped: dict[str, Any] = dataclasses.field(default_factory=dict)  #: where early stopping ended it
+    last_checkpoint: tuple[int, pathlib.Path] | None = None  #: ``(step, path)``
+    record: dict[str, float] = dataclasses.field(default_factory=dict)  #: the last metrics.jsonl line
+    logger: loggers.Loggers | None = None  #: metrics.jsonl and the configured loggers, open in the loop
+    final: dict[str, Any] | None = None  #: the last train and eval metrics (and ``stopped_early``) once done
+    error: BaseException | None = None  #: why it failed
+
+
+def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t0: float) -> None:
+    """Steps ``start + 1 .. trainer.max_steps`` of every member: step, log, evaluate, checkpoint. A member ends
+    alone where ``trainer.early_stopping`` says so or a loss or metric is not finite (its ``error``); every
+    other one runs to ``max_steps``. Sets each member's ``final`` (or ``error``)."""
     max_steps = trainer.max_steps
-    train_metrics: dict[str, float] = {}   # the last logged ones
-    eval_metrics: dict[str, float] = {}
-    stopped: dict[str, Any] = {}
-    last_checkpoint = (start, run.source) if run.source is not None else None  # (step, path)
-
-    def run_eval(step: int) -> dict[str, float]:
-        metrics = built.evaluate(params, buffers, built.data.test, trainer.eval_batch_size)
-        ctx = tasks.EvalContext(step, parallel.forward(built.apply, params, buffers), params, buffers, built.data,
-                                built.task, trainer.eval_batch_size)
-        mine = {k: v for name, hook in hooks for k, v in _hook_metrics(name, hook(ctx)).items()}
-        # A hook may see only its rank's part: averaged, so every rank logs and early-stops on the same line.
-        return {**metrics, **distributed.mean_across_ranks(mine, dims.world)}
-
-    bar = tqdm(total=max_steps, initial=start, desc="train", disable=run.rank != 0 or not trainer.progress,
-               dynamic_ncols=True)
-    with logging_redirect_tqdm(), bar, (logger or contextlib.nullcontext()):
+    alive = list(range(len(members)))
+    bar = tqdm(total=max_steps, initial=start, desc=steps.desc, dynamic_ncols=True,
+               disable=members[0].run.rank != 0 or not trainer.progress)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(logging_redirect_tqdm())
+        stack.enter_context(bar)
+        for m in members:
+            _open_member(m, start, stack)
         if start == max_steps:  # killed after its last checkpoint, before its summary: evaluate again
-            eval_metrics = run_eval(start)
-        for i in range(start + 1, max_steps + 1):
-            batch = dims.local_batch(built.data.train[i - 1])
-            params, opt_state, buffers, metrics = built.step(params, opt_state, buffers, batch)
-            bar.update()
-            if i == start + 1:
-                _check_metric_name(cfg.optimized_metric, _metric_names(_logged(metrics, constants)),
-                                   deferred=bool(hooks))
+            for j in alive:
+                members[j].eval_metrics = steps.evaluate(start, j, members[j].hooks)
+        i = start
+        while i < max_steps and alive:
+            first, i = i, next_event(i, trainer, steps.longest)
+            metrics = steps.advance(first, i)
+            bar.update(i - first)
+            if first == start:
+                m = members[alive[0]]
+                names = _metric_names([k for k in metrics if k not in steps.constants])
+                _check_metric_name(m.cfg.optimized_metric, names, deferred=bool(m.hooks))
+            for j in list(alive):
+                try:
+                    done = _member_step(steps, members[j], j, i, metrics, trainer, t0)
+                except FloatingPointError as e:
+                    members[j].error, done = e, True
+                if done:
+                    alive.remove(j)
+                if members[j].stopped:
+                    members[j].final = _final(members[j], start, max_steps)
+            if len(members) == 1:
+                bar.set_postfix({k: f"{members[0].record[k]:.4g}" for k in ("loss", "learning_rate", "test_accuracy")
+                                 if k in members[0].record})
+            elif alive and (i % trainer.log_every == 0 or i == max_steps):
+                bar.set_postfix({"loss": f"{min(members[j].train_metrics.get('loss', math.inf) for j in alive):.4g}",
+                                 "jobs": len(alive)})
+    for m in members:
+        if m.error is None and m.final is None:
+            m.final = _final(m, start, max_steps)
 
-            record: dict[str, float] = {}
-            if i % trainer.log_every == 0 or i == max_steps:
-                train_metrics = distributed.mean_across_ranks(_floats(_logged(metrics, constants)), dims.world)
-                record.update(train_metrics)
-            if i % trainer.eval_every == 0 or i == max_steps:
-                eval_metrics = run_eval(i)
-                record.update(eval_metrics)
-                if hooks:  # the hooks' names are known now
-                    _check_metric_name(cfg.optimized_metric, [*train_metrics, *eval_metrics])
-            if record:
-                _stop_if_not_finite(record, i, last_checkpoint)
-                if stopper is not None and stopper.update(record, i) and i < max_steps:
-                    stopped = {"step": i, **stopper.describe()}
-                    run.say(f"stop   early at step {i}: {stopper.metric} has not improved on {stopper.best:.4g} "
-                            f"(step {stopper.best_step}) for {stopper.patience} logged values")
-                    if i % trainer.eval_every:  # the summary's test metrics are those of the params it stops with
-                        eval_metrics = run_eval(i)
-                        record.update(eval_metrics)
-                record["time_s"] = round(time.perf_counter() - t0, 3)
-                if logger is not None:
-                    logger.log(i, record)
-                bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "learning_rate", "test_accuracy")
-                                 if k in record})
 
-            if run.ckpt_dir is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0)
-                                             or i == max_steps or stopped):
-                state = fx.TrainState(i, params, opt_state, fx.rng_state(), buffers)
-                last_checkpoint = (i, save_checkpoint(run.ckpt_dir, state, trainer.keep_last, last_checkpoint, run.rank,
-                                                      run.meta))
-            if stopped:
-                break
-    final = {**train_metrics, **eval_metrics}
-    if start == max_steps and run.out is not None:  # resumed at max_steps: the train metrics its last line logged
-        final = {**_last_record(run.out / "metrics.jsonl", max_steps), **final}
-    if stopped:
-        final["stopped_early"] = stopped
+def _open_member(m: Member, start: int, stack: contextlib.ExitStack) -> None:
+    """``metrics.jsonl`` and the configured loggers from ``start`` on; early stopping fed the lines logged up to
+    ``start`` by the run whose checkpoint this one resumes."""
+    if m.run.out is not None:
+        m.logger = stack.enter_context(loggers.open_loggers(m.cfg.get("logger"), m.run.out, start=start,
+                                                            config=OmegaConf.to_container(m.cfg, resolve=True)))
+    if isinstance(m.run.source, pathlib.Path):
+        m.last_checkpoint = (start, m.run.source)
+        if m.stopper is not None:  # the lines its checkpoint's run logged: <run>/checkpoints/step_N
+            logged = report.read_jsonl(m.run.source.parent.parent / rundir.METRICS)
+            m.stopper.replay([r for r in logged if r.get("step", 0) <= start])
+
+
+def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any], trainer: DictConfig,
+                 t0: float) -> bool:
+    """Member ``j`` after step ``i``: its log line, evaluation, early stopping and checkpoint; whether it is done."""
+    max_steps, record = trainer.max_steps, {}
+    if i % trainer.log_every == 0 or i == max_steps:
+        m.train_metrics = steps.logged(metrics, j)
+        record.update(m.train_metrics)
+    if i % trainer.eval_every == 0 or i == max_steps:
+        m.eval_metrics = steps.evaluate(i, j, m.hooks)
+        record.update(m.eval_metrics)
+        if m.hooks:  # the hooks' names are known now
+            _check_metric_name(m.cfg.optimized_metric, [*m.train_metrics, *m.eval_metrics])
+    if record:
+        _stop_if_not_finite(record, i, m.last_checkpoint)
+        if m.stopper is not None and m.stopper.update(record, i) and i < max_steps:
+            m.stopped = {"step": i, **m.stopper.describe()}
+            m.run.say(f"stop   early at step {i}: {m.stopper.metric} has not improved on {m.stopper.best:.4g} "
+                      f"(step {m.stopper.best_step}) for {m.stopper.patience} logged values")
+            if i % trainer.eval_every:  # the summary's test metrics are those of the params it stops with
+                m.eval_metrics = steps.evaluate(i, j, m.hooks)
+                record.update(m.eval_metrics)
+        record["time_s"] = round(time.perf_counter() - t0, 3)
+        if m.logger is not None:
+            m.logger.log(i, record)
+        m.record = record
+    if m.run.ckpt_dir is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0)
+                                       or i == max_steps or m.stopped):
+        m.last_checkpoint = (i, save_checkpoint(m.run.ckpt_dir, steps.state(i, j), trainer.keep_last,
+                                                m.last_checkpoint, m.run.rank, m.run.meta))
+    return bool(m.stopped)
+
+
+def _final(m: Member, start: int, max_steps: int) -> dict[str, Any]:
+    """The metrics a member's summary holds: its last train and eval ones (and ``stopped_early``)."""
+    final = {**m.train_metrics, **m.eval_metrics}
+    if start == max_steps and m.run.out is not None:  # resumed at max_steps: the train metrics its last line logged
+        final = {**_last_record(m.run.out / rundir.METRICS, max_steps), **final}
+    if m.stopped:
+        final["stopped_early"] = m.stopped
     return final
+
+
+def next_event(step: int, trainer: DictConfig, longest: int) -> int:
+    """The first step after ``step`` that logs, evaluates or checkpoints (or the last), at most ``longest`` on.
+
+    >>> from omegaconf import OmegaConf
+    >>> next_event(0, OmegaConf.create({"log_every": 5, "eval_every": 7, "checkpoint_every": 0, "max_steps": 30}), 50)
+    5
+    """
+    every = [n for n in (trainer.log_every, trainer.eval_every, trainer.checkpoint_every) if n]
+    for i in range(step + 1, min(step + longest, trainer.max_steps)):
+        if any(i % n == 0 for n in every):
+            return i
+    return min(step + longest, trainer.max_steps)
+
+
+def host_metrics(metrics: dict[str, Any], constants: set[str], world: int = 1) -> dict[str, float]:
+    """A step's metrics as a log line holds them: Python floats (one host sync), less the constant reports,
+    averaged over ``world`` ranks.
+
+    >>> import torch
+    >>> host_metrics({"loss": torch.tensor(0.5), "b1": 0.9}, {"b1"})
+    {'loss': 0.5}
+    """
+    return distributed.mean_across_ranks(_floats(_logged(metrics, constants)), world)
+
+
+def evaluate_run(built: Built, params: Any, buffers: Any, step: int, hooks: list[tuple[str, Callable]],
+                 batch_size: int, world: int = 1) -> dict[str, float]:
+    """The eval metrics of ``params`` after ``step``: the task's on ``built.data.test`` (``test_loss``,
+    ``test_<metric>``) and each eval hook's (:class:`fxtrain.tasks.EvalContext`), averaged over ``world`` ranks."""
+    metrics = built.evaluate(params, buffers, built.data.test, batch_size)
+    if not hooks:
+        return metrics
+    ctx = tasks.EvalContext(step, parallel.forward(built.apply, params, buffers), params, buffers, built.data,
+                            built.task, batch_size)
+    mine = {k: v for name, hook in hooks for k, v in _hook_metrics(name, hook(ctx)).items()}
+    # A hook may see only its rank's part: averaged, so every rank logs and early-stops on the same line.
+    return {**metrics, **distributed.mean_across_ranks(mine, world)}
+
+
+def close_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, final: dict[str, Any],
+              elapsed: float) -> float:
+    """The end of a run that trained: ``trainer.export=orbax``'s export (of ``state``'s structure), then
+    :func:`finish_run`. Returns the optimized metric."""
+    orbax_hooks.export(cfg, run.out, run.ckpt_dir, built.model, state.params, state.opt_state, state.buffers,
+                       built.tx)
+    return finish_run(cfg, run.out, final, elapsed, run.say)
 
 
 def _hook_metrics(name: str, values: Any) -> dict[str, float]:
@@ -320,7 +491,7 @@ def _hook_metrics(name: str, values: Any) -> dict[str, float]:
         raise ConfigError(f"trainer.eval_hooks.{name}: metric {bad} is {values[bad]!r}, not a number") from None
 
 
-def _metric_names(train: dict[str, Any]) -> list[str]:
+def _metric_names(train: list[str]) -> list[str]:
     """The metrics a run will have: its train ones, ``test_loss`` and ``test_<name>`` of the task's."""
     return [*train, "test_loss", *(f"test_{k}" for k in train if k not in ("loss", "grad_norm", "learning_rate"))]
 
@@ -329,7 +500,7 @@ def _pipeline_options(cfg: DictConfig) -> dict:
     return {"schedule": cfg.parallel.get("schedule", "gpipe"), "microbatches": cfg.parallel.get("microbatches", 4)}
 
 
-def _choice(group: str, default: str = "?") -> str:
+def choice(group: str, default: str = "?") -> str:
     """The option of ``group`` this run picked (``data=mine``: ``mine``), or ``default`` outside a Hydra run."""
     try:
         return str(HydraConfig.get().runtime.choices.get(group))
@@ -418,15 +589,11 @@ def save_checkpoint(directory: pathlib.Path, state: fx.TrainState, keep_last: in
     return path
 
 
-def _resume_source(cfg: DictConfig, ckpt_dir: pathlib.Path | None) -> pathlib.Path | str | None:
-    """The checkpoint ``cfg.resume`` asks for, ``None`` to start at step 0, or ``"completed"`` (see the module doc)."""
-    return _resume_plan(cfg, ckpt_dir)[0]
-
-
-def _resume_plan(cfg: DictConfig, ckpt_dir: pathlib.Path | None,
+def resume_plan(cfg: DictConfig, ckpt_dir: pathlib.Path | None,
                  meta: dict[str, Any] | None = None) -> tuple[pathlib.Path | str | None, str | None]:
-    """``(source, note)``: :func:`_resume_source`'s answer, checked, and how the resume differs from the run that
-    wrote the checkpoint (a re-layout), for the start line.
+    """``(source, note)``: the checkpoint ``cfg.resume`` asks for (``None`` to start at step 0, ``"completed"``
+    for a finished run under ``resume=auto``; see the module doc), checked, and how the resume differs from the
+    run that wrote the checkpoint (a re-layout), for the start line.
 
     ``resume=auto`` takes the newest checkpoint that verifies (a damaged one is named in a warning, and the
     previous one is taken); ``resume=PATH`` refuses a checkpoint of another config unless ``resume_force=true``.
@@ -568,7 +735,14 @@ def _check_metric_name(name: str, available: list[str], deferred: bool = False) 
                                 f"it has: {', '.join(available)}")
 
 
-def _resolved_yaml(cfg: DictConfig) -> str:
+def resolved_yaml(cfg: DictConfig) -> str:
+    """``cfg`` as ``config.yaml`` holds it, every interpolation resolved; one that fails is a ConfigError.
+
+    >>> from omegaconf import OmegaConf
+    >>> print(resolved_yaml(OmegaConf.create({"steps": 10, "decay": "${steps}"})).strip())
+    steps: 10
+    decay: 10
+    """
     try:
         return OmegaConf.to_yaml(cfg, resolve=True)
     except OmegaConfBaseException as e:
@@ -585,13 +759,13 @@ def _task(cfg: DictConfig) -> float:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     with validate.one_line_errors(multirun=multirun):
         try:
-            validate.check(cfg)  # a bad setting writes nothing where a run is, not even a failed summary.json
+            checked = check(cfg)  # a bad setting writes nothing where a run is, not even a failed summary.json
         except ConfigError as e:
             if multirun and distributed.rank_and_world()[0] == 0:  # a sweep job's own new directory: say why there
                 rundir.write_refused(out, cfg, e)
             raise
         try:
-            return train(cfg, out)
+            return train(cfg, out, checked)
         except Exception as e:
             if distributed.rank_and_world()[0] == 0:  # a failed job still says why in its directory (and summary.csv)
                 write_failure(out, cfg, e)

@@ -59,7 +59,7 @@ import inspect
 import math
 import os
 import pathlib
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from hydra.errors import CompactHydraException
@@ -71,7 +71,7 @@ from fxtrain import _base, build, checkpoint, distributed
 from fxtrain.interop import run_hooks as orbax_hooks
 from fxtrain.errors import ConfigError
 
-__all__ = ["check", "one_line_errors", "message", "DiskFull", "metric_names", "SCHEMA", "ARG_RULES"]
+__all__ = ["check", "Checked", "one_line_errors", "message", "DiskFull", "metric_names", "SCHEMA", "ARG_RULES"]
 
 # (key, smallest value, what it counts, an example): the whole-number settings of the trainer group.
 _TRAINER_COUNTS = [
@@ -93,8 +93,17 @@ _DATA_COUNTS = [
 ]
 
 
-def check(cfg: DictConfig) -> None:
-    """Raises :class:`~fxtrain.errors.ConfigError` naming the first bad setting of ``cfg`` (see the module doc)."""
+class Checked(NamedTuple):
+    """What :func:`check` built from a config on its way: the objects the run uses (built once)."""
+
+    task: Any  #: the :class:`fxtrain.tasks.Task` of ``task``
+    hooks: list[tuple[str, Callable]]  #: ``trainer.eval_hooks``, as :func:`fxtrain.build.eval_hooks` builds them
+    stopper: Any  #: the :class:`fxtrain.tasks.EarlyStopping` of ``trainer.early_stopping``, or ``None``
+
+
+def check(cfg: DictConfig) -> Checked:
+    """Raises :class:`~fxtrain.errors.ConfigError` naming the first bad setting of ``cfg`` (see the module doc);
+    returns the task, eval hooks and early stopping it built, which the run uses (:class:`Checked`)."""
     cfg = _resolved(cfg)
     _known_keys(cfg)  # a misspelled key (+trainer.max_step=5) is refused before any value is read
     for key, smallest, what, example in _TRAINER_COUNTS:  # max_steps first: the defaults of the others follow it
@@ -119,10 +128,11 @@ def check(cfg: DictConfig) -> None:
     task = build.task(cfg)     # the task's loss and metrics import
     _hook_nodes(cfg)
     hooks = build.eval_hooks(cfg)  # each hook's _target_ and keys
-    build.early_stopping(cfg)  # patience, mode, min_delta
+    stopper = build.early_stopping(cfg)  # patience, mode, min_delta
     _loggers(cfg)
     _metrics(cfg, task, hooks)
     _descent(cfg)
+    return Checked(task, hooks, stopper)
 
 
 class _Node(dict):
@@ -263,7 +273,7 @@ def _value(cfg: DictConfig, key: str, default: Any = None) -> Any:
     try:
         return OmegaConf.select(cfg, key, default=default)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{key}: {build._omegaconf_message(e)}") from None
+        raise ConfigError(f"{key}: {build.omegaconf_message(e)}") from None
 
 
 def _show(value: Any) -> str:
@@ -346,7 +356,7 @@ def _task_values(cfg: DictConfig) -> None:
         return
     if not isinstance(node, Mapping):
         raise ConfigError(f"task={_show(node)}: expected a task config; pick one with task=regression (conf/task)")
-    _target_values("task", build._resolve(node, "task"))
+    _target_values("task", build.resolve(node, "task"))
 
 
 def _hook_nodes(cfg: DictConfig) -> None:
@@ -604,7 +614,7 @@ def _data(cfg: DictConfig) -> None:
         if not (_is_number(value) and 0 < value < 1):
             raise ConfigError(f"data.test_fraction={_show(value)}: expected a number between 0 and 1 (the share "
                               "held out for evaluation); e.g. data.test_fraction=0.25")
-    spec = build._resolve(node, "data")
+    spec = build.resolve(node, "data")
     build.data_keys(spec)
     _target_values("data", spec)
 
@@ -615,7 +625,7 @@ def _model(cfg: DictConfig) -> None:
     node = _value(cfg, "model")
     if not isinstance(node, Mapping):
         raise ConfigError(f"model={_show(node)}: expected a model config; pick one with model=mlp (conf/model)")
-    spec = build._resolve(node, "model")
+    spec = build.resolve(node, "model")
     build.target(node, "model")  # its keys against the target's signature
     _target_values("model", spec)
     data = _value(cfg, "data")
@@ -659,7 +669,7 @@ def _optim(cfg: DictConfig) -> None:
     for name in names:
         key = f"optim.chain.{name}"
         factory, kwargs = build.target(chain[name], key)  # keys checked against the factory's signature
-        spec = build._resolve(chain[name], key)
+        spec = build.resolve(chain[name], key)
         if "learning_rate" in _arguments(factory):
             lr = kwargs.get("learning_rate")
             if not _is_real(lr):
@@ -726,7 +736,7 @@ def _schedule(cfg: DictConfig) -> None:
             if _is_number(value) and value < 0:
                 raise ConfigError(f"schedule.{name}={_show(value)}: the schedule multiplies the optimizer's "
                                   "learning_rate, and a negative multiple would climb the loss; use a value >= 0")
-    spec = build._resolve(node, "schedule")
+    spec = build.resolve(node, "schedule")
     if _is_fxtrain(spec):
         _types("schedule", spec)
     _target_values("schedule", spec)
@@ -739,7 +749,7 @@ def _multiples(cfg: DictConfig) -> list[tuple[int, float]]:
     steps = sorted({0, 1, max_steps // 4, max_steps // 2, 3 * max_steps // 4, max_steps - 1, max_steps})
     if cfg.get("schedule") is None:
         return [(s, 1.0) for s in steps]
-    spec = build._resolve(cfg.schedule, "schedule")
+    spec = build.resolve(cfg.schedule, "schedule")
 
     def probe() -> list[tuple[int, float]]:
         shape = build.instantiate(spec, "schedule")
@@ -821,8 +831,8 @@ def _loggers(cfg: DictConfig) -> None:
         return  # open_loggers names this layout
     for name in node:
         key = f"logger.{name}"
-        spec = build._resolve(node[name], key)
-        fn = build._locate(spec, key)
+        spec = build.resolve(node[name], key)
+        fn = build.locate(spec, key)
         kwargs = {k: v for k, v in spec.items() if k != "_target_"}
         build.check_args(fn, {**kwargs, "dir": ".", "start": 0, "config": {}}, key, spec["_target_"])
         _target_values(key, spec)

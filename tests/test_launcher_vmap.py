@@ -89,7 +89,8 @@ def test_clip_and_schedule_values_are_batched_too(capsys):
 
 
 def test_a_nan_job_fails_alone_and_the_group_goes_on(capsys):
-    code = run_main("-m", "hydra/launcher=vmap", *FAST, "schedule=constant", "optim.chain.adamw.learning_rate=inf,0.01",
+    # 1e30: a learning rate the settings accept (inf is refused before training, as each job's own run refuses it)
+    code = run_main("-m", "hydra/launcher=vmap", *FAST, "schedule=constant", "optim.chain.adamw.learning_rate=1e30,0.01",
                     "trainer.max_steps=4", "trainer.log_every=1", "hydra.sweep.dir=sweep")
     assert code == 1
     rows = list(csv.DictReader(pathlib.Path("sweep/summary.csv").read_text().splitlines()))
@@ -121,6 +122,31 @@ def test_resume_auto_continues_each_job_of_a_killed_group():
         # The other loggers restart at the resumed step too (metrics.csv: rows after step 15 cut, then rewritten).
         rows = list(csv.DictReader(pathlib.Path("sweep", j, "metrics.csv").read_text().splitlines()))
         assert [int(r["step"]) for r in rows] == [r["step"] for r in whole[j]]
+
+
+def test_eval_hooks_and_early_stopping_run_per_job_as_the_basic_launcher_runs_them(capsys):
+    # One loop for a run and a group (fxtrain.train.loop): each job evaluates its hooks and stops early alone.
+    grid = ["optim.chain.adamw.learning_rate=3e-2,1e-3", "+trainer.eval_hooks.cal._target_=tests.test_tasks.calibration",
+            "trainer.early_stopping.metric=loss", "trainer.early_stopping.patience=2",
+            "trainer.early_stopping.min_delta=0.05"]
+    basic = sweep_of("basic", *grid)
+    vmapped = sweep_of("vmap", *grid)
+    assert "vmap   jobs 0,1 as one process: 2 jobs" in capsys.readouterr().out
+    summaries = []
+    for job in "01":
+        assert_close_records(records(basic / job), records(vmapped / job), f"job {job} metrics.jsonl")
+        sa, sb = (json.loads((d / job / "summary.json").read_text()) for d in (basic, vmapped))
+        stop_a, stop_b = sa.get("stopped_early", {}), sb.get("stopped_early", {})
+        assert sa["step"] == sb["step"] and sorted(stop_a) == sorted(stop_b)
+        assert all(math.isclose(stop_a[k], stop_b[k], rel_tol=RTOL) if k == "best" else stop_a[k] == stop_b[k]
+                   for k in stop_a)
+        assert sorted(p.name for p in (basic / job / "checkpoints").iterdir()) == \
+            sorted(p.name for p in (vmapped / job / "checkpoints").iterdir())
+        summaries.append(sb)
+    # lr 3e-2 reaches its plateau (no 0.05 better than step 10's loss for 2 lines): it stops alone; 1e-3 goes on.
+    assert summaries[0]["stopped_early"]["step"] == 20 and summaries[0]["step"] == 20
+    assert "stopped_early" not in summaries[1] and summaries[1]["step"] == 30
+    assert "confidence" in records(vmapped / "1")[-1]                               # the hook's metric, per job
 
 
 # --- grouping --------------------------------------------------------------------------------------

@@ -40,10 +40,7 @@ def test_an_upward_import_fails_naming_it(tmp_path):
 
 # Files whose private imports are another engineer's work in progress, each with why; the test fails when one
 # is clean (delete its entry then).
-PENDING = {
-    "fxtrain/validate.py": "imports build._resolve/_locate/_omegaconf_message: the runner's config rework (issue 26 "
-                           "item 5) gives build.py's config helpers public names",
-}
+PENDING: dict[str, str] = {}
 
 
 def _module_name(root: pathlib.Path, path: pathlib.Path) -> str:
