@@ -16,7 +16,7 @@
   by the library itself (each optimizer factory is called with the config's values, so
   ``optim.chain.adamw.learning_rate=-1`` is refused exactly as ``fx.adamw(-1)`` is; the model is built on the
   meta device). Settings that this run does not use (the loss scale without ``amp.policy``, early stopping's
-  ``patience`` while its ``metric`` is null, ``parallel.dp`` under one process) are checked all the same.
+  ``patience`` while its ``metric`` is null, ``parallel.tp`` under one process) are checked all the same.
   ``optimized_metric`` and ``trainer.early_stopping.metric`` must be metrics the run logs (the step's loss,
   the stack's reports such as ``grad_norm`` and ``learning_rate``, the task's declared metrics and their
   ``test_`` forms); with eval hooks, whose names are known once they ran, the runner checks at the first

@@ -139,7 +139,7 @@ def test_unknown_target_lists_what_exists():
 
 def test_wrapper_groups_default_to_nothing_and_nest_in_the_recommended_order():
     cfg = cfg_of()
-    assert cfg.amp.policy is None and cfg.accumulate.every == 1 and cfg.parallel.strategy == "none"
+    assert cfg.amp.policy is None and cfg.accumulate.every == 1 and build.parallel_dims(cfg, 1).mesh_dims == ()
     assert repr(build.stack(cfg)).startswith("chain(clip_by_global_norm(1.0), ")
     text = repr(build.stack(cfg_of("amp=bf16", "accumulate=k4")))
     assert text.startswith("accumulate(every=4, amp_cast(policy='p=f32,c=bf16,o=f32', loss_scale=NoLossScale(), "

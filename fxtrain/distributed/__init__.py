@@ -9,7 +9,7 @@ parallel) live one layer up, in :mod:`fxtrain.parallel`, above :mod:`fxtrain.ste
   param's placements: a slice, one bucketed reduce-scatter or all-reduce per process group),
   :func:`reduce_partials` (``Partial`` -> ``Replicate``), :func:`reduce_scatter_flat` and
   :func:`all_gather_flat` (ZeRO's packed buffers).
-* ``_mesh``: :class:`ParallelDims`, the one mesh object of a run (sizes per dim, the ``DeviceMesh``, which
+* ``_mesh``: :class:`ParallelDims`, the one mesh object of a run (degrees per dim, the ``DeviceMesh``, which
   slice of a batch this rank reads).
 * ``_runtime``: torchrun's world, the device, the run stamp, batch slices, metric averages.
 

@@ -289,9 +289,9 @@ def evaluate(apply, params, buffers, test: tuple[torch.Tensor, torch.Tensor], ba
 
     **One precision in every layout**: evaluation computes in the params' dtype (the float32 master weights
     under ``amp=bf16``/``fp16``; bf16/fp16 for the pure half modes, whose params are stored so), never in the
-    amp policy's compute dtype: ``none``, ``dp``, ``tp`` and ``ep`` run this function; ``fsdp`` and ``fsdp_tp``
-    run it on the gathered params (FSDP's hooks would compute in its ``MixedPrecisionPolicy``); ``pp`` runs the
-    stages' forward on their own params. The same params give the same ``test_loss`` in every layout, up to
+    amp policy's compute dtype: layouts of DTensor params (``dp_replicate``, ``tp``, ``ep``) run this function;
+    FSDP-sharded ones (``dp_shard``) run it on the gathered params (FSDP's hooks would compute in its
+    ``MixedPrecisionPolicy``); pipelines (``pp``) run the stages' forward on their own params. The same params give the same ``test_loss`` in every layout, up to
     the summation order of sharded matmuls."""
     return tasks.evaluate(task or tasks.classification(), forward(apply, params, buffers), test, batch_size)
 
