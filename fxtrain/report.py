@@ -41,7 +41,7 @@ from fxtrain import distributed, tasks
 __all__ = ["collect", "read_jsonl", "format_table", "write_csv", "plot", "figure", "best", "by_config", "describe",
            "SEED_KEYS", "SweepSummary", "finish_sweep", "main"]
 
-_FINAL = ("test_accuracy", "test_loss", "loss", "accuracy")  # final metrics shown after the optimized one
+_FINAL = ("val_accuracy", "test_accuracy", "test_loss", "loss", "accuracy", "val_loss")  # after the optimized one
 SEED_KEYS = ("seed", "data.seed", "data.split_seed")  # overrides whose jobs are repeats of one configuration
 
 
@@ -167,10 +167,11 @@ def write_csv(rows: list[dict[str, Any]], path: str | pathlib.Path) -> pathlib.P
 def best(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
     """The completed row with the best ``metric``: lowest for losses and errors (``test_loss``, ``test_mae``,
     ``test_mse``, a perplexity...), highest otherwise (``test_accuracy``). Ties (many jobs at test_accuracy
-    1.0) go to the lowest ``test_loss``, then ``loss``, then the first job.
+    1.0) go to the lowest ``val_loss``, then ``loss``, then the first job (never a test metric: choosing by the
+    test split would tune on it).
 
-    >>> rows = [{"job": 0, "status": "completed", "test_accuracy": 1.0, "test_loss": 0.3, "test_mae": 0.2},
-    ...         {"job": 1, "status": "completed", "test_accuracy": 1.0, "test_loss": 0.1, "test_mae": 0.4}]
+    >>> rows = [{"job": 0, "status": "completed", "test_accuracy": 1.0, "val_loss": 0.3, "test_mae": 0.2},
+    ...         {"job": 1, "status": "completed", "test_accuracy": 1.0, "val_loss": 0.1, "test_mae": 0.4}]
     >>> best(rows, "test_accuracy")["job"], best(rows, "test_mae")["job"]
     (1, 0)
     """
@@ -182,7 +183,7 @@ def best(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
 
     def rank(r: dict) -> tuple:
         ties = [r.get(k) if isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) else math.inf
-                for k in ("test_loss", "loss")]
+                for k in ("val_loss", "loss")]  # never test_loss: the test split does not choose
         return (sign * r[metric], *ties)
 
     return min(done, key=rank)
