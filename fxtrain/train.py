@@ -705,10 +705,13 @@ def _logged(metrics: dict[str, Any], constants: set[str]) -> dict[str, Any]:
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:
-    """Metrics as Python floats: one host sync for all the tensor ones."""
+    """Metrics as Python floats: one host sync per device that holds some (on a GPU the step's metrics are on
+    it, and a transform's host counters, such as accumulate's ``emitted``, on the CPU)."""
     names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.ndim == 0]
-    values = torch.stack([metrics[k].detach().float() for k in names]).tolist() if names else []
-    out = dict(zip(names, values))
+    out: dict[str, float] = {}
+    for device in dict.fromkeys(metrics[k].device for k in names):
+        here = [k for k in names if metrics[k].device == device]
+        out.update(zip(here, torch.stack([metrics[k].detach().float() for k in here]).tolist()))
     out.update({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
     return {k: out[k] for k in metrics if k in out}
 
