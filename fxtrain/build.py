@@ -209,7 +209,8 @@ def omegaconf_message(e: OmegaConfBaseException) -> str:
 # --- the task and what runs around evaluations ---------------------------------------------------
 
 # What the runner makes of any data source (fxtrain.data.from_source); a target that takes one of them gets it.
-DATA_KEYS = ("batch_size", "test_fraction", "split_seed", "seed", "test_batches", "input_shape", "num_classes")
+DATA_KEYS = ("batch_size", "test_fraction", "val_fraction", "split_seed", "seed", "test_batches", "input_shape",
+             "num_classes")
 
 
 def dataset(node: DictConfig | dict, name: str = "data") -> Any:
@@ -217,7 +218,7 @@ def dataset(node: DictConfig | dict, name: str = "data") -> Any:
 
     The target gets the keys its signature takes (all of them with ``**kwargs``); the runner's keys
     (:data:`DATA_KEYS`: ``batch_size``,
-    ``test_fraction``, ``split_seed``, ``seed``, ``test_batches`` and the facts ``input_shape``,
+    ``test_fraction``, ``val_fraction``, ``split_seed``, ``seed``, ``test_batches`` and the facts ``input_shape``,
     ``num_classes``) go to :func:`fxtrain.data.from_source`, which splits, shuffles and checks what the
     target returned: a ``Dataset``, tensors ``(x, y)``, a map-style dataset or an iterable of batches.
     Any other key is an error naming it.
@@ -229,7 +230,7 @@ def dataset(node: DictConfig | dict, name: str = "data") -> Any:
     >>> dataset({**node, "batch_sise": 8}, "mine")
     Traceback (most recent call last):
     ...
-    fxtrain.errors.ConfigError: data: batch_sise is not an argument of sklearn.datasets.make_regression nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, split_seed, seed, test_batches, input_shape, num_classes
+    fxtrain.errors.ConfigError: data: batch_sise is not an argument of sklearn.datasets.make_regression nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, val_fraction, split_seed, seed, test_batches, input_shape, num_classes
     """
     spec = resolve(node, "data")
     fn, takes = data_keys(spec)
@@ -250,7 +251,7 @@ def data_keys(spec: dict) -> tuple[Callable, set[str] | None]:
     >>> data_keys({"_target_": "fxtrain.data.digits", "batch_sise": 8})
     Traceback (most recent call last):
     ...
-    fxtrain.errors.ConfigError: data: batch_sise is not an argument of fxtrain.data.digits nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, split_seed, seed, test_batches, input_shape, num_classes
+    fxtrain.errors.ConfigError: data: batch_sise is not an argument of fxtrain.data.digits nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, val_fraction, split_seed, seed, test_batches, input_shape, num_classes
     """
     fn = locate(spec, "data")
     takes = _arguments(fn)
@@ -328,7 +329,7 @@ def settle_optimized_metric(cfg: DictConfig) -> str:
     """Sets ``cfg.optimized_metric`` to the metric the run's task declares where the config leaves it to the
     task, and returns it: what ``summary.json``'s value, the sweep's ``best:``, the report and the plot rank by.
 
-    ``conf/train.yaml``'s default, ``${oc.select:task.optimized_metric,test_loss}``, reads the task config's
+    ``conf/train.yaml``'s default, ``${oc.select:task.optimized_metric,val_loss}``, reads the task config's
     key; a task built by a ``_target_`` function of yours declares its metric in the :class:`fxtrain.tasks.Task`
     it returns, which the config cannot see (the run header said ``optimizes test_accuracy`` while
     everything ranked by ``test_loss``). A value the config sets itself (``optimized_metric=test_loss``, an
@@ -336,9 +337,9 @@ def settle_optimized_metric(cfg: DictConfig) -> str:
 
     >>> from omegaconf import OmegaConf
     >>> cfg = OmegaConf.create({"task": {"_target_": "fxtrain.tasks.classification"},
-    ...                         "optimized_metric": "${oc.select:task.optimized_metric,test_loss}"})
+    ...                         "optimized_metric": "${oc.select:task.optimized_metric,val_loss}"})
     >>> settle_optimized_metric(cfg), cfg.optimized_metric
-    ('test_accuracy', 'test_accuracy')
+    ('val_accuracy', 'val_accuracy')
     """
     if OmegaConf.is_interpolation(cfg, "optimized_metric") and "optimized_metric" not in (cfg.get("task") or {}):
         cfg.optimized_metric = task(cfg).optimized_metric
@@ -774,4 +775,3 @@ def _named_options(arg: str) -> list[str]:
     value = override.value()
     values = (getattr(value, "list", None) or []) if override.is_sweep_override() else [value]  # glob, range: none
     return [str(name) for v in values for name in (v if isinstance(v, list) else [v]) if name is not None]
-

@@ -22,8 +22,8 @@ Example:
     >>> from fxtrain.data import synthetic
     >>> data = synthetic(batch_size=4, num_examples=32, seed=0)
     >>> x, y = data.train[0]
-    >>> x.shape, y.shape, data.test[0].shape
-    (torch.Size([4, 1, 8, 8]), torch.Size([4]), torch.Size([8, 1, 8, 8]))
+    >>> x.shape, y.shape, data.test[0].shape, data.val is None   # synthetic: no validation split unless asked
+    (torch.Size([4, 1, 8, 8]), torch.Size([4]), torch.Size([8, 1, 8, 8]), True)
     >>> bool((data.train[5][0] == synthetic(batch_size=4, num_examples=32, seed=0).train[5][0]).all())
     True
 """
@@ -289,25 +289,51 @@ class WindowBatches(_Batches):
 
 @dataclasses.dataclass
 class Dataset:
-    """What an experiment trains and evaluates on.
+    """What an experiment trains and evaluates on: three splits.
 
     Attributes:
       name: for logs.
       train: ``train[k]`` is the k-th training batch ``(inputs, targets)``: one of this module's batch
         sources, or any object with ``train[k]`` (then described by its class name, moved batch by batch).
-      test: the whole held-out split ``(inputs, targets)``, evaluated in chunks.
+      test: the whole held-out test split ``(inputs, targets)``, evaluated once, at the end of a run.
+      val: the whole validation split ``(inputs, targets)``, which training-time evaluation, early stopping
+        and every choice the runner makes read; ``None`` when the source has none (the runner then
+        validates on ``test``, and says so: :attr:`validation`).
     """
 
     name: str
     train: Any
     test: Batch
+    val: Batch | None = None
+
+    @property
+    def validation(self) -> Batch:
+        """The split training-time evaluation reads: :attr:`val`, or :attr:`test` when there is none."""
+        return self.test if self.val is None else self.val
 
     def to(self, device: torch.device | str) -> "Dataset":
         train = self.train.to(device) if isinstance(self.train, _Batches) else _OnDevice(self.train, device)
-        return Dataset(self.name, train, (self.test[0].to(device), self.test[1].to(device)))
+        val = None if self.val is None else (self.val[0].to(device), self.val[1].to(device))
+        return Dataset(self.name, train, (self.test[0].to(device), self.test[1].to(device)), val)
 
     def __repr__(self) -> str:
-        return f"{self.name}: {_describe(self.train, self.test)}"
+        val = f", {len(self.val[0]):,} validation" if self.val is not None else ""
+        return f"{self.name}: {_describe(self.train, self.test)}{val}"
+
+
+def batches_per_epoch(data: Dataset) -> int | None:
+    """Training batches in one pass over the training split (the last partial batch dropped), or ``None`` when
+    the source does not say (an iterable of batches without a ``len()``, your own ``train[k]``).
+
+    >>> batches_per_epoch(synthetic(batch_size=32, num_examples=256))   # 192 training examples
+    6
+    """
+    train = data.train
+    if isinstance(train, _OnDevice):
+        train = train.batches
+    if isinstance(train, _Epochs):
+        return len(train)
+    return None
 
 
 def _describe(train: Any, test: Batch) -> str:
@@ -339,13 +365,32 @@ def _collate(dataset: Any, rows: Sequence[int]) -> Batch:
     return x, y
 
 
-def _split(n: int, test_fraction: float, split_seed: int, owner: str) -> tuple[np.ndarray, np.ndarray]:
+def _split(n: int, test_fraction: float, split_seed: int, owner: str,
+           val_fraction: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(train, val, test)`` row indices of ``n`` rows: ``test_fraction`` and ``val_fraction`` of them held out.
+
+    The test rows are the first of one permutation drawn from ``split_seed`` and the validation rows the
+    next ones, so adding a validation split keeps the test set (it is carved out of the training rows).
+
+    >>> [len(part) for part in _split(100, 0.25, 0, "mine", val_fraction=0.1)]
+    [65, 10, 25]
+    >>> bool((_split(100, 0.25, 0, "mine")[2] == _split(100, 0.25, 0, "mine", val_fraction=0.1)[2]).all())
+    True
+    """
     if not 0 < test_fraction < 1:
         raise ValueError(f"{owner}: test_fraction={test_fraction} must be between 0 and 1")
-    # The split has its own seed: sweeping the run's seed changes init and batch order, not the test set.
+    if not 0 <= val_fraction < 1 - test_fraction:
+        raise ValueError(f"{owner}: val_fraction={val_fraction} must be at least 0 and below 1 - test_fraction "
+                         f"({1 - test_fraction:g}): the rest trains")
+    # The split has its own seed: sweeping the run's seed changes init and batch order, not the held-out sets.
     perm = np.random.default_rng(split_seed).permutation(n)
-    n_test = int(round(n * test_fraction))
-    return perm[n_test:], perm[:n_test]
+    n_test, n_val = int(round(n * test_fraction)), int(round(n * val_fraction))
+    return perm[n_test + n_val:], perm[n_test:n_test + n_val], perm[:n_test]
+
+
+def _rows(x: torch.Tensor, y: torch.Tensor, rows: np.ndarray) -> Batch | None:
+    """The rows ``rows`` of ``(x, y)``, or ``None`` for no rows (no validation split)."""
+    return (x[rows], y[rows]) if len(rows) else None
 
 
 def _check(owner: str, name: str, given, actual) -> None:
@@ -355,13 +400,15 @@ def _check(owner: str, name: str, given, actual) -> None:
 
 
 def digits(batch_size: int = 64, test_fraction: float = 0.25, split_seed: int = 0, seed: int = 0,
-           input_shape: Sequence[int] = (1, 8, 8), num_classes: int = 10) -> Dataset:
+           input_shape: Sequence[int] = (1, 8, 8), num_classes: int = 10, val_fraction: float = 0.15) -> Dataset:
     """scikit-learn's 8x8 handwritten digits: 1,797 images in [0, 1], shape ``(1, 8, 8)``, 10 classes.
 
     Args:
       batch_size: examples per training batch.
-      test_fraction: share held out for evaluation, split with ``split_seed`` (not ``seed``).
-      split_seed: seed of the train/test split.
+      test_fraction: share held out for the test split, split with ``split_seed`` (not ``seed``).
+      split_seed: seed of the train/validation/test split.
+      val_fraction: share held out for the validation split (taken from the training rows: the test split
+        does not change with it); 0 for none.
       seed: seed of the batch order.
       input_shape, num_classes: facts of the dataset (checked), for model configs to interpolate.
     """
@@ -374,13 +421,13 @@ def digits(batch_size: int = 64, test_fraction: float = 0.25, split_seed: int = 
     raw = load_digits()
     x = torch.tensor(raw.data, dtype=torch.float32).div_(16.0).view(-1, 1, 8, 8)
     y = torch.tensor(raw.target, dtype=torch.long)
-    tr, te = _split(len(x), test_fraction, split_seed, "digits")
-    return Dataset("digits", ShuffledBatches(x[tr], y[tr], batch_size, seed), (x[te], y[te]))
+    tr, va, te = _split(len(x), test_fraction, split_seed, "digits", val_fraction)
+    return Dataset("digits", ShuffledBatches(x[tr], y[tr], batch_size, seed), (x[te], y[te]), _rows(x, y, va))
 
 
 def synthetic(batch_size: int = 32, num_examples: int = 512, input_shape: Sequence[int] = (1, 8, 8),
               num_classes: int = 10, noise: float = 1.0, test_fraction: float = 0.25, split_seed: int = 0,
-              seed: int = 0) -> Dataset:
+              seed: int = 0, val_fraction: float = 0.0) -> Dataset:
     """Gaussian clusters: one random prototype per class plus ``noise``-scaled Gaussian noise. For tests.
 
     Args:
@@ -389,18 +436,18 @@ def synthetic(batch_size: int = 32, num_examples: int = 512, input_shape: Sequen
       input_shape: shape of one input.
       num_classes: number of classes (and prototypes).
       noise: standard deviation of the noise around each prototype (1.0: overlapping but learnable).
-      test_fraction, split_seed, seed: as in :func:`digits`.
+      test_fraction, split_seed, seed, val_fraction: as in :func:`digits` (no validation split by default).
     """
     g = torch.Generator().manual_seed(split_seed)
     protos = torch.randn((num_classes, *input_shape), generator=g)
     y = torch.randint(num_classes, (num_examples,), generator=g)
     x = protos[y] + noise * torch.randn((num_examples, *input_shape), generator=g)
-    tr, te = _split(num_examples, test_fraction, split_seed, "synthetic")
-    return Dataset("synthetic", ShuffledBatches(x[tr], y[tr], batch_size, seed), (x[te], y[te]))
+    tr, va, te = _split(num_examples, test_fraction, split_seed, "synthetic", val_fraction)
+    return Dataset("synthetic", ShuffledBatches(x[tr], y[tr], batch_size, seed), (x[te], y[te]), _rows(x, y, va))
 
 
 def stdlib_text(batch_size: int = 32, context: int = 128, max_bytes: int = 2_000_000, test_fraction: float = 0.1,
-                eval_windows: int = 64, seed: int = 0, vocab_size: int = 256) -> Dataset:
+                eval_windows: int = 64, seed: int = 0, vocab_size: int = 256, val_fraction: float = 0.05) -> Dataset:
     """Byte-level text of Python's standard library (the top-level ``*.py`` files, sorted by name).
 
     The first ``max_bytes`` bytes of the files in name order (about 4.7 MB exist on CPython 3.11), the last
@@ -412,7 +459,8 @@ def stdlib_text(batch_size: int = 32, context: int = 128, max_bytes: int = 2_000
       context: tokens per window (the model predicts each next byte).
       max_bytes: corpus size.
       test_fraction: share of the corpus held out (its end).
-      eval_windows: test windows (capped by the held-out text).
+      eval_windows: test windows, and validation windows (capped by the held-out text).
+      val_fraction: share of the corpus held out for validation (just before the test text); 0 for none.
       seed: seed of the window offsets.
       vocab_size: 256, a fact of byte-level text (checked).
     """
@@ -427,26 +475,33 @@ def stdlib_text(batch_size: int = 32, context: int = 128, max_bytes: int = 2_000
     if not chunks:
         raise FileNotFoundError(f"stdlib_text: no *.py files under {root}")
     tokens = torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
-    n_test = int(len(tokens) * test_fraction)
-    train, held = tokens[:-n_test], tokens[-n_test:]
-    n_windows = min(eval_windows, (len(held) - 1) // context)
+    n_test, n_val = int(len(tokens) * test_fraction), int(len(tokens) * val_fraction)
+    train, val, held = tokens[:-n_test - n_val], tokens[-n_test - n_val:-n_test], tokens[-n_test:]
+    test = _windows(held, eval_windows, context)
+    return Dataset("stdlib_text", WindowBatches(train, batch_size, context, seed), test,
+                   _windows(val, eval_windows, context) if n_val else None)
+
+
+def _windows(held: torch.Tensor, count: int, context: int) -> Batch:
+    """Up to ``count`` non-overlapping windows ``(inputs, next tokens)`` from the start of ``held``."""
+    n_windows = min(count, (len(held) - 1) // context)
     if n_windows < 1:
         raise ValueError(f"stdlib_text: the held-out text ({len(held)} bytes) is shorter than context={context}")
     rows = held[: n_windows * context + 1]
-    x = rows[:-1].view(n_windows, context)
-    y = rows[1:].view(n_windows, context)
-    return Dataset("stdlib_text", WindowBatches(train, batch_size, context, seed), (x, y))
+    return rows[:-1].view(n_windows, context), rows[1:].view(n_windows, context)
 
 
 def from_source(source: Any, *, name: str, batch_size: int | None = None, test_fraction: float = 0.2,
                 split_seed: int = 0, seed: int = 0, test_batches: int | None = None,
-                input_shape: Sequence[int] | None = None, num_classes: int | None = None) -> Dataset:
+                input_shape: Sequence[int] | None = None, num_classes: int | None = None,
+                val_fraction: float = 0.0) -> Dataset:
     """A :class:`Dataset` from whatever a data config's ``_target_`` returned, whatever its class.
 
     ``source`` may be:
 
-    * a :class:`Dataset`: returned as is (the facts below checked); if its ``train`` only iterates, its
-      batches are read in order as an iterable's (below), none held out;
+    * a :class:`Dataset`: returned as is, with its own validation split if it has one (the facts below
+      checked); if its ``train`` only iterates, its batches are read in order as an iterable's (below), none
+      held out;
     * tensors ``(x, y)``, a tuple or list of two tensors or numpy arrays: rows split with ``split_seed``, the
       training rows reshuffled each epoch with ``seed`` (:class:`ShuffledBatches`);
     * a map-style dataset of ``(input, target)`` items (a ``torch.utils.data.Dataset``, or any object with
@@ -469,7 +524,7 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
         (``None``: theirs).
       test_fraction: share of the examples held out (tensors, map-style), or of the batches of an iterable
         with a ``len()`` when ``test_batches`` is None.
-      split_seed: seed of the train/test split, not ``seed``: sweeping the seed keeps the test set.
+      split_seed: seed of the train/validation/test split, not ``seed``: sweeping the seed keeps the held-out sets.
       seed: seed of the batch order (tensors, map-style).
       test_batches: batches of an iterable held out; ``None``: about ``test_fraction`` of them (at least 1)
         when it has a ``len()``, else 1.
@@ -477,6 +532,9 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
       num_classes: a fact from the config: integer targets must lie in ``0..num_classes-1`` (a split or a
         batch may miss classes). Checked on all of tensors ``(x, y)``, else on the test split and the first
         training batch (reading a whole dataset only to check would cost an epoch); float targets unchecked.
+      val_fraction: share of the examples held out for validation (tensors, map-style; taken from the
+        training rows, so the test split does not change with it); 0: no validation split (an iterable has
+        none: return a :class:`Dataset` with ``val`` for one).
 
     Examples:
         >>> import torch
@@ -485,8 +543,8 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
         >>> data, data.train[7][0].shape
         (mine: 400 train examples, 100 test, batch 32, torch.Size([32, 4]))
         >>> from torch.utils.data import TensorDataset
-        >>> from_source(TensorDataset(x, y), name="mine", batch_size=32)
-        mine: 400 train examples, 100 test, batch 32 (TensorDataset, map-style)
+        >>> from_source(TensorDataset(x, y), name="mine", batch_size=32, val_fraction=0.1)
+        mine: 350 train examples, 100 test, batch 32 (TensorDataset, map-style), 50 validation
         >>> batches = [(x[i:i + 50], y[i:i + 50]) for i in range(0, 500, 50)]
         >>> from_source(batches, name="mine", batch_size=50, test_batches=2)
         mine: batches from list (iterable, order as given), 2 test batches (100 examples), batch 50
@@ -502,7 +560,7 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
             if not _is_iterable(data.train):
                 raise TypeError(f"{name}: Dataset.train is a {type(data.train).__name__}; it needs train[k] (step k's "
                                 "batch) or __iter__ (batches in order)")
-            data = Dataset(data.name, StreamBatches(data.train, 0, batch_size, name), data.test)
+            data = Dataset(data.name, StreamBatches(data.train, 0, batch_size, name), data.test, data.val)
         if batch_size is not None and len(data.train[0][0]) != batch_size:
             raise ValueError(f"{name}: batch_size={batch_size} does not match the data (its training batches hold "
                              f"{len(data.train[0][0])}); leave it at {len(data.train[0][0])}")
@@ -512,11 +570,14 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
         if len(x) != len(y):
             raise ValueError(f"{name}: x has {len(x)} rows and y {len(y)}; tensors (x, y) pair row i of x with "
                              "row i of y")
-        train, test = _split_rows(name, len(x), test_fraction, split_seed, batch_size)
-        data, targets = Dataset(name, ShuffledBatches(x[train], y[train], batch_size, seed), (x[test], y[test])), [y]
+        train, val, test = _split_rows(name, len(x), test_fraction, split_seed, batch_size, val_fraction)
+        data = Dataset(name, ShuffledBatches(x[train], y[train], batch_size, seed), (x[test], y[test]),
+                       _rows(x, y, val))
+        targets = [y]
     elif _is_map_style(source):
-        train, test = _split_rows(name, len(source), test_fraction, split_seed, batch_size)
-        data = Dataset(name, ExampleBatches(source, train, batch_size, seed), _collate(source, test.tolist()))
+        train, val, test = _split_rows(name, len(source), test_fraction, split_seed, batch_size, val_fraction)
+        data = Dataset(name, ExampleBatches(source, train, batch_size, seed), _collate(source, test.tolist()),
+                       _collate(source, val.tolist()) if len(val) else None)
     elif _is_iterable(source):
         if test_batches is not None and test_batches < 1:
             raise ValueError(f"{name}: test_batches={test_batches} must be at least 1 (the test split)")
@@ -546,16 +607,17 @@ def _is_iterable(source: Any) -> bool:
     return isinstance(source, collections.abc.Iterable) or hasattr(source, "__getitem__")
 
 
-def _split_rows(owner: str, n: int, test_fraction: float, split_seed: int,
-                batch_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+def _split_rows(owner: str, n: int, test_fraction: float, split_seed: int, batch_size: int | None,
+                val_fraction: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_split`, checked: some rows held out, a batch's worth left for training."""
-    train, test = _split(n, test_fraction, split_seed, owner)
+    train, val, test = _split(n, test_fraction, split_seed, owner, val_fraction)
     if not len(test):
         raise ValueError(f"{owner}: test_fraction={test_fraction} of {n} examples holds none out; raise test_fraction")
     if batch_size is None or not 0 < batch_size <= len(train):
         raise ValueError(f"{owner}: batch_size={batch_size} must be between 1 and the {len(train)} training examples "
-                         f"({n} examples, {len(test)} held out by test_fraction={test_fraction})")
-    return train, test
+                         f"({n} examples, {len(test)} held out by test_fraction={test_fraction}"
+                         + (f", {len(val)} by val_fraction={val_fraction})" if len(val) else ")"))
+    return train, val, test
 
 
 def _test_batches(source: Any, test_batches: int | None, test_fraction: float) -> int:

@@ -496,7 +496,7 @@ def _train_group(group: Group) -> list[Result]:
         if member.error is None:
             try:
                 result.value = runner.close_run(m.job.cfg, m.run, m.built, steps.state(cfg.trainer.max_steps, j),
-                                                member.final, elapsed)
+                                                member.final, elapsed, member.best)
                 continue
             except (FloatingPointError, KeyError) as e:
                 member.error = e

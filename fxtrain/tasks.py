@@ -3,8 +3,10 @@
 A :class:`Task` is a loss and metrics over a model's outputs and the batch's targets:
 
 * ``loss(outputs, targets) -> 0-dim tensor``: the mean over the batch's examples; the step differentiates it.
-* ``metrics(outputs, targets) -> {name: 0-dim tensor}``: batch means, logged with the loss in training and
-  averaged over the held-out split as ``test_<name>`` (with ``test_loss``) at every evaluation.
+* ``metrics(outputs, targets) -> {name: 0-dim tensor}``: batch means, logged with the loss in training,
+  averaged over the validation split as ``val_<name>`` (with ``val_loss``) at every evaluation, and over the
+  test split as ``test_<name>`` (with ``test_loss``) once, at the end, on the checkpoint ``trainer.test_ckpt``
+  names (:func:`split_metrics`).
 * ``optimized_metric``: what a run returns to a sweeper unless the config says otherwise
   (``optimized_metric`` in ``conf/train.yaml`` follows the task's).
 
@@ -16,7 +18,7 @@ pure step, so they must be written with torch ops and no host syncs (``.item()``
     _target_: fxtrain.tasks.Task
     loss: mylib.losses.huber          # a dotted path, or a nested _target_ that returns the function
     metrics: mylib.losses.abs_error   # optional: returns {"mae": ...}
-    optimized_metric: test_mae
+    optimized_metric: val_mae
 
 or a ``_target_`` to a function of yours that returns a :class:`Task`.
 
@@ -71,7 +73,7 @@ class Task:
     Args:
       loss: ``loss(outputs, targets) -> 0-dim tensor``, the mean over the batch; a function or a dotted path.
       metrics: ``metrics(outputs, targets) -> {name: 0-dim tensor}`` (batch means), or ``None``.
-      optimized_metric: the metric sweepers optimize by default (``test_loss``, ``test_<metric>``...).
+      optimized_metric: the metric sweepers optimize by default (``val_loss``, ``val_<metric>``...).
       name: for messages and the run's ``task`` line; defaults to the loss function's name.
       metric_names: the names ``metrics`` returns (``("mae",)``), or ``None`` when not declared. Declared,
         ``optimized_metric`` and ``trainer.early_stopping.metric`` are checked against them (and the step's
@@ -83,7 +85,7 @@ class Task:
 
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | str
     metrics: Metrics | str | None = None
-    optimized_metric: str = "test_loss"
+    optimized_metric: str = "val_loss"
     name: str | None = None
     metric_names: tuple[str, ...] | None = None
 
@@ -101,7 +103,7 @@ class Task:
                 raise ValueError(f"task.metric_names={self.metric_names!r}: expected a list of metric names")
             object.__setattr__(self, "metric_names", tuple(names))
         if not (isinstance(self.optimized_metric, str) and self.optimized_metric):
-            raise ValueError(f"task.optimized_metric={self.optimized_metric!r}: expected a metric name, e.g. test_loss")
+            raise ValueError(f"task.optimized_metric={self.optimized_metric!r}: expected a metric name, e.g. val_loss")
 
     def compute(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss, metrics)`` of one batch; raises :class:`~fxtrain.errors.ConfigError` naming the task and the
@@ -159,7 +161,7 @@ def _mae(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor
     return {"mae": (_like(outputs, targets).float() - targets.float()).abs().mean()}
 
 
-def classification(optimized_metric: str = "test_accuracy") -> Task:
+def classification(optimized_metric: str = "val_accuracy") -> Task:
     """Cross-entropy on class logits ``(B, C)`` against integer targets ``(B,)``; metric ``accuracy``.
 
     >>> import torch
@@ -169,7 +171,7 @@ def classification(optimized_metric: str = "test_accuracy") -> Task:
     return Task(_cross_entropy, _accuracy, optimized_metric, name="classification", metric_names=("accuracy",))
 
 
-def regression(optimized_metric: str = "test_loss") -> Task:
+def regression(optimized_metric: str = "val_loss") -> Task:
     """Mean squared error against real-valued targets (outputs ``(B, 1)`` match targets ``(B,)``); metric ``mae``.
 
     >>> import torch
@@ -179,7 +181,7 @@ def regression(optimized_metric: str = "test_loss") -> Task:
     return Task(_mse, _mae, optimized_metric, name="regression", metric_names=("mae",))
 
 
-def lm(optimized_metric: str = "test_loss") -> Task:
+def lm(optimized_metric: str = "val_loss") -> Task:
     """Next-token cross-entropy on logits ``(B, T, V)`` against token ids ``(B, T)``; metric ``accuracy``
     (next-token). ``exp(test_loss)`` is the perplexity.
 
@@ -251,14 +253,14 @@ class EvalContext(NamedTuple):
     forward: Callable[[torch.Tensor], torch.Tensor]  #: ``forward(x) -> outputs`` in eval mode, the current params
     params: Any
     buffers: Any
-    data: Any  #: the run's :class:`fxtrain.data.Dataset` (``data.test`` is the held-out split)
+    data: Any  #: the run's :class:`fxtrain.data.Dataset` (``data.validation``: the split evaluations read)
     task: Task
     batch_size: int  #: ``trainer.eval_batch_size``
 
 
 # --- early stopping -----------------------------------------------------------------------------
 
-# Words of a metric's name that make lower better, besides "loss" and "error" (test_mae, val_rmse, test_ppl).
+# Words of a metric's name that make lower better, besides "loss" and "error" (val_mae, val_rmse, test_ppl).
 _LOWER_IS_BETTER = {"err", "mae", "mse", "rmse", "nll", "perplexity", "ppl", "regret"}
 
 
@@ -282,8 +284,8 @@ class EarlyStopping:
     :func:`lower_is_better`, else ``max``). :meth:`replay` rebuilds the state from the logged lines, so a
     resumed run stops where the uninterrupted one would.
 
-    >>> stop = EarlyStopping("test_loss", patience=2)
-    >>> [stop.update({"test_loss": v}) for v in (1.0, 0.5, 0.6, 0.55)]
+    >>> stop = EarlyStopping("val_loss", patience=2)
+    >>> [stop.update({"val_loss": v}) for v in (1.0, 0.5, 0.6, 0.55)]
     [False, False, False, True]
     >>> stop.best, stop.best_step
     (0.5, None)

@@ -71,15 +71,16 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fxtrain as fx
 from fxtrain.errors import ConfigError
-from fxtrain import build, checkpoint, distributed, loggers, parallel, report, rundir, tasks, tree, validate
+from fxtrain import build, checkpoint, distributed, loggers, parallel, report, rundir, selection, tasks, tree, validate
 from fxtrain.interop import run_hooks as orbax_hooks  # resume=orbax:PATH, trainer.export=orbax
+from fxtrain.data import batches_per_epoch
 from fxtrain.models import count_params
 from fxtrain.parallel import evaluate, loss_function  # noqa: F401 - the runner's loss and evaluation (experiments use them)
 
@@ -116,7 +117,33 @@ def check(cfg: DictConfig) -> validate.Checked:
     own where the config leaves it to the task, a ``_target_`` function's) and :func:`fxtrain.validate.check`'s
     objects (the task, the eval hooks, early stopping), which the run uses."""
     build.settle_optimized_metric(cfg)
+    settle_max_steps(cfg)
     return validate.check(cfg)
+
+
+def settle_max_steps(cfg: DictConfig) -> int:
+    """``trainer.max_steps`` of a run given in epochs (``trainer.max_epochs``: epochs x the data's batches per epoch,
+    :func:`fxtrain.data.batches_per_epoch`), set before anything reads it (schedules, warmup and the log and eval
+    cadences interpolate ``${trainer.max_steps}``); returns it. Exactly one of the two is set, or one line."""
+    epochs, steps = cfg.trainer.get("max_epochs"), cfg.trainer.get("max_steps")
+    if epochs is None:
+        if steps is None:
+            raise ConfigError("trainer.max_steps=null and trainer.max_epochs=null: set one of them "
+                              "(trainer.max_steps=1000, or trainer.max_epochs=5 trainer.max_steps=null)")
+        return steps
+    if steps is not None:
+        raise ConfigError(f"trainer.max_epochs={epochs} and trainer.max_steps={steps}: set one of them "
+                          f"(trainer.max_epochs={epochs} trainer.max_steps=null)")
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise ConfigError(f"trainer.max_epochs={epochs!r}: expected a positive whole number of passes over the "
+                          "training split; e.g. trainer.max_epochs=5")
+    per_epoch = batches_per_epoch(build.dataset(cfg.data, "data"))
+    if per_epoch is None:
+        raise ConfigError(f"trainer.max_epochs={epochs}: data ({cfg.data.get('_target_')}) does not say how many "
+                          "batches an epoch holds (an iterable without len()); give trainer.max_steps instead")
+    with open_dict(cfg):
+        cfg.trainer.max_steps = epochs * per_epoch
+    return cfg.trainer.max_steps
 
 
 def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None, checked: validate.Checked) -> float:
@@ -135,7 +162,8 @@ def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None, checked: validat
     loop(steps, [member], state.step, cfg.trainer, t0)
     if member.error is not None:
         raise member.error
-    return close_run(cfg, run, built, steps.state(cfg.trainer.max_steps, 0), member.final, time.perf_counter() - t0)
+    return close_run(cfg, run, built, steps.state(cfg.trainer.max_steps, 0), member.final, time.perf_counter() - t0,
+                     member.best)
 
 
 class Run(NamedTuple):
@@ -259,7 +287,22 @@ def begin_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, res
     return [f"run    {run.out if run.out is not None else '(not saved)'}" + (f"  [{where}]" if where else ""),
             *describe_run(built.data, built.model, state.params, built.tx, state.opt_state, run.device,
                           task=built.task),
-            f"start  {resumed}"]
+            run_length(cfg, built.data), f"start  {resumed}"]
+
+
+def run_length(cfg: DictConfig, data: Any) -> str:
+    """The ``steps`` line: the run's length in steps and in epochs (``trainer.max_epochs`` or ``max_steps``).
+
+    >>> from omegaconf import OmegaConf
+    >>> from fxtrain.data import synthetic
+    >>> run_length(OmegaConf.create({"trainer": {"max_steps": 15, "max_epochs": None}}), synthetic(num_examples=256))
+    'steps  15 = 2.5 epochs of 6 batches'
+    """
+    steps, per_epoch = cfg.trainer.max_steps, batches_per_epoch(data)
+    if per_epoch is None:
+        return f"steps  {steps} (epochs: the data does not say its length)"
+    epochs = cfg.trainer.get("max_epochs") or f"{steps / per_epoch:.3g}"
+    return f"steps  {steps} = {epochs} epochs of {per_epoch} batches"
 
 
 # --- the loop: one run, or the members of a vmapped group (fxtrain.sweep) ---------------------------
@@ -321,6 +364,7 @@ class Member:
     run: Run
     hooks: list[tuple[str, Callable]] = dataclasses.field(default_factory=list)  #: trainer.eval_hooks, built
     stopper: tasks.EarlyStopping | None = None  #: trainer.early_stopping, built
+    best: selection.Best | None = None  #: the best step by trainer.checkpoint.best_by, its state kept
     train_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  #: the last logged ones
     eval_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     stopped: dict[str, Any] = dataclasses.field(default_factory=dict)  #: where early stopping ended it
@@ -342,8 +386,10 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
     with contextlib.ExitStack() as stack:
         stack.enter_context(logging_redirect_tqdm())
         stack.enter_context(bar)
-        for m in members:
+        for j, m in enumerate(members):
             _open_member(m, start, stack)
+            m.best = selection.Best(selection.best_by(m.cfg))
+            m.best.resume(m.run.ckpt_dir, start, steps.state(start, j), m.run.rank)  # the best so far survives
         if start == max_steps:  # killed after its last checkpoint, before its summary: evaluate again
             for j in alive:
                 members[j].eval_metrics = steps.evaluate(start, j, members[j].hooks)
@@ -366,7 +412,7 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
                 if members[j].stopped:
                     members[j].final = _final(members[j], start, max_steps)
             if len(members) == 1:
-                bar.set_postfix({k: f"{members[0].record[k]:.4g}" for k in ("loss", "learning_rate", "test_accuracy")
+                bar.set_postfix({k: f"{members[0].record[k]:.4g}" for k in ("loss", "learning_rate", "val_accuracy")
                                  if k in members[0].record})
             elif alive and (i % trainer.log_every == 0 or i == max_steps):
                 bar.set_postfix({"loss": f"{min(members[j].train_metrics.get('loss', math.inf) for j in alive):.4g}",
@@ -410,6 +456,8 @@ def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any
             if i % trainer.eval_every:  # the summary's test metrics are those of the params it stops with
                 m.eval_metrics = steps.evaluate(i, j, m.hooks)
                 record.update(m.eval_metrics)
+        if m.best is not None and m.best.update(record, i):
+            m.best.keep(steps.state(i, j), m.run.ckpt_dir, m.run.rank, m.run.meta)
         record["time_s"] = round(time.perf_counter() - t0, 3)
         if m.logger is not None:
             m.logger.log(i, record)
@@ -458,9 +506,10 @@ def host_metrics(metrics: dict[str, Any], constants: set[str], world: int = 1) -
 
 def evaluate_run(built: Built, params: Any, buffers: Any, step: int, hooks: list[tuple[str, Callable]],
                  batch_size: int, world: int = 1) -> dict[str, float]:
-    """The eval metrics of ``params`` after ``step``: the task's on ``built.data.test`` (``test_loss``,
-    ``test_<metric>``) and each eval hook's (:class:`fxtrain.tasks.EvalContext`), averaged over ``world`` ranks."""
-    metrics = built.evaluate(params, buffers, built.data.test, batch_size)
+    """The eval metrics of ``params`` after ``step``: the task's on the validation split ``built.data.validation``
+    (``val_loss``, ``val_<metric>``) and each eval hook's (:class:`fxtrain.tasks.EvalContext`), averaged over
+    ``world`` ranks."""
+    metrics = tasks.split_metrics(built.evaluate(params, buffers, built.data.validation, batch_size), "val")
     if not hooks:
         return metrics
     ctx = tasks.EvalContext(step, parallel.forward(built.apply, params, buffers), params, buffers, built.data,
@@ -471,12 +520,25 @@ def evaluate_run(built: Built, params: Any, buffers: Any, step: int, hooks: list
 
 
 def close_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, final: dict[str, Any],
-              elapsed: float) -> float:
-    """The end of a run that trained: ``trainer.export=orbax``'s export (of ``state``'s structure), then
-    :func:`finish_run`. Returns the optimized metric."""
+              elapsed: float, best: selection.Best | None = None) -> float:
+    """The end of a run that trained: ``trainer.export=orbax``'s export (of ``state``'s structure), the test split
+    evaluated once on the checkpoint ``trainer.test_ckpt`` names (:func:`evaluate_test`), then :func:`finish_run`.
+    Returns the optimized metric."""
     orbax_hooks.export(cfg, run.out, run.ckpt_dir, built.model, state.params, state.opt_state, state.buffers,
                        built.tx)
-    return finish_run(cfg, run.out, final, elapsed, run.say)
+    return finish_run(cfg, run.out, {**final, **evaluate_test(cfg, run, built, state, best)}, elapsed, run.say)
+
+
+def evaluate_test(cfg: DictConfig, run: Run, built: Built, last: fx.TrainState,
+             best: selection.Best | None) -> dict[str, Any]:
+    """The test split's metrics (``test_loss``, ``test_<metric>``) of the state ``trainer.test_ckpt`` names, with
+    the best step's validation metrics and ``best_step`` (summary.json's); says the ``test`` line."""
+    state, which = selection.state_to_test(cfg.trainer.get("test_ckpt", "best"), best, last)
+    metrics = tasks.split_metrics(built.evaluate(state.params, state.buffers, built.data.test,
+                                                 cfg.trainer.eval_batch_size), "test")
+    run.say(f"test   {which}: " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    chosen = {k: v for k, v in (best.metrics if best is not None else {}).items() if k.startswith("val_")}
+    return {**chosen, **metrics, "best_step": best.step if best is not None else None, "tested": which}
 
 
 def _hook_metrics(name: str, values: Any) -> dict[str, float]:
@@ -492,8 +554,9 @@ def _hook_metrics(name: str, values: Any) -> dict[str, float]:
 
 
 def _metric_names(train: list[str]) -> list[str]:
-    """The metrics a run will have: its train ones, ``test_loss`` and ``test_<name>`` of the task's."""
-    return [*train, "test_loss", *(f"test_{k}" for k in train if k not in ("loss", "grad_norm", "learning_rate"))]
+    """The metrics a run will have: its train ones, ``val_*`` and ``test_*`` (loss and the task's) of each split."""
+    task = [k for k in train if k not in ("loss", "grad_norm", "learning_rate")]
+    return [*train, *(f"{split}_{k}" for split in tasks.SPLITS for k in ("loss", *task))]
 
 
 def _pipeline_options(cfg: DictConfig) -> dict:
@@ -508,11 +571,14 @@ def choice(group: str, default: str = "?") -> str:
         return default
 
 
+NO_VALIDATION = " (no validation split: validation reads the test split, so what the run chooses has seen it)"
+
+
 def describe_run(data: Any, model: torch.nn.Module, params: Any, tx: fx.GradientTransformation, opt_state: Any,
                  device: torch.device, shards: int = 1, task: tasks.Task | None = None) -> list[str]:
     """The ``data``, ``model``, ``task``, ``stack`` and ``state`` lines a run prints at its start (and its
     train.log holds)."""
-    return [f"data   {data}",
+    return [f"data   {data}" + (NO_VALIDATION if getattr(data, "val", False) is None else ""),
             f"model  {type(model).__name__}: {count_params(params):,} params on {device}",
             *([f"task   {task!r}"] if task is not None else []),
             f"stack  {tx!r}",
@@ -530,6 +596,7 @@ def finish_run(cfg: DictConfig, out: pathlib.Path | None, final: dict[str, float
     """
     final = dict(final)
     stopped = final.pop("stopped_early", None)
+    best_step, tested = final.pop("best_step", None), final.pop("tested", None)
     steps = stopped["step"] if stopped else cfg.trainer.max_steps
     value = final[cfg.optimized_metric]
     if out is not None:
@@ -537,8 +604,11 @@ def finish_run(cfg: DictConfig, out: pathlib.Path | None, final: dict[str, float
                    "optimized_metric": cfg.optimized_metric, "value": value, "metrics": final}
         if stopped:
             summary["stopped_early"] = stopped
+        if tested is not None:
+            summary.update(best_step=best_step, test_ckpt=tested)
         rundir.write_json(out / "summary.json", summary)  # atomic: a kill leaves the old one or the new one
-    shown = [cfg.optimized_metric] + [k for k in ("test_accuracy", "test_loss", "loss") if k != cfg.optimized_metric]
+    shown = [cfg.optimized_metric] + [k for k in ("val_accuracy", "test_accuracy", "test_loss", "loss")
+                                      if k != cfg.optimized_metric]
     say(f"done   {steps} steps in {elapsed:.1f} s | " + " | ".join(f"{k} {final[k]:.4f}" for k in shown
                                                                    if k in final))
     if not math.isfinite(value):
@@ -717,7 +787,7 @@ def _floats(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def _stop_if_not_finite(record: dict[str, float], step: int, checkpoint: tuple[int, pathlib.Path] | None) -> None:
-    bad = [k for k in ("loss", "test_loss") if k in record and not math.isfinite(record[k])]
+    bad = [k for k in ("loss", "val_loss") if k in record and not math.isfinite(record[k])]
     if bad:
         _raise_not_finite(f"{bad[0]} is {record[bad[0]]} at step {step}", checkpoint)
 

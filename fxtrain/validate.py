@@ -44,7 +44,7 @@ Example:
     >>> check(cfg)
     Traceback (most recent call last):
     ...
-    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, device, cpu_threads, progress, allow_no_descent, early_stopping, eval_hooks, export, orbax_naming
+    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, max_epochs, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, checkpoint, test_ckpt, device, cpu_threads, progress, allow_no_descent, early_stopping, eval_hooks, export, orbax_naming
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
-from fxtrain import _base, build, checkpoint, distributed
-from fxtrain.interop import run_hooks as orbax_hooks
+from fxtrain import _base, build, checkpoint, distributed, selection, tasks
 from fxtrain.errors import ConfigError
+from fxtrain.interop import run_hooks as orbax_hooks
 
 __all__ = ["check", "Checked", "one_line_errors", "message", "DiskFull", "metric_names", "SCHEMA", "ARG_RULES"]
 
@@ -118,6 +118,7 @@ def check(cfg: DictConfig) -> Checked:
     _task_values(cfg)  # task.optimized_metric before the optimized_metric that follows it
     _text(cfg, "optimized_metric")
     _early_stopping_values(cfg)
+    selection.check_settings(cfg)  # trainer.test_ckpt, trainer.checkpoint.best_by
     _amp(cfg)
     _accumulate(cfg)
     _parallel(cfg)
@@ -189,9 +190,11 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "": ("seed", "optimized_metric", "resume", "resume_force", "resume_relayout", "model", "data", "task", "optim",
          "schedule", "amp", "accumulate", "parallel", "trainer", "logger"),
     "optim": ("chain",),
-    "trainer": ("max_steps", "log_every", "eval_every", "eval_batch_size", "checkpoint_every", "keep_last", "device",
-                "cpu_threads", "progress", "allow_no_descent", "early_stopping", "eval_hooks", "export", "orbax_naming"),
+    "trainer": ("max_steps", "max_epochs", "log_every", "eval_every", "eval_batch_size", "checkpoint_every", "keep_last",
+                "checkpoint", "test_ckpt", "device", "cpu_threads", "progress", "allow_no_descent", "early_stopping",
+                "eval_hooks", "export", "orbax_naming"),
     "trainer.early_stopping": ("metric", "patience", "mode", "min_delta"),
+    "trainer.checkpoint": ("best_by",),
     "amp": ("policy", "loss_scale"),
     "accumulate": ("every", "mean", "accumulator_dtype"),
     "parallel": (*distributed.DIMS, "dp", "shard_optimizer", "schedule", "microbatches"),
@@ -572,6 +575,7 @@ ARG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     # data
     "batch_size": _count(1), "num_examples": _count(2), "max_bytes": _count(1), "eval_windows": _count(1),
     "test_batches": _count(1), "test_fraction": _real(0, 1, lo_open=True, hi_open=True), "noise": _real(0),
+    "val_fraction": _real(0, 1, hi_open=True),
     "split_seed": ((lambda v: _is_whole(v) and 0 <= v < 2**64), "a whole number from 0 to 2**64-1"),
     "seed": ((lambda v: _is_whole(v) and 0 <= v < 2**64), "a whole number from 0 to 2**64-1"),
     # tasks and loggers
@@ -614,9 +618,20 @@ def _data(cfg: DictConfig) -> None:
         if not (_is_number(value) and 0 < value < 1):
             raise ConfigError(f"data.test_fraction={_show(value)}: expected a number between 0 and 1 (the share "
                               "held out for evaluation); e.g. data.test_fraction=0.25")
+    _val_fraction(cfg, node)
     spec = build.resolve(node, "data")
     build.data_keys(spec)
     _target_values("data", spec)
+
+
+def _val_fraction(cfg: DictConfig, node: Mapping) -> None:
+    """``data.val_fraction``: a share in [0, 1) that leaves training rows beside ``data.test_fraction``."""
+    if "val_fraction" not in node:
+        return
+    value, test = _value(cfg, "data.val_fraction"), node.get("test_fraction", 0)
+    if not (_is_number(value) and 0 <= value < 1 and (not _is_number(test) or value + test < 1)):
+        raise ConfigError(f"data.val_fraction={_show(value)}: expected a number from 0 (no validation split) up to "
+                          f"below 1 - data.test_fraction ({test}); e.g. data.val_fraction=0.15")
 
 
 def _model(cfg: DictConfig) -> None:
@@ -845,8 +860,8 @@ def metric_names(cfg: DictConfig, task: Any) -> list[str] | None:
     """The metrics a run of ``cfg`` logs, in the runner's order, or ``None`` when its task does not declare them.
 
     The step's loss and the task's metrics, the reports of the transform stack (built on a small tensor:
-    ``grad_norm``, ``learning_rate``, ``loss_scale``, ``skipped``... less the constants), then ``test_loss``
-    and ``test_<metric>`` of the task's.
+    ``grad_norm``, ``learning_rate``, ``loss_scale``, ``skipped``... less the constants), then ``val_loss``
+    and ``val_<metric>`` of the task's (every evaluation), and ``test_loss`` and ``test_<metric>`` (the end).
     """
     declared = getattr(task, "metric_names", None)
     if declared is None:
@@ -861,12 +876,16 @@ def metric_names(cfg: DictConfig, task: Any) -> list[str] | None:
     made = _memo(("reports", *(repr(_plain(_value(cfg, k))) for k in
                                ("optim", "schedule", "amp", "accumulate", "parallel", "trainer.max_steps"))), reports)
     train = [*STEP_METRICS, *made, *(m for m in declared if m not in made)]
-    return [*dict.fromkeys(train), "test_loss", *(f"test_{m}" for m in declared)]
+    return [*dict.fromkeys(train), *(f"{split}_{m}" for split in tasks.SPLITS for m in ("loss", *declared))]
 
 
 def _metrics(cfg: DictConfig, task: Any, hooks: list) -> None:
     """``optimized_metric`` and ``trainer.early_stopping.metric`` against what the run logs (an eval hook's names
     are known only once it ran: with hooks, the runner checks at the first evaluation)."""
+    stop = _value(cfg, "trainer.early_stopping.metric")
+    if tasks.reads_test(stop):
+        raise ConfigError(f"trainer.early_stopping.metric={stop}: the test split is evaluated once, at the end; "
+                          f"stop on the validation split's val_{stop.removeprefix('test_')}")
     if hooks:
         return
     names = metric_names(cfg, task)

@@ -46,14 +46,16 @@ def test_digits():
     data = digits(batch_size=32, test_fraction=0.25, seed=0)
     x, y = data.train[0]
     assert x.shape == (32, 1, 8, 8) and y.dtype == torch.long
-    assert len(data.train.x) + len(data.test[0]) == 1797 and len(data.test[0]) == 449
+    assert len(data.train.x) + len(data.val[0]) + len(data.test[0]) == 1797 and len(data.test[0]) == 449
+    assert len(data.val[0]) == 270  # val_fraction=0.15 of the rows, taken from the training ones
+    assert torch.equal(digits(val_fraction=0.0).test[0], data.test[0])  # a validation split keeps the test set
     assert 0 <= float(data.train.x.min()) and float(data.train.x.max()) <= 1
     assert set(data.test[1].tolist()) == set(range(10))
     # The split has its own seed: another run seed keeps the same test set, and reorders the batches.
     other = digits(batch_size=32, seed=5)
     assert torch.equal(other.test[0], data.test[0])
     assert not torch.equal(other.train[0][0], x)
-    assert repr(data) == "digits: 1,348 train examples, 449 test, batch 32"
+    assert repr(data) == "digits: 1,078 train examples, 449 test, batch 32, 270 validation"
 
 
 def test_dataset_facts_are_checked():
@@ -69,7 +71,7 @@ def test_stdlib_text_is_bytes_of_python_sources():
     assert x.shape == (2, 32) and int(x.max()) < 256
     tx, ty = data.test
     assert tx.shape == (8, 32) and torch.equal(tx[:, 1:], ty[:, :-1])
-    assert repr(data) == "stdlib_text: 45,000 train tokens, 8 test windows of 32, batch 2"
+    assert repr(data) == "stdlib_text: 42,500 train tokens, 8 test windows of 32, batch 2, 8 validation"
     text = bytes(data.train.tokens[:2000].tolist()).decode("utf-8", "replace")
     assert "def " in text or "import " in text
     assert torch.equal(stdlib_text(batch_size=2, context=32, max_bytes=50_000, seed=0).train[3][0], data.train[3][0])

@@ -24,7 +24,7 @@ def test_classification_and_lm_are_torch_cross_entropy_and_accuracy():
     seq, tokens = torch.randn(2, 5, 7), torch.randint(7, (2, 5))
     loss, metrics = tasks.lm().compute(seq, tokens)
     torch.testing.assert_close(loss, F.cross_entropy(seq.reshape(10, 7), tokens.reshape(10)), rtol=0, atol=0)
-    assert tasks.lm().optimized_metric == "test_loss" and tasks.classification().optimized_metric == "test_accuracy"
+    assert tasks.lm().optimized_metric == "val_loss" and tasks.classification().optimized_metric == "val_accuracy"
 
 
 def test_regression_is_mse_with_mae_and_takes_one_output_per_target():
@@ -144,8 +144,8 @@ def test_the_runner_trains_regression_calls_hooks_and_stops_early(tmp_path):
     value = runner.train(cfg, tmp_path / "reg")
     records = read_jsonl(tmp_path / "reg" / "metrics.jsonl")
     losses = [r["loss"] for r in records if "loss" in r]
-    assert cfg.optimized_metric == "test_loss" and value == records[-1]["test_loss"]
-    assert "mae" in records[0] and "test_mae" in records[-1] and "accuracy" not in records[0]
+    assert cfg.optimized_metric == "val_loss" and value == min(r["val_loss"] for r in records if "val_loss" in r)
+    assert "mae" in records[0] and "val_mae" in records[-1] and "accuracy" not in records[0]
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
 
     # Eval hooks add metrics; early stopping on a hook's metric stops, records it, and a resume=auto leaves it.
@@ -177,7 +177,8 @@ def test_early_stopping_replays_the_logged_lines_on_resume(tmp_path):
     assert 8 < stop < 60
     # Stopped between evaluations: the params it stops with are evaluated, logged on the stop line and summarised.
     last = read_jsonl(tmp_path / "whole" / "metrics.jsonl")[-1]
-    assert last["step"] == stop and whole["value"] == last["test_accuracy"] == whole["metrics"]["test_accuracy"]
+    assert last["step"] == stop and whole["value"] == last["val_accuracy"] == whole["metrics"]["val_accuracy"]
+    assert whole["best_step"] == stop and "test_accuracy" in whole["metrics"]
     runner.train(cfg_of(*args, f"resume={tmp_path / 'whole' / 'checkpoints' / f'step_{stop - 1:07d}'}"),
                  tmp_path / "resumed")
     resumed = json.loads((tmp_path / "resumed" / "summary.json").read_text())

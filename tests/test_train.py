@@ -73,7 +73,7 @@ def test_every_experiment_composes_and_builds(experiment):
     tx = build.stack(cfg)
     _, params, _ = fx.functional(model)
     tx.init(params)
-    assert cfg.optimized_metric in ("test_accuracy", "test_loss")
+    assert cfg.optimized_metric in ("val_accuracy", "val_loss")  # selection reads the validation split
 
 
 def test_hparams_search_needs_the_optuna_extra(capsys):
@@ -84,7 +84,7 @@ def test_hparams_search_needs_the_optuna_extra(capsys):
         pass
     else:
         cfg = cfg_of("hparams_search=digits_optuna")
-        assert cfg.optimized_metric == "test_accuracy"
+        assert cfg.optimized_metric == "val_accuracy"
         return
     assert run_main("hparams_search=digits_optuna") == (
         "Error: hparams_search=digits_optuna needs hydra-optuna-sweeper: pip install 'fxtrain[optuna]'")
@@ -233,14 +233,16 @@ def test_smoke_run_writes_config_metrics_checkpoint_summary(tmp_path):
         if r["step"] % 2 == 0:
             assert {"loss", "learning_rate", "grad_norm", "accuracy", "time_s"} <= set(r)
             assert "b1" not in r                        # constant injected hyperparameters stay in config.yaml
-    assert {"test_loss", "test_accuracy"} <= set(lines[1]) and "loss" not in lines[1]
-    assert {"loss", "test_accuracy"} <= set(lines[-1])
+    assert {"val_loss", "val_accuracy"} <= set(lines[1]) and "loss" not in lines[1]
+    assert {"loss", "val_accuracy"} <= set(lines[-1])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["step"] == 6
-    assert value == summary["value"] == summary["metrics"]["test_accuracy"] == lines[-1]["test_accuracy"]
+    assert value == summary["value"] == summary["metrics"]["val_accuracy"] == max(r["val_accuracy"] for r in lines
+                                                                                 if "val_accuracy" in r)
+    assert {"test_loss", "test_accuracy"} <= set(summary["metrics"])  # the test split, once, on the best step
     config = (tmp_path / "config.yaml").read_text()
     assert "decay_steps: 6" in config and "${" not in config           # resolved
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000004", "step_0000006"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "step_0000004", "step_0000006"]
     ckpt = load_checkpoint(tmp_path / "checkpoints" / "step_0000006", cfg)
     assert ckpt.step == 6 and set(ckpt.params) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
 
@@ -300,9 +302,9 @@ def test_multirun_two_jobs_write_directories_and_summary(capsys):
     assert all(0 <= float(r["test_accuracy"]) <= 1 for r in rows)
     out = capsys.readouterr().out
     assert f"sweep {sweep} (summary.csv):" in out
-    assert "job  status     seed  test_accuracy  test_loss  loss" in out
+    assert "job  status     seed  val_accuracy  test_accuracy  test_loss  loss" in out  # chosen by val_accuracy
     assert "every job: experiment=smoke trainer.max_steps=4" in out
-    assert "best: job " in out
+    assert "seeds: one configuration, val_accuracy" in out  # two seeds of one configuration (fxtrain.report)
 
 
 def test_multirun_failing_job_is_reported_and_the_others_finish(capsys):
@@ -347,7 +349,7 @@ def test_torchrun_data_parallel_on_a_users_data_and_task(tmp_path):
             "+data.random_state=0", "data.input_shape=[64]", "data.num_classes=1", "trainer.max_steps=6",
             "trainer.log_every=2", "trainer.eval_every=6"]
     stdout, run = torchrun_train(tmp_path, "parallel=dp", *args)
-    assert "data   synthetic: 192 train examples, 64 test, batch 32\n" in stdout  # named by its data= choice
+    assert "data   synthetic: 192 train examples, 64 test, batch 32 (no validation split" in stdout  # named by its data= choice
     assert "task   regression, optimizes test_loss" in stdout
     runner.train(cfg_of(*args, *FAST), tmp_path / "single")
     dp = json.loads((run / "summary.json").read_text())["metrics"]

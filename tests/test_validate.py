@@ -79,7 +79,7 @@ def test_cli_ten_steps_with_the_defaults_works():
     assert proc.returncode == 0, proc.stderr
     assert "warmup_steps=0, decay_steps=10" in proc.stdout  # 5% of the run
     records = read_jsonl("run/metrics.jsonl")
-    assert [r["step"] for r in records if "test_accuracy" in r] == list(range(1, 11))
+    assert [r["step"] for r in records if "val_accuracy" in r] == list(range(1, 11))
 
 
 def test_unexpected_exception_keeps_its_traceback(monkeypatch, capsys):
@@ -230,11 +230,11 @@ def test_unknown_keys_are_refused_with_the_nearest_name(override, message):
 
 def test_a_misspelled_metric_is_refused_with_the_nearest_name():
     # was: early stopping on test_los never fired; optimized_metric=acc failed after the first step
-    assert refused("trainer.early_stopping.metric=test_los").startswith(
-        "trainer.early_stopping.metric=test_los is not a metric of this run; it has: loss, grad_norm, learning_rate, "
-        "accuracy, test_loss, test_accuracy (did you mean test_loss?)")
+    assert refused("trainer.early_stopping.metric=val_los").startswith(
+        "trainer.early_stopping.metric=val_los is not a metric of this run; it has: loss, grad_norm, learning_rate, "
+        "accuracy, val_loss, val_accuracy, test_loss, test_accuracy (did you mean val_loss?)")
     assert refused("optimized_metric=test_acuracy").endswith("(did you mean test_accuracy?)")
-    assert refused("task=regression", "trainer.early_stopping.metric=test_mea").endswith("(did you mean test_mae?)")
+    assert refused("task=regression", "trainer.early_stopping.metric=val_mea").endswith("(did you mean val_mae?)")
     validate.check(cfg_of(*FAST, "trainer.early_stopping.metric=grad_norm"))  # the stack's reports are metrics
     validate.check(cfg_of(*FAST, "amp=fp16", "trainer.early_stopping.metric=loss_scale"))
 

@@ -1,0 +1,145 @@
+"""Three splits in the runner (issue 27): validation chooses, the test split is evaluated once at the end on the
+checkpoint trainer.test_ckpt names; checkpoints/best survives keep_last and a restart."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+
+from fxtrain import data as fxdata
+from fxtrain import report, rundir, train as runner
+from fxtrain.errors import ConfigError
+from tests._runner import cfg_of, isolate, load_checkpoint  # noqa: F401 - isolate: autouse fixture
+
+FAST = ["trainer.progress=false", "trainer.device=cpu", "trainer.cpu_threads=null"]
+SMALL = ["data=synthetic", "data.num_examples=256", "data.batch_size=32", "model.hidden=[16]", *FAST]
+
+
+def disagreeing(batch_size: int = 32, seed: int = 0) -> fxdata.Dataset:
+    """Synthetic clusters whose validation labels are the test labels shifted by one class: a model that learned
+    the task scores high on the test split and near zero on validation."""
+    made = fxdata.synthetic(batch_size=batch_size, num_examples=256, noise=0.5, seed=seed)
+    x, y = made.test
+    return fxdata.Dataset("disagreeing", made.train, (x, y), (x, (y + 1) % 10))
+
+
+def test_validation_every_eval_test_once_on_the_best_checkpoint(tmp_path):
+    cfg = cfg_of(*SMALL, "data.val_fraction=0.2", "trainer.max_steps=8", "trainer.log_every=2",
+                 "trainer.eval_every=2", "trainer.checkpoint_every=2", "trainer.keep_last=1")
+    value = runner.train(cfg, tmp_path)
+    lines = report.read_jsonl(tmp_path / "metrics.jsonl")
+    assert all({"val_loss", "val_accuracy"} <= set(r) and not any(k.startswith("test_") for k in r) for r in lines)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    best = max(lines, key=lambda r: (r["val_accuracy"], -r["step"]))  # ties keep the earlier step
+    assert summary["best_step"] == best["step"] and value == summary["value"] == best["val_accuracy"]
+    assert summary["metrics"]["val_accuracy"] == best["val_accuracy"]
+    assert {"test_loss", "test_accuracy"} <= set(summary["metrics"])
+    assert summary["test_ckpt"].startswith("best")
+    # keep_last=1 keeps the last step and, beside it, the best one
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "step_0000008"]
+    ckpt = load_checkpoint(tmp_path / "checkpoints" / "best", cfg)
+    assert ckpt.step == best["step"]
+    # the test metrics are those of checkpoints/best on the test split (evaluated here again)
+    run = runner.start_run(cfg, runner.plan_run(cfg, None))
+    built = runner.build_run(cfg, run.device, run.dims)
+    tested = built.evaluate(ckpt.params, ckpt.buffers, built.data.test, cfg.trainer.eval_batch_size)
+    assert tested["test_accuracy"] == pytest.approx(summary["metrics"]["test_accuracy"], abs=1e-6)
+    assert built.data.test[0].shape[0] == 64 and built.data.val[0].shape[0] == 51  # 256 x 0.25, 256 x 0.2
+
+
+def test_a_sweep_picks_by_validation_where_test_disagrees(tmp_path):
+    data = ["data._target_=tests.test_train_splits.disagreeing", "~data.num_examples", "~data.noise",
+            "~data.test_fraction", "~data.split_seed", "~data.val_fraction", "~data.input_shape",
+            "~data.num_classes", "model.input_shape=[1,8,8]", "model.num_classes=10"]
+    for job, steps in ((0, 1), (1, 40)):  # barely trained / trained: by test 1 wins, by validation 0
+        cfg = cfg_of("data=synthetic", *data, "model.hidden=[16]", *FAST, f"trainer.max_steps={steps}",
+                     "optim.chain.adamw.learning_rate=0.01", "schedule=constant")
+        runner.train(cfg, tmp_path / str(job))
+    rows = report.collect(tmp_path)
+    assert report.best(rows, "test_accuracy")["job"] == "1"
+    assert report.best(rows, "val_accuracy")["job"] == "0"
+    assert {r["job"]: r["val_accuracy"] for r in rows}["1"] < 0.1 < {r["job"]: r["test_accuracy"] for r in rows}["1"]
+    metric = json.loads((tmp_path / "0" / "summary.json").read_text())["optimized_metric"]
+    assert metric == "val_accuracy" and report.best(rows, metric)["job"] == "0"
+
+
+def test_best_checkpoint_survives_a_restart(tmp_path):
+    args = [*SMALL, "data.val_fraction=0.2", "trainer.max_steps=8", "trainer.log_every=2", "trainer.eval_every=2",
+            "trainer.checkpoint_every=6", "trainer.checkpoint.best_by=grad_norm", "trainer.keep_last=0"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    runner.train(cfg_of(*args), whole)
+    done = json.loads((whole / "summary.json").read_text())
+    assert done["best_step"] <= 6  # the best is in the part the restarted run does not redo (asserted: a premise)
+    runner.train(cfg_of(*args), cut)
+    # a kill after step 6's checkpoint: what a restart finds (the best of step <= 6 in checkpoints/best)
+    shutil.rmtree(cut / "checkpoints" / "step_0000008")
+    (cut / "summary.json").unlink()
+    resumed = runner.train(cfg_of(*args, "resume=auto"), cut)
+    again = json.loads((cut / "summary.json").read_text())
+    assert again["best_step"] == done["best_step"] and resumed == done["value"]
+    assert again["metrics"] == done["metrics"]
+
+
+def test_a_best_after_the_resumed_step_is_dropped(tmp_path):
+    args = [*SMALL, "trainer.max_steps=6", "trainer.eval_every=2", "trainer.checkpoint_every=2",
+            "trainer.checkpoint.best_by=val_loss", "trainer.keep_last=0"]
+    runner.train(cfg_of(*args), tmp_path)
+    best = json.loads((tmp_path / "summary.json").read_text())["best_step"]
+    assert best > 2
+    for step in (4, 6):
+        shutil.rmtree(tmp_path / "checkpoints" / f"step_{step:07d}")
+    (tmp_path / "summary.json").unlink()
+    runner.train(cfg_of(*args, "resume=auto"), tmp_path)  # from step 2: the best of steps 4 or 6 is redone
+    assert json.loads((tmp_path / "summary.json").read_text())["best_step"] == best
+
+
+def test_test_ckpt_last_and_no_validation_split(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="fxtrain")
+    cfg = cfg_of(*SMALL, "trainer.max_steps=4", "trainer.test_ckpt=last")
+    runner.train(cfg, tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["test_ckpt"] == "last (step 4)"
+    # synthetic has no validation split: validation reads the test split, and the data line says so once
+    said = [r.getMessage() for r in caplog.records]
+    assert sum(runner.NO_VALIDATION in line for line in said) == 1
+    assert summary["metrics"]["val_accuracy"] == summary["metrics"]["test_accuracy"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.test_ckpt=first", "trainer.test_ckpt='first': expected best"),
+    ("trainer.checkpoint.best_by=test_accuracy", "trainer.checkpoint.best_by=test_accuracy: the test split is"),
+    ("trainer.early_stopping.metric=test_loss", "trainer.early_stopping.metric=test_loss: the test split is"),
+    ("data.val_fraction=0.8", "data.val_fraction=0.8: expected a number from 0"),
+])
+def test_settings_that_would_choose_on_the_test_split_are_refused(override, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace("[", r"\[")):
+        runner.check(cfg_of(override))
+
+
+def test_resume_keeps_rundir_rewind_off_best(tmp_path):
+    (tmp_path / "checkpoints" / "best").mkdir(parents=True)
+    rundir.rewind(tmp_path, 0)  # rewind removes later step_<N> checkpoints, never the best one
+    assert (tmp_path / "checkpoints" / "best").is_dir()
+
+
+def test_epochs_equal_steps_times_batches_per_epoch(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="fxtrain")
+    cfg = cfg_of(*SMALL, "trainer.max_epochs=2", "trainer.max_steps=null")
+    runner.train(cfg, tmp_path)
+    per_epoch = 192 // 32  # 256 examples less the 64 of the test split, in batches of 32
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["step"] == cfg.trainer.max_steps == 2 * per_epoch
+    assert "decay_steps: 12" in (tmp_path / "config.yaml").read_text()  # the schedule follows the resulting steps
+    assert f"steps  12 = 2 epochs of {per_epoch} batches" in [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.max_epochs=2"], "trainer.max_epochs=2 and trainer.max_steps=1000: set one of them"),
+    (["trainer.max_steps=null"], "trainer.max_steps=null and trainer.max_epochs=null: set one of them"),
+])
+def test_exactly_one_of_max_steps_and_max_epochs(overrides, message):
+    with pytest.raises(ConfigError, match="^" + message):
+        runner.check(cfg_of(*SMALL, *overrides))
