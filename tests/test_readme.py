@@ -123,7 +123,7 @@ COMMANDS = {
         "python -m fxtrain.train --config-dir conf model=mine data=mine task=regression 'logger=[jsonl,tensorboard,csv]'",
         "python -m fxtrain.train -m 'hydra.searchpath=[file://conf]' model=mine,mlp data=mine task=huber",
         "python -m fxtrain.train +trainer.eval_hooks.cal._target_=mylib.calibration "
-        "trainer.early_stopping.metric=test_loss trainer.early_stopping.patience=5"]},
+        "trainer.early_stopping.metric=val_loss trainer.early_stopping.patience=5"]},
 }
 
 # Blocks that need the own project (built from the layout block "myproj/" next to where they start) -> the

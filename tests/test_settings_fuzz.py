@@ -32,7 +32,7 @@ BASES = {
                "optim/transform@optim.chain=[add_decayed_weights,rmsprop]", "logger=[jsonl,csv]"],
     "more": ["schedule=cosine", "parallel=ep", "optim/transform@optim.chain=[lion]", "amp=pure_bf16"],
     "adagrad": ["optim/transform@optim.chain=[clip_by_global_norm,adagrad]", "parallel=dp", "amp=bf16"],
-    "adam": ["optim/transform@optim.chain=[adam]", "parallel=tp", "trainer.early_stopping.metric=test_loss"],
+    "adam": ["optim/transform@optim.chain=[adam]", "parallel=tp", "trainer.early_stopping.metric=val_loss"],
 }
 CASES = ("wrong_type", "negative", "zero", "nan", "inf", "huge", "empty", "unknown")
 
