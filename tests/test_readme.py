@@ -148,12 +148,13 @@ class Output:
 
 
 OUTPUTS = {
-    ("README.md", "data   digits: 1,348 train examples, 449 test, batch 64"):
+    ("README.md", "data   digits: 1,078 train examples, 449 test, batch 64, 270 validation"):
         Output("python -m fxtrain.train", "the default run's log (the time and the progress bar not compared)",
                skip_lines=r"^train:", machine=r"\bin [\d.]+ s\b"),
-    ("README.md", "job  status     seed  optim.chain.adamw.learning_rate  test_accuracy  test_loss  loss       accuracy  step  time_s"):
+    ("README.md", "job  status     seed  optim.chain.adamw.learning_rate  val_accuracy  test_accuracy  test_loss  loss       accuracy  val_loss  step  time_s"):
         Output(".venv/bin/python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3",
-               "the 4-job sweep's table and best job (time_s not compared); fxtrain.report prints it too",
+               "the 4-job sweep's table, its seeds grouped by configuration and the best one (time_s not compared); "
+               "fxtrain.report prints it too",
                machine=r"(?<=1000)\s+[\d.]+$"),
     ("README.md", "myproj/"): Output(None, "the own project's layout: built by the test from its comments (project())"),
     ("experiments/resnet_clip_accumulate/README.md",
