@@ -34,14 +34,21 @@ def files(run_dir):
 
 
 def checkpoints(run_dir):
-    return sorted(p.name for p in (pathlib.Path(run_dir) / "checkpoints").iterdir())
+    """The step_<N> checkpoints; checkpoints/best (never pruned) is asserted on by name where it matters."""
+    return sorted(p.name for p in (pathlib.Path(run_dir) / "checkpoints").iterdir() if p.name != "best")
+
+
+def best_step(run_dir):
+    """The step checkpoints/best holds (its manifest's meta), or None when there is none."""
+    path = pathlib.Path(run_dir) / "checkpoints" / "best"
+    return fx.checkpoint.verify(path)["meta"]["best"]["step"] if path.is_dir() else None
 
 
 def test_another_config_is_refused_and_the_run_there_is_untouched(tmp_path):
     run = tmp_path / "run"
     value = runner.train(cfg_of(*RUN), run)
     before = files(run)
-    assert checkpoints(run) == ["step_0000015", "step_0000020"]
+    assert checkpoints(run) == ["step_0000015", "step_0000020"] and best_step(run) is not None
 
     other = [*RUN, "optim.chain.adamw.learning_rate=3e-2"]
     for resume in ("resume=null", "resume=auto"):
@@ -58,7 +65,7 @@ def test_another_config_is_refused_and_the_run_there_is_untouched(tmp_path):
 def test_resume_from_an_older_step_of_the_same_directory_rewinds_it(tmp_path, monkeypatch):
     run = tmp_path / "run"
     whole = runner.train(cfg_of(*RUN, "trainer.keep_last=0"), run)
-    full = records(run)
+    full, full_best = records(run), best_step(run)
     assert checkpoints(run) == ["step_0000005", "step_0000010", "step_0000015", "step_0000020"]
 
     log = loggers.JsonlLogger.log
@@ -74,10 +81,12 @@ def test_resume_from_an_older_step_of_the_same_directory_rewinds_it(tmp_path, mo
     assert not (run / "summary.json").exists()                           # no stale "completed" summary
     assert [r["step"] for r in records(run)] == list(range(1, 14))       # each step once
     assert checkpoints(run) == ["step_0000005", "step_0000010"]          # one timeline: 15 and 20 were after 10
+    assert best_step(run) is None or best_step(run) <= 10                # a best from after step 10 is dropped
 
     monkeypatch.undo()
     assert runner.train(cfg_of(*RUN, "trainer.keep_last=0", "resume=auto"), run) == whole
     assert records(run) == full
+    assert best_step(run) == full_best
 
 
 def test_keep_last_negative_is_refused_and_never_deletes_the_newest(tmp_path):
@@ -86,6 +95,7 @@ def test_keep_last_negative_is_refused_and_never_deletes_the_newest(tmp_path):
     assert not (tmp_path / "a").exists()                                  # refused before anything was written
     runner.train(cfg_of(*RUN, "trainer.keep_last=1"), tmp_path / "b")
     assert checkpoints(tmp_path / "b") == ["step_0000020"]
+    assert best_step(tmp_path / "b") is not None                          # best is not a step_<N>: keep_last spares it
 
 
 # Runs fxtrain.train.main and stops after logging step 3 (touches ./ready) until ./go exists.

@@ -44,6 +44,16 @@ def final_state(run_dir, cfg):
     return load_checkpoint(fx.checkpoint.latest(pathlib.Path(run_dir) / "checkpoints"), cfg)
 
 
+def step_checkpoints(run_dir):
+    """The step_<N> checkpoints of a run; ``checkpoints/best`` (never pruned) is asserted on by name where it matters."""
+    return sorted(p.name for p in (pathlib.Path(run_dir) / "checkpoints").iterdir() if p.name != "best")
+
+
+def best_record(run_dir):
+    """checkpoints/best's recorded step, metric and value (its manifest's meta)."""
+    return fx.checkpoint.verify(pathlib.Path(run_dir) / "checkpoints" / "best")["meta"]["best"]
+
+
 def assert_same_final_state(a, b):
     for path, x, y in zip(fx.tree.paths(a), fx.tree.flatten(a)[0], fx.tree.flatten(b)[0]):
         assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"at '{path}'"
@@ -59,7 +69,8 @@ def test_killed_run_resumed_with_auto_ends_like_the_uninterrupted_run(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     run = tmp_path / "run"
     assert [r["step"] for r in records(run)] == list(range(1, 14))
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000005", "step_0000010"]
+    assert step_checkpoints(run) == ["step_0000005", "step_0000010"]
+    assert best_record(run)["step"] <= 10                                 # the best so far, from before the kill
     assert not (run / "summary.json").exists()
 
     runner.main(args)                                                     # relaunched, in this process
@@ -68,7 +79,14 @@ def test_killed_run_resumed_with_auto_ends_like_the_uninterrupted_run(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["value"] == value
     assert_same_final_state(final_state(run, cfg), final_state(tmp_path / "whole", cfg))
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000015", "step_0000020"]  # keep_last=2
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["best_step"] == whole["best_step"] and summary["test_ckpt"] == whole["test_ckpt"]
+    assert {k: v for k, v in summary["metrics"].items() if k.startswith(("val_", "test_"))} == \
+           {k: v for k, v in whole["metrics"].items() if k.startswith(("val_", "test_"))}  # tested on the same best
+    assert best_record(run) == best_record(tmp_path / "whole")
+    assert_same_final_state(load_checkpoint(run / "checkpoints" / "best", cfg),
+                            load_checkpoint(tmp_path / "whole" / "checkpoints" / "best", cfg))
+    assert step_checkpoints(run) == ["step_0000015", "step_0000020"]     # keep_last=2; best is never pruned
     assert f"start  from {run / 'checkpoints' / 'step_0000010'} (step 10)" in (run / "train.log").read_text()
 
 
@@ -83,7 +101,8 @@ def test_resume_auto_on_a_finished_run_changes_nothing(tmp_path):
 def test_resume_from_a_path_continues_in_a_new_run_directory(tmp_path):
     cfg = cfg_of(*RUN, "trainer.max_steps=8", "trainer.checkpoint_every=4", "trainer.keep_last=0")
     value = runner.train(cfg, tmp_path / "a")
-    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_0000004", "step_0000008"]
+    assert step_checkpoints(tmp_path / "a") == ["step_0000004", "step_0000008"]
+    assert (tmp_path / "a" / "checkpoints" / "best").is_dir()
     resumed = cfg_of(*RUN, "trainer.max_steps=8", "trainer.checkpoint_every=4", f"resume={tmp_path / 'a' / 'checkpoints' / 'step_0000004'}")
     assert runner.train(resumed, tmp_path / "b") == value
     assert records(tmp_path / "b") == records(tmp_path / "a")[4:]         # steps 5..8
@@ -102,7 +121,7 @@ def killed_after(run, step):
     """``run`` as a kill right after its step-``step`` checkpoint leaves it: no summary, no later checkpoint."""
     (run / "summary.json").unlink()
     for p in (run / "checkpoints").iterdir():
-        if int(p.name.split("_")[1]) > step:
+        if (best_record(run)["step"] if p.name == "best" else int(p.name.split("_")[1])) > step:
             for f in p.iterdir():
                 f.unlink()
             p.rmdir()
@@ -178,7 +197,7 @@ def test_disk_full_during_a_save_is_one_line_and_a_failed_summary(tmp_path, monk
     assert summary["error"].startswith(f"CheckpointError: could not write the checkpoint {run / 'checkpoints'}"
                                        "/step_0000004: OSError: [Errno 28] No space left on device; the last "
                                        "checkpoint is step 2")
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000002"]   # no .saving left over
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best", "step_0000002"]  # no .saving left over
     fx.checkpoint.verify(run / "checkpoints" / "step_0000002")
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write)
     assert run_main(*SHORT, "hydra.run.dir=run", "resume=auto") == 0     # space freed: it goes on from step 2
@@ -196,5 +215,6 @@ def test_a_kill_after_the_final_checkpoint_keeps_every_metric_in_the_summary(tmp
     assert set(resumed["metrics"]) == set(whole["metrics"])
     for k in ("loss", "accuracy", "grad_norm", "learning_rate"):         # the train metrics of step 4's log line
         assert resumed["metrics"][k] == whole["metrics"][k], k
-    for k in ("test_loss", "test_accuracy"):                             # the same params evaluated again
+    assert resumed["best_step"] == whole["best_step"]                    # checkpoints/best survived the kill
+    for k in [k for k in whole["metrics"] if k.startswith(("val_", "test_"))]:  # the same best params tested again
         assert resumed["metrics"][k] == pytest.approx(whole["metrics"][k], rel=1e-6), k
