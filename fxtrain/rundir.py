@@ -389,6 +389,32 @@ def rewind(out: pathlib.Path | None, step: int) -> None:
         os.replace(tmp, metrics)
 
 
+def save(target: pathlib.Path, state: Any, meta: dict[str, Any] | None, kept: str) -> pathlib.Path:
+    """Writes ``state`` to the run's checkpoint ``target`` (:func:`fxtrain.save`: atomic, ``meta`` into its
+    manifest); ``kept`` says what is intact when it fails. Every rank calls it.
+
+    Raises:
+      fxtrain.CheckpointError: the save failed (a full disk: its ``OSError`` is the cause, so the runner reports it
+        as one line). DCP reports a failed write as a ``BaseException``, which would pass by every handler meant
+        for errors: it is turned into this one.
+
+    Example:
+        >>> import tempfile, torch, fxtrain as fx
+        >>> out = pathlib.Path(tempfile.mkdtemp())
+        >>> save(out / "best", fx.TrainState(0, {"w": torch.ones(2)}, None, None), None, "nothing").name
+        'best'
+    """
+    import fxtrain as fx
+    try:
+        return fx.save(target, state, meta=meta)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception
+        cause = checkpoint.first_failure(e)
+        raise checkpoint.CheckpointError(f"could not write the checkpoint {target}: {type(cause).__name__}: "
+                                         f"{(str(cause).splitlines() or [''])[0]}; {kept}") from cause
+
+
 def prune(directory: pathlib.Path, keep_last: int, current: int) -> None:
     """Deletes the checkpoints of ``directory`` older than step ``current`` (just written) beyond the newest
     ``keep_last`` (``0``: none); never ``current`` itself, never a later one.

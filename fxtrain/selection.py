@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import fxtrain as fx
-from fxtrain import checkpoint, tasks, tree
+from fxtrain import checkpoint, rundir, tasks, tree
 from fxtrain.errors import ConfigError
 
 BEST = "best"  # checkpoints/best: the best step's checkpoint (never pruned: not a step_<N> name)
@@ -102,7 +102,8 @@ class Best:
         self.state = fx.TrainState(state.step, _copy(state.params), None, None, _copy(state.buffers))
         if ckpt_dir is not None:
             record = {"step": self.step, "metric": self.metric, "value": self.value, "metrics": self.metrics}
-            fx.save(ckpt_dir / BEST, state, meta={**(meta or {}), "best": record})
+            rundir.save(ckpt_dir / BEST, state, {**(meta or {}), "best": record},
+                        "the previous best checkpoint is intact")  # a full disk: one line, a failed summary
 
     def resume(self, ckpt_dir: pathlib.Path | None, start: int, like: fx.TrainState, rank: int) -> None:
         """The best so far of the run a resume continues: ``ckpt_dir/best`` if it is from step ``start`` or before

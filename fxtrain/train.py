@@ -644,16 +644,8 @@ def save_checkpoint(directory: pathlib.Path, state: fx.TrainState, keep_last: in
     if not bool(tree.all_finite(distributed.local_leaves(state.params))):
         _raise_not_finite(f"params are not finite after step {state.step}", previous)
     target = directory / f"step_{state.step:07d}"
-    try:
-        path = fx.save(target, state, meta=meta)
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
-        raise
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is not an Exception
-        cause = checkpoint.first_failure(e)
-        kept = (f"the last checkpoint is step {previous[0]} ({previous[1]}), intact" if previous
-                else "no checkpoint was written yet")
-        raise checkpoint.CheckpointError(f"could not write the checkpoint {target}: {type(cause).__name__}: "
-                                         f"{(str(cause).splitlines() or [''])[0]}; {kept}") from cause
+    path = rundir.save(target, state, meta, f"the last checkpoint is step {previous[0]} ({previous[1]}), intact"
+                       if previous else "no checkpoint was written yet")
     if rank == 0:
         rundir.prune(directory, keep_last, state.step)
     return path

@@ -218,3 +218,36 @@ def test_a_kill_after_the_final_checkpoint_keeps_every_metric_in_the_summary(tmp
     assert resumed["best_step"] == whole["best_step"]                    # checkpoints/best survived the kill
     for k in [k for k in whole["metrics"] if k.startswith(("val_", "test_"))]:  # the same best params tested again
         assert resumed["metrics"][k] == pytest.approx(whole["metrics"][k], rel=1e-6), k
+
+
+def test_disk_full_during_the_best_save_is_one_line_and_keeps_the_previous_best(tmp_path, monkeypatch, capsys):
+    """checkpoints/best's save went past the runner's handler: a raw DCP traceback and no summary.json."""
+    import errno
+    import torch.distributed.checkpoint as dcp
+    from tests._runner import run_main
+
+    whole = runner.train(cfg_of(*SHORT), tmp_path / "whole")
+    write, saves = dcp.FileSystemWriter.write_data, []
+
+    def full_disk(self, plan, planner):
+        if ".best" in str(self.path):
+            saves.append(self.path)
+            if len(saves) == 2:                                           # the best of step 4 (step 2's was saved)
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full_disk)
+    code = run_main(*SHORT, "hydra.run.dir=run")
+    assert code.startswith("Error: no space left on the device: the run stopped"), code
+    assert "Traceback" not in capsys.readouterr().err
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["error"] == (f"CheckpointError: could not write the checkpoint {run / 'checkpoints' / 'best'}: "
+                                "OSError: [Errno 28] No space left on device; the previous best checkpoint is intact")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best", "step_0000002"]
+    assert best_record(run)["step"] == 2
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write)
+    assert run_main(*SHORT, "hydra.run.dir=run", "resume=auto") == 0
+    assert runner.train(cfg_of(*SHORT, "resume=auto"), run) == whole     # finished: the same value as uninterrupted
+    assert best_record(run) == best_record(tmp_path / "whole")
