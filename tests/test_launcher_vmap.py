@@ -55,13 +55,21 @@ def assert_same_sweep(basic, vmapped, jobs):
             assert math.isclose(sa["metrics"][k], sb["metrics"][k], rel_tol=RTOL, abs_tol=ATOL), f"job {job} {k}"
         assert (basic / job / "config.yaml").read_text() == (vmapped / job / "config.yaml").read_text()
         assert (basic / job / ".hydra" / "overrides.yaml").read_text() == (vmapped / job / ".hydra" / "overrides.yaml").read_text()
-        assert sorted(p.name for p in (vmapped / job / "checkpoints").iterdir()) == ["step_0000015", "step_0000030"]
+        assert sa["best_step"] == sb["best_step"], f"job {job} best_step"      # test_* on the same best checkpoint
+        assert [s["test_ckpt"].split(" (")[0] for s in (sa, sb)] == ["best", "best"], f"job {job} test_ckpt"
+        assert any(k.startswith("test_") for k in sb["metrics"]), f"job {job}: no test_* in summary.json"
+        listed = [sorted(p.name for p in (d / job / "checkpoints").iterdir()) for d in (basic, vmapped)]
+        assert listed[0] == listed[1] == ["best", "step_0000015", "step_0000030"], f"job {job} checkpoints"
         assert "stack  chain(clip_by_global_norm(" in (vmapped / job / "train.log").read_text()
     rows = [list(csv.DictReader((d / "summary.csv").read_text().splitlines())) for d in (basic, vmapped)]
     assert [r["job"] for r in rows[1]] == [str(j) for j in range(jobs)]
-    assert [{k: v for k, v in r.items() if k not in ("time_s", "test_loss", "loss", "accuracy", "test_accuracy")}
-            for r in rows[0]] == [{k: v for k, v in r.items() if k not in ("time_s", "test_loss", "loss", "accuracy",
-                                                                             "test_accuracy")} for r in rows[1]]
+    floats = ("loss", "accuracy", "val_loss", "val_accuracy", "test_loss", "test_accuracy")  # within the tolerance
+    assert [{k: v for k, v in r.items() if k not in ("time_s", *floats)} for r in rows[0]] == \
+        [{k: v for k, v in r.items() if k not in ("time_s", *floats)} for r in rows[1]]
+    for ra, rb in zip(*rows):
+        assert sorted(ra) == sorted(rb) and any(k in ra for k in floats)
+        for k in (k for k in floats if k in ra):
+            assert math.isclose(float(ra[k]), float(rb[k]), rel_tol=RTOL, abs_tol=ATOL), f"summary.csv job {ra['job']} {k}"
 
 
 def test_learning_rates_and_seeds_match_the_basic_launcher(capsys):
