@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import math
 import pathlib
 import shutil
@@ -113,7 +114,9 @@ class Best:
             return
         try:
             recorded = checkpoint.verify(path)["meta"].get("best") or {}
-        except (checkpoint.CheckpointError, OSError):
+        except (checkpoint.CheckpointError, OSError) as e:
+            logging.getLogger("fxtrain").warning(f"checkpoint {path} is damaged ({e}): dropped; the best step is "
+                                                 f"chosen from step {start} on")
             recorded = {}
         if recorded.get("metric") != self.metric or not isinstance(recorded.get("step"), int) \
                 or recorded["step"] > start:

@@ -251,3 +251,15 @@ def test_disk_full_during_the_best_save_is_one_line_and_keeps_the_previous_best(
     assert run_main(*SHORT, "hydra.run.dir=run", "resume=auto") == 0
     assert runner.train(cfg_of(*SHORT, "resume=auto"), run) == whole     # finished: the same value as uninterrupted
     assert best_record(run) == best_record(tmp_path / "whole")
+
+
+def test_a_damaged_best_checkpoint_is_dropped_with_a_warning_and_the_run_goes_on(tmp_path, caplog):
+    run = tmp_path / "run"
+    runner.train(cfg_of(*SHORT), run)
+    killed_after(run, 4)
+    best = run / "checkpoints" / "best"
+    (best / ".metadata").write_bytes(b"damaged")
+    with caplog.at_level("WARNING", logger="fxtrain"):
+        runner.train(cfg_of(*SHORT, "resume=auto"), run)
+    assert f"checkpoint {best} is damaged (" in caplog.text and "chosen from step 4 on" in caplog.text
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
