@@ -96,7 +96,7 @@ def test_tiny_lm_config():
     text = repr(build.stack(cfg))
     assert text.startswith("accumulate(every=4, amp_cast(policy='p=f32,c=bf16,o=f32'")
     assert "inject_hyperparams(adamw)(learning_rate=0.003*warmup_cosine_decay_schedule(" in text
-    assert cfg.optimized_metric == "test_loss" and cfg.model._target_ == "fxtrain.models.TransformerLM"
+    assert cfg.optimized_metric == "val_loss" and cfg.model._target_ == "fxtrain.models.TransformerLM"
 
 
 @pytest.mark.slow

@@ -134,13 +134,13 @@ def plot(jobs: dict, path: pathlib.Path) -> pathlib.Path:
     for label, runs in jobs.items():
         records = runs[0][1]
         train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-        test = [(r["step"], r["test_accuracy"]) for r in records if "test_accuracy" in r]
+        val = [(r["step"], r["val_accuracy"]) for r in records if "val_accuracy" in r]
         if train:
             ax_loss.plot(*zip(*train), label=label, lw=1.2)
-        if test:
-            ax_acc.plot(*zip(*test), label=label, marker=".")
+        if val:
+            ax_acc.plot(*zip(*val), label=label, marker=".")
     ax_loss.set(xlabel="batch", ylabel="training loss (batch mean)", yscale="log", title="training loss (seed 0)")
-    ax_acc.set(xlabel="batch", ylabel="test accuracy", title="held-out accuracy, 449 digits (seed 0)")
+    ax_acc.set(xlabel="batch", ylabel="validation accuracy", title="validation accuracy, 270 digits (seed 0)")
     ax_acc.set_ylim(0.8, 1.0)
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)

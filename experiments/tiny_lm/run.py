@@ -44,12 +44,12 @@ def _summary(runs: pathlib.Path, name: str) -> dict:
 
 
 def table(curves: dict[str, list[dict]]) -> str:
-    one = {r["step"]: r for r in curves["1rank"] if "test_loss" in r}
-    two = {r["step"]: r for r in curves["2ranks"] if "test_loss" in r}
+    one = {r["step"]: r for r in curves["1rank"] if "val_loss" in r}
+    two = {r["step"]: r for r in curves["2ranks"] if "val_loss" in r}
     lines = ["| batch | optimizer updates | val loss, 1 rank | val loss, 2 ranks (dp, sharded state) | difference |",
              "|---|---|---|---|---|"]
     for step in sorted(set(one) & set(two)):
-        a, b = one[step]["test_loss"], two[step]["test_loss"]
+        a, b = one[step]["val_loss"], two[step]["val_loss"]
         lines.append(f"| {step} | {step // 4} | {a:.4f} | {b:.4f} | {b - a:+.4f} |")
     return "\n".join(lines)
 
@@ -64,7 +64,7 @@ def plot(curves: dict[str, list[dict]], path: pathlib.Path) -> pathlib.Path:
     styles = {"1rank": dict(color="C0", label="1 process"), "2ranks": dict(color="C3", label="2 ranks, dp + sharded AdamW state")}
     for name, records in curves.items():
         train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-        val = [(r["step"], r["test_loss"]) for r in records if "test_loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
         ax.plot(*zip(*train), color=styles[name]["color"], alpha=0.3, lw=0.8)
         ax.plot(*zip(*val), marker="o" if name == "1rank" else "x", ls="-" if name == "1rank" else "--",
                 **{**styles[name], "label": styles[name]["label"] + " (validation)"})
