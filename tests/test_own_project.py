@@ -66,8 +66,8 @@ def test_own_model_data_and_task_train_through_config_dir_with_three_loggers(pro
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 30 and sum(losses[-5:]) < 0.3 * sum(losses[:5])  # a falling loss
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["optimized_metric"] == "test_loss"
-    assert {"test_loss", "test_mae", "mae"} <= set(summary["metrics"])
+    assert summary["status"] == "completed" and summary["optimized_metric"] == "val_loss"
+    assert {"val_loss", "test_loss", "test_mae", "mae"} <= set(summary["metrics"])
     assert "data   mine: 300 train examples, 100 test, batch 32" in run.stdout
     assert "model  WideDeep" in run.stdout and "task   regression" in run.stdout
     # Every logger wrote what its own library reads back.
