@@ -245,6 +245,6 @@ def test_a_run_writes_every_logger_of_the_list(tmp_path):
     assert [{k: float(v) for k, v in row.items() if v} for row in rows] == records  # the same numbers
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("test_loss")] == [
-        (r["step"], pytest.approx(r["test_loss"])) for r in records if "test_loss" in r]
+    assert [(e.step, e.value) for e in events.Scalars("val_loss")] == [
+        (r["step"], pytest.approx(r["val_loss"])) for r in records if "val_loss" in r]
     assert [e.step for e in events.Scalars("loss")] == [r["step"] for r in records]
