@@ -401,7 +401,7 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
             if first == start:
                 m = members[alive[0]]
                 names = _metric_names([k for k in metrics if k not in steps.constants])
-                _check_metric_name(m.cfg.optimized_metric, names, deferred=bool(m.hooks))
+                _check_metric_names(m.cfg, names, deferred=bool(m.hooks))
             for j in list(alive):
                 try:
                     done = _member_step(steps, members[j], j, i, metrics, trainer, t0)
@@ -446,7 +446,7 @@ def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any
         m.eval_metrics = steps.evaluate(i, j, m.hooks)
         record.update(m.eval_metrics)
         if m.hooks:  # the hooks' names are known now
-            _check_metric_name(m.cfg.optimized_metric, [*m.train_metrics, *m.eval_metrics])
+            _check_metric_names(m.cfg, [*m.train_metrics, *m.eval_metrics])
     if record:
         _stop_if_not_finite(record, i, m.last_checkpoint)
         if m.stopper is not None and m.stopper.update(record, i) and i < max_steps:
@@ -793,11 +793,20 @@ def _raise_not_finite(what: str, checkpoint: tuple[int, pathlib.Path] | None) ->
                              "weights); otherwise a lower optim.chain.<name>.learning_rate often helps.")
 
 
-def _check_metric_name(name: str, available: list[str], deferred: bool = False) -> None:
+def _check_metric_name(name: str, available: list[str], deferred: bool = False, key: str = "optimized_metric") -> None:
     """Refuses an ``optimized_metric`` the run does not have (``deferred``: eval hooks may add it, checked later)."""
     if name not in available and not deferred:
-        raise ConfigError(f"optimized_metric={name} is not a metric of this run; "
+        raise ConfigError(f"{key}={name} is not a metric of this run; "
                                 f"it has: {', '.join(available)}")
+
+
+def _check_metric_names(cfg: DictConfig, available: list[str], deferred: bool = False) -> None:
+    """``optimized_metric`` and an explicit ``trainer.checkpoint.best_by`` (a name no step logs would leave the
+    best checkpoint empty and test the last one in silence)."""
+    _check_metric_name(cfg.optimized_metric, available, deferred)
+    chosen = (cfg.trainer.get("checkpoint") or {}).get("best_by")
+    if chosen is not None:
+        _check_metric_name(chosen, available, deferred, key="trainer.checkpoint.best_by")
 
 
 def resolved_yaml(cfg: DictConfig) -> str:

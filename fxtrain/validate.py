@@ -110,6 +110,7 @@ def check(cfg: DictConfig) -> Checked:
         _whole(cfg, key, smallest, what, example)
     _seed(cfg, "seed")
     _optional_whole(cfg, "trainer.cpu_threads", "torch CPU threads; null: torch's default")
+    _epochs(cfg)
     for key in ("trainer.progress", "trainer.allow_no_descent", "resume_force", "resume_relayout"):
         _flag(cfg, key)
     _device(cfg)
@@ -323,6 +324,14 @@ def _optional_whole(cfg: DictConfig, key: str, what: str) -> None:
     if value is not None and not (_is_whole(value) and 1 <= value <= 1024):
         raise ConfigError(f"{key}={_show(value)}: expected a positive whole number or null ({what}; at most "
                           f"1024); e.g. {key}=1")
+
+
+def _epochs(cfg: DictConfig) -> None:
+    """``trainer.max_epochs``: null (the run is given in steps) or a positive whole number of passes."""
+    value = _value(cfg, "trainer.max_epochs")
+    if value is not None and not (_is_whole(value) and 1 <= value <= 10**6):
+        raise ConfigError(f"trainer.max_epochs={_show(value)}: expected a positive whole number of passes over the "
+                          "training split (at most 10**6) or null; e.g. trainer.max_epochs=5 trainer.max_steps=null")
 
 
 def _flag(cfg: DictConfig, key: str) -> None:

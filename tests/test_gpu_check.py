@@ -49,8 +49,11 @@ def test_without_cuda_it_skips_in_one_line_and_exits_0():
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_gpu_check_runs_the_script():
-    proc = subprocess.run(["make", "-n", "gpu-check", "ARGS=--phases amp"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    # Under `make test` the environment carries the outer make's MAKEFLAGS/MAKELEVEL, which make a nested make
+    # print "Entering/Leaving directory" lines: the command is read from a make of its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    proc = subprocess.run(["make", "-n", "--no-print-directory", "gpu-check", "ARGS=--phases amp"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == ".venv/bin/python experiments/gpu/check.py --phases amp"
 

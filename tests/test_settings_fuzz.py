@@ -43,6 +43,8 @@ ACCEPTED = {
     ("data.seed", "zero"): "a seed",
     ("data.seed", "huge"): "a seed",
     ("data.split_seed", "zero"): "a seed",
+    ("trainer.checkpoint.best_by", "wrong_type"): "a name: refused in one line at the first evaluation unless the run logs it",
+    ("data.val_fraction", "zero"): "no validation split: the run says so once and validates on the test split",
     ("data.split_seed", "huge"): "a seed",
     ("resume", "empty"): "resume= is null, as the runner reads it",
     ("trainer.checkpoint_every", "zero"): "documented: 0 = only at the end",

@@ -350,7 +350,7 @@ def test_torchrun_data_parallel_on_a_users_data_and_task(tmp_path):
             "trainer.log_every=2", "trainer.eval_every=6"]
     stdout, run = torchrun_train(tmp_path, "parallel=dp", *args)
     assert "data   synthetic: 192 train examples, 64 test, batch 32 (no validation split" in stdout  # named by its data= choice
-    assert "task   regression, optimizes test_loss" in stdout
+    assert "task   regression, optimizes val_loss" in stdout
     runner.train(cfg_of(*args, *FAST), tmp_path / "single")
     dp = json.loads((run / "summary.json").read_text())["metrics"]
     ref = json.loads((tmp_path / "single" / "summary.json").read_text())["metrics"]

@@ -61,7 +61,7 @@ def test_preset_matches_one_process(tmp_path, single, preset, layout):
     assert f"[2 ranks, parallel {layout}]" in stdout and stdout.count("stack  ") == 1
     close(summary(run), single["exact"], rel=1e-4)
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [4, 8]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000004", "step_0000008"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best", "step_0000004", "step_0000008"]
 
 
 @pytest.mark.slow

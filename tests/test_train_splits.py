@@ -143,3 +143,11 @@ def test_epochs_equal_steps_times_batches_per_epoch(tmp_path, caplog):
 def test_exactly_one_of_max_steps_and_max_epochs(overrides, message):
     with pytest.raises(ConfigError, match="^" + message):
         runner.check(cfg_of(*SMALL, *overrides))
+
+
+def test_a_best_by_metric_the_run_does_not_log_is_refused_in_one_line(tmp_path):
+    # Without the check a name no step logs left checkpoints/best empty and the last step was tested in silence.
+    cfg = cfg_of(*SMALL, "data.val_fraction=0.2", "trainer.max_steps=4", "trainer.checkpoint.best_by=val_acc")
+    with pytest.raises(ConfigError, match=r"^trainer\.checkpoint\.best_by=val_acc is not a metric of this run; "
+                                          r"it has: .*val_accuracy"):
+        runner.train(cfg, tmp_path / "run")
