@@ -39,7 +39,7 @@ from fxtrain import checkpoint, rundir, tasks, tree
 from fxtrain.errors import ConfigError
 
 BEST = "best"  # checkpoints/best: the best step's checkpoint (never pruned: not a step_<N> name)
-TEST_CKPTS = ("best", "last")
+TEST_CKPTS = tasks.TEST_CKPTS
 
 
 def best_by(cfg: Any) -> str:
@@ -53,22 +53,6 @@ def best_by(cfg: Any) -> str:
     node = cfg.trainer.get("checkpoint") or {}
     name = node.get("best_by") or cfg.optimized_metric
     return f"val_{name.removeprefix('test_')}" if tasks.reads_test(name) else name
-
-
-def check_settings(cfg: Any) -> None:
-    """``trainer.test_ckpt`` and ``trainer.checkpoint.best_by``, or one line naming the key."""
-    which = cfg.trainer.get("test_ckpt", "best")
-    if which not in TEST_CKPTS:
-        raise ConfigError(f"trainer.test_ckpt={which!r}: expected best (the best step by trainer.checkpoint.best_by) "
-                          "or last (the params training ended with)")
-    node = cfg.trainer.get("checkpoint") or {}
-    name = node.get("best_by")
-    if name is not None and not (isinstance(name, str) and name):
-        raise ConfigError(f"trainer.checkpoint.best_by={name!r}: expected a logged metric name (val_accuracy, "
-                          "val_loss...) or null (the optimized metric)")
-    if tasks.reads_test(name):
-        raise ConfigError(f"trainer.checkpoint.best_by={name}: the test split is evaluated once, at the end; choose "
-                          f"by the validation split's val_{name.removeprefix('test_')}")
 
 
 class Best:

@@ -220,6 +220,7 @@ def evaluate(task: Task, forward: Callable[[torch.Tensor], torch.Tensor], test: 
 
 
 SPLITS = ("val", "test")  # the held-out splits: validation (every evaluation), test (once, at the end)
+TEST_CKPTS = ("best", "last")  # what trainer.test_ckpt may name: the best step by trainer.checkpoint.best_by, or the last
 
 
 def split_metrics(metrics: dict[str, float], split: str) -> dict[str, float]:

@@ -67,7 +67,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
-from fxtrain import _base, build, checkpoint, distributed, selection, tasks
+from fxtrain import _base, build, checkpoint, distributed, tasks
 from fxtrain.errors import ConfigError
 from fxtrain.interop import run_hooks as orbax_hooks
 
@@ -119,7 +119,7 @@ def check(cfg: DictConfig) -> Checked:
     _task_values(cfg)  # task.optimized_metric before the optimized_metric that follows it
     _text(cfg, "optimized_metric")
     _early_stopping_values(cfg)
-    selection.check_settings(cfg)  # trainer.test_ckpt, trainer.checkpoint.best_by
+    _selection(cfg)  # trainer.test_ckpt, trainer.checkpoint.best_by
     _amp(cfg)
     _accumulate(cfg)
     _parallel(cfg)
@@ -324,6 +324,22 @@ def _optional_whole(cfg: DictConfig, key: str, what: str) -> None:
     if value is not None and not (_is_whole(value) and 1 <= value <= 1024):
         raise ConfigError(f"{key}={_show(value)}: expected a positive whole number or null ({what}; at most "
                           f"1024); e.g. {key}=1")
+
+
+def _selection(cfg: DictConfig) -> None:
+    """``trainer.test_ckpt`` and ``trainer.checkpoint.best_by``, or one line naming the key."""
+    which = cfg.trainer.get("test_ckpt", "best")
+    if which not in tasks.TEST_CKPTS:
+        raise ConfigError(f"trainer.test_ckpt={which!r}: expected best (the best step by trainer.checkpoint.best_by) "
+                          "or last (the params training ended with)")
+    node = cfg.trainer.get("checkpoint") or {}
+    name = node.get("best_by")
+    if name is not None and not (isinstance(name, str) and name):
+        raise ConfigError(f"trainer.checkpoint.best_by={name!r}: expected a logged metric name (val_accuracy, "
+                          "val_loss...) or null (the optimized metric)")
+    if tasks.reads_test(name):
+        raise ConfigError(f"trainer.checkpoint.best_by={name}: the test split is evaluated once, at the end; choose "
+                          f"by the validation split's val_{name.removeprefix('test_')}")
 
 
 def _epochs(cfg: DictConfig) -> None:
