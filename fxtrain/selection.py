@@ -36,7 +36,6 @@ import torch
 
 import fxtrain as fx
 from fxtrain import checkpoint, rundir, tasks, tree
-from fxtrain.errors import ConfigError
 
 BEST = "best"  # checkpoints/best: the best step's checkpoint (never pruned: not a step_<N> name)
 TEST_CKPTS = tasks.TEST_CKPTS
