@@ -9,15 +9,22 @@ A test file registers its cases and hands them to pytest in three lines::
     if __name__ == "__main__":
         _worlds.worker(CASES, *sys.argv[1:])
 
-Each rank runs the file as a script (no pickling of test functions, so pytest's import mode does not
-matter), joins a gloo world, runs the cases for its world size and writes ``{case: 'ok' | traceback}``.
-One spawn runs many cases: starting a world costs seconds on a 2-core CI machine, a case milliseconds.
-A case that needs files shared by the ranks (checkpoints) writes under :data:`OUT_DIR`, the directory
-its pytest side passed to :func:`results`.
+One world per size serves every file of the session: its ranks import each file that registered cases of
+that size (``tests.<file>``, no pickling of test functions), join one gloo world, run the cases file by file
+and write ``{file: {case: 'ok' | traceback}}``. Starting a rank costs seconds of CPU on a 2-core CI machine
+(importing torch and fxtrain), a case milliseconds, so the suite starts one world per size, not one per
+file and size. Under pytest-xdist the first worker to need a size runs its world and the others read its
+results (a file lock in the session's shared temporary directory). A case that needs files shared by the ranks (checkpoints) writes under :data:`OUT_DIR`, its
+file's own directory in the world's.
+
+:func:`results` runs one file alone in its own world (tests/test_checkpoint.py's, which kills ranks).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib
 import json
 import os
 import pathlib
@@ -59,21 +66,27 @@ def worker(cases: dict, rank: str, world: str, port: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
+    out = _run_cases(cases, world)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def _run_cases(cases: dict, world: int, label: str = "") -> dict:
+    """Runs the cases for this world size in the joined world: {case: 'ok' | traceback}."""
     out = {}
     for name, (fn, worlds) in cases.items():
         if world not in worlds:
             continue
         torch.manual_seed(0)
-        print(f"case {name}", flush=True)  # the log of a crashed or hung rank names its last case
+        print(f"case {label}{name}", flush=True)  # the log of a crashed or hung rank names its last case
         try:
             fn(world)
             out[name] = "ok"
         except Exception:  # noqa: BLE001 - reported by the pytest side, per case
             out[name] = traceback.format_exc()
         dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    return out
 
 
 def _free_port() -> int:
@@ -92,14 +105,78 @@ _CACHE: dict = {}
 
 
 def results(script: str, world: int, out_dir, timeout_s: float) -> list[dict]:
-    """Runs ``script`` as ``world`` ranks (once per script and world size); each rank's {case: result}."""
+    """Runs ``script`` alone as ``world`` ranks (once per script and world size; its ``__main__`` calls
+    :func:`worker`); each rank's {case: result}."""
     key = (script, world)
+    if key not in _CACHE:
+        _CACHE[key] = _spawn([script], world, out_dir, timeout_s)
+    return _CACHE[key]
+
+
+def check(res: list[dict], world: int, name: str) -> None:
+    """Fails the calling test with the rank's traceback if case ``name`` failed (or a rank crashed)."""
+    for rank, r in enumerate(res):
+        if "__crash__" in r:
+            pytest.fail(r["__crash__"])
+        assert name in r, f"rank {rank} did not run {name}"
+        if r[name] != "ok":
+            pytest.fail(f"rank {rank} of {world}:\n{r[name]}")
+
+
+# world size -> {script: (its cases, its timeout)}: every file of this session that registered cases
+_FILES: dict[int, dict[str, tuple[dict, float]]] = {}
+
+
+def tests(script: str, cases: dict, timeout_s: float) -> Callable:
+    """The pytest side of ``cases``: one test per (world size, case); one world per size runs the cases of
+    every file of the session that has that size (spawned once, shared by the pytest-xdist workers).
+
+    Assign it to a ``test_*`` name in the test module (``test_case = _worlds.tests(__file__, CASES, 240)``);
+    ``timeout_s`` is this file's share of its worlds' time limit.
+    """
+    script = str(pathlib.Path(script).resolve())
+    for _, sizes in cases.values():
+        for world in sizes:
+            _FILES.setdefault(world, {})[script] = (cases, timeout_s)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("world,name", [(w, n) for n, (_, ws) in cases.items() for w in ws])
+    def test_case(tmp_path_factory, world, name):
+        check([r if "__crash__" in r else r.get(script, {}) for r in shared_results(world, tmp_path_factory)],
+              world, name)
+
+    return test_case
+
+
+def shared_results(world: int, tmp_path_factory) -> list[dict]:
+    """Each rank's ``{script: {case: result}}`` of the one world of size ``world`` that runs every registered
+    file: run by the first caller of the session (all pytest-xdist workers together), read by the others."""
+    files = sorted(_FILES[world])
+    key = f"worlds{world}-" + hashlib.sha1("\n".join(files).encode()).hexdigest()[:12]
     if key in _CACHE:
         return _CACHE[key]
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: one basetemp per worker
+    out_dir = shared / key
+    with open(shared / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = out_dir / "results.json"
+        if not done.exists():
+            out_dir.mkdir(exist_ok=True)
+            timeout_s = sum(t for _, t in _FILES[world].values())
+            res = _spawn(["-m", "tests._worlds", "files"], world, out_dir, timeout_s, files)
+            done.write_text(json.dumps(res))
+        _CACHE[key] = json.loads(done.read_text())
+    return _CACHE[key]
+
+
+def _spawn(entry: list[str], world: int, out_dir, timeout_s: float, extra: list[str] = ()) -> list[dict]:
+    """``python *entry <rank> <world> <port> <out_dir> *extra`` as ``world`` ranks; each rank's results (or
+    ``{"__crash__": its log's end}``)."""
     env = script_env()
     port = _free_port()
     logs = [open(os.path.join(out_dir, f"log{r}.txt"), "w+") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, script, str(r), str(world), str(port), str(out_dir)],
+    procs = [subprocess.Popen([sys.executable, *entry, str(r), str(world), str(port), str(out_dir), *extra],
                               env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
     try:
         for p in procs:
@@ -120,28 +197,48 @@ def results(script: str, world: int, out_dir, timeout_s: float) -> list[dict]:
             out.append({"__crash__": f"rank {r} wrote no results (exit {procs[r].returncode}):\n{logs[r].read()[-4000:]}"})
     for f in logs:
         f.close()
-    _CACHE[key] = out
     return out
 
 
-def check(res: list[dict], world: int, name: str) -> None:
-    """Fails the calling test with the rank's traceback if case ``name`` failed (or a rank crashed)."""
-    for rank, r in enumerate(res):
-        if "__crash__" in r:
-            pytest.fail(r["__crash__"])
-        assert name in r, f"rank {rank} did not run {name}"
-        if r[name] != "ok":
-            pytest.fail(f"rank {rank} of {world}:\n{r[name]}")
+def _fresh_dispatch() -> None:
+    """Empties torch's DTensor sharding-propagation caches (Python and C++), so that each file's DTensors
+    come out on its own meshes, as in a world of that file alone.
 
-
-def tests(script: str, cases: dict, timeout_s: float) -> Callable:
-    """The pytest side of ``cases``: one test per (world size, case), each world spawned once (cached).
-
-    Assign it to a ``test_*`` name in the test module (``test_case = _worlds.tests(__file__, CASES, 240)``).
+    The caches key on ``DTensorSpec``, which compares meshes by value (ranks, layout, dim names): an op on
+    a mesh built by a later file that equals one built by an earlier file returns the earlier file's mesh
+    object in its output spec. Tests that check ``state.device_mesh is param.device_mesh`` (test_sharding)
+    then fail only when merged. Within one file the meshes a case compares are the file's own.
     """
-    @pytest.mark.slow
-    @pytest.mark.parametrize("world,name", [(w, n) for n, (_, ws) in cases.items() for w in ws])
-    def test_case(tmp_path_factory, world, name):
-        check(results(script, world, tmp_path_factory.mktemp(f"world{world}"), timeout_s), world, name)
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-    return test_case
+    _clear_sharding_prop_cache()
+
+
+def files_worker(rank: str, world: str, port: str, out_dir: str, *scripts: str) -> None:
+    """The rank entry point of a shared world: imports each test file (registering its cases), joins the world,
+    runs every file's cases for this world size, each file's under its own :data:`OUT_DIR`, and writes
+    ``{script: {case: 'ok' | traceback}}``."""
+    for script in scripts:
+        importlib.import_module(f"tests.{pathlib.Path(script).stem}")
+    rank, world = int(rank), int(world)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    global OUT_DIR
+    out = {}
+    for script in scripts:
+        cases, _ = _FILES[world][script]
+        _fresh_dispatch()
+        OUT_DIR = pathlib.Path(out_dir) / pathlib.Path(script).stem
+        OUT_DIR.mkdir(exist_ok=True)
+        out[script] = _run_cases(cases, world, label=f"{pathlib.Path(script).name}::")
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from tests import _worlds  # the module the test files register with (this one runs as __main__)
+
+    assert sys.argv[1] == "files", sys.argv
+    _worlds.files_worker(*sys.argv[2:])
