@@ -76,6 +76,8 @@ STUDIES: dict[str, list[list[str]]] = {
     "jax_parity": [["{py}", "experiments/jax_parity/run.py", "--out", "{out}"]],  # ~15 s
     # JAX -> Orbax -> fxtrain and back, against the runs that never crossed: ~20 s
     "interop_roundtrip": [["{py}", "experiments/interop_roundtrip/run.py", "--out", "{out}"]],
+    # lightning-hydra-template's MNIST example on digits, seeds 0, 1, 2 in one multirun: ~20 s
+    "mnist_port": [["{py}", "experiments/mnist_port/run.py", "--out", "{out}"]],
 }
 
 

@@ -45,21 +45,34 @@ def _activation(name: str, owner: str) -> type[nn.Module]:
 class MLP(nn.Module):
     """Flatten, then ``Linear -> activation`` for each width in ``hidden``, then a linear classifier.
 
+    With ``batchnorm=True`` each hidden layer is ``Linear -> BatchNorm1d -> activation`` (lightning-hydra-template's
+    ``SimpleDenseNet``); the running statistics are buffers, which :func:`fxtrain.functional` threads through
+    the step as state, updated in training and read in evaluation.
+
     Args:
       input_shape: shape of one input, e.g. ``(1, 8, 8)``; it is flattened.
       hidden: widths of the hidden layers.
       num_classes: number of output logits.
       activation: ``relu``, ``gelu``, ``tanh`` or ``silu``.
+      batchnorm: a ``BatchNorm1d`` after each hidden ``Linear``, before its activation.
+
+    Example:
+        >>> import fxtrain as fx
+        >>> _, params, buffers = fx.functional(MLP((1, 8, 8), hidden=(16,), batchnorm=True))
+        >>> sorted(buffers)
+        ['net.2.num_batches_tracked', 'net.2.running_mean', 'net.2.running_var']
     """
 
     def __init__(self, input_shape: Sequence[int], hidden: Sequence[int] = (256, 256), num_classes: int = 10,
-                 activation: str = "relu"):
+                 activation: str = "relu", batchnorm: bool = False):
         super().__init__()
         act = _activation(activation, "MLP")
+        if batchnorm not in (True, False):
+            raise ValueError(f"MLP: batchnorm={batchnorm!r}; expected true or false")
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)
         for h in hidden:
-            layers += [nn.Linear(width, h), act()]
+            layers += [nn.Linear(width, h), *([nn.BatchNorm1d(h)] if batchnorm else []), act()]
             width = h
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)

@@ -10,10 +10,12 @@ import json
 import pathlib
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
-from fxtrain import build, report
-from tests._runner import CONF, cfg_of, isolate, run_main  # noqa: F401 - isolate: autouse
+import fxtrain as fx
+from fxtrain import build, report, tasks, train as runner
+from tests._runner import CONF, cfg_of, isolate, load_checkpoint, run_main  # noqa: F401 - isolate: autouse
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FAST = ["trainer.progress=false", "trainer.device=cpu", "trainer.cpu_threads=1"]
@@ -136,3 +138,64 @@ def test_clip_parallel_scale_study_pipeline_layout(tmp_path):
     row = "| PP, 2 ranks | fxtrain `clip_by_global_norm` | grad_norm | 1.0000 |"
     assert row in (tmp_path / "results.md").read_text()
     assert (tmp_path / "scale.png").stat().st_size > 5_000
+
+
+# --- experiments/mnist_port ------------------------------------------------------------------------------
+
+def test_mnist_port_config_is_the_templates_mnist_example():
+    cfg = cfg_of("experiment=mnist_port", *FAST)
+    runner.settle_max_steps(cfg)
+    stack = repr(build.stack(cfg))
+    assert stack.startswith("chain(inject_hyperparams(adam)(learning_rate=0.001*constant_schedule(value=1.0)")
+    assert stack.endswith("reduce_on_plateau(patience=11.0, accumulation_size=11.0))"), stack  # factor 0.1: default
+    model = build.instantiate(cfg.model, "model")
+    assert [type(m).__name__ for m in model.net] == ["Flatten"] + ["Linear", "BatchNorm1d", "ReLU"] * 3 + ["Linear"]
+    assert [m.out_features for m in model.net if isinstance(m, torch.nn.Linear)] == [64, 128, 64, 10]
+    # 10 epochs of 11 batches of 128 (1,412 training digits), one evaluation and one plateau decision per epoch
+    assert (cfg.trainer.max_steps, cfg.trainer.eval_every, cfg.data.batch_size) == (110, 11, 128)
+    assert (cfg.trainer.checkpoint.best_by, cfg.trainer.test_ckpt) == ("val_accuracy", "best")
+
+
+def test_mnist_port_tests_the_best_checkpoint_by_val_accuracy_with_its_batchnorm_statistics(tmp_path):
+    cfg = cfg_of("experiment=mnist_port", "trainer.max_epochs=4", "trainer.eval_every=11", *FAST)
+    runner.train(cfg, tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    evals = [r for r in report.read_jsonl(tmp_path / "metrics.jsonl") if "val_accuracy" in r]
+    assert [r["step"] for r in evals] == [11, 22, 33, 44]  # once per epoch
+    best = max(evals, key=lambda r: r["val_accuracy"])  # the first of equals, as ModelCheckpoint keeps it
+    assert summary["best_step"] == best["step"] and summary["metrics"]["val_accuracy"] == best["val_accuracy"]
+
+    # The test metrics are those of checkpoints/best, evaluated by hand in eval mode (BatchNorm's running
+    # statistics, which the checkpoint carries as buffers, updated once per training batch up to the best step).
+    state = load_checkpoint(tmp_path / "checkpoints" / "best", cfg)
+    assert state.step == best["step"]
+    counts = {int(v) for k, v in state.buffers.items() if k.endswith("num_batches_tracked")}
+    assert counts == {best["step"]} and all(v.abs().sum() > 0 for k, v in state.buffers.items() if "running_mean" in k)
+    apply, _, _ = fx.functional(build.instantiate(cfg.model, "model"))
+    x, y = build.dataset(cfg.data, "data").test
+    with torch.no_grad():
+        logits, buffers = apply(state.params, state.buffers, x, train=False)
+    accuracy = float((logits.argmax(-1) == y).float().mean())
+    assert summary["metrics"]["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert summary["metrics"]["test_loss"] == pytest.approx(
+        float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-5)
+    assert all(torch.equal(buffers[k], state.buffers[k]) for k in buffers)  # evaluation leaves the statistics alone
+
+
+def test_mnist_port_reduce_on_plateau_in_the_runner_matches_torch_reduce_lr_on_plateau(tmp_path):
+    # One decision per batch (accumulation_size=1) on the training loss the runner hands the stack, patience 2 in
+    # Optax's count: torch's ReduceLROnPlateau(patience=1) fed the same losses gives the same learning-rate factors.
+    cfg = cfg_of("experiment=mnist_port", "trainer.max_epochs=3", "trainer.log_every=1",
+                 "optim.chain.reduce_on_plateau.patience=2", "optim.chain.reduce_on_plateau.accumulation_size=1",
+                 *FAST)
+    runner.train(cfg, tmp_path)
+    records = [r for r in report.read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 34))
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd, mode="min", factor=0.1, patience=1, threshold=1e-4)
+    expected = []
+    for r in records:
+        scheduler.step(r["loss"])
+        expected.append(sgd.param_groups[0]["lr"])
+    assert min(expected) < 1, "no plateau in 33 batches: the test checks nothing"
+    assert [r["plateau_scale"] for r in records] == pytest.approx(expected, rel=1e-6)

@@ -22,6 +22,27 @@ def test_resnet_has_batchnorm_buffers_and_downsamples():
     assert m.stages[1].conv1.stride == (2, 2) and m.stages[2].conv1.stride == (1, 1)
 
 
+def test_mlp_batchnorm_threads_its_statistics_and_evaluates_with_them():
+    torch.manual_seed(0)
+    plain, bn = MLP((1, 8, 8), hidden=(16, 8)), MLP((1, 8, 8), hidden=(16, 8), batchnorm=True)
+    assert not fx.functional(plain)[2] and [type(m).__name__ for m in bn.net] == \
+        ["Flatten", "Linear", "BatchNorm1d", "ReLU", "Linear", "BatchNorm1d", "ReLU", "Linear"]
+    apply, params, buffers = fx.functional(bn)
+    x = torch.randn(32, 1, 8, 8) * 3 + 1
+    _, trained = apply(params, buffers, x, train=True)
+    # training: the batch's statistics; the running ones move by momentum 0.1, in the returned buffers only
+    h = x.flatten(1) @ params["net.1.weight"].T + params["net.1.bias"]
+    torch.testing.assert_close(trained["net.2.running_mean"], 0.1 * h.mean(0))
+    assert int(trained["net.2.num_batches_tracked"]) == 1 and int(buffers["net.2.num_batches_tracked"]) == 0
+    # evaluation: the running statistics, so one example gives the answer it gives inside any batch
+    one, kept = apply(params, trained, x[:1], train=False)
+    many, _ = apply(params, trained, x, train=False)
+    torch.testing.assert_close(one, many[:1])
+    assert all(torch.equal(kept[k], trained[k]) for k in kept)
+    with pytest.raises(ValueError, match="batchnorm='yes'; expected true or false"):
+        MLP((4,), batchnorm="yes")
+
+
 def test_transformer_is_causal():
     torch.manual_seed(0)
     lm = TransformerLM(vocab_size=20, context=8, d_model=16, n_layers=2, n_heads=4).eval()

@@ -19,6 +19,7 @@ SCRIPTS = {
     "tiny_lm/run.py": ("main", [], ["results.md", "val_loss.png"]),
     "jax_parity/run.py": ("main", [], ["results.md", "loss_curves.png"]),
     "interop_roundtrip/run.py": ("main", [], ["results.md"]),
+    "mnist_port/run.py": ("main", [], ["results.md"]),
     "amp/compare.py": ("main", [], ["results.md"]),
     "accumulation/accumulation.py": ("main", [], ["results.md"]),
     "clip_parallel/scale.py": ("main", [], ["results.md", "scale.png"]),
