@@ -55,6 +55,13 @@ class FusedSpec(NamedTuple):
     no kernel of its own, see :func:`merge_traits`). A combined spec also carries the clip's ``max_norm``,
     its ``groups`` (process groups the norm is summed over: pipeline stages) and ``states_of``, which
     splits the combinator's state into (clip state, optimizer state).
+
+    A transform that keeps its hyperparameters in its state (``inject_hyperparams``) sets ``from_state``:
+    ``from_state(state, params)`` gives ``(spec, inner_state, record)`` for the kernel, or ``None`` where
+    the state holds values the kernel cannot take (the caller then runs the foreach kernels). ``spec`` is
+    the inner optimizer's, declared for the state's current numbers; ``record()``, called only when the
+    kernel runs, does the transform's own bookkeeping in place (its count, the values used) and returns
+    the hyperparameters the kernel reads as tensors (``learning_rate``: torch's ``tensor_lr`` overloads).
     """
 
     name: str
@@ -62,6 +69,7 @@ class FusedSpec(NamedTuple):
     max_norm: float | None = None
     states_of: Callable[[Any], Sequence[Any]] | None = None
     groups: tuple = ()
+    from_state: Callable[[Any, Any], tuple[FusedSpec, Any, Callable[[], dict]] | None] | None = None
 
 
 class Traits(NamedTuple):

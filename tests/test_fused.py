@@ -1,5 +1,7 @@
 """Tests for fxtrain/transforms/_fused.py: the fused-kernel choice gives the foreach path's numbers."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,32 @@ PAIRS = {
                  lambda: fx.chain(fx.clip_by_global_norm(1.0),
                                   fx.chain(fx.identity(), fx.scale_by_learning_rate(0.1)))),
 }
+
+
+# The runner's default stack (fxtrain/build.py from conf/: clip, then inject_hyperparams(adamw) with the
+# schedule group's warmup_cosine times the peak): the learning rate is a 0-dim tensor in the state that
+# changes every step here (3 warmup steps, cosine to 0 over 20), the kernel takes it as a tensor.
+def default_stack(max_norm=1.0, **kwargs):
+    lr = fx.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=3, decay_steps=20)
+    return fx.chain(fx.clip_by_global_norm(max_norm),
+                    fx.inject_hyperparams(fx.adamw)(learning_rate=lr, weight_decay=0.1, **kwargs))
+
+
+def unfused(make):
+    """The same stack with its fused mark taken off: the step runs its foreach kernels."""
+    return lambda: fx.with_traits(make(), fused=None)
+
+
+INJECTED = {
+    "default-stack": default_stack,
+    "inject-adamw-schedule": lambda: fx.inject_hyperparams(fx.adamw)(
+        learning_rate=fx.cosine_decay_schedule(1e-2, 10), weight_decay=0.1),
+    "inject-adam-constant": lambda: fx.inject_hyperparams(fx.adam)(learning_rate=1e-2, b1=0.8),
+    "inject-sgd-momentum": lambda: fx.inject_hyperparams(fx.sgd)(learning_rate=fx.linear_schedule(0.1, 0.01, 10),
+                                                                momentum=0.9),
+    "clip-inject-sgd": lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.inject_hyperparams(fx.sgd)(learning_rate=0.1)),
+}
+PAIRS.update({name: (make, unfused(make)) for name, make in INJECTED.items()})
 
 
 def _params(seed=0):
@@ -126,6 +154,10 @@ def test_pure_fused_step_leaves_inputs_and_matches_donated(name):
     assert_trees_close((p_rec, s_rec), (p_don, s_don), rtol=2e-5, atol=5e-7)
 
 
+def _clipped_adamw(learning_rate):
+    return fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(learning_rate))
+
+
 @pytest.mark.parametrize("make", [
     lambda: fx.adamw(1e-2, mask={"l1": True, "l2": False}),
     lambda: fx.adamw(fx.linear_schedule(1e-2, 0.0, 10)),
@@ -135,8 +167,14 @@ def test_pure_fused_step_leaves_inputs_and_matches_donated(name):
     lambda: fx.adam(torch.tensor(1e-2)),
     lambda: fx.sgd(0.1, momentum=0.9, accumulator_dtype=torch.float64),
     lambda: fx.sgd(0.1, momentum=0.0),  # Optax's trace holds the gradient; torch's kernel keeps no buffer
-    lambda: fx.inject_hyperparams(fx.adamw)(learning_rate=1e-2),
-    lambda: fx.inject_hyperparams(fx.sgd)(learning_rate=1e-2, momentum=0.9),
+    # inject_hyperparams: a hyperparameter the kernel takes as a host number given as a schedule or a tensor
+    # (its value is on the device), one the kernel does not cover, an optimizer without a kernel.
+    lambda: fx.inject_hyperparams(fx.adamw)(learning_rate=1e-2, b1=fx.linear_schedule(0.9, 0.8, 10)),
+    lambda: fx.inject_hyperparams(fx.adamw)(learning_rate=1e-2, weight_decay=torch.tensor(0.1)),
+    lambda: fx.inject_hyperparams(fx.adamw)(learning_rate=1e-2, eps_root=1e-8),
+    lambda: fx.inject_hyperparams(fx.adam)(learning_rate=1e-2, nesterov=True),
+    lambda: fx.inject_hyperparams(fx.lion)(learning_rate=1e-2),
+    lambda: fx.inject_hyperparams(_clipped_adamw)(learning_rate=1e-2),  # a combined kernel inside: not covered
     lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(fx.linear_schedule(1e-2, 0.0, 10))),
     lambda: fx.chain(fx.clip_by_global_norm(torch.tensor(1.0)), fx.adamw(1e-2)),
     lambda: fx.chain(fx.adamw(1e-2), fx.clip_by_global_norm(1.0)),  # clips the update, not the gradient
@@ -288,3 +326,133 @@ def test_clip_non_finite_gradients_poison_the_step_as_on_the_foreach_path(bad):
     assert all(torch.equal(a.isfinite(), b.isfinite()) for a, b in zip(fused_leaves, ref_leaves))
     assert not all(bool(x.isfinite().all()) for x in fused_leaves)
     assert torch.equal(s_fused[0].grad_norm.isnan(), s_ref[0].grad_norm.isnan())
+
+
+# --- inject_hyperparams: the runner's default stack (fxtrain/transforms/_hyperparams.py declares the kernel) ----
+
+def _batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
+
+
+def _train(tx, params, state, batches, donate=True):
+    """Steps over ``batches``; returns the params, state, every step's learning rate and what each fused attempt
+    returned (True: the kernel ran)."""
+    calls, lrs = [], []
+    step = fx.train_step(_loss, tx, donate=donate)
+    real = _fused.step_
+    _fused.step_ = lambda *a: calls.append(real(*a)) or calls[-1]
+    try:
+        for b in batches:
+            params, state, metrics = step(params, state, b)
+            lrs.append(metrics["learning_rate"])
+    finally:
+        _fused.step_ = real
+    return params, state, torch.stack(lrs), calls
+
+
+def test_default_stack_fused_step_equals_its_pure_unfused_step():
+    tx, steps = default_stack(), 20
+    p_fused, s_fused, lr_fused, calls = _train(tx, _params(), tx.init(_params()), _batches(steps))
+    assert calls == [True] * steps  # the kernel ran on every step
+    # The pure step where autograd records: tx.update out of place, the foreach math.
+    p_pure, s_pure, lr_pure, calls = _train(tx, _params(), tx.init(_params()), _batches(steps), donate=False)
+    assert calls == []
+    # The schedule is read at the same counts by the same function: the same learning rates, bit for bit, and
+    # they change every step (warmup from 0, then cosine decay).
+    assert torch.equal(lr_fused, lr_pure) and bool((lr_fused[1:] != lr_fused[:-1]).all())
+    assert fx.tree.structure(s_fused) == fx.tree.structure(s_pure)
+    # As test_train_step_takes_the_fused_kernel: float64 bias corrections in the kernel (~1e-5 relative on
+    # early updates of at most lr=1e-2), fed back through the loss over 20 steps.
+    assert_trees_close(p_fused, p_pure, rtol=1e-4, atol=1e-6)
+    assert_trees_close(s_fused, s_pure, rtol=1e-4, atol=1e-6)
+
+
+def test_default_stack_fused_matches_optax():
+    pytest.importorskip("optax")
+    import optax
+
+    from tests import _parity
+
+    tx = default_stack(max_norm=2.0)
+    otx = optax.chain(optax.clip_by_global_norm(2.0), optax.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=3, decay_steps=20), weight_decay=0.1))
+    params = fx.testing.nested_params()
+    state = tx.init(params)
+    for k in range(_parity.STEPS):
+        assert _fused.step_(tx, _parity.grads(params, k), state, params)
+    _, p_optax, s_optax = _parity.run_optax(otx, fx.testing.nested_params())
+    # Optax computes Adam's bias corrections in float32, the kernel in float64: ~7e-6 relative on an
+    # early update, at most lr=1e-2 each.
+    assert_trees_close(params, p_optax, rtol=1e-5, atol=2e-7)
+    # Adam's moments, and the learning rate the last update used (Optax's clip state is empty, ours the norm).
+    _parity.state_leaves_close(state[1].inner_state, s_optax[1].inner_state, rtol=1e-5, atol=1e-6)
+    _parity.state_leaves_close(state[1].hyperparams["learning_rate"], s_optax[1].hyperparams["learning_rate"])
+
+
+def test_default_stack_resumes_bit_exactly_with_the_fused_kernel(tmp_path):
+    tx, batches = default_stack(), _batches(12)
+    p_all, s_all, _, calls = _train(tx, _params(), tx.init(_params()), batches)
+    assert calls == [True] * 12
+    p_half, s_half, _, _ = _train(tx, _params(), tx.init(_params()), batches[:5])
+    fx.save(tmp_path / "ckpt", fx.TrainState(5, p_half, s_half, None))
+    like = fx.TrainState(0, _params(), tx.init(_params()), None)
+    back = fx.load(tmp_path / "ckpt", like=like)  # new tensors: the host reads the state's constants once
+    p_res, s_res, _, calls = _train(tx, back.params, back.opt_state, batches[5:])
+    assert calls == [True] * 7
+    assert_trees_close((p_res, s_res), (p_all, s_all), rtol=0, atol=0)
+
+
+def test_default_stack_state_layout_is_the_unfused_one_so_old_checkpoints_load(tmp_path):
+    # A checkpoint written by a run of the foreach kernels continues with the fused kernel.
+    tx, old = default_stack(), unfused(default_stack)()
+    p_old, s_old, _, calls = _train(old, _params(), old.init(_params()), _batches(4))
+    assert calls == []
+    fx.save(tmp_path / "old", fx.TrainState(4, p_old, s_old, None))
+    back = fx.load(tmp_path / "old", like=fx.TrainState(0, _params(), tx.init(_params()), None))
+    assert_trees_close(back.opt_state, s_old, rtol=0, atol=0)
+    _, s_new, _, calls = _train(tx, back.params, back.opt_state, _batches(2, seed=5))
+    assert calls == [True, True] and int(s_new[1].count) == 6
+
+
+def test_values_written_into_the_state_are_the_kernels_from_the_next_step():
+    # What inject_hyperparams promises: a value written into state.hyperparams is used from the next update on.
+    # In place (fill_: the tensor's version counter moves) or as a new tensor, the kernel reads the new value.
+    def run(make):
+        tx, params = make(), _params()
+        state = tx.init(params)
+        params, state, _, calls = _train(tx, params, state, _batches(3))
+        state[1].hyperparams["weight_decay"].fill_(0.5)
+        state[1].hyperparams["b2"] = torch.tensor(0.99)
+        params, state, _, more = _train(tx, params, state, _batches(3, seed=2))
+        return params, state, calls + more
+
+    p_fused, s_fused, calls = run(default_stack)
+    assert calls == [True] * 6
+    p_ref, s_ref, calls = run(unfused(default_stack))
+    assert calls == []
+    assert_trees_close((p_fused, s_fused), (p_ref, s_ref), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("eps_root", torch.tensor(1e-8)),  # the kernel has no eps_root: adamw declares no kernel for it
+    ("weight_decay", torch.full((8,), 0.1)),  # not 0-dim: the foreach path names it
+    ("weight_decay", torch.tensor(0.1, requires_grad=True)),  # differentiated: the donated step refuses it
+    ("b1", "0.9"),  # not a number
+])
+def test_state_values_the_kernel_cannot_take_fall_back_to_the_foreach_path(key, value):
+    tx, params = default_stack(), _params()
+    state = tx.init(params)
+    assert _fused.applies(tx, params, state, params)
+    state[1].hyperparams[key] = value
+    assert not _fused.applies(tx, params, state, params)
+    step = fx.train_step(_loss, tx)
+    ref = fx.train_step(_loss, unfused(default_stack)())
+    try:
+        expected = ref(fx.tree.clone(params), fx.tree.clone(state), _batches(1)[0])
+    except (TypeError, ValueError) as e:  # never silently different: the same refusal, with the same words
+        with pytest.raises(type(e), match=re.escape(str(e))):
+            step(params, state, _batches(1)[0])
+        return
+    got = step(params, state, _batches(1)[0])
+    assert_trees_close(got[:2], expected[:2], rtol=0, atol=0)

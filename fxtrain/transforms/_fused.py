@@ -21,6 +21,16 @@ max(1, norm / m)`` (0-dim float32, chosen on the device: no host sync) and the n
 :func:`fxtrain.distributed.global_norm` of the gradients, the foreach path's own. The clip's state
 (``ClipByGlobalNormState``) gets that norm, so ``grad_norm`` is reported as on the foreach path.
 
+**Hyperparameters in the state.** ``inject_hyperparams(adamw)(learning_rate=schedule, ...)``, the runner's
+default, declares its inner optimizer's kernel with ``FusedSpec.from_state``
+(:mod:`fxtrain.transforms._hyperparams`): the learning rate is the one its foreach path would use (the
+schedule evaluated at the state's count, on the device) and reaches the kernel as a 0-dim tensor, through
+torch's ``tensor_lr`` overloads; the other hyperparameters, which the kernels take as host numbers, are
+the host's copies of the state's values (read once where the host has not seen a tensor: after a resume).
+A value the kernel does not cover (a schedule for ``b1``, ``eps_root`` written into the state, a tensor
+that is not 0-dim) takes the foreach path, which refuses what it refuses. The state and its bookkeeping
+(count, values used) are the foreach path's.
+
 The state is the chain's own (``ScaleByAdamState``, ``TraceState``...), so a run can switch between the
 fused and foreach kernels at any step, and checkpoints do not know which one ran. The numerics agree
 with the foreach path to float32 rounding, with one caveat:
@@ -75,6 +85,14 @@ Example:
     >>> state = tx.init(params)
     >>> _fused.step_(tx, {"w": torch.tensor([3.0, -4.0])}, state, params), float(state[0].grad_norm)
     (True, 5.0)
+
+    And the runner's, with a scheduled learning rate kept in the state:
+
+    >>> tx = fx.chain(fx.clip_by_global_norm(1.0),
+    ...               fx.inject_hyperparams(fx.adamw)(learning_rate=fx.linear_schedule(0.1, 0.0, 10)))
+    >>> state = tx.init(params)
+    >>> _fused.step_(tx, {"w": torch.tensor([3.0, -4.0])}, state, params), int(state[1].count)
+    (True, 1)
 """
 
 from __future__ import annotations
@@ -96,9 +114,9 @@ def declare(tx: GradientTransformation, name: str, *, covered: bool = True, grou
     """Marks ``tx`` as computed exactly by torch's fused ``name`` (a kernel, or the prefix ``clip_by_global_norm``).
 
     The mark is set only when ``covered`` (the caller's arguments are ones the kernel computes) and every
-    hyperparameter is a plain number (the fused kernels take floats; tensors from ``inject_hyperparams``
-    and schedules stay on the foreach path; bools are flags). ``groups``: a clip's process groups, passed
-    to the norm as they are. Returns ``tx``.
+    hyperparameter is a plain number (the fused kernels take floats; a tensor or a schedule given to the
+    optimizer itself stays on the foreach path, ``inject_hyperparams`` declares its own spec; bools are
+    flags). ``groups``: a clip's process groups, passed to the norm as they are. Returns ``tx``.
     """
     if covered and all(isinstance(v, (bool, int, float)) for v in hyperparams.values()):
         return with_traits(tx, fused=FusedSpec(name, dict(hyperparams), groups=tuple(groups)))
@@ -141,7 +159,13 @@ def _plan(tx, grads, state, params):
             return None
         if not isinstance(getattr(clip_state, "grad_norm", None), torch.Tensor):
             return None
-    hp = s.hyperparams
+    record = dict  # hyperparameters kept in the state (inject_hyperparams): none here
+    if s.from_state is not None:
+        found = s.from_state(state, params)
+        if found is None:
+            return None
+        inner, state, record = found
+        s = inner._replace(max_norm=s.max_norm, groups=s.groups)
     if s.name in ("adam", "adamw"):
         g, p, mu, nu = tree.align(grads, params, state[0].mu, state[0].nu, what="params")
         if not _allowed(g, p, mu, nu) or not _distinct(g, clip_state):
@@ -150,11 +174,12 @@ def _plan(tx, grads, state, params):
         fused = torch._fused_adamw_ if s.name == "adamw" else torch._fused_adam_
 
         def run():
+            hp = {**s.hyperparams, **record()}
             count.add_(1)
             if p:
                 lg, scale = _grads(g, p, s, clip_state)
                 steps = [count.to(torch.float32)] * len(p)  # read, not written, by the kernel
-                fused(_locals(p), lg, _locals(mu), _locals(nu), [], steps, lr=hp["learning_rate"], beta1=hp["b1"],
+                fused(_locals(p), lg, _locals(mu), _locals(nu), [], steps, lr=_lr(hp, p), beta1=hp["b1"],
                       beta2=hp["b2"], weight_decay=hp.get("weight_decay", 0.0), eps=hp["eps"], amsgrad=False,
                       maximize=False, grad_scale=scale)
         return run
@@ -168,12 +193,22 @@ def _plan(tx, grads, state, params):
         return None
 
     def run():
+        hp = {**s.hyperparams, **record()}
         if p:
             lg, scale = _grads(g, p, s, clip_state)
             torch._fused_sgd_(_locals(p), lg, _locals(bufs), weight_decay=0.0, momentum=hp["momentum"],
-                              lr=hp["learning_rate"], dampening=0.0, nesterov=hp["nesterov"], maximize=False,
+                              lr=_lr(hp, p), dampening=0.0, nesterov=hp["nesterov"], maximize=False,
                               is_first_step=False, grad_scale=scale)
     return run
+
+
+def _lr(hp: dict, p: list) -> float | torch.Tensor:
+    """The kernel's ``lr``: a number, or a 0-dim tensor (torch's ``tensor_lr`` overloads) on the params' device."""
+    lr = hp["learning_rate"]
+    if isinstance(lr, torch.Tensor):
+        # A copy on another device is queued, not waited for (torch.optim's fused Adam does the same).
+        return tree.local(lr).to(tree.local(p[0]).device, non_blocking=True)
+    return lr
 
 
 def _grads(g: list, p: list, s: FusedSpec, clip_state: Any) -> tuple[list, torch.Tensor | None]:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
+import weakref
 from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, call, describe, named, public_factory, traits, with_traits
+from fxtrain._base import (FusedSpec, GradientTransformation, call, describe, named, public_factory, traits,
+                           with_traits)
 from fxtrain.schedules import bind, value_at
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
@@ -62,6 +64,12 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
     ensemble of settings in one call. A tensor given as a hyperparameter that requires grad stays in the
     graph (the state holds a differentiable copy). A hyperparameter must be a number or a 0-dim tensor,
     floating where the value given was floating.
+
+    Where the inner optimizer has a fused torch kernel (``adam``, ``adamw``, ``sgd``: the runner's default
+    stack), a step that owns its params runs that kernel with the state's values: the learning rate as a
+    0-dim tensor (a schedule's value, computed on the device), the others as the host's copies of the
+    state's values; a value the kernel does not cover (a scheduled ``b1``, ``eps_root`` written into the
+    state) takes the foreach kernels (:mod:`fxtrain.transforms._fused`). The state is the same either way.
 
     Args:
       inner_factory: a transform factory, e.g. :func:`fxtrain.adamw`; its hyperparameters must accept
@@ -170,6 +178,9 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
             hps = {k: _as_hparam(v, dtype, device, k in floats, keep_tensor_dtype=True) for k, v in numeric.items()}
             hps.update({k: _as_hparam(_scheduled(f, count, dtype), dtype, device) for k, f in schedules.items()})
             inner_state = inner_factory(**other, **hps).init(params)
+            for k, v in numeric.items():  # the host knows these values: a fused kernel reads them from here
+                if not isinstance(v, torch.Tensor):
+                    _remember(hps[k], v)
             return InjectHyperparamsState(count, hps, inner_state)
 
         def update_fn(updates, state, params=None, **extra_args):
@@ -184,7 +195,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
 
         # Unscheduled hyperparameters never change by themselves: the step does not report them every step.
         constants = traits(proto).constant_reports | (frozenset(numeric) - {"learning_rate"})
-        inherited = traits(proto)._replace(fused=None, wrap_loss=None if proto.wrap_loss is None else wrap_loss,
+        fused = _fused_spec(inner_factory, other, numeric, schedules, current)
+        inherited = traits(proto)._replace(fused=fused, wrap_loss=None if proto.wrap_loss is None else wrap_loss,
                                            constant_reports=constants)
         return with_traits(named(GradientTransformation(init_fn, update_fn), label), **inherited._asdict())
 
@@ -192,6 +204,118 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
 
 
 public_factory(inject_hyperparams)  # a public factory of transforms (see the conformance test)
+
+
+# --- torch's fused kernels (fxtrain/transforms/_fused.py) with hyperparameters from the state ----------------
+
+def _fused_spec(inner_factory: Callable, other: dict, numeric: dict, schedules: dict,
+                current: Callable) -> FusedSpec | None:
+    """The fused kernel of ``inner_factory``'s transforms, hyperparameters read from the state, or ``None``.
+
+    torch's kernels take the learning rate as a 0-dim tensor (their ``tensor_lr`` overloads) and every other
+    hyperparameter as a host number. So the learning rate comes from :func:`inject_hyperparams`' own
+    ``current`` (its schedule evaluated at the state's count on the device, as the foreach path does) and the
+    others from the host's copy of the state's values (:func:`_host_values`). The kernel is the one
+    ``inner_factory`` declares for those numbers (``eps_root=0``, say, but not ``1e-8``), asked anew when
+    they change, so a value written into the state that the kernel does not cover takes the foreach path.
+    A scheduled hyperparameter other than the learning rate (its value is on the device every step) or one
+    given as a tensor declares no kernel at all.
+    """
+    if set(schedules) - {"learning_rate"} or any(isinstance(v, torch.Tensor) for v in numeric.values()):
+        return None
+    injected = set(numeric) | set(schedules)
+    placeholder = {"learning_rate": 1.0} if "learning_rate" in injected else {}  # the kernel gets the tensor
+    specs: dict = {}  # host values -> the spec inner_factory declares for them
+
+    def kernel(host: dict) -> FusedSpec | None:
+        key = tuple(sorted(host.items()))
+        if key not in specs:
+            try:
+                spec = traits(inner_factory(**other, **host, **placeholder)).fused
+            except (TypeError, ValueError):  # the foreach path raises it, with inject_hyperparams' name
+                spec = None
+            plain = spec is not None and spec.states_of is None and spec.from_state is None and spec.max_norm is None
+            specs[key] = spec if plain else None
+        return specs[key]
+
+    proto = kernel({k: v for k, v in numeric.items() if k != "learning_rate"})
+    if proto is None:
+        return None
+
+    def from_state(state, params):
+        hps = getattr(state, "hyperparams", None)
+        if not isinstance(hps, dict) or set(hps) != injected \
+                or any(isinstance(v, torch.Tensor) and (v.requires_grad or v.ndim) for v in hps.values()):
+            return None  # the foreach path refuses these (or differentiates through them)
+        host = _host_values({k: v for k, v in hps.items() if k != "learning_rate"})
+        spec = None if host is None else kernel(host)
+        if spec is None or spec.name != proto.name:
+            return None
+
+        def record() -> dict:
+            used = current(state, params)  # what the foreach path computes, at the same count
+            state.hyperparams.update(used)
+            with tree.donated():
+                safe_increment_(state.count)
+            return {"learning_rate": used["learning_rate"]} if "learning_rate" in used else {}
+
+        return spec, state.inner_state, record
+
+    return proto._replace(from_state=from_state)
+
+
+# Host copies of hyperparameter tensors: id(tensor) -> (weak reference, version counter, value). An entry
+# holds while its tensor lives and is not written into (an in-place write bumps the version; a new tensor in
+# the state has a new id), so only a value the host has not seen is read (see _host_values).
+_HOST: dict[int, tuple[weakref.ref, int, Any]] = {}
+
+
+def _remember(t: torch.Tensor, value: Any) -> None:
+    """Records that ``t`` (a 0-dim tensor just made from ``value``) holds ``value`` rounded to its dtype."""
+    local = tree.local(t)
+    try:
+        version = local._version
+    except RuntimeError:  # an inference tensor keeps no version counter: never trusted
+        return
+    key = id(local)
+    ref = weakref.ref(local, lambda r: _HOST.pop(key) if _HOST.get(key, (None,))[0] is r else None)
+    # Rounded on the host (a CPU tensor), as the state's tensor holds it: float32's 0.999 is 0.99900001...
+    _HOST[key] = (ref, version, torch.tensor(value, dtype=local.dtype).item())
+
+
+def _host_values(hps: dict) -> dict | None:
+    """The values of 0-dim hyperparameters (tensors or numbers) as host numbers, or ``None`` if one is not a number.
+
+    A tensor's value is known on the host when :func:`_remember` saw it; the ones it did not (loaded from a
+    checkpoint, or written into the state) are read once, all in one transfer, and remembered: a resumed run
+    waits for its device once, at its first step, and never again.
+    """
+    out, unknown = {}, {}
+    for k, v in hps.items():
+        if not isinstance(v, torch.Tensor):
+            if not isinstance(v, numbers.Real):
+                return None
+            out[k] = v
+            continue
+        local = tree.local(v)
+        entry = _HOST.get(id(local))
+        try:
+            fresh = entry is not None and entry[0]() is local and entry[1] == local._version
+        except RuntimeError:
+            fresh = False
+        if fresh:
+            out[k] = entry[2]
+        else:
+            unknown[k] = local
+    if unknown:
+        device = next(iter(unknown.values())).device
+        values = torch.stack([x.detach().to(device, torch.float64) for x in unknown.values()]).tolist()
+        for (k, x), value in zip(unknown.items(), values):
+            if not x.is_floating_point():
+                value = int(value)
+            _remember(x, value)
+            out[k] = value
+    return out
 
 
 def _scheduled(schedule: Callable, count: torch.Tensor, dtype: torch.dtype) -> Any:
