@@ -453,10 +453,11 @@ def test_plain_leaves_compose_with_vmap_and_grad(shard_over):
 
 # --- the fused kernel on every parallel layout (fxtrain/transforms/_fused.py) -------------------------------
 #
-# The runner's default stack, chain(clip_by_global_norm, sharded_apply(adamw)), trained 30 float32 steps on
-# a tiny TransformerLM under each of the runner's layouts, against one process with plain tensors (where the
+# The runner's default stack, chain(clip_by_global_norm, sharded_apply(inject_hyperparams(adamw))) with a
+# warmup_cosine learning rate (a 0-dim tensor in the state, new every step), trained 30 float32 steps on a
+# tiny TransformerLM under each of the runner's layouts, against one process with plain tensors (where the
 # same kernel runs). torch's own DDP/FSDP2 + fused AdamW end ~2e-6 from one process; the unfused out-of-place
-# path ended ~8e-6 away.
+# path ended ~8e-6 away. The dp case also runs plain adamw (its numbers in the spec, no state to read).
 
 LAYOUT_STEPS, LAYOUT_TOL, VOCAB = 30, 3e-6, 16
 
@@ -489,8 +490,13 @@ def lm_loss(apply, buffers):
     return loss_fn
 
 
-def default_stack(groups=()):
-    return fx.chain(fx.clip_by_global_norm(0.5, groups=groups), fx.sharded_apply(fx.adamw(1e-2, weight_decay=0.1)))
+def default_stack(groups=(), injected=True):
+    if injected:  # as fxtrain/build.py builds it from conf/ (optim.chain=[clip_by_global_norm,adamw], schedule)
+        lr = fx.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=3, decay_steps=LAYOUT_STEPS)
+        adamw = fx.inject_hyperparams(fx.adamw)(learning_rate=lr, weight_decay=0.1)
+    else:
+        adamw = fx.adamw(1e-2, weight_decay=0.1)
+    return fx.chain(fx.clip_by_global_norm(0.5, groups=groups), fx.sharded_apply(adamw))
 
 
 class FusedCalls:
@@ -510,12 +516,12 @@ class FusedCalls:
 _ONE_PROCESS: dict = {}
 
 
-def one_process(world: int, experts: int = 0) -> dict:
+def one_process(world: int, experts: int = 0, injected: bool = True) -> dict:
     """The default stack's params after LAYOUT_STEPS steps in this process, plain tensors, whole batches."""
-    key = (world, experts)
+    key = (world, experts, injected)
     if key not in _ONE_PROCESS:
         apply, params, buffers = fx.functional(lm(experts))
-        tx = default_stack()
+        tx = default_stack(injected=injected)
         step, state = fx.train_step(lm_loss(apply, buffers), tx), tx.init(params)
         with FusedCalls() as calls:
             for b in lm_batches(world):
@@ -555,19 +561,22 @@ def my_rows(b: tuple, index: int, parts: int) -> tuple:
 def case_fused_kernel_on_dp_replicated_params(world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    apply, params, buffers = fx.parallel.data_parallel(lm(), init_device_mesh("cpu", (world,)))
-    tx, rank = default_stack(), dist.get_rank()
+    mesh, rank = init_device_mesh("cpu", (world,)), dist.get_rank()
     batches = [my_rows(b, rank, world) for b in lm_batches(world)]
-    assert_near_one_process(train_layout(fx.train_step(lm_loss(apply, buffers), tx), params, tx, batches),
-                            one_process(world))
+    for injected in (True, False):
+        apply, params, buffers = fx.parallel.data_parallel(lm(), mesh)
+        tx = default_stack(injected=injected)
+        assert_near_one_process(train_layout(fx.train_step(lm_loss(apply, buffers), tx), params, tx, batches),
+                                one_process(world, injected=injected))
 
 
-@case(2)
-def case_fused_kernel_on_fsdp_shards(world):
-    from torch.distributed.device_mesh import init_device_mesh
+def train_fully_sharded(world, mesh):
+    """``fully_shard`` per block and the root on ``mesh`` (1-D: FSDP; 2-D ``(dp_replicate, dp_shard)``: HSDP,
+    sharded over dp_shard and all-reduced over dp_replicate), against one process. Every rank reads its own
+    rows: all of the world is data parallel."""
     from torch.distributed.fsdp import fully_shard
 
-    model, mesh = lm(), init_device_mesh("cpu", (world,))
+    model = lm()
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -576,6 +585,13 @@ def case_fused_kernel_on_fsdp_shards(world):
     step = fx.parallel.fully_sharded_step(lm_loss(apply, buffers), tx, model)
     batches = [my_rows(b, rank, world) for b in lm_batches(world)]
     assert_near_one_process(train_layout(step, params, tx, batches), one_process(world))
+
+
+@case(2)
+def case_fused_kernel_on_fsdp_shards(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    train_fully_sharded(world, init_device_mesh("cpu", (world,)))
 
 
 @case(2)
@@ -607,6 +623,13 @@ def case_fused_kernel_on_fsdp_x_tp_shards(world):
     step = fx.parallel.fully_sharded_step(lm_loss(apply, buffers), tx, model)
     batches = [my_rows(b, mesh["dp"].get_local_rank(), world // 2) for b in lm_batches(world)]
     assert_near_one_process(train_layout(step, params, tx, batches), one_process(world))
+
+
+@case(4)
+def case_fused_kernel_on_hsdp_shards(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    train_fully_sharded(world, init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard")))
 
 
 @case(2)
