@@ -9,6 +9,10 @@ interleaved rounds in this one process (see _common.py):
 * ``fxtrain``: ``fx.train_step(loss_fn, chain(clip_by_global_norm(1.0), adamw(1e-3)))``, donated: the
   clip and AdamW run as one fused kernel call (the clip in its ``grad_scale``; fxtrain/transforms/_fused.py).
 * ``fxtrain donate=False``: the same step, pure (transforms out of place, new params and state each step).
+* ``fxtrain default stack``: the runner's default from ``conf/`` (``fxtrain/build.py``): the clip, then
+  ``inject_hyperparams(adamw)`` with a warmup-cosine learning rate (a 0-dim tensor in the state, new every
+  step), donated: the fused kernel with the learning rate as a tensor (issue 26), and the same stack with its
+  fused mark taken off (``fx.with_traits(tx, fused=None)``): the foreach kernels it ran before.
 * fwd+bwd floors: the same forward and backward with no update, three ways (``loss.backward()``;
   ``torch.autograd.grad``, which ``train_step`` uses; ``torch.func.grad_and_value``).
 * update only: the clip + AdamW update on fixed gradients: torch's foreach and fused, fxtrain's fused
@@ -44,6 +48,8 @@ SIZES = (784, 1024, 1024, 1024, 10)
 BATCH = 128
 LR, WEIGHT_DECAY, MAX_NORM = 1e-3, 1e-4, 1.0
 TARGET = 0.95  # issue 14 (issue 2 asked for 1.1): fxtrain donated step / torch.optim foreach step, eager
+DEFAULT_FUSED = "fxtrain: default stack (inject_hyperparams, warmup_cosine), donate=True, fused"
+DEFAULT_FOREACH = "fxtrain: default stack, donate=True, foreach kernels (before issue 26)"
 
 
 def make_model(seed: int = 0) -> nn.Sequential:
@@ -72,6 +78,14 @@ def make_tx() -> fx.GradientTransformation:
     return fx.chain(fx.clip_by_global_norm(MAX_NORM), fx.adamw(LR, weight_decay=WEIGHT_DECAY))
 
 
+def make_default_tx(fused: bool = True) -> fx.GradientTransformation:
+    """The runner's default stack (conf/ through fxtrain/build.py): warmup 5% of 1000 steps, cosine to 0."""
+    lr = fx.warmup_cosine_decay_schedule(0.0, LR, warmup_steps=50, decay_steps=1000)
+    tx = fx.chain(fx.clip_by_global_norm(MAX_NORM),
+                  fx.inject_hyperparams(fx.adamw)(learning_rate=lr, weight_decay=WEIGHT_DECAY))
+    return tx if fused else fx.with_traits(tx, fused=None)
+
+
 class TorchStep:
     """The imperative reference step."""
 
@@ -93,8 +107,8 @@ class TorchStep:
 class FxStep:
     """fxtrain's step, holding its params and state between calls (the training-loop pattern)."""
 
-    def __init__(self, model: nn.Sequential, donate: bool):
-        tx = make_tx()
+    def __init__(self, model: nn.Sequential, donate: bool, tx: fx.GradientTransformation | None = None):
+        tx = make_tx() if tx is None else tx
         self.params = params_of(model)
         self.state = tx.init(self.params)
         self.step = fx.train_step(loss_fn, tx, donate=donate)
@@ -109,6 +123,8 @@ def variants(batches: list) -> dict:
     x, y = batch = batches[0]
     torch_step, fx_step, fx_pure = TorchStep(make_model()), FxStep(make_model(), True), FxStep(make_model(), False)
     torch_fused = TorchStep(make_model(), fused=True)
+    default_fused = FxStep(make_model(), True, make_default_tx())
+    default_foreach = FxStep(make_model(), True, make_default_tx(fused=False))
 
     floor_model = make_model()
     floor_params = fx.tree.leaves(params_of(make_model()))
@@ -135,15 +151,25 @@ def variants(batches: list) -> dict:
         p.grad = torch.zeros_like(p)
     torch_grads = [p.grad for p in upd_model.parameters()]
     torch_fixed = [t for layer in fixed["layers"] for t in (layer["w"], layer["b"])]  # weight, bias order
-    tx = make_tx()
-    upd_params = params_of(make_model())
-    upd_state = tx.init(upd_params)
-    upd_grads = fx.tree.map(torch.zeros_like, upd_params)
-    # The same chain built by hand declares no fused kernel: update_ runs the foreach kernels.
-    tx_foreach = fx.chain(fx.clip_by_global_norm(MAX_NORM), fx.chain(
-        fx.scale_by_adam(), fx.add_decayed_weights(WEIGHT_DECAY), fx.scale_by_learning_rate(LR)))
-    foreach_params = params_of(make_model())
-    foreach_state = tx_foreach.init(foreach_params)
+    upd_grads = fx.tree.map(torch.zeros_like, params_of(make_model()))
+
+    def fx_updates(tx: fx.GradientTransformation, fused: bool):
+        """``tx``'s update on the fixed gradients, from its own params: its fused kernel, or ``update_`` and
+        ``apply_updates_`` (the foreach kernels)."""
+        params = params_of(make_model())
+        state = tx.init(params)
+
+        def update():
+            nonlocal state
+            torch._foreach_copy_(fx.tree.leaves(upd_grads), fx.tree.leaves(fixed))
+            if fused:
+                with torch.no_grad():
+                    if not _fused.step_(tx, upd_grads, state, params):
+                        raise RuntimeError("expected the fused kernel")
+            else:
+                updates, state = fx.update_(tx, upd_grads, state, params)
+                fx.apply_updates_(params, updates)
+        return update
 
     def torch_update():
         torch._foreach_copy_(torch_grads, torch_fixed)
@@ -155,24 +181,22 @@ def variants(batches: list) -> dict:
         torch.nn.utils.clip_grad_norm_(upd_model.parameters(), MAX_NORM, foreach=True)
         upd_fused.step()
 
-    def fx_update():
-        torch._foreach_copy_(fx.tree.leaves(upd_grads), fx.tree.leaves(fixed))
-        with torch.no_grad():
-            if not _fused.step_(tx, upd_grads, upd_state, upd_params):
-                raise RuntimeError("expected the fused kernel")
+    # The same chain built by hand declares no fused kernel: update_ runs the foreach kernels.
+    tx_foreach = fx.chain(fx.clip_by_global_norm(MAX_NORM), fx.chain(
+        fx.scale_by_adam(), fx.add_decayed_weights(WEIGHT_DECAY), fx.scale_by_learning_rate(LR)))
+    fx_update, fx_foreach_update = fx_updates(make_tx(), True), fx_updates(tx_foreach, False)
+    # The default stack's update alone: its fused kernel (learning rate from the state), its foreach kernels.
+    fx_default_update = fx_updates(make_default_tx(), True)
+    fx_default_foreach_update = fx_updates(make_default_tx(fused=False), False)
 
-    def fx_foreach_update():
-        nonlocal foreach_state
-        torch._foreach_copy_(fx.tree.leaves(upd_grads), fx.tree.leaves(fixed))
-        updates, foreach_state = fx.update_(tx_foreach, upd_grads, foreach_state, foreach_params)
-        fx.apply_updates_(foreach_params, updates)
-
-    feeds = [itertools.cycle(batches) for _ in range(4)]
+    feeds = [itertools.cycle(batches) for _ in range(6)]
     return {
         "torch.optim: AdamW(foreach) + clip_grad_norm_": lambda: torch_step(next(feeds[0])),
         "torch.optim: AdamW(fused) + clip_grad_norm_": lambda: torch_fused(next(feeds[3])),
         "fxtrain: train_step, donate=True": lambda: fx_step(next(feeds[1])),
         "fxtrain: train_step, donate=False": lambda: fx_pure(next(feeds[2])),
+        DEFAULT_FUSED: lambda: default_fused(next(feeds[4])),
+        DEFAULT_FOREACH: lambda: default_foreach(next(feeds[5])),
         "fwd+bwd: loss.backward()": backward,
         "fwd+bwd: torch.autograd.grad": autograd_grad,
         "fwd+bwd: torch.func.grad_and_value": func_grad,
@@ -180,6 +204,8 @@ def variants(batches: list) -> dict:
         "update only: torch clip_grad_norm_ + AdamW(fused).step": torch_fused_update,
         "update only: fxtrain fused kernel (clip in grad_scale)": fx_update,
         "update only: fxtrain foreach kernels (update_ + apply_updates_)": fx_foreach_update,
+        "update only: default stack, fused kernel (lr tensor from the state)": fx_default_update,
+        "update only: default stack, foreach kernels": fx_default_foreach_update,
     }
 
 
@@ -258,6 +284,12 @@ def main() -> None:
         f"fxtrain / torch.optim foreach = **{ratio:.3f}** on medians (target <= {TARGET}: "
         f"{'met' if ratio <= TARGET else 'MISSED'}), {ratio_min:.3f} on minimums; fxtrain / torch.optim fused "
         f"= {ours['median'] / stats['torch.optim: AdamW(fused) + clip_grad_norm_']['median']:.3f} on medians. "
+        f"The runner's default stack: fused / foreach kernels = "
+        f"**{stats[DEFAULT_FUSED]['median'] / stats[DEFAULT_FOREACH]['median']:.3f}** on the step's medians "
+        f"({stats[DEFAULT_FUSED]['min'] / stats[DEFAULT_FOREACH]['min']:.3f} on minimums), "
+        f"{stats['update only: default stack, fused kernel (lr tensor from the state)']['median'] / stats['update only: default stack, foreach kernels']['median']:.3f} "
+        f"on the update alone; its step / torch.optim fused = "
+        f"{stats[DEFAULT_FUSED]['median'] / stats['torch.optim: AdamW(fused) + clip_grad_norm_']['median']:.3f}. "
         f"Params after one step from one init: max |fxtrain - torch.optim| = {diff:.1e}. "
         f"Peak RSS {_common.peak_rss_mib():.0f} MiB."
         + (f"\n\n**Noisy run**: torch.optim's median is {theirs['median'] / theirs['min']:.1f}x its fastest call; "
