@@ -13,7 +13,7 @@ launcher's ``executor``: each group (and each job that runs alone) becomes ONE s
 or on SLURM, which runs :func:`plan`'s group with :func:`train_group` as the in-process launcher does; the
 outputs are the same.
 
-**What can be batched** (jobs that differ in anything else go to separate groups):
+**What can be batched** (jobs that differ in anything else go to separate groups, each with its note):
 
 * ``optim.chain.<name>.<arg>`` and ``schedule.<arg>``: numbers the transform or schedule factory accepts as
   0-dim tensors (learning rates, betas, ``eps``, ``weight_decay``, ``max_norm``, schedule values). The
@@ -25,6 +25,24 @@ outputs are the same.
   its own run builds them (:func:`fxtrain.train.build_run`) and stacked leafwise; when the jobs' data
   configs differ (the batch order follows the seed), each step stacks the jobs' own batches (vmap
   ``in_dims=0``), else one batch serves all (``in_dims=None``).
+* the loop's per-job settings (:data:`LOOP_KEYS`): ``trainer.max_steps`` (or ``max_epochs``), the log, eval
+  and checkpoint cadences, ``keep_last``, ``test_ckpt``. :func:`fxtrain.train.loop` reads them from each
+  member's config: a member stops at its own ``max_steps`` (its last log line, checkpoint, test and summary
+  there, from its state at that step, as its own run), the others go on. A schedule whose length follows
+  ``max_steps`` (``schedule.decay_steps=${trainer.max_steps}``: cosine, linear, warmup_cosine) takes it as a
+  Python int that the factory refuses as a tensor, so there the lengths split groups, said in the note;
+  with a schedule that does not follow it (``schedule=constant``, or a fixed ``decay_steps``) they batch.
+* the chain's structure (``'optim/transform@optim.chain=[a,b],[c,d]'``) is not batched but is accepted:
+  each structure (its transforms and their order) is a group of its own, within which numbers and seeds batch.
+
+**Why a job runs where it runs.** :func:`plan` names every group (``group 2``) and gives it one line per
+reason that keeps it apart from the other groups: the key as the sweep wrote it (``model``,
+``optim/transform@optim.chain``, ``data.batch_size``; keys that follow it named beside it), its value here and
+in the others, and why vmap cannot batch it (batch size, model, ``amp``, ``accumulate``, data config,
+``parallel``, a schedule's step counts, a value that is not a number...). The launcher's log shows each
+group's lines (``[vmap] group 2: ...``) and each job's ``train.log`` starts with its own
+(:func:`job_notes`: ``group  job 3 in group 2: jobs 2,3 as one vmapped process, batched over ...`` or
+``group  job 4 alone``, then ``group  apart by ...``), also for jobs that run one by one.
 
 **Same outputs as one run per job.** Each job keeps its own directory, ``config.yaml``,
 ``metrics.jsonl`` (same keys, same steps), checkpoints (an ordinary :class:`fxtrain.TrainState` of that
@@ -53,7 +71,8 @@ that over hundreds of steps as any rounding change would. Under ``amp`` the comp
 applies (bf16: about 1e-3 relative at step 1).
 
 **When a group runs one job at a time instead** (a one-line note names the reason): a group of one,
-``parallel`` other than ``none`` or several ranks, jobs resuming from different steps, or a step that
+``parallel`` other than ``none`` or several ranks, ``hydra.launcher.max_group_size`` (the rest of a class
+goes to the next group, said in both), jobs resuming from different steps, or a step that
 raises under vmap (:class:`NotBatchable`: checked by running the group's first optimizer update before
 anything is written; e.g. a transform without a batching rule, or a model that draws random numbers in training, which vmap refuses rather than
 give every job the same draws). Never a silent difference: what vmap cannot run the same way raises, and
@@ -63,6 +82,7 @@ the jobs run as the basic launcher runs them.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import logging
@@ -77,7 +97,7 @@ import fxtrain as fx
 from fxtrain import build, distributed, parallel, rundir, tree, validate
 from fxtrain import train as runner
 
-__all__ = ["Job", "Group", "Result", "NotBatchable", "plan", "train_group", "GroupSteps", "hyperparams",
+__all__ = ["Job", "Group", "Result", "NotBatchable", "plan", "job_notes", "LOOP_KEYS", "CHAIN", "train_group", "GroupSteps", "hyperparams",
            "vmapped_steps", "stack_trees", "pick", "vmap_trees"]
 
 log = logging.getLogger("fxtrain")
@@ -106,21 +126,54 @@ class Job:
 
 @dataclasses.dataclass
 class Group:
-    """Jobs that :func:`train_group` can train together.
+    """Jobs that :func:`train_group` can train together, and why they are a group apart.
 
     Attributes:
       jobs: in job order.
       values: ``{config key: one number per job}`` for the stack keys whose values differ in the group.
       sequential: why these jobs run one by one (with the task function), or ``None`` to vmap them.
+      name: ``group 2`` (:func:`plan` numbers its groups by their first job).
+      batched: ``{config key: one value per job}`` for every key whose values differ in the group (stack keys,
+        seeds, the loop's per-job settings such as ``trainer.max_steps``).
+      reasons: one line per reason that keeps these jobs apart from the other jobs of the launch: the key or keys
+        (as the sweep wrote them), their values here and elsewhere, and why they cannot be batched.
     """
 
     jobs: list[Job]
     values: dict[str, list[float]]
     sequential: str | None = None
+    name: str = ""
+    batched: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    reasons: list[str] = dataclasses.field(default_factory=list)
 
     def label(self) -> str:
         """``jobs 0,2,4`` for messages."""
         return "job" + ("s " if len(self.jobs) > 1 else " ") + ",".join(str(j.num) for j in self.jobs)
+
+    def header(self) -> str:
+        """How this group runs, in one line: ``jobs 0,1 as one vmapped process, batched over seed=0,1``, ``job 4
+        alone``, or ``jobs 2,3 one by one: <why>``."""
+        if len(self.jobs) == 1:
+            return f"{self.label()} alone"
+        if self.sequential is not None:
+            return f"{self.label()} one by one: {self.sequential}"
+        over = ", ".join(f"{k}={','.join(_show(v) for v in vs)}" for k, vs in self.batched.items())
+        return f"{self.label()} as one vmapped process, batched over {over or 'nothing (identical jobs)'}"
+
+
+def job_notes(group: Group, job: Job) -> list[str]:
+    """The lines ``job``'s ``train.log`` records about its group (``group  ...``): how it runs, then one line per
+    reason that keeps it apart from other jobs of its launch.
+
+    >>> import pathlib
+    >>> job = Job(3, None, pathlib.Path("3"), [])
+    >>> job_notes(Group([job], {}, "a group of one", "group 2", reasons=["apart by model: resnet here, mlp in group 1"]), job)
+    ['group  job 3 alone (group 2)', 'group  apart by model: resnet here, mlp in group 1']
+    """
+    head = group.header() if len(group.jobs) > 1 else f"job {job.num} alone"
+    where = f"job {job.num} in {group.name}: " if len(group.jobs) > 1 else ""
+    return [f"group  {where}{head}" + (f" ({group.name})" if len(group.jobs) == 1 and group.name else ""),
+            *(f"group  {r}" for r in group.reasons)]
 
 
 @dataclasses.dataclass
@@ -133,6 +186,37 @@ class Result:
 
 
 # --- grouping -------------------------------------------------------------------------------------
+
+#: The trainer settings :func:`fxtrain.train.loop` reads per member: jobs that differ only in these (and in batchable
+#: values) share a group, each member logging, evaluating, checkpointing and stopping on its own. ``max_epochs``
+#: becomes each job's ``max_steps`` when its run is checked.
+LOOP_KEYS = ("trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
+             "trainer.checkpoint_every", "trainer.keep_last", "trainer.test_ckpt")
+
+#: The chain's structure (its transforms' names, in order), a key of its own in :func:`plan`'s view of a config:
+#: ``[a,b]`` and ``[b,a]`` hold the same keys and values, yet build different stacks.
+CHAIN = "optim.chain"
+
+_MISSING = object()  # a key a job's config does not have
+
+# Why a key that differs between jobs splits them, by its config node (first match); stack keys refused as tensors
+# and non-numbers say their own reason.
+_WHY = (
+    (CHAIN, "the chain's structure (its transforms and their order) is the step's code: each structure is a group"),
+    ("optim.chain.", "the transform's setting is not a number it takes as a tensor"),
+    ("schedule._target_", "another schedule function is other code in the step"),
+    ("schedule.", "the schedule takes it as a Python value, not as a tensor"),
+    ("data.batch_size", "the batch size gives every tensor of the step its shape"),
+    ("data.", "another data config gives other batches (shapes, contents or order) that jobs cannot share"),
+    ("model.", "another model config changes the params' shapes or the model's code"),
+    ("task.", "another task changes the loss and metrics the step computes"),
+    ("amp.", "amp sets the step's dtypes and loss scaling, which vmap cannot vary per job"),
+    ("accumulate.", "accumulate sets how many micro-batches make an update: the step's own structure"),
+    ("parallel.", "the parallel layout places every tensor; a vmapped group runs in one process"),
+    ("trainer.", "a setting of the run that one vmapped process shares"),
+    ("", "a setting one vmapped process shares"),
+)
+
 
 def _stack_key(key: str) -> bool:
     """``optim.chain.<name>.<arg>`` or ``schedule.<arg>``: a key :func:`fxtrain.build.stack` takes in ``values``."""
@@ -150,8 +234,28 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _show(v: Any) -> str:
+    """A config value as an override writes it: ``[clip_by_global_norm,adamw]``, ``null``, ``0.001``."""
+    if v is _MISSING:
+        return "unset"
+    if isinstance(v, bool) or v is None:
+        return {None: "null", True: "true", False: "false"}[v]
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_show(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_show(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def _partition(values: list[Any]) -> tuple[int, ...]:
+    """Which groups share a value: each group's index of the first group with its value (``[a, b, a] -> (0, 1, 0)``)."""
+    first: dict[Any, int] = {}
+    return tuple(first.setdefault(v, n) for n, v in enumerate(values))
+
+
 def _flat(cfg: DictConfig) -> dict[str, Any]:
-    """``{dotted key: value}`` of the resolved config; lists are values (compared whole)."""
+    """``{dotted key: value}`` of the resolved config, with :data:`CHAIN` the chain's names in order; lists are
+    values (compared whole)."""
     out: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -161,8 +265,19 @@ def _flat(cfg: DictConfig) -> dict[str, Any]:
         else:
             out[prefix] = node
 
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    container = OmegaConf.to_container(cfg, resolve=True)
+    walk(container, "")
+    chain = (container.get("optim") or {}).get("chain") if isinstance(container.get("optim"), dict) else None
+    if isinstance(chain, dict):
+        out[CHAIN] = list(chain)
     return out
+
+
+def _package(override: str) -> str:
+    """The config node an override sets: ``model`` for ``model=resnet``, ``optim.chain`` for
+    ``optim/transform@optim.chain=[sgd]``, ``data.batch_size`` for ``data.batch_size=64``."""
+    key = override.lstrip("+~").split("=", 1)[0]
+    return key.split("@", 1)[1] if "@" in key else key.replace("/", ".")
 
 
 def _override_of(job: Job, key: str, value: Any) -> str:
@@ -170,7 +285,7 @@ def _override_of(job: Job, key: str, value: Any) -> str:
     for o in job.overrides:
         if o.lstrip("+~").split("=", 1)[0] == key:
             return o
-    return f"{key}={value}"
+    return f"{key}={_show(value)}"
 
 
 def hyperparams(values: dict[str, Sequence[float]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -184,74 +299,160 @@ def hyperparams(values: dict[str, Sequence[float]], device: torch.device | str =
 def plan(jobs: Sequence[Job], max_group_size: int | None = None, world: int = 1) -> tuple[list[Group], list[str]]:
     """Splits ``jobs`` into groups that differ only in batchable values; returns ``(groups, notes)``.
 
-    A key whose values differ between jobs keeps them in one group when it is ``seed``/``data.seed``, or a
-    stack key (``optim.chain.<name>.<arg>``, ``schedule.<arg>``) whose values are all numbers and which
-    the stack accepts as a 0-dim tensor (tried once, outside vmap). Any other difference (model, data,
-    chain structure, ``trainer.*``...) puts the jobs in different groups. ``notes`` has one line for each
-    key that looks batchable but is not, naming the override.
+    A key whose values differ between jobs keeps them in one group when it is ``seed``/``data.seed``, one of
+    :data:`LOOP_KEYS` (``trainer.max_steps``: each member stops at its own step), or a stack key
+    (``optim.chain.<name>.<arg>``, ``schedule.<arg>``) whose values are all numbers and which the stack accepts as
+    a 0-dim tensor (tried once, outside vmap). Any other difference (the chain's structure, model, data, ``amp``,
+    ``accumulate``, a schedule's step counts, other ``trainer.*``...) puts the jobs in different groups.
+
+    Every group gets a ``name`` (``group 1``, ``group 2``... by first job), its ``batched`` values and its
+    ``reasons``: one line per reason that keeps it apart from the other groups, naming the key or keys (the
+    override that set them where the sweep wrote one) with their value here and in the other groups, and why
+    they cannot be batched. ``notes`` holds each group's lines for the launcher's log: its header
+    (:meth:`Group.header`) and its reasons.
 
     Args:
       jobs: the jobs of one launch, in job order.
       max_group_size: at most this many jobs per group (memory); ``None``: no limit.
       world: processes running the launcher (``torchrun``); more than one runs every job one by one.
+
+    Example:
+        >>> import pathlib
+        >>> from omegaconf import OmegaConf
+        >>> cfgs = [{"seed": s, "data": {"batch_size": b}, "parallel": {}} for b in (64, 128) for s in (0, 1)]
+        >>> jobs = [Job(i, OmegaConf.create(c), pathlib.Path(str(i)), []) for i, c in enumerate(cfgs)]
+        >>> groups, notes = plan(jobs)
+        >>> [g.label() for g in groups]
+        ['jobs 0,1', 'jobs 2,3']
+        >>> groups[1].reasons
+        ['apart by data.batch_size: 128 here, 64 in group 1: the batch size gives every tensor of the step its shape']
     """
     flats = [_flat(job.cfg) for job in jobs]
     keys = sorted({k for f in flats for k in f})
-    missing = object()
-    differ = [k for k in keys if len({repr(f.get(k, missing)) for f in flats}) > 1]
-    refused: dict[str, str] = {}  # key -> the note saying why it cannot be batched
-    batchable: list[str] = []
-    for key in differ:
-        values = [f.get(key, missing) for f in flats]
-        if not (_seed_key(key) or _stack_key(key)) or any(v is missing for v in values):
-            continue
-        bad = next((i for i, v in enumerate(values) if not _number(v)), None)
-        if bad is not None:
-            shown = _override_of(jobs[bad], key, values[bad])
-            refused[key] = (f"{shown} is not a number, so {key} cannot be batched: jobs with different values of it "
-                            "run in separate groups")
-            continue
-        if _stack_key(key):
-            why = _refuses_tensor(jobs[0].cfg, key, values[0])
-            if why is not None:
-                refused[key] = f"{key} cannot be batched ({why}): jobs with different values of it run in separate groups"
-                continue
-        batchable.append(key)
-
-    structural = [k for k in differ if k not in batchable]
-    # A note only where that key alone splits jobs (schedule.decay_steps=${trainer.max_steps} follows max_steps).
-    notes = [note for key, note in refused.items()
-             if _splits([[repr(f.get(k, missing)) for k in structural if k != key] for f in flats],
-                        [repr(f.get(key, missing)) for f in flats])]
-    by_key: dict[tuple, list[int]] = {}
+    differ = [k for k in keys if len({repr(f.get(k, _MISSING)) for f in flats}) > 1]
+    why = {key: _unbatchable(jobs, flats, key) for key in differ}  # None: batchable
+    # A batchable key splits jobs only where some set it and others do not (a transform in some chains only).
+    classes: dict[tuple, list[int]] = {}
     for i, f in enumerate(flats):
-        by_key.setdefault(tuple(repr(f.get(k, missing)) for k in structural), []).append(i)
-    groups = []
+        sig = tuple(repr(f.get(k, _MISSING)) if why[k] is not None else k in f for k in differ)
+        classes.setdefault(sig, []).append(i)
     size = max_group_size or len(jobs)
-    for members in by_key.values():
-        for at in range(0, len(members), size):
-            chunk = members[at:at + size]
-            values = {k: [flats[i][k] for i in chunk] for k in batchable if _stack_key(k)
-                      and len({repr(flats[i][k]) for i in chunk}) > 1}
-            group = Group([jobs[i] for i in chunk], values)
-            group.sequential = _sequential_reason(group, world)
-            groups.append(group)
-    groups.sort(key=lambda g: g.jobs[0].num)
+    chunks = sorted((members[at:at + size] for members in classes.values() for at in range(0, len(members), size)),
+                    key=lambda c: c[0])
+    groups = []
+    for n, chunk in enumerate(chunks, start=1):
+        batched = {k: [flats[i][k] for i in chunk] for k in differ
+                   if why[k] is None and len({repr(flats[i].get(k, _MISSING)) for i in chunk}) > 1}
+        if batched.get("data.seed") == batched.get("seed"):  # data.seed=${seed}: one key to name
+            batched.pop("data.seed", None)
+        group = Group([jobs[i] for i in chunk], {k: vs for k, vs in batched.items() if _stack_key(k)},
+                      name=f"group {n}", batched=batched)
+        group.sequential = _sequential_reason(group, world)
+        groups.append(group)
+    for at, (g, chunk) in enumerate(zip(groups, chunks)):
+        g.reasons = _reasons(at, chunks, groups, flats, differ, why)
+        whole = next(m for m in classes.values() if chunk[0] in m)
+        if len(whole) > len(chunk):
+            others = [h.name for h, c in zip(groups, chunks) if c is not chunk and c[0] in whole]
+            g.reasons.append(f"apart by hydra.launcher.max_group_size={size}: jobs {','.join(map(str, whole))} "
+                             f"could be one group; they run {size} at a time (also {', '.join(others)})")
+    notes = [f"{g.name}: {line}" for g in groups for line in (g.header(), *g.reasons)]
     return groups, notes
 
 
-def _splits(others: list[list[str]], own: list[str]) -> bool:
-    """Whether two jobs that agree on every other key (``others[i]``) differ in this one (``own[i]``)."""
-    seen: dict[tuple, str] = {}
-    return any(seen.setdefault(tuple(o), v) != v for o, v in zip(others, own))
+def _unbatchable(jobs: Sequence[Job], flats: list[dict[str, Any]], key: str) -> str | None:
+    """Why jobs whose values of ``key`` differ cannot share a group, or ``None`` where a group takes them."""
+    if _seed_key(key) or key in LOOP_KEYS:
+        return None
+    if len({repr(f[key]) for f in flats if key in f}) == 1:  # set in some jobs only: split by that, said apart
+        return None
+    if _stack_key(key):
+        present = [(i, f[key]) for i, f in enumerate(flats) if key in f]
+        bad = next(((i, v) for i, v in present if not _number(v)), None)
+        if bad is not None:
+            return f"{_override_of(jobs[bad[0]], key, bad[1])} is not a number"
+        refused = _refuses_tensor(jobs[present[0][0]].cfg, key, present[0][1])
+        if refused is None:
+            return None
+        return f"the stack takes {key} only as a Python number ({refused})"
+    return next(text for prefix, text in _WHY if key == prefix or key.startswith(prefix))
+
+
+def _reasons(at: int, chunks: list[list[int]], groups: list[Group], flats: list[dict[str, Any]],
+             differ: list[str], why: dict[str, str | None]) -> list[str]:
+    """The lines that say why group ``at`` is apart from the others: one per set of keys that split the groups
+    alike (``trainer.max_steps`` and the ``schedule.decay_steps`` that follows it are one reason)."""
+    def shown(k: str, chunk: list[int]) -> str:
+        return ",".join(dict.fromkeys(_show(flats[i].get(k, _MISSING)) for i in chunk))
+
+    alike: dict[tuple, list[str]] = {}  # keys that split the groups the same way: one reason
+    for k in differ:  # a batchable key splits only by being set in some groups and not in others
+        values = [shown(k, c) if why[k] is not None else shown(k, c) == "unset" for c in chunks]
+        if len(set(values)) > 1:
+            alike.setdefault(_partition(values), []).append(k)
+    lines = []
+    for split, ks in alike.items():
+        if all(why[k] is None for k in ks) and any(
+                any(why[k] is not None for k in other) and _refines(finer, split) for finer, other in alike.items()):
+            continue  # keys of a transform in some chains only: the chain's structure says it
+        name, values, follow = _cause(ks, split, chunks, groups, flats, differ, why)
+        elsewhere: dict[str, list[str]] = {}
+        for n, group in enumerate(groups):
+            if split[n] != split[at]:
+                elsewhere.setdefault(values[n], []).append(group.name)
+        others = ", ".join(f"{v} in {ns[0] if len(ns) == 1 else 'groups ' + ','.join(n.split()[-1] for n in ns)}"
+                           for v, ns in elsewhere.items())
+        causes = sorted((k for k in ks if why[k] is not None), key=lambda k: (k != CHAIN, not _stack_key(k)))
+        reason = why[causes[0]] if causes else "set in some of these jobs only"
+        lines.append(f"apart by {name}: {values[at]} here, {others}{follow}: {reason}")
+    return lines
+
+
+def _refines(finer: tuple[int, ...], coarser: tuple[int, ...]) -> bool:
+    """Whether groups that share a value in ``finer`` always share one in ``coarser``."""
+    return all(coarser[n] == coarser[m] for n in range(len(finer)) for m in range(n) if finer[n] == finer[m])
+
+
+def _cause(ks: list[str], split: tuple[int, ...], chunks: list[list[int]], groups: list[Group],
+           flats: list[dict[str, Any]], differ: list[str], why: dict[str, str | None]) -> tuple[str, list[str], str]:
+    """What to name for keys ``ks`` that split the groups as ``split`` does: ``(name, its value per group, a
+    remark)``. The node of an override the sweep varies that way (``model`` for ``model=mlp,resnet``, the chain for
+    ``optim/transform@optim.chain=[a],[b]``); else a batchable key that varies that way between groups and not
+    within one (``trainer.max_steps``, which ``schedule.decay_steps`` follows); else the first of ``ks``."""
+    swept = {_package(o): o.lstrip("+~").split("=", 1)[0] for g in groups for o in g.jobs[0].overrides if "=" in o}
+    for node, written in swept.items():
+        covered = [k for k in ks if k == node or k.startswith(node + ".")]
+        values = [next((o.split("=", 1)[1] for o in g.jobs[0].overrides if "=" in o and _package(o) == node),
+                       "default") for g in groups]
+        if covered and _partition(values) == split:
+            rest = [k for k in ks if k not in covered]
+            return written, values, f" (and {_listed(rest)})" if rest else ""
+    for k in differ:
+        if why[k] is None and all(k in f for f in flats):
+            values = [",".join(dict.fromkeys(_show(flats[i][k]) for i in c)) for c in chunks]
+            if all(len({repr(flats[i][k]) for i in c}) == 1 for c in chunks) and _partition(values) == split:
+                return k, values, f" ({_listed(ks)} follow{'s' if len(ks) == 1 else ''} it)"
+    key = sorted(ks, key=lambda k: (why[k] is None, k != CHAIN))[0]
+    rest = [k for k in ks if k != key and not k.startswith(key + ".")]
+    values = [",".join(dict.fromkeys(_show(flats[i].get(key, _MISSING)) for i in c)) for c in chunks]
+    return key, values, f" (and {_listed(rest)})" if rest else ""
+
+
+def _listed(keys: list[str]) -> str:
+    """``a, b, c...``: at most three keys named."""
+    return ", ".join(keys[:3]) + ("..." if len(keys) > 3 else "")
 
 
 def _refuses_tensor(cfg: DictConfig, key: str, value: float) -> str | None:
     """Why :func:`fxtrain.build.stack` cannot take ``key`` as a 0-dim tensor, or ``None`` if it can.
 
     ``None`` too when the config does not build with the number itself: that error is the jobs' own (their
-    runs report it), not a reason to split them.
+    runs report it), not a reason to split them. A job given in epochs has no ``trainer.max_steps`` yet (its run
+    settles it): the stack is built with one update's steps instead, a length every stack accepts.
     """
+    if cfg.trainer.get("max_steps") is None:
+        cfg = copy.deepcopy(cfg)
+        cfg.trainer.max_steps = cfg.accumulate.get("every", 1)
     try:
         build.stack(cfg, values={key: torch.tensor(float(value), dtype=torch.float32)})
     except (TypeError, ValueError) as e:
@@ -480,7 +681,7 @@ def _train_group(group: Group) -> list[Result]:
             others = ",".join(str(o.job.num) for o in live if o is not m)
             results[m.job.num].lines.extend(runner.begin_run(m.job.cfg, m.run, m.built, m.state, m.resumed,
                                                              where=f"vmap: one process with jobs {others}"))
-        batched = ", ".join([*group.values, *(["seed"] if len({m.job.cfg.seed for m in live}) > 1 else [])]) or "nothing"
+        batched = ", ".join(group.batched) or "nothing"
         log.info(f"vmap   jobs {','.join(str(m.job.num) for m in live)} as one process: {len(live)} jobs, batched over "
                  f"{batched}; {'one batch for all' if steps.shared else 'a batch per job'}")
         runner.loop(steps, members, start, cfg.trainer, t0)
@@ -491,11 +692,11 @@ def _train_group(group: Group) -> list[Result]:
 
     # --- summaries --------------------------------------------------------------------------------------
     elapsed = time.perf_counter() - t0
-    for j, (m, member) in enumerate(zip(live, members)):
+    for m, member in zip(live, members):
         result = results[m.job.num]
         if member.error is None:
             try:
-                result.value = runner.close_run(m.job.cfg, m.run, m.built, steps.state(cfg.trainer.max_steps, j),
+                result.value = runner.close_run(m.job.cfg, m.run, m.built, member.last,
                                                 member.final, elapsed, member.best)
                 continue
             except (FloatingPointError, KeyError) as e:

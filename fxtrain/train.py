@@ -372,16 +372,18 @@ class Member:
     record: dict[str, float] = dataclasses.field(default_factory=dict)  #: the last metrics.jsonl line
     logger: loggers.Loggers | None = None  #: metrics.jsonl and the configured loggers, open in the loop
     final: dict[str, Any] | None = None  #: the last train and eval metrics (and ``stopped_early``) once done
+    last: fx.TrainState | None = None  #: its state where it ended (its max_steps, or where it stopped early)
     error: BaseException | None = None  #: why it failed
 
 
 def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t0: float) -> None:
     """Steps ``start + 1 .. trainer.max_steps`` of every member: step, log, evaluate, checkpoint. A member ends
-    alone where ``trainer.early_stopping`` says so or a loss or metric is not finite (its ``error``); every
-    other one runs to ``max_steps``. Sets each member's ``final`` (or ``error``)."""
-    max_steps = trainer.max_steps
+    alone at its own ``trainer.max_steps`` (the members of a vmapped group may differ in it and in their log, eval
+    and checkpoint cadences, each read from the member's config), where ``trainer.early_stopping`` says so, or
+    where a loss or metric is not finite (its ``error``). Sets each member's ``final`` and ``last`` (or ``error``)."""
+    ends = [m.cfg.trainer.max_steps for m in members]
     alive = list(range(len(members)))
-    bar = tqdm(total=max_steps, initial=start, desc=steps.desc, dynamic_ncols=True,
+    bar = tqdm(total=max(ends), initial=start, desc=steps.desc, dynamic_ncols=True,
                disable=members[0].run.rank != 0 or not trainer.progress)
     with contextlib.ExitStack() as stack:
         stack.enter_context(logging_redirect_tqdm())
@@ -390,12 +392,13 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
             _open_member(m, start, stack)
             m.best = selection.Best(selection.best_by(m.cfg))
             m.best.resume(m.run.ckpt_dir, start, steps.state(start, j), m.run.rank)  # the best so far survives
-        if start == max_steps:  # killed after its last checkpoint, before its summary: evaluate again
-            for j in alive:
-                members[j].eval_metrics = steps.evaluate(start, j, members[j].hooks)
+        for j in [j for j in alive if ends[j] == start]:  # killed after its last checkpoint, before its summary
+            members[j].eval_metrics = steps.evaluate(start, j, members[j].hooks)
+            members[j].last = steps.state(start, j)
+            alive.remove(j)
         i = start
-        while i < max_steps and alive:
-            first, i = i, next_event(i, trainer, steps.longest)
+        while alive:
+            first, i = i, min(next_event(i, members[j].cfg.trainer, steps.longest) for j in alive)
             metrics = steps.advance(first, i)
             bar.update(i - first)
             if first == start:
@@ -404,22 +407,22 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
                 _check_metric_names(m.cfg, names, deferred=bool(m.hooks))
             for j in list(alive):
                 try:
-                    done = _member_step(steps, members[j], j, i, metrics, trainer, t0)
+                    done = _member_step(steps, members[j], j, i, metrics, t0) or i == ends[j]
                 except FloatingPointError as e:
                     members[j].error, done = e, True
                 if done:
                     alive.remove(j)
-                if members[j].stopped:
-                    members[j].final = _final(members[j], start, max_steps)
+                    if members[j].error is None:  # its state now: a group's stacked params go on for the others
+                        members[j].last, members[j].final = steps.state(i, j), _final(members[j], start, ends[j])
             if len(members) == 1:
                 bar.set_postfix({k: f"{members[0].record[k]:.4g}" for k in ("loss", "learning_rate", "val_accuracy")
                                  if k in members[0].record})
-            elif alive and (i % trainer.log_every == 0 or i == max_steps):
+            elif alive and (i % trainer.log_every == 0 or i == max(ends)):
                 bar.set_postfix({"loss": f"{min(members[j].train_metrics.get('loss', math.inf) for j in alive):.4g}",
                                  "jobs": len(alive)})
-    for m in members:
+    for m, end in zip(members, ends):
         if m.error is None and m.final is None:
-            m.final = _final(m, start, max_steps)
+            m.final = _final(m, start, end)
 
 
 def _open_member(m: Member, start: int, stack: contextlib.ExitStack) -> None:
@@ -435,10 +438,11 @@ def _open_member(m: Member, start: int, stack: contextlib.ExitStack) -> None:
             m.stopper.replay([r for r in logged if r.get("step", 0) <= start])
 
 
-def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any], trainer: DictConfig,
-                 t0: float) -> bool:
-    """Member ``j`` after step ``i``: its log line, evaluation, early stopping and checkpoint; whether it is done."""
-    max_steps, record = trainer.max_steps, {}
+def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any], t0: float) -> bool:
+    """Member ``j`` after step ``i``: its log line, evaluation, early stopping and checkpoint (on its own config's
+    cadences); whether early stopping ended it."""
+    trainer, record = m.cfg.trainer, {}
+    max_steps = trainer.max_steps
     if i % trainer.log_every == 0 or i == max_steps:
         m.train_metrics = steps.logged(metrics, j)
         record.update(m.train_metrics)

@@ -45,7 +45,9 @@ def assert_close_records(a, b, where):
             assert math.isclose(ra[k], rb[k], rel_tol=RTOL, abs_tol=ATOL), f"{where} step {ra['step']} {k}: {ra[k]} vs {rb[k]}"
 
 
-def assert_same_sweep(basic, vmapped, jobs):
+def assert_same_sweep(basic, vmapped, jobs, checkpoints=("step_0000015", "step_0000030"), tested="best"):
+    """Every job's metrics.jsonl, summary.json, config, checkpoints (``checkpoints[job]`` or the same for all, besides
+    best) and summary.csv row equal within RTOL/ATOL; each job tested on its ``tested`` checkpoint."""
     for job in map(str, range(jobs)):
         assert_close_records(records(basic / job), records(vmapped / job), f"job {job} metrics.jsonl")
         sa, sb = (json.loads((d / job / "summary.json").read_text()) for d in (basic, vmapped))
@@ -56,11 +58,14 @@ def assert_same_sweep(basic, vmapped, jobs):
         assert (basic / job / "config.yaml").read_text() == (vmapped / job / "config.yaml").read_text()
         assert (basic / job / ".hydra" / "overrides.yaml").read_text() == (vmapped / job / ".hydra" / "overrides.yaml").read_text()
         assert sa["best_step"] == sb["best_step"], f"job {job} best_step"      # test_* on the same best checkpoint
-        assert [s["test_ckpt"].split(" (")[0] for s in (sa, sb)] == ["best", "best"], f"job {job} test_ckpt"
+        assert [s["test_ckpt"].split(" (")[0] for s in (sa, sb)] == [tested, tested], f"job {job} test_ckpt"
         assert any(k.startswith("test_") for k in sb["metrics"]), f"job {job}: no test_* in summary.json"
         listed = [sorted(p.name for p in (d / job / "checkpoints").iterdir()) for d in (basic, vmapped)]
-        assert listed[0] == listed[1] == ["best", "step_0000015", "step_0000030"], f"job {job} checkpoints"
-        assert "stack  chain(clip_by_global_norm(" in (vmapped / job / "train.log").read_text()
+        own = checkpoints[int(job)] if isinstance(checkpoints, dict) else checkpoints
+        assert listed[0] == listed[1] == ["best", *own], f"job {job} checkpoints"
+        stacks = [[ln.split("] ", 1)[-1] for ln in (d / job / "train.log").read_text().splitlines() if "] stack  " in ln]
+                  for d in (basic, vmapped)]
+        assert stacks[0] == stacks[1] and len(stacks[0]) == 1, f"job {job}: {stacks}"
     rows = [list(csv.DictReader((d / "summary.csv").read_text().splitlines())) for d in (basic, vmapped)]
     assert [r["job"] for r in rows[1]] == [str(j) for j in range(jobs)]
     floats = ("loss", "accuracy", "val_loss", "val_accuracy", "test_loss", "test_accuracy")  # within the tolerance
@@ -157,35 +162,34 @@ def test_eval_hooks_and_early_stopping_run_per_job_as_the_basic_launcher_runs_th
     assert "confidence" in records(vmapped / "1")[-1]                               # the hook's metric, per job
 
 
-# --- grouping --------------------------------------------------------------------------------------
+# --- grouping (plan-level checks of each reason's note: tests/test_sweep_plan.py) --------------------------
 
-def jobs_of(*per_job):
-    return [sweep.Job(i, cfg_of(*FAST, *o), pathlib.Path(str(i)), list(o)) for i, o in enumerate(per_job)]
-
-
-def test_jobs_that_differ_in_structure_go_to_separate_groups():
-    jobs = jobs_of(["optim.chain.adamw.learning_rate=0.1"], ["optim.chain.adamw.learning_rate=0.2"],
-                   ["optim.chain.adamw.learning_rate=0.1", "model.hidden=[8]"],
-                   ["optim.chain.adamw.learning_rate=0.2", "model.hidden=[8]"],
-                   ["optim.chain.adamw.learning_rate=0.2", "trainer.max_steps=40"])
-    groups, notes = sweep.plan(jobs)
-    assert [[j.num for j in g.jobs] for g in groups] == [[0, 1], [2, 3], [4]]
-    assert groups[0].values == {"optim.chain.adamw.learning_rate": [0.1, 0.2]} and groups[0].sequential is None
-    assert groups[2].sequential == "a group of one" and notes == []
-    assert [[j.num for j in g.jobs] for g in sweep.plan(jobs[:2], max_group_size=1)[0]] == [[0], [1]]
-
-
-def test_values_that_cannot_be_batched_are_named():
-    groups, notes = sweep.plan(jobs_of(["schedule=warmup_cosine", "schedule.warmup_steps=2"],
-                                       ["schedule=warmup_cosine", "schedule.warmup_steps=3"]))
-    assert [[j.num for j in g.jobs] for g in groups] == [[0], [1]]
-    assert notes == ["schedule.warmup_steps cannot be batched (schedule (fxtrain.warmup_cosine_decay_schedule): "
-                     "warmup_cosine_decay_schedule: warmup_steps must be an integer number of steps, got Tensor "
-                     "tensor(2.)): jobs with different values of it run in separate groups"]
-    groups, notes = sweep.plan(jobs_of(["optim.chain.adamw.weight_decay=0.1"], ["optim.chain.adamw.weight_decay=high"]))
-    assert [[j.num for j in g.jobs] for g in groups] == [[0], [1]]
-    assert notes == ["optim.chain.adamw.weight_decay=high is not a number, so optim.chain.adamw.weight_decay cannot be "
-                     "batched: jobs with different values of it run in separate groups"]
+def test_structures_and_max_steps_match_the_basic_launcher(capsys):
+    # Two structures of the chain (the same transforms in another order: a group each) x two lengths: each group
+    # batches both lengths, the job of 20 steps stopping alone at its own step (its last log line, checkpoint,
+    # summary and test there, on its own state). Jobs: (20, a), (20, b), (30, a), (30, b).
+    grid = ["trainer.max_steps=20,30", "optim/transform@optim.chain=[clip_by_global_norm,adamw],[adamw,clip_by_global_norm]",
+            "schedule=constant", "trainer.test_ckpt=last"]
+    basic = sweep_of("basic", *grid)
+    vmapped = sweep_of("vmap", *grid)
+    out = capsys.readouterr().out
+    assert "vmap   jobs 0,2 as one process: 2 jobs, batched over trainer.max_steps" in out
+    assert "vmap   jobs 1,3 as one process: 2 jobs, batched over trainer.max_steps" in out
+    assert "[vmap] group 2: apart by optim/transform@optim.chain: [adamw,clip_by_global_norm] here, " \
+           "[clip_by_global_norm,adamw] in group 1: the chain's structure" in out
+    steps = {20: ["step_0000015", "step_0000020"], 30: ["step_0000015", "step_0000030"]}
+    assert_same_sweep(basic, vmapped, 4, checkpoints={j: steps[20 if j < 2 else 30] for j in range(4)}, tested="last")
+    assert [r["step"] for r in records(vmapped / "1")] == [5, 10, 15, 20]
+    for job in range(4):  # the note each job records in its train.log
+        log = (vmapped / str(job) / "train.log").read_text()
+        assert (f"group  job {job} in group {job % 2 + 1}: jobs {job % 2},{job % 2 + 2} as one vmapped process, "
+                f"batched over trainer.max_steps=20,30") in log
+        assert "group  apart by optim/transform@optim.chain: " in log
+    cfg = cfg_of(*SWEEP, "optim/transform@optim.chain=[adamw,clip_by_global_norm]", "trainer.max_steps=20",
+                 "schedule=constant")
+    a, b = (load_checkpoint(d / "1" / "checkpoints" / "step_0000020", cfg) for d in (basic, vmapped))
+    for x, y in zip(fx.tree.leaves(a.params), fx.tree.leaves(b.params)):
+        torch.testing.assert_close(x, y, rtol=RTOL, atol=1e-5)
 
 
 class DropoutMLP(torch.nn.Module):
@@ -206,5 +210,9 @@ def test_a_group_vmap_cannot_run_falls_back_to_one_by_one(monkeypatch, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "[vmap] jobs 0,1 run one by one: the vmapped step raised RuntimeError: " in out
+    for job in "01":  # and each job's train.log says so, before its run's own lines
+        log = pathlib.Path("sweep", job, "train.log").read_text().splitlines()
+        assert f"] group  job {job} in group 1: jobs 0,1 one by one: the vmapped step raised RuntimeError: " in log[0]
+        assert "] run    " in log[1]
     assert [r["status"] for r in csv.DictReader(pathlib.Path("sweep/summary.csv").read_text().splitlines())] == \
         ["completed", "completed"]

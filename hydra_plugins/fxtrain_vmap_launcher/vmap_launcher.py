@@ -23,6 +23,7 @@ whenever any Hydra app starts (submitit is imported only when a launch uses it).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
@@ -88,9 +89,11 @@ class VmapLauncher(Launcher):
             return self._run_groups(groups, configs)
         return self._submit(groups, dict(enumerate(map(list, job_overrides), start=initial_job_idx)))
 
-    def __call__(self, jobs: Sequence[tuple[int, Sequence[str]]], singleton_state: dict) -> list[JobReturn]:
+    def __call__(self, jobs: Sequence[tuple[int, Sequence[str]]], singleton_state: dict,
+                 planned: tuple[str, list[str]] = ("", [])) -> list[JobReturn]:
         """One submitit job: the jobs of one planned group (``(num, overrides)`` each), trained as the in-process
-        launcher trains a group; Hydra's globals set up as ``hydra_submitit_launcher`` sets them up."""
+        launcher trains a group; Hydra's globals set up as ``hydra_submitit_launcher`` sets them up. ``planned``:
+        the group's name and reasons as the launching process planned them among all the launch's jobs."""
         import submitit
 
         Singleton.set_state(singleton_state)
@@ -99,7 +102,10 @@ class VmapLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         job_id = submitit.JobEnvironment().job_id
         configs = [self._sweep_config(overrides, num, job_id) for num, overrides in jobs]
-        return self._run_groups(self._plan(configs, notes=False), configs)
+        groups = self._plan(configs, notes=False)
+        for group in groups:  # this job's jobs alone cannot say why the launch put them apart
+            group.name, group.reasons = planned[0] or group.name, [*planned[1], *group.reasons]
+        return self._run_groups(groups, configs)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """submitit's hook on timeout or preemption: the same group submitted again (with ``resume=auto``
@@ -117,23 +123,30 @@ class VmapLauncher(Launcher):
         return sweep_config
 
     def _plan(self, configs: list[DictConfig], notes: bool) -> list[Any]:
-        """The groups of these jobs (:func:`fxtrain.sweep.plan`); every job alone when the launch cannot batch."""
+        """The groups of these jobs (:func:`fxtrain.sweep.plan`); every job alone when the launch cannot batch.
+        With ``notes``, the launcher's log gets each group's lines (how it runs, one line per reason it is apart)."""
         from fxtrain import distributed, sweep
 
         assert self.config is not None and self.task_function is not None
-        alone = [sweep.Group([sweep.Job(int(c.hydra.job.num), c, pathlib.Path(), [])], {}, "a group of one")
-                 for c in configs]
-        why = self.unbatchable
-        if why is not None:
+
+        def alone(c: DictConfig, why: str) -> Any:
+            return sweep.Group([sweep.Job(int(c.hydra.job.num), c, pathlib.Path(), [])], {}, "a group of one",
+                               reasons=[why])
+
+        if self.unbatchable is not None:
             if notes:
-                log.info(f"[vmap] every job runs one by one: {why}")
-            return alone
+                log.info(f"[vmap] every job runs one by one: {self.unbatchable}")
+            return [alone(c, f"apart: {self.unbatchable}") for c in configs]
         jobs = [_job(c) for c in configs]
         groups, planned_notes = sweep.plan([j for j in jobs if j is not None], self.max_group_size,
                                            distributed.rank_and_world()[1])
         for note in planned_notes if notes else []:
             log.info(f"[vmap] {note}")
-        groups += [g for g, j in zip(alone, jobs) if j is None]  # configs that do not resolve: their runs say why
+        for c, j in zip(configs, jobs):  # configs that do not resolve here: their runs say why
+            if j is None:
+                groups.append(alone(c, "apart: its config does not resolve in the launcher (its run says why)"))
+                if notes:
+                    log.info(f"[vmap] job {c.hydra.job.num} alone: {groups[-1].reasons[0]}")
         return sorted(groups, key=lambda g: g.jobs[0].num)
 
     def _run_groups(self, groups: list[Any], configs: list[DictConfig]) -> list[JobReturn]:
@@ -152,12 +165,12 @@ class VmapLauncher(Launcher):
                     group.sequential = why.splitlines()[0] if why else type(e).__name__  # a one-line note
                 else:
                     for job, result in zip(group.jobs, results):
-                        returns[job.num] = self._run(by_num[job.num], _recorded(result))
+                        returns[job.num] = self._run(by_num[job.num], _recorded(result, sweep.job_notes(group, job)))
                     continue
             if len(group.jobs) > 1:
                 log.info(f"[vmap] {group.label()} run one by one: {group.sequential}")
             for job in group.jobs:
-                returns[job.num] = self._run(by_num[job.num], self.task_function)
+                returns[job.num] = self._run(by_num[job.num], _noted(self.task_function, sweep.job_notes(group, job)))
         return [returns[num] for num in sorted(returns)]
 
     def _submit(self, groups: list[Any], overrides: dict[int, list[str]]) -> list[JobReturn]:
@@ -166,7 +179,8 @@ class VmapLauncher(Launcher):
         assert self.executor is not None
         executor = _executor(self.executor)
         work = [[(job.num, overrides[job.num]) for job in group.jobs] for group in groups]
-        submitted = executor.map_array(self, work, [Singleton.get_state()] * len(work))
+        submitted = executor.map_array(self, work, [Singleton.get_state()] * len(work),
+                                       [(group.name, group.reasons) for group in groups])
         for group, job in zip(groups, submitted):
             log.info(f"[vmap] {group.label()}: submitit job {job.job_id}")
         returns = {num: ret for nums, job in zip(work, submitted) for (num, _), ret in zip(nums, job.result())}
@@ -246,8 +260,12 @@ def _not_batchable_launch(config: DictConfig, task_function: Callable) -> str | 
 
 def _job(sweep_config: DictConfig) -> Any:
     """The :class:`fxtrain.sweep.Job` of one sweep config: its run directory as ``run_job`` names it, and its
-    task config resolved with Hydra's config set to this job's (``${hydra:...}``); ``None`` if it does not resolve."""
-    from fxtrain import build, sweep
+    task config resolved with Hydra's config set to this job's (``${hydra:...}``); ``None`` if it does not resolve.
+
+    A job given in epochs (``trainer.max_epochs``) is resolved with the ``max_steps`` its run will settle
+    (:func:`fxtrain.train.settle_max_steps`), so the schedule and cadences that follow it hold the job's values;
+    ``max_steps`` itself stays null in the task config, which the job's run settles again."""
+    from fxtrain import build, sweep, train
 
     saved = HydraConfig.instance().cfg
     try:
@@ -257,8 +275,13 @@ def _job(sweep_config: DictConfig) -> Any:
             sweep_config.hydra.runtime.output_dir = out  # as run_job sets it again
         HydraConfig.instance().set_config(sweep_config)
         build.settle_optimized_metric(sweep_config)  # the task's own, as the job's own run would settle it
+        settled = copy.deepcopy(sweep_config)  # the config run_job hands the job stays as it is
+        if settled.trainer.get("max_epochs") is not None:
+            train.settle_max_steps(settled)
         task = {k: OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
-                for k, v in sweep_config.items() if k != "hydra"}
+                for k, v in settled.items() if k != "hydra"}
+        if sweep_config.trainer.get("max_epochs") is not None:
+            task["trainer"]["max_steps"] = sweep_config.trainer.max_steps  # null: settled by the job's run
         overrides = [str(o) for o in OmegaConf.to_container(sweep_config.hydra.overrides.task)]
         return sweep.Job(int(sweep_config.hydra.job.num), OmegaConf.create(task), pathlib.Path(out), overrides)
     except Exception:  # noqa: BLE001 - an interpolation that fails here fails in the job's own run, which says so
@@ -267,16 +290,28 @@ def _job(sweep_config: DictConfig) -> Any:
         HydraConfig.instance().cfg = saved
 
 
-def _recorded(result: Any) -> Callable[[DictConfig], float]:
+def _recorded(result: Any, notes: list[str]) -> Callable[[DictConfig], float]:
     """A task function that hands back what the vmapped group computed for this job (inside ``run_job``, so the
-    job's lines reach its ``train.log`` and Hydra records its return value or error)."""
+    job's lines, its group's ``notes`` first, reach its ``train.log`` and Hydra records its return value or error)."""
 
     def task(cfg: DictConfig) -> float:
         del cfg  # trained already
-        for line in result.lines:
+        for line in [*notes, *result.lines]:
             logging.getLogger("fxtrain").info(line)
         if result.error is not None:
             raise result.error
         return result.value
+
+    return task
+
+
+def _noted(task_function: Callable, notes: list[str]) -> Callable[[DictConfig], Any]:
+    """``task_function`` with its job's group ``notes`` (:func:`fxtrain.sweep.job_notes`) logged first, inside
+    ``run_job``: the job's ``train.log`` says why it ran alone or one by one."""
+
+    def task(cfg: DictConfig) -> Any:
+        for line in notes:
+            logging.getLogger("fxtrain").info(line)
+        return task_function(cfg)
 
     return task
