@@ -331,9 +331,133 @@ def batches_per_epoch(data: Dataset) -> int | None:
     train = data.train
     if isinstance(train, _OnDevice):
         train = train.batches
-    if isinstance(train, _Epochs):
+    if isinstance(train, (_Epochs, _FirstOfEpoch, _Repeated)):
         return len(train)
     return None
+
+
+# --- debug runs (the runner's debug.limit_* and debug.overfit_batches) ---------------------------------------
+
+def check_limit(name: str, value: Any) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``value`` is a limit :func:`limited` takes: ``None`` (all), a
+    fraction in (0, 1] (a float: ``0.1``, ``1.0``) or a count of batches >= 1 (a whole number: ``5``).
+
+    >>> check_limit("limit_val", 0.5); check_limit("limit_val", 3); check_limit("limit_val", None)
+    >>> check_limit("limit_val", 1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: limit_val=1.5: expected a fraction in (0, 1] (0.1: a tenth) or a whole number of batches >= 1 (5), or null (all)
+    """
+    fraction = isinstance(value, float) and 0 < value <= 1
+    count = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 2**31 - 1
+    if value is not None and not (fraction or count):
+        raise ValueError(f"{name}={value}: expected a fraction in (0, 1] (0.1: a tenth) or a whole number of "
+                         "batches >= 1 (5), or null (all)")
+
+
+def _limit(name: str, value: int | float | None, total: int) -> int:
+    """How many of ``total`` batches (or rows) the limit ``value`` keeps: all, a fraction (at least one), a count."""
+    check_limit(name, value)
+    if value is None:
+        return total
+    return max(1, int(value * total)) if isinstance(value, float) else min(value, total)
+
+
+class _FirstOfEpoch(_Batches):
+    """The first ``n`` batches of each epoch of ``batches`` (whose epochs are ``per_epoch`` batches): an epoch
+    of ``n`` batches, each a fresh draw as ``batches``' own epochs are (Lightning's ``limit_train_batches``)."""
+
+    def __init__(self, batches: Any, n: int, per_epoch: int):
+        self.batches, self.n, self.per_epoch = batches, n, per_epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, step: int) -> Batch:
+        epoch, i = divmod(step, self.n)
+        return self.batches[epoch * self.per_epoch + i]
+
+    def to(self, device: torch.device | str) -> "_FirstOfEpoch":
+        moved = self.batches.to(device) if isinstance(self.batches, _Batches) else _OnDevice(self.batches, device)
+        return _FirstOfEpoch(moved, self.n, self.per_epoch)
+
+    def describe(self, test: Batch) -> str:
+        return f"{_describe(self.batches, test)}; debug: {self.n} of {self.per_epoch} batches per epoch"
+
+
+class _Repeated(_Batches):
+    """The first ``n`` batches of ``batches``, again and again: ``repeated[k]`` is ``batches[k % n]``."""
+
+    def __init__(self, batches: Any, n: int):
+        self.batches, self.n = batches, n
+        self._held = [batches[i] for i in range(n)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, step: int) -> Batch:
+        return self._held[step % self.n]
+
+    def to(self, device: torch.device | str) -> "_Repeated":
+        moved = self.batches.to(device) if isinstance(self.batches, _Batches) else _OnDevice(self.batches, device)
+        return _Repeated(moved, self.n)
+
+    def describe(self, test: Batch) -> str:
+        return f"debug: the same {self.n} training batch{'es' if self.n > 1 else ''} every step, of {_describe(self.batches, test)}"
+
+
+def limited(data: Dataset, *, limit_train: int | float | None = None, limit_val: int | float | None = None,
+            limit_test: int | float | None = None, eval_batch_size: int = 512) -> Dataset:
+    """``data`` with fewer batches in each split (a debug run): a fraction (a float in (0, 1]) or a count (a whole
+    number >= 1) of the training batches of each epoch (the first of each, so an epoch is shorter), and of the
+    validation and test splits, counted in batches of ``eval_batch_size`` (their first rows); ``None``: all.
+
+    Raises:
+      ValueError: a limit out of range, or ``limit_train`` on data that does not say how many batches an epoch
+        holds; the message starts with the argument's name.
+
+    >>> data = synthetic(batch_size=32, num_examples=256, val_fraction=0.25)
+    >>> small = limited(data, limit_train=0.5, limit_val=1, limit_test=0.5, eval_batch_size=16)
+    >>> batches_per_epoch(data), batches_per_epoch(small), len(small.val[0]), len(small.test[0])
+    (4, 2, 16, 32)
+    >>> bool((small.train[2][0] == data.train[4][0]).all())   # the second epoch starts where data's does
+    True
+    """
+    train = data.train
+    if limit_train is not None:
+        per_epoch = batches_per_epoch(data)
+        if per_epoch is None:
+            check_limit("limit_train", limit_train)
+            raise ValueError(f"limit_train={limit_train}: the training batches of {data.name} do not say how many an "
+                             "epoch holds (an iterable without len()); leave it null")
+        train = _FirstOfEpoch(train, _limit("limit_train", limit_train, per_epoch), per_epoch)
+
+    def rows(name: str, value: int | float | None, split: Batch | None) -> Batch | None:
+        check_limit(name, value)
+        if split is None or value is None:
+            return split
+        total = len(split[0])
+        keep = max(1, int(value * total)) if isinstance(value, float) else min(value * eval_batch_size, total)
+        return split[0][:keep], split[1][:keep]
+
+    return Dataset(data.name, train, rows("limit_test", limit_test, data.test), rows("limit_val", limit_val, data.val))
+
+
+def overfit(data: Dataset, batches: int) -> Dataset:
+    """``data`` for a debug run that overfits: its first ``batches`` training batches, reused every step
+    (``train[k]`` is ``train[k % batches]``), and the same rows as the validation and test splits, so the
+    evaluation shows what training reaches on them (a loss near zero, when model and step are right).
+
+    >>> data = overfit(synthetic(batch_size=8, num_examples=64), 2)
+    >>> bool((data.train[0][0] == data.train[2][0]).all()), len(data.val[0]), len(data.test[0]), batches_per_epoch(data)
+    (True, 16, 16, 2)
+    """
+    if not (isinstance(batches, int) and not isinstance(batches, bool) and batches >= 1):
+        raise ValueError(f"overfit_batches={batches}: expected a whole number of batches >= 1")
+    train = _Repeated(data.train, batches)
+    held = train._held
+    rows = (torch.cat([x for x, _ in held]), torch.cat([y for _, y in held]))
+    return Dataset(data.name, train, rows, rows)
 
 
 def _describe(train: Any, test: Batch) -> str:

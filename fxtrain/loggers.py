@@ -21,6 +21,12 @@ later steps on disk are superseded) and ``config`` (the run's resolved config as
 ``log(step, metrics)`` (a dict of Python floats, non-finite ones included) and ``close()``. Your own class
 works the same way (``+logger.mine._target_=mylib.MyLogger``, or a ``conf/logger/mine.yaml`` of your own).
 
+The end-of-run test metrics (``test_loss``, ``test_<metric>``: the test split evaluated once, on the checkpoint
+``trainer.test_ckpt`` names) are logged last, at the run's last step (``summary.json``'s ``step``), whichever
+step that checkpoint is from (``summary.json``'s ``best_step`` says). That step was logged already: the
+file loggers add them to its line (``metrics.jsonl`` and ``metrics.csv`` hold each step once), TensorBoard,
+wandb and MLflow record them at that step.
+
 Example:
     >>> import tempfile
     >>> from fxtrain.loggers import open_loggers
@@ -42,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import importlib
+import io
 import json
 import os
 import pathlib
@@ -165,7 +172,9 @@ class JsonlLogger(_FileLogger):
     """Appends one JSON object per logged step to ``dir/filename``, flushed at once.
 
     Every line written survives a crash or a NaN stop. Non-finite values are written as JSON's
-    ``NaN``/``Infinity`` extensions (Python's ``json`` reads them back).
+    ``NaN``/``Infinity`` extensions (Python's ``json`` reads them back). A log at the step of the file's last
+    line adds its metrics to that line (rewritten atomically): the file holds each step once (the runner's
+    end-of-run ``test_*`` join the last step's line).
 
     Args:
       dir: the run directory.
@@ -176,8 +185,9 @@ class JsonlLogger(_FileLogger):
     >>> d = tempfile.mkdtemp()
     >>> with JsonlLogger(d) as logger:
     ...     logger.log(10, {"loss": 0.5, "learning_rate": 1e-3})
+    ...     logger.log(10, {"test_loss": 0.75})
     >>> print(logger.path.read_text(), end="")
-    {"step": 10, "loss": 0.5, "learning_rate": 0.001}
+    {"step": 10, "loss": 0.5, "learning_rate": 0.001, "test_loss": 0.75}
     """
 
     def __init__(self, dir: str | os.PathLike, filename: str = RECORD, *, start: int = 0,
@@ -186,13 +196,38 @@ class JsonlLogger(_FileLogger):
         self.path = pathlib.Path(dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
+        lines = self._lines()
+        self._last_step = json.loads(lines[-1]).get("step") if lines else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step == self._last_step:
+            lines = self._lines()
+            lines[-1] = json.dumps({**json.loads(lines[-1]), **metrics})
+            self._file.close()
+            _replace(self.path, "".join(line + "\n" for line in lines))
+            self._file = open(self.path, "a", encoding="utf-8")
+            return
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
+        self._last_step = step
+
+    def _lines(self) -> list[str]:
+        """The file's complete lines (a line without its newline is one a killed run was writing)."""
+        text = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
+        return [line for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
 
     def close(self) -> None:
         self._file.close()
+
+
+def _replace(path: pathlib.Path, text: str) -> None:
+    """Writes ``text`` to ``path`` atomically: a temporary file beside it, synced, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 
@@ -201,7 +236,8 @@ class CsvLogger(_FileLogger):
 
     Rows are appended and flushed. A metric seen for the first time (the eval ones, a few steps in) widens
     the header: the file is rewritten with the extra column, earlier rows empty there, and replaced
-    atomically. At ``start`` (a resumed run) rows after ``start`` and a half-written last line are dropped.
+    atomically. A log at the step of the last row fills that row (each step has one row). At ``start`` (a
+    resumed run) rows after ``start`` and a half-written last line are dropped.
 
     Args:
       dir: the run directory.
@@ -234,10 +270,16 @@ class CsvLogger(_FileLogger):
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         new = [k for k in metrics if k not in self._columns]
+        if step == self._last_step:
+            rows = self._read()[1]
+            rows[-1].update(metrics)
+            self._rewrite(self._columns + new, rows)
+            return
         if new:
             self._rewrite(self._columns + new, self._read()[1])
         self._writer.writerow({"step": step, **metrics})
         self._file.flush()
+        self._last_step = step
 
     def _read(self) -> tuple[list[str], list[dict[str, str]]]:
         text = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
@@ -246,18 +288,15 @@ class CsvLogger(_FileLogger):
         rows = list(reader)
         return list(reader.fieldnames or ["step"]), rows
 
-    def _rewrite(self, columns: list[str], rows: list[dict[str, str]]) -> None:
+    def _rewrite(self, columns: list[str], rows: list[dict[str, Any]]) -> None:
         if self._file is not None:
             self._file.close()
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, columns, restval="")
-            writer.writeheader()
-            writer.writerows(rows)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        self._columns = columns
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+        _replace(self.path, text.getvalue())
+        self._columns, self._last_step = columns, int(rows[-1]["step"]) if rows else None
         self._file = open(self.path, "a", newline="", encoding="utf-8")
         self._writer = csv.DictWriter(self._file, columns, restval="")
 

@@ -47,6 +47,12 @@ logged step exactly once; ``summary.json`` and checkpoints after that step are r
 (:func:`fxtrain.rundir.rewind`). The resumed run computes what the uninterrupted one would have: same
 batches (``data.train[step]``), same RNG, same optimizer state, bit for bit; only ``time_s`` restarts from 0.
 
+**Debug runs** (the ``debug`` group, ``conf/debug/``; :func:`debug_settings`): ``debug=fast`` (3 steps, validation
+and test on 2 batches, no checkpoints), ``overfit`` (one batch every step: :func:`fxtrain.data.overfit`), ``limit``
+(fractions or counts of each split: :func:`fxtrain.data.limited`), ``profile`` (``torch.profiler`` over a few steps:
+:class:`StepProfiler`). Without a progress bar a ``beat`` line comes every ``trainer.heartbeat_s`` seconds
+(:class:`Heartbeat`).
+
 **A run directory belongs to one run** (:mod:`fxtrain.rundir`): relaunching another config into it is
 refused, and so is the same config with ``resume=null`` (use ``resume=auto``); one live process holds it
 (a lock naming its pid and host); ``keep_last`` deletes only this run's older checkpoints.
@@ -80,6 +86,7 @@ import fxtrain as fx
 from fxtrain.errors import ConfigError
 from fxtrain import build, checkpoint, distributed, loggers, parallel, report, rundir, selection, tasks, tree, validate
 from fxtrain.interop import run_hooks as orbax_hooks  # resume=orbax:PATH, trainer.export=orbax
+from fxtrain import data as fxdata
 from fxtrain.data import batches_per_epoch
 from fxtrain.models import count_params
 from fxtrain.parallel import evaluate, loss_function  # noqa: F401 - the runner's loss and evaluation (experiments use them)
@@ -137,7 +144,7 @@ def settle_max_steps(cfg: DictConfig) -> int:
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
         raise ConfigError(f"trainer.max_epochs={epochs!r}: expected a positive whole number of passes over the "
                           "training split; e.g. trainer.max_epochs=5")
-    per_epoch = batches_per_epoch(build.dataset(cfg.data, "data"))
+    per_epoch = batches_per_epoch(debug_data(cfg, build.dataset(cfg.data, "data")))
     if per_epoch is None:
         raise ConfigError(f"trainer.max_epochs={epochs}: data ({cfg.data.get('_target_')}) does not say how many "
                           "batches an epoch holds (an iterable without len()); give trainer.max_steps instead")
@@ -187,7 +194,8 @@ def plan_run(cfg: DictConfig, out_dir: str | pathlib.Path | None, say: Callable[
     dims = build.parallel_dims(cfg, world)  # checked before anything is written
     say = say or (log.info if rank == 0 else (lambda *args: None))
     out = pathlib.Path(out_dir) if out_dir is not None and rank == 0 else None
-    ckpt_dir = pathlib.Path(out_dir) / "checkpoints" if out_dir is not None else None
+    keeps = debug_settings(cfg)["checkpoints"]  # debug.checkpoints=false: none written, none resumed
+    ckpt_dir = pathlib.Path(out_dir) / "checkpoints" if out_dir is not None and keeps else None
     digest, flat = rundir.config_hash(cfg)
     meta = {"config_sha256": digest, "config": flat, "world_size": world, "layout": dims.describe()}
     source, note = resume_plan(cfg, ckpt_dir, meta)
@@ -229,11 +237,13 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     ``task``: the one :func:`check` built (``None`` builds it). The sweep launcher (``hydra/launcher=vmap``)
     builds each job of a group with it, so every job starts from exactly the params, state and RNG state its
     own run would. It passes ``data`` (built already, for the same ``cfg.data``) to share one dataset between
-    jobs, when building it draws no torch random numbers.
+    jobs, when building it draws no torch random numbers. A debug run's limits apply to either
+    (:func:`debug_data`).
     """
     dims = dims or distributed.ParallelDims.of(world=1)
     torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order): the same on every rank
     data = build.dataset(cfg.data, choice("data", "data")).to(device) if data is None else data
+    data = debug_data(cfg, data)  # debug.limit_*, debug.overfit_batches
     model = build.instantiate(cfg.model, "model").to(device)
     task = build.task(cfg) if task is None else task
     tx = build.stack(cfg, dims)
@@ -277,14 +287,15 @@ def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, 
 def begin_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, resumed: str,
               where: str | None = None) -> list[str]:
     """Cuts the run directory back to ``state.step`` (:func:`fxtrain.rundir.rewind`: one timeline) and returns
-    the run's first lines: ``run`` (``where``: how it runs, default its layout), ``data``, ``model``, ``task``,
-    ``stack``, ``state`` and ``start``."""
+    the run's first lines: ``run`` (``where``: how it runs, default its layout), ``debug`` (a debug run's),
+    ``data``, ``model``, ``task``, ``stack``, ``state`` and ``start``."""
     rundir.rewind(run.out, state.step)  # no summary, no checkpoint or metrics.jsonl line after the start
     dims = run.dims
     if where is None and dims.world > 1:
         where = (f"{dims.world} ranks, {dims.describe()}"
                  + (", shard_optimizer" if cfg.parallel.get("shard_optimizer") else ""))
     return [f"run    {run.out if run.out is not None else '(not saved)'}" + (f"  [{where}]" if where else ""),
+            *debug_lines(cfg),
             *describe_run(built.data, built.model, state.params, built.tx, state.opt_state, run.device,
                           task=built.task),
             run_length(cfg, built.data), f"start  {resumed}"]
@@ -303,6 +314,119 @@ def run_length(cfg: DictConfig, data: Any) -> str:
         return f"steps  {steps} (epochs: the data does not say its length)"
     epochs = cfg.trainer.get("max_epochs") or f"{steps / per_epoch:.3g}"
     return f"steps  {steps} = {epochs} epochs of {per_epoch} batches"
+
+
+# --- debug runs (the debug group: conf/debug/) -----------------------------------------------------------
+
+# What a run without debug=... has; conf/debug/_settings.yaml gives every debug option these keys.
+DEBUG_DEFAULTS = {"name": None, "checkpoints": True, "limit_train": None, "limit_val": None, "limit_test": None,
+                  "overfit_batches": 0, "profile_steps": 0, "profile_wait": 0}
+PROFILE_TRACE = "profile_trace.json"  # debug=profile's chrome trace, in the run directory
+
+
+def debug_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The ``debug`` node of ``cfg`` (``debug=fast``, ``overfit``, ``limit``, ``profile``) over
+    :data:`DEBUG_DEFAULTS`: what a run does differently. Checked by :func:`fxtrain.validate.check`.
+
+    >>> from omegaconf import OmegaConf
+    >>> debug_settings(OmegaConf.create({"debug": {"name": "fast", "checkpoints": False}}))["checkpoints"]
+    False
+    >>> debug_settings(OmegaConf.create({}))["overfit_batches"]
+    0
+    """
+    node = cfg.get("debug") or {}
+    return {**DEBUG_DEFAULTS, **{k: node[k] for k in node}}
+
+
+def debug_data(cfg: DictConfig, data: fxdata.Dataset) -> fxdata.Dataset:
+    """``data`` as a debug run reads it: ``debug.overfit_batches`` (:func:`fxtrain.data.overfit`) or the
+    ``debug.limit_*`` of each split (:func:`fxtrain.data.limited`); ``data`` itself otherwise."""
+    debug = debug_settings(cfg)
+    try:
+        if debug["overfit_batches"]:
+            return fxdata.overfit(data, debug["overfit_batches"])
+        limits = {k: debug[k] for k in ("limit_train", "limit_val", "limit_test") if debug[k] is not None}
+        return fxdata.limited(data, **limits, eval_batch_size=cfg.trainer.eval_batch_size) if limits else data
+    except ValueError as e:
+        raise ConfigError(f"debug.{e}") from None
+
+
+def debug_lines(cfg: DictConfig) -> list[str]:
+    """A debug run's ``debug`` line (none for a run): which option and what it changes.
+
+    >>> from omegaconf import OmegaConf
+    >>> debug_lines(OmegaConf.create({"debug": {"name": "fast", "checkpoints": False, "limit_val": 2}}))
+    ['debug  debug=fast: no checkpoints (nothing for resume=auto), limit_val=2']
+    """
+    debug = debug_settings(cfg)
+    if debug == DEBUG_DEFAULTS:
+        return []
+    said = [] if debug["checkpoints"] else ["no checkpoints (nothing for resume=auto)"]
+    if debug["overfit_batches"]:
+        said.append(f"overfit {debug['overfit_batches']} training batch(es), which validation and test read too")
+    said += [f"{k}={debug[k]}" for k in ("limit_train", "limit_val", "limit_test") if debug[k] is not None]
+    if debug["profile_steps"]:
+        first = debug["profile_wait"] + 1
+        said.append(f"torch.profiler over steps {first}..{first + debug['profile_steps'] - 1} ({PROFILE_TRACE})")
+    return [f"debug  debug={debug['name'] or 'custom'}: " + ", ".join(said)]
+
+
+class Heartbeat:
+    """A ``beat`` line at least every ``every`` seconds of training when no progress bar shows (``trainer.progress
+    =false``, stderr not a terminal, a launcher's log): the step, the time since the run started, steps per
+    second since the loop did, and the last logged loss. ``every`` 0 or ``None``: no line."""
+
+    def __init__(self, every: float | None, start: int, max_steps: int, say: Callable[[str], Any], t0: float):
+        self.every, self.start, self.max_steps, self.say, self.t0 = every, start, max_steps, say, t0
+        self.began = time.perf_counter()
+        self.due = self.began + every if every else math.inf
+
+    def __call__(self, step: int, loss: float | None) -> None:
+        now = time.perf_counter()
+        if now < self.due:
+            return
+        self.due = now + self.every
+        rate = (step - self.start) / max(now - self.began, 1e-9)
+        shown = f"{loss:.4g}" if loss is not None else "- (none logged yet)"
+        self.say(f"beat   step {step}/{self.max_steps} | {now - self.t0:.1f} s | {rate:.3g} steps/s | loss {shown}")
+
+
+class StepProfiler:
+    """``debug.profile_steps``: ``torch.profiler`` records steps ``start + wait + 1`` on (at least ``steps`` of
+    them: a vmapped group advances several at once), then writes the chrome trace ``profile_trace.json`` into
+    each run directory of ``outs`` (``chrome://tracing``, https://ui.perfetto.dev) and says the top ops."""
+
+    def __init__(self, steps: int, wait: int, start: int, outs: list[pathlib.Path], say: Callable[[str], Any],
+                 device: torch.device):
+        self.steps, self.first, self.outs, self.say, self.device = steps, start + wait, outs, say, device
+        self.profile: torch.profiler.profile | None = None
+        self.began: int | None = None
+        self.done = steps == 0
+
+    def before(self, first: int) -> None:
+        """Starts recording when the steps from ``first + 1`` on are to be recorded."""
+        if self.done or self.profile is not None or first < self.first:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profile, self.began = torch.profiler.profile(activities=activities), first
+        self.profile.start()
+
+    def after(self, end: int, last: bool = False) -> None:
+        """Stops once ``steps`` steps are recorded (or ``last``: the loop ends), then writes and says."""
+        if self.profile is None or self.done or (end - self.began < self.steps and not last):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.profile.stop()
+        self.done = True
+        for out in self.outs:
+            self.profile.export_chrome_trace(str(out / PROFILE_TRACE))
+        by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table = self.profile.key_averages().table(sort_by=by, row_limit=12)
+        where = ", ".join(str(out / PROFILE_TRACE) for out in self.outs) or "(no run directory)"
+        self.say(f"profile steps {self.began + 1}..{end}: {where}; top ops by {by}:\n{table}")
 
 
 # --- the loop: one run, or the members of a vmapped group (fxtrain.sweep) ---------------------------
@@ -380,57 +504,93 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
     """Steps ``start + 1 .. trainer.max_steps`` of every member: step, log, evaluate, checkpoint. A member ends
     alone at its own ``trainer.max_steps`` (the members of a vmapped group may differ in it and in their log, eval
     and checkpoint cadences, each read from the member's config), where ``trainer.early_stopping`` says so, or
-    where a loss or metric is not finite (its ``error``). Sets each member's ``final`` and ``last`` (or ``error``)."""
-    ends = [m.cfg.trainer.max_steps for m in members]
+    where a loss or metric is not finite (its ``error``). Sets each member's ``final`` and ``last`` (or ``error``).
+
+    Without a progress bar (``trainer.progress=false`` or stderr not a terminal) a :class:`Heartbeat` line comes
+    every ``trainer.heartbeat_s`` seconds; a debug run's ``debug.profile_steps`` are recorded
+    (:class:`StepProfiler`). The loggers of a member that finished stay open for :func:`close_run`, which logs
+    the end-of-run test metrics to them and closes them; those of a member that failed are closed here."""
+    ends, lead = [m.cfg.trainer.max_steps for m in members], members[0]
+    max_steps = max(ends)
     alive = list(range(len(members)))
-    bar = tqdm(total=max(ends), initial=start, desc=steps.desc, dynamic_ncols=True,
-               disable=members[0].run.rank != 0 or not trainer.progress)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(logging_redirect_tqdm())
-        stack.enter_context(bar)
-        for j, m in enumerate(members):
-            _open_member(m, start, stack)
-            m.best = selection.Best(selection.best_by(m.cfg))
-            m.best.resume(m.run.ckpt_dir, start, steps.state(start, j), m.run.rank)  # the best so far survives
-        for j in [j for j in alive if ends[j] == start]:  # killed after its last checkpoint, before its summary
-            members[j].eval_metrics = steps.evaluate(start, j, members[j].hooks)
-            members[j].last = steps.state(start, j)
-            alive.remove(j)
-        i = start
-        while alive:
-            first, i = i, min(next_event(i, members[j].cfg.trainer, steps.longest) for j in alive)
-            metrics = steps.advance(first, i)
-            bar.update(i - first)
-            if first == start:
-                m = members[alive[0]]
-                names = _metric_names([k for k in metrics if k not in steps.constants])
-                _check_metric_names(m.cfg, names, deferred=bool(m.hooks))
-            for j in list(alive):
-                try:
-                    done = _member_step(steps, members[j], j, i, metrics, t0) or i == ends[j]
-                except FloatingPointError as e:
-                    members[j].error, done = e, True
-                if done:
-                    alive.remove(j)
-                    if members[j].error is None:  # its state now: a group's stacked params go on for the others
-                        members[j].last, members[j].final = steps.state(i, j), _final(members[j], start, ends[j])
-            if len(members) == 1:
-                bar.set_postfix({k: f"{members[0].record[k]:.4g}" for k in ("loss", "learning_rate", "val_accuracy")
-                                 if k in members[0].record})
-            elif alive and (i % trainer.log_every == 0 or i == max(ends)):
-                bar.set_postfix({"loss": f"{min(members[j].train_metrics.get('loss', math.inf) for j in alive):.4g}",
-                                 "jobs": len(alive)})
+    quiet = lead.run.rank != 0 or not trainer.progress or not sys.stderr.isatty()
+    bar = tqdm(total=max_steps, initial=start, desc=steps.desc, dynamic_ncols=True, disable=quiet)
+    beat = Heartbeat(trainer.get("heartbeat_s", 30) if lead.run.rank == 0 and quiet else None, start, max_steps,
+                     lead.run.say, t0)
+    debug = debug_settings(lead.cfg)
+    profiler = StepProfiler(debug["profile_steps"] if lead.run.rank == 0 else 0, debug["profile_wait"], start,
+                            [m.run.out for m in members if m.run.out is not None], lead.run.say, lead.run.device)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(logging_redirect_tqdm())
+            stack.enter_context(bar)
+            for j, m in enumerate(members):
+                _open_member(m, start)
+                m.best = selection.Best(selection.best_by(m.cfg))
+                m.best.resume(m.run.ckpt_dir, start, steps.state(start, j), m.run.rank)  # the best so far survives
+            for j in [j for j in alive if ends[j] == start]:  # killed after its last checkpoint, before its summary
+                members[j].eval_metrics = steps.evaluate(start, j, members[j].hooks)
+                members[j].last = steps.state(start, j)
+                alive.remove(j)
+            i = start
+            while alive:
+                first, i = i, min(next_event(i, members[j].cfg.trainer, steps.longest) for j in alive)
+                profiler.before(first)
+                metrics = steps.advance(first, i)
+                profiler.after(i, last=i == max_steps)
+                bar.update(i - first)
+                if first == start:
+                    names = _metric_names([k for k in metrics if k not in steps.constants])
+                    _check_metric_names(members[alive[0]].cfg, names, deferred=bool(members[alive[0]].hooks))
+                for j in list(alive):
+                    try:
+                        done = _member_step(steps, members[j], j, i, metrics, t0) or i == ends[j]
+                    except FloatingPointError as e:
+                        members[j].error, done = e, True
+                    if done:
+                        alive.remove(j)
+                        if members[j].error is None:  # its state now: a group's stacked params go on for the others
+                            members[j].last, members[j].final = steps.state(i, j), _final(members[j], start, ends[j])
+                losses = [members[j].train_metrics["loss"] for j in alive if "loss" in members[j].train_metrics]
+                said = [m.train_metrics["loss"] for m in members if m.error is None and "loss" in m.train_metrics]
+                beat(i, min(said) if said else None)  # a group: its lowest
+                if len(members) == 1:
+                    bar.set_postfix({k: f"{members[0].record[k]:.4g}" for k in ("loss", "learning_rate",
+                                                                               "val_accuracy")
+                                     if k in members[0].record})
+                elif alive and (i % trainer.log_every == 0 or i == max_steps):
+                    bar.set_postfix({"loss": f"{min(losses, default=math.inf):.4g}", "jobs": len(alive)})
+            profiler.after(i, last=True)  # a run that stopped early
+    except BaseException:
+        _close_loggers(members)
+        raise
     for m, end in zip(members, ends):
         if m.error is None and m.final is None:
             m.final = _final(m, start, end)
+    _close_loggers([m for m in members if m.error is not None])
 
 
-def _open_member(m: Member, start: int, stack: contextlib.ExitStack) -> None:
-    """``metrics.jsonl`` and the configured loggers from ``start`` on; early stopping fed the lines logged up to
-    ``start`` by the run whose checkpoint this one resumes."""
+# The loggers of members that finished their loop, by run directory, until close_run logs the end-of-run test
+# metrics to them and closes them (the vmap launcher calls loop, then close_run for each job).
+_OPEN_LOGGERS: dict[pathlib.Path, loggers.Loggers] = {}
+
+
+def _close_loggers(members: list[Member]) -> None:
+    """Closes these members' loggers (every one, even when one raises)."""
+    with contextlib.ExitStack() as stack:
+        for m in members:
+            if m.logger is not None:
+                stack.callback(_OPEN_LOGGERS.pop(m.run.out, m.logger).close)
+                m.logger = None
+
+
+def _open_member(m: Member, start: int) -> None:
+    """``metrics.jsonl`` and the configured loggers from ``start`` on (open until :func:`close_run`, or closed by
+    the loop for a member that failed); early stopping fed the lines logged up to ``start`` by the run whose
+    checkpoint this one resumes."""
     if m.run.out is not None:
-        m.logger = stack.enter_context(loggers.open_loggers(m.cfg.get("logger"), m.run.out, start=start,
-                                                            config=OmegaConf.to_container(m.cfg, resolve=True)))
+        m.logger = _OPEN_LOGGERS[m.run.out] = loggers.open_loggers(
+            m.cfg.get("logger"), m.run.out, start=start, config=OmegaConf.to_container(m.cfg, resolve=True))
     if isinstance(m.run.source, pathlib.Path):
         m.last_checkpoint = (start, m.run.source)
         if m.stopper is not None:  # the lines its checkpoint's run logged: <run>/checkpoints/step_N
@@ -526,11 +686,18 @@ def evaluate_run(built: Built, params: Any, buffers: Any, step: int, hooks: list
 def close_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, final: dict[str, Any],
               elapsed: float, best: selection.Best | None = None) -> float:
     """The end of a run that trained: ``trainer.export=orbax``'s export (of ``state``'s structure), the test split
-    evaluated once on the checkpoint ``trainer.test_ckpt`` names (:func:`evaluate_test`), then :func:`finish_run`.
+    evaluated once on the checkpoint ``trainer.test_ckpt`` names (:func:`evaluate_test`) and its ``test_*`` logged
+    to every logger at the run's last step (the loop left them open; closed here), then :func:`finish_run`.
     Returns the optimized metric."""
-    orbax_hooks.export(cfg, run.out, run.ckpt_dir, built.model, state.params, state.opt_state, state.buffers,
-                       built.tx)
-    return finish_run(cfg, run.out, {**final, **evaluate_test(cfg, run, built, state, best)}, elapsed, run.say)
+    logger = _OPEN_LOGGERS.pop(run.out, None) if run.out is not None else None
+    with logger if logger is not None else contextlib.nullcontext():
+        orbax_hooks.export(cfg, run.out, run.ckpt_dir, built.model, state.params, state.opt_state, state.buffers,
+                           built.tx)
+        tested = evaluate_test(cfg, run, built, state, best)
+        if logger is not None:  # at the last step, which every logger has logged already: its line holds them
+            last = (final.get("stopped_early") or {}).get("step", cfg.trainer.max_steps)
+            logger.log(last, {k: v for k, v in tested.items() if tasks.reads_test(k)})
+    return finish_run(cfg, run.out, {**final, **tested}, elapsed, run.say)
 
 
 def evaluate_test(cfg: DictConfig, run: Run, built: Built, last: fx.TrainState,

@@ -44,7 +44,7 @@ Example:
     >>> check(cfg)
     Traceback (most recent call last):
     ...
-    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, max_epochs, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, checkpoint, test_ckpt, device, cpu_threads, progress, allow_no_descent, early_stopping, eval_hooks, export, orbax_naming
+    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, max_epochs, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, checkpoint, test_ckpt, device, cpu_threads, progress, heartbeat_s, allow_no_descent, early_stopping, eval_hooks, export, orbax_naming
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
 from fxtrain import _base, build, checkpoint, distributed, tasks
+from fxtrain import data as fxdata
 from fxtrain.errors import ConfigError
 from fxtrain.interop import run_hooks as orbax_hooks
 
@@ -111,6 +112,8 @@ def check(cfg: DictConfig) -> Checked:
     _seed(cfg, "seed")
     _optional_whole(cfg, "trainer.cpu_threads", "torch CPU threads; null: torch's default")
     _epochs(cfg)
+    _heartbeat(cfg)
+    _debug(cfg)
     for key in ("trainer.progress", "trainer.allow_no_descent", "resume_force", "resume_relayout"):
         _flag(cfg, key)
     _device(cfg)
@@ -189,13 +192,15 @@ def _memo(key: tuple, make: Callable[[], Any]) -> Any:
 # options of conf/ give them (tests/test_settings_fuzz.py checks that this lists every one of them).
 SCHEMA: dict[str, tuple[str, ...]] = {
     "": ("seed", "optimized_metric", "resume", "resume_force", "resume_relayout", "model", "data", "task", "optim",
-         "schedule", "amp", "accumulate", "parallel", "trainer", "logger"),
+         "schedule", "amp", "accumulate", "parallel", "trainer", "logger", "debug"),
     "optim": ("chain",),
     "trainer": ("max_steps", "max_epochs", "log_every", "eval_every", "eval_batch_size", "checkpoint_every", "keep_last",
-                "checkpoint", "test_ckpt", "device", "cpu_threads", "progress", "allow_no_descent", "early_stopping",
-                "eval_hooks", "export", "orbax_naming"),
+                "checkpoint", "test_ckpt", "device", "cpu_threads", "progress", "heartbeat_s", "allow_no_descent",
+                "early_stopping", "eval_hooks", "export", "orbax_naming"),
     "trainer.early_stopping": ("metric", "patience", "mode", "min_delta"),
     "trainer.checkpoint": ("best_by",),
+    "debug": ("name", "checkpoints", "limit_train", "limit_val", "limit_test", "overfit_batches", "profile_steps",
+              "profile_wait"),
     "amp": ("policy", "loss_scale"),
     "accumulate": ("every", "mean", "accumulator_dtype"),
     "parallel": (*distributed.DIMS, "dp", "shard_optimizer", "schedule", "microbatches"),
@@ -242,6 +247,7 @@ def schema() -> tuple[dict[str, tuple[str, ...]], frozenset[str]]:
     for group in ("trainer", "amp", "accumulate", "parallel"):
         for option in sorted((conf / group).glob("*.yaml")):
             add(group, OmegaConf.load(option))
+    add("debug", OmegaConf.load(conf / "debug" / "_settings.yaml"))  # the options themselves are _global_
     return {node: tuple(names) for node, names in keys.items()}, frozenset(flags)
 
 
@@ -348,6 +354,45 @@ def _epochs(cfg: DictConfig) -> None:
     if value is not None and not (_is_whole(value) and 1 <= value <= 10**6):
         raise ConfigError(f"trainer.max_epochs={_show(value)}: expected a positive whole number of passes over the "
                           "training split (at most 10**6) or null; e.g. trainer.max_epochs=5 trainer.max_steps=null")
+
+
+def _heartbeat(cfg: DictConfig) -> None:
+    """``trainer.heartbeat_s``: seconds between the lines a run without a progress bar says; 0 or null: none."""
+    value = _value(cfg, "trainer.heartbeat_s")
+    if value is not None and not (_is_real(value) and 0 <= value <= 86400):
+        raise ConfigError(f"trainer.heartbeat_s={_show(value)}: expected seconds between heartbeat lines (0 to 86400; "
+                          "0 or null: none); e.g. trainer.heartbeat_s=30")
+
+
+def _debug(cfg: DictConfig) -> None:
+    """The ``debug`` node (conf/debug/): each key's value, then the combinations a run cannot do."""
+    node = _value(cfg, "debug")
+    if node is None:
+        return
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"debug={_show(node)}: expected one of conf/debug/ (debug=fast, overfit, limit, profile)")
+    name = node.get("name")
+    if name is not None and not (isinstance(name, str) and name.strip()):
+        raise ConfigError(f"debug.name={_show(name)}: expected the option's name (fast) or null")
+    _flag(cfg, "debug.checkpoints")
+    for key in ("limit_train", "limit_val", "limit_test"):
+        try:
+            fxdata.check_limit(f"debug.{key}", node.get(key))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    for key, what, example in (("overfit_batches", "training batches reused every step; 0: off", 1),
+                               ("profile_steps", "steps torch.profiler records; 0: off", 5),
+                               ("profile_wait", "steps trained before the profiled ones", 3)):
+        if key in node:  # +debug.limit_train=0.1 without an option: the others are their defaults
+            _whole(cfg, f"debug.{key}", 0, what, example)
+    if node.get("overfit_batches") and node.get("limit_train") is not None:
+        raise ConfigError(f"debug.limit_train={_show(node['limit_train'])} and debug.overfit_batches="
+                          f"{node['overfit_batches']}: overfitting reads its own batches; set one of them "
+                          "(debug.limit_train=null)")
+    steps, wait, profiled = _value(cfg, "trainer.max_steps"), node.get("profile_wait", 0), node.get("profile_steps", 0)
+    if profiled and _is_whole(steps) and wait + profiled > steps:
+        raise ConfigError(f"debug.profile_steps={profiled}: after debug.profile_wait={wait} steps the run has "
+                          f"{max(steps - wait, 0)} left (trainer.max_steps={steps}); record fewer, or train longer")
 
 
 def _flag(cfg: DictConfig, key: str) -> None:

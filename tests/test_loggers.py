@@ -248,3 +248,87 @@ def test_a_run_writes_every_logger_of_the_list(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("val_loss")] == [
         (r["step"], pytest.approx(r["val_loss"])) for r in records if "val_loss" in r]
     assert [e.step for e in events.Scalars("loss")] == [r["step"] for r in records]
+
+
+# --- the end-of-run test metrics reach every logger -------------------------------------------------------
+
+def test_a_log_at_the_last_step_joins_its_line(tmp_path):
+    with open_loggers(node("jsonl", "csv"), tmp_path) as group:
+        group.log(1, {"loss": 2.0})
+        group.log(2, {"loss": 1.0, "val_loss": 1.5})
+        group.log(2, {"test_loss": 1.25})
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.0},
+                                                      {"step": 2, "loss": 1.0, "val_loss": 1.5, "test_loss": 1.25}]
+    columns, rows = read_csv(tmp_path / "metrics.csv")
+    assert columns == ["step", "loss", "val_loss", "test_loss"]
+    assert rows == [{"step": "1", "loss": "2.0", "val_loss": "", "test_loss": ""},
+                    {"step": "2", "loss": "1.0", "val_loss": "1.5", "test_loss": "1.25"}]
+    # reopened at that step (a run killed after its last step, before its summary, resumes there and tests again)
+    with open_loggers(node("jsonl", "csv"), tmp_path, start=2) as group:
+        group.log(2, {"test_loss": 1.25, "test_accuracy": 0.5})
+    assert read_jsonl(tmp_path / "metrics.jsonl")[1:] == [{"step": 2, "loss": 1.0, "val_loss": 1.5, "test_loss": 1.25,
+                                                           "test_accuracy": 0.5}]
+    assert [r["step"] for r in read_csv(tmp_path / "metrics.csv")[1]] == ["1", "2"]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def logged_test_metrics(name, run):
+    """``{metric: [(step, value)]}`` of the test_* metrics that logger ``name`` wrote in ``run``, read back by its own
+    library (or as the file it writes)."""
+    if name == "jsonl":
+        return {k: [(r["step"], v)] for r in read_jsonl(run / "metrics.jsonl") for k, v in r.items()
+                if k.startswith("test_")}
+    if name == "csv":
+        _, rows = read_csv(run / "metrics.csv")
+        return {k: [(int(r["step"]), float(v))] for r in rows for k, v in r.items() if k.startswith("test_") and v}
+    if name == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(run / "tensorboard"))
+        events.Reload()
+        return {k: [(e.step, e.value) for e in events.Scalars(k)] for k in events.Tags()["scalars"]
+                if k.startswith("test_")}
+    if name == "mlflow":
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+        (found,) = client.search_runs([client.get_experiment_by_name("fxtrain").experiment_id])
+        return {k: [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, k)]
+                for k in found.data.metrics if k.startswith("test_")}
+    import wandb
+
+    wandb.teardown()  # wandb-core writes the file after finish() returns
+    (path,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    out = {}
+    for record in wandb_records(path):
+        if record.HasField("history"):
+            for item in record.history.item:
+                if (key := item.key or ".".join(item.nested_key)).startswith("test_"):
+                    out.setdefault(key, []).append((record.history.step.num, json.loads(item.value_json)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["jsonl", "csv", "tensorboard", "mlflow", "wandb"])
+def test_every_logger_records_the_end_of_run_test_metrics_at_the_last_step(name, tmp_path):
+    cfg = cfg_of("data=synthetic", "data.num_examples=256", "model.hidden=[16]", "trainer.max_steps=6",
+                 "trainer.eval_every=2", f"logger=[{name}]", "trainer.progress=false", "trainer.device=cpu")
+    runner.train(cfg, tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    tested = {k: v for k, v in summary["metrics"].items() if k.startswith("test_")}
+    assert set(tested) == {"test_loss", "test_accuracy"} and summary["step"] == 6
+    assert logged_test_metrics(name, tmp_path / "run") == {  # logged once, at the run's last step
+        k: [(6, pytest.approx(v, rel=1e-6))] for k, v in tested.items()}
+
+
+def test_an_early_stopped_run_logs_its_test_metrics_at_the_step_it_stopped(tmp_path):
+    cfg = cfg_of("data=synthetic", "data.num_examples=256", "model.hidden=[16]", "trainer.max_steps=40",
+                 "trainer.log_every=2", "trainer.eval_every=2", "trainer.early_stopping.metric=loss",
+                 "trainer.early_stopping.patience=1", "trainer.early_stopping.min_delta=10", "logger=[jsonl,csv]",
+                 "trainer.progress=false", "trainer.device=cpu")
+    runner.train(cfg, tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    stopped = summary["stopped_early"]["step"]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert stopped < 40 and records[-1]["step"] == stopped
+    assert records[-1]["test_accuracy"] == summary["metrics"]["test_accuracy"]
+    assert logged_test_metrics("csv", tmp_path)["test_accuracy"] == [(stopped, summary["metrics"]["test_accuracy"])]

@@ -33,6 +33,8 @@ BASES = {
     "more": ["schedule=cosine", "parallel=ep", "optim/transform@optim.chain=[lion]", "amp=pure_bf16"],
     "adagrad": ["optim/transform@optim.chain=[clip_by_global_norm,adagrad]", "parallel=dp", "amp=bf16"],
     "adam": ["optim/transform@optim.chain=[adam]", "parallel=tp", "trainer.early_stopping.metric=val_loss"],
+    "debug_limit": ["debug=limit"],  # the debug node's keys (fractions)
+    "debug_profile": ["debug=profile", "debug.limit_val=2", "debug.limit_test=1"],  # counts, profiling
 }
 CASES = ("wrong_type", "negative", "zero", "nan", "inf", "huge", "empty", "unknown")
 
@@ -85,6 +87,10 @@ ACCEPTED = {
     ("data.noise", "zero"): "noise-free prototypes",
     ("data.noise", "huge"): "noise std has no upper bound",
     ("parallel.*", "negative"): "documented: -1 = the rest of the world",
+    ("trainer.heartbeat_s", "zero"): "documented: 0 = no heartbeat lines",
+    ("debug.overfit_batches", "zero"): "documented: 0 = off",
+    ("debug.profile_steps", "zero"): "documented: 0 = off",
+    ("debug.profile_wait", "zero"): "profile from the first step",
 }
 
 

@@ -31,8 +31,11 @@ def test_validation_every_eval_test_once_on_the_best_checkpoint(tmp_path):
                  "trainer.eval_every=2", "trainer.checkpoint_every=2", "trainer.keep_last=1")
     value = runner.train(cfg, tmp_path)
     lines = report.read_jsonl(tmp_path / "metrics.jsonl")
-    assert all({"val_loss", "val_accuracy"} <= set(r) and not any(k.startswith("test_") for k in r) for r in lines)
+    assert all({"val_loss", "val_accuracy"} <= set(r) for r in lines)
     summary = json.loads((tmp_path / "summary.json").read_text())
+    # the test split only at the end: the loggers get it at the last step (its line), after training
+    assert [[k for k in r if k.startswith("test_")] for r in lines] == [[]] * 3 + [["test_loss", "test_accuracy"]]
+    assert lines[-1]["test_accuracy"] == summary["metrics"]["test_accuracy"]
     best = max(lines, key=lambda r: (r["val_accuracy"], -r["step"]))  # ties keep the earlier step
     assert summary["best_step"] == best["step"] and value == summary["value"] == best["val_accuracy"]
     assert summary["metrics"]["val_accuracy"] == best["val_accuracy"]

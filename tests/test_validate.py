@@ -126,9 +126,40 @@ def test_multirun_bad_job_is_compact_and_the_others_finish(capsys):
     ("seed=abc", "seed=abc: expected a whole number (params init and batch order"),
     ("data.batch_size=abc", "data.batch_size=abc: expected a positive whole number (examples per step"),
     ("data.test_fraction=1.5", "data.test_fraction=1.5: expected a number between 0 and 1"),
+    ("trainer.heartbeat_s=-1", "trainer.heartbeat_s=-1: expected seconds between heartbeat lines (0 to 86400"),
+    ("trainer.heartbeat_s=abc", "trainer.heartbeat_s=abc: expected seconds between heartbeat lines"),
 ], ids=lambda x: x.split("=")[0] if "=" in x and ":" not in x else None)
 def test_a_bad_setting_is_refused_by_key_and_value(override, message):
     assert refused(override).startswith(message)
+
+
+LIMIT = "expected a fraction in (0, 1] (0.1: a tenth) or a whole number of batches >= 1 (5), or null (all)"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["debug=limit", "debug.limit_train=1.5"], f"debug.limit_train=1.5: {LIMIT}"),
+    (["debug=limit", "debug.limit_val=0"], f"debug.limit_val=0: {LIMIT}"),
+    (["debug=limit", "debug.limit_test=-2"], f"debug.limit_test=-2: {LIMIT}"),
+    (["debug=limit", "debug.limit_train=true"], f"debug.limit_train=True: {LIMIT}"),
+    (["debug=limit", "debug.limit_val=abc"], f"debug.limit_val=abc: {LIMIT}"),
+    (["debug=fast", "debug.checkpoints=3"], "debug.checkpoints=3: expected true or false"),
+    (["debug=overfit", "debug.overfit_batches=-1"], "debug.overfit_batches=-1: expected a whole number >= 0"),
+    (["debug=overfit", "debug.limit_train=3"], "debug.limit_train=3 and debug.overfit_batches=1: overfitting reads "
+                                               "its own batches; set one of them"),
+    (["debug=profile", "debug.profile_steps=1.5"], "debug.profile_steps=1.5: expected a whole number >= 0"),
+    (["debug=profile", "debug.profile_steps=30"], "debug.profile_steps=30: after debug.profile_wait=3 steps the run "
+                                                  "has 7 left (trainer.max_steps=10)"),
+    (["debug=profile", "+debug.profile_step=3"], "debug.profile_step: not a setting fxtrain reads (did you mean "
+                                                 "debug.profile_steps?)"),
+    (["debug=fast", "debug.name="], "debug.name='': expected the option's name (fast) or null"),
+], ids=lambda x: x[-1] if isinstance(x, list) else None)
+def test_a_bad_debug_setting_is_refused_in_one_line_naming_the_key(overrides, message):
+    assert refused(*overrides).startswith(message)
+
+
+def test_cli_debug_limit_out_of_range_is_one_line():
+    line = one_line(cli(*FAST, "debug=limit", "debug.limit_val=2.5", "hydra.run.dir=run"))
+    assert line == f"Error: debug.limit_val=2.5: {LIMIT}"
 
 
 # --- the optimizer: the library's sign checks, a chain that descends ------------------------------------
