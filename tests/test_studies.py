@@ -163,3 +163,25 @@ def test_the_committed_jax_parity_table_is_compared_by_its_differences():
     pure = line.rstrip(" |").rsplit("|", 1)[1].strip()  # the pure step's column: Optax's float32 rounding
     assert float(pure) < 1e-6
     assert studies.compare(committed.replace(line, line.replace(pure, "9.43e-05")), committed) != []
+
+
+def test_lr_sweep_analyze_ranks_by_the_metric_the_jobs_optimized(tmp_path, capsys):
+    """A sweep whose jobs optimized val_accuracy, where the best by validation (lr 0.01) is not the best by test
+    (lr 0.1): analyze.py ranks and maps val_accuracy, with test_accuracy beside it; --metric still chooses."""
+    root = tmp_path / "sweep"
+    for job, (lr, val, test) in enumerate([("0.01", 0.96, 0.90), ("0.1", 0.93, 0.97)]):
+        d = root / str(job)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- optim.chain.adamw.learning_rate={lr}\n- schedule.warmup_steps=0"
+                                                     "\n- optim.chain.clip_by_global_norm.max_norm=1.0\n- seed=0\n")
+        metrics = {"val_accuracy": val, "val_loss": 1 - val, "test_accuracy": test, "test_loss": 1 - test}
+        (d / "summary.json").write_text(json.dumps({"status": "completed", "optimized_metric": "val_accuracy",
+                                                    "metrics": metrics, "step": 300, "time_s": 1.0}))
+    analyze = load("lr_sweep/analyze.py")
+    analyze.main([str(root), "--out", str(tmp_path / "out")])
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "| val_accuracy (mean ± sd) | test_accuracy (mean ± sd) |" in text
+    assert "| 0.01 | 0 | 1 | 1 | 0.9600 ± 0.0000 **best** | 0.9000 ± 0.0000 |" in text
+    assert "| 0.1 | 0 | 1 | 1 | 0.9300 ± 0.0000 | 0.9700 ± 0.0000 |" in text
+    analyze.main([str(root), "--out", str(tmp_path / "loss"), "--metric", "val_loss"])  # lower is better
+    assert "| 0.01 | 0 | 1 | 1 | 0.0400 ± 0.0000 **best** | 0.1000 ± 0.0000 |" in (tmp_path / "loss" / "results.md").read_text()
