@@ -65,6 +65,19 @@ The vmapped step is the pure, out-of-place path: each elementwise op of the opti
 an ``(N, ...)`` tensor (2 MiB for the default MLP's 256x256 weight at N=8); :func:`vmapped_steps` has glibc
 serve those from the heap rather than a fresh ``mmap`` each (once per process, see ``_reuse_freed_memory``).
 
+**Paid once per group.** The dataset is built once per data config (when building it draws no random
+numbers); the task's evaluation of every member is one vmapped forward per chunk (:meth:`GroupSteps.evaluate_all`,
+the run's :func:`fxtrain.tasks.evaluate` over a batched task), eval hooks still run per job on its own params;
+checkpoints and log lines take each job's slice of the one batched state (:func:`pick`).
+
+**Compiled** (``hydra.launcher.compile=true``): the group's step and evaluation are traced once (``make_fx``: the
+stack is built from its config during the trace, the hyperparameters, params and states are the graph's inputs)
+and compiled by ``torch.compile`` (inductor fuses the pure update's per-leaf ops; CUDA graphs on a GPU); the steps
+between two events run that one-step graph in a Python loop, so no chunk length, step or later group of the same
+config and shapes compiles again (:class:`Compiled`). Where tracing or compiling fails, the group runs eagerly and
+one line says why. Off by default: on a 2-core CPU compiling takes longer than the sweeps it speeds up
+(experiments/bench/results/sweep.md).
+
 **Numbers.** A job's numbers equal its own run's to float32 rounding: batched matmuls sum in another order
 than unbatched ones (a few 1e-7 relative per step, measured); chaotic runs (a large learning rate) grow
 that over hundreds of steps as any rounding change would. Under ``amp`` the compute dtype's rounding
@@ -88,13 +101,14 @@ import dataclasses
 import logging
 import pathlib
 import time
+import types
 from typing import Any, Callable, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 import fxtrain as fx
-from fxtrain import build, distributed, parallel, rundir, tree, validate
+from fxtrain import build, distributed, parallel, rundir, tasks, tree, validate
 from fxtrain import train as runner
 
 __all__ = ["Job", "Group", "Result", "NotBatchable", "plan", "job_notes", "LOOP_KEYS", "CHAIN", "train_group", "GroupSteps", "hyperparams",
@@ -543,7 +557,8 @@ def stack_trees(trees: Sequence[Any], what: str = "tree") -> Any:
     return tree.unflatten(spec, out)
 
 
-def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool, task: Any = None) -> Callable:
+def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool, task: Any = None,
+                  compile: bool = False) -> Callable:  # noqa: A002 - train_step's argument name
     """The steps of every job of a group as one vmapped call: ``run(hp, params, opt_state, buffers, xs, ys) ->
     (params, opt_state, buffers, metrics)``.
 
@@ -553,6 +568,11 @@ def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool, task: A
     ``hp`` values (0-dim tensors) and ``loss_fn`` the one :func:`fxtrain.train.train` uses. ``metrics`` are
     the last step's. ``xs, ys``: ``(K, ...)`` shared by every job, or ``(N, K, ...)`` with ``batch_per_job``;
     ``task``: the group's (built from ``cfg`` when ``None``).
+
+    ``compile=True``: one step of the group (this function at ``K = 1``) is traced into one graph and compiled
+    (:class:`Compiled`), and the ``K`` steps of a call run it in a Python loop: the hyperparameters and every
+    state are graph inputs, so no step, chunk length or later group of the same config and shapes compiles again.
+    Where tracing or compiling fails, the steps run as without it (one line says why).
     """
     loss_fn = parallel.loss_function(apply, build.task(cfg) if task is None else task)
     _reuse_freed_memory()
@@ -567,7 +587,109 @@ def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool, task: A
             metrics.update(aux)
         return params, opt_state, buffers, metrics
 
-    return vmap_trees(steps, in_dims=(0, 0, 0, 0) + ((0, 0) if batch_per_job else (None, None)))
+    run = vmap_trees(steps, in_dims=(0, 0, 0, 0) + ((0, 0) if batch_per_job else (None, None)))
+    if not compile:
+        return run
+    one = Compiled(run, None, "the vmapped step")
+    at = 1 if batch_per_job else 0  # the steps' axis of xs, ys
+
+    def stepwise(hp, params, opt_state, buffers, xs, ys):
+        one.key = one.key or ("train", _graph_key(cfg, hp), batch_per_job)
+        for k in range(xs.shape[at]):
+            step = (slice(None),) * at + (slice(k, k + 1),)  # K = 1: the shape every call traces with
+            params, opt_state, buffers, metrics = one(hp, params, opt_state, buffers, xs[step], ys[step])
+        return params, opt_state, buffers, metrics
+
+    return stepwise
+
+
+def _graph_key(cfg: DictConfig, batched: Sequence[str]) -> str:
+    """What a group's traced step depends on besides its inputs: the stack's and the loss's config, less the values
+    of the ``batched`` keys (inputs, as the params are); the seeds and the loop's settings are not in the step.
+    Groups of one sweep that differ only in those share one compiled step."""
+    nodes = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+             for k in ("optim", "schedule", "amp", "accumulate", "model", "task") if k in cfg}
+    for key in batched:
+        *path, last = key.split(".")
+        node = nodes
+        for part in path:
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict) and last in node:
+            node[last] = "<batched>"
+    return repr(nodes)
+
+
+class Compiled:
+    """``fn(*trees) -> tree`` run as a compiled graph: traced once per ``key``, input structure and input shapes
+    (``make_fx``: the Python around the tensor ops, a stack built from its config included, runs only then), then
+    ``torch.compile``d (inductor; CUDA graphs on a GPU, ``mode="reduce-overhead"``). Graphs are kept per process,
+    so a second group of the same config and shapes runs the first one's. Tensor leaves are the graph's inputs (no
+    value is specialized: hyperparameters come as tensors); other leaves must equal the traced ones (they are part
+    of the cache key). Where tracing, compiling or the first run fails, ``fn`` runs eagerly from then on and one line
+    says why.
+
+    Example:
+        >>> import torch
+        >>> double = Compiled(lambda t: {"y": t["x"] * 2}, "doc", "doubling")
+        >>> double({"x": torch.ones(2)})["y"].tolist()
+        [2.0, 2.0]
+    """
+
+    graphs: dict[Any, tuple[Callable, Any]] = {}  # per process: (key, structure, shapes) -> (compiled, out structure)
+
+    def __init__(self, fn: Callable, key: Any, what: str):
+        self.fn, self.key, self.what, self.eager = fn, key, what, False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.eager:
+            return self.fn(*args)
+        leaves, spec = tree.flatten(args)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        key = (self.key, spec, tuple((x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in leaves))
+        try:
+            if key not in self.graphs:
+                self.graphs[key] = _trace(self.fn, leaves, spec)
+            graph, (out_spec, constants) = self.graphs[key]
+            out = iter(graph(*tensors))
+        except Exception as e:  # noqa: BLE001 - compilation is an optimization: the eager path gives the same numbers
+            self.graphs.pop(key, None)
+            self.eager = True
+            log.warning(f"vmap   {self.what} runs eagerly: torch.compile failed ({type(e).__name__}: "
+                        f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+            return self.fn(*args)
+        return tree.unflatten(out_spec, [next(out) if c is _TENSOR else c for c in constants])
+
+
+_TENSOR = object()  # where a traced function's output has a tensor
+
+
+def _trace(fn: Callable, leaves: list, spec: Any) -> tuple[Callable, tuple[Any, list]]:
+    """``fn`` over these inputs' structure as one FX graph of tensor ops (fake tensors: a host read raises, it
+    is never baked in), compiled; and the structure of its output (``(spec, leaves or _TENSOR)``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    out: list = []
+
+    def flat(*tensors):
+        it = iter(tensors)
+        result, out_spec = tree.flatten(fn(*tree.unflatten(spec, [next(it) if isinstance(x, torch.Tensor) else x
+                                                                  for x in leaves])))
+        out[:] = [out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in result]]
+        return [x for x in result if isinstance(x, torch.Tensor)]
+
+    graph = make_fx(flat, tracing_mode="fake")(*(x for x in leaves if isinstance(x, torch.Tensor)))
+    cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves)
+    return torch.compile(graph, dynamic=False, mode="reduce-overhead" if cuda else None), tuple(out)
+
+
+def _chunk_metrics(apply: Callable, task: Any) -> Callable:
+    """``(params, buffers, x, y) -> (loss, metrics)`` of one evaluation chunk, as :func:`fxtrain.train.evaluate_run`
+    computes it for one run (:func:`fxtrain.parallel.forward`: eval mode, the params' dtype, no gradients)."""
+
+    def metrics(params, buffers, x, y):
+        return task.compute(parallel.forward(apply, params, buffers)(x), y)
+
+    return metrics
 
 
 def _dataset_without_rng(cfg: DictConfig, device: torch.device) -> Any:
@@ -586,13 +708,14 @@ def pick(stacked: Any, j: int) -> Any:
 
 # --- training a group -------------------------------------------------------------------------------
 
-def train_group(group: Group) -> list[Result]:
+def train_group(group: Group, compile: bool = False) -> list[Result]:  # noqa: A002 - train_step's argument name
     """Trains the jobs of ``group`` as one vmapped process; one :class:`Result` per job, in order.
 
     Writes each job's ``config.yaml``, ``metrics.jsonl``, checkpoints and ``summary.json`` (or the
     failed summary) into its directory as :func:`fxtrain.train.train` would; each job's lines (``run``,
     ``stack``, ``done``...) come back in its result for its ``train.log``. A job whose loss or metric turns
-    non-finite fails alone (its error in its result); the others go on.
+    non-finite fails alone (its error in its result); the others go on. ``compile``: the group's step and
+    evaluation run compiled (:func:`vmapped_steps`; ``hydra.launcher.compile``).
 
     Raises:
       NotBatchable: before anything is written: the group cannot be trained vmapped (the message says why).
@@ -601,7 +724,7 @@ def train_group(group: Group) -> list[Result]:
     with contextlib.ExitStack() as claims:  # every job's directory, as train() claims its own (fxtrain/rundir.py)
         for job in group.jobs:
             claims.enter_context(rundir.claim(job.out, job.cfg))
-        return _train_group(group)
+        return _train_group(group, compile)
 
 
 _MALLOPT_DONE = False
@@ -630,7 +753,7 @@ def _reuse_freed_memory() -> None:
     mallopt(m_trim_threshold, 64 << 20)
 
 
-def _train_group(group: Group) -> list[Result]:
+def _train_group(group: Group, compile: bool = False) -> list[Result]:  # noqa: A002
     t0 = time.perf_counter()
     jobs = group.jobs
     results = {job.num: Result() for job in jobs}
@@ -664,7 +787,7 @@ def _train_group(group: Group) -> list[Result]:
     kept = [i for i, job in enumerate(jobs) if any(job is m.job for m in live)]
     hp = hyperparams({k: [vs[i] for i in kept] for k, vs in group.values.items()}, device)
     steps = GroupSteps(cfg, [m.built for m in live], [m.state for m in live], hp,
-                       shared_data=all(m.job.cfg.data == cfg.data for m in live))
+                       shared_data=all(m.job.cfg.data == cfg.data for m in live), compile=compile)
 
     # --- the first update, before anything is written: can this group be vmapped at all? --------
     if start < cfg.trainer.max_steps:
@@ -726,7 +849,7 @@ class GroupSteps:
     longest = 50
 
     def __init__(self, cfg: DictConfig, built: Sequence[runner.Built], states: Sequence[fx.TrainState],
-                 hp: dict[str, torch.Tensor], shared_data: bool):
+                 hp: dict[str, torch.Tensor], shared_data: bool, compile: bool = False):  # noqa: A002
         self.desc, self.built, self.hp, self.shared = f"train x{len(built)}", list(built), hp, shared_data
         self.params = stack_trees([s.params for s in states], "params")
         self.opt_state = stack_trees([s.opt_state for s in states], "optimizer state")
@@ -735,7 +858,14 @@ class GroupSteps:
         self.constants = fx.traits(built[0].tx).constant_reports
         self.eval_batch_size = cfg.trainer.eval_batch_size
         # The jobs' modules differ only in their tensors, which the trees carry: the first job's apply serves all.
-        self.vmapped = vmapped_steps(cfg, built[0].apply, batch_per_job=not shared_data, task=built[0].task)
+        self.vmapped = vmapped_steps(cfg, built[0].apply, batch_per_job=not shared_data, task=built[0].task,
+                                     compile=compile)
+        self.evaluated: tuple[int, list[dict[str, float]]] | None = None  # (step, every member's task metrics)
+        # The validation examples on a job axis of their own (1: tasks.evaluate chunks dim 0) when jobs have their own.
+        forward = vmap_trees(_chunk_metrics(built[0].apply, built[0].task), in_dims=(0, 0) + ((None, None) if shared_data
+                                                                                           else (1, 1)))
+        self.forward = Compiled(forward, ("eval", _graph_key(cfg, hp), shared_data), "the vmapped evaluation") \
+            if compile else forward
 
     def batches(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batches of steps first+1..end (data.train[first:end]), stacked: (K, ...) or, a batch per job, (N, K, ...)."""
@@ -748,6 +878,7 @@ class GroupSteps:
         self.vmapped(self.hp, self.params, self.opt_state, self.buffers, *self.batches(first, end))
 
     def advance(self, first: int, end: int) -> dict[str, Any]:
+        self.evaluated = None
         self.params, self.opt_state, self.buffers, metrics = self.vmapped(self.hp, self.params, self.opt_state,
                                                                       self.buffers, *self.batches(first, end))
         return metrics
@@ -756,8 +887,31 @@ class GroupSteps:
         return runner.host_metrics(pick(metrics, j), self.constants)
 
     def evaluate(self, step: int, j: int, hooks: list[tuple[str, Callable]]) -> dict[str, float]:
-        return runner.evaluate_run(self.built[j], pick(self.params, j), pick(self.buffers, j), step, hooks,
-                                   self.eval_batch_size)
+        """Member ``j``'s eval metrics: the task's from one vmapped evaluation of every member at this step (the
+        first member asking runs it), each eval hook's on ``j``'s own params as its run calls it."""
+        if self.evaluated is None or self.evaluated[0] != step:
+            self.evaluated = step, self.evaluate_all()
+        metrics = dict(self.evaluated[1][j])
+        if hooks:  # the task's metrics are computed above; the hooks' need the member's own params
+            ctx_metrics = runner.evaluate_run(self.built[j], pick(self.params, j), pick(self.buffers, j), step, hooks,
+                                              self.eval_batch_size)
+            metrics.update({k: v for k, v in ctx_metrics.items() if k not in metrics})
+        return metrics
+
+    def evaluate_all(self) -> list[dict[str, float]]:
+        """Every member's ``val_*`` metrics on its validation split, as :func:`fxtrain.train.evaluate_run` computes
+        them (:func:`fxtrain.tasks.evaluate`: the same chunks, the same weighting), in one vmapped forward per chunk."""
+        splits = [b.data.validation for b in (self.built[:1] if self.shared else self.built)]
+        if len({tuple(t.shape for t in split) for split in splits}) > 1:  # the jobs' splits differ in size
+            return [runner.evaluate_run(b, pick(self.params, j), pick(self.buffers, j), 0, [], self.eval_batch_size)
+                    for j, b in enumerate(self.built)]
+        x, y = splits[0] if self.shared else (torch.stack(t, dim=1) for t in zip(*splits))
+        # tasks.evaluate over the group: its "task" computes every member's (loss, metrics) of a chunk, shape (N,)
+        # each, from the vmapped forward; it weighs the chunks as for one run and returns a list of N per metric.
+        params, buffers = self.params, self.buffers
+        group = types.SimpleNamespace(compute=lambda xb, yb: self.forward(params, buffers, xb, yb))
+        per_metric = tasks.evaluate(group, lambda xb: xb, (x, y), self.eval_batch_size)
+        return [tasks.split_metrics({k: v[j] for k, v in per_metric.items()}, "val") for j in range(len(self.built))]
 
     def state(self, step: int, j: int) -> fx.TrainState:
         return fx.TrainState(step, pick(self.params, j), pick(self.opt_state, j), self.rngs[j], pick(self.buffers, j))

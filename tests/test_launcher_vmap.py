@@ -14,11 +14,14 @@ import json
 import math
 import pathlib
 
+import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import fxtrain as fx
 import fxtrain.models
 from fxtrain import sweep
+from fxtrain import train as runner
 from fxtrain.models import MLP
 from fxtrain.report import read_jsonl
 from tests._runner import cfg_of, isolate, load_checkpoint, run_main  # noqa: F401 - isolate: autouse
@@ -160,6 +163,68 @@ def test_eval_hooks_and_early_stopping_run_per_job_as_the_basic_launcher_runs_th
     assert summaries[0]["stopped_early"]["step"] == 20 and summaries[0]["step"] == 20
     assert "stopped_early" not in summaries[1] and summaries[1]["step"] == 30
     assert "confidence" in records(vmapped / "1")[-1]                               # the hook's metric, per job
+
+
+# --- the compiled group step (hydra.launcher.compile=true) -------------------------------------------
+
+# Two groups of the same config and shapes (max_group_size=2), each batched over the learning rate; log_every=7
+# makes chunks of 7, 7, 1, 6, 7 and 2 steps between the events of 30 steps.
+COMPILED = ["seed=0,1", "optim.chain.adamw.learning_rate=1e-2,3e-2", "hydra.launcher.max_group_size=2",
+            "trainer.log_every=7"]
+
+
+@pytest.mark.slow  # inductor compiles two graphs: about a minute on two cores
+def test_the_compiled_group_step_matches_eager_and_compiles_once(capsys):
+    eager = sweep_of("vmap", *COMPILED)
+    torch._dynamo.reset()
+    counters.clear()
+    sweep.Compiled.graphs.clear()
+    assert run_main("-m", "hydra/launcher=vmap", *SWEEP, *COMPILED, "hydra.launcher.compile=true",
+                    "hydra.sweep.dir=compiled") == 0
+    out = capsys.readouterr()
+    assert "vmap   jobs 0,1 as one process" in out.out and "vmap   jobs 2,3 as one process" in out.out
+    assert "runs eagerly" not in out.out + out.err
+    # One graph for the step (every chunk length, both groups) and one per evaluation chunk shape; each compiled
+    # once: nothing compiles again for the second group, whose learning rates and seed differ.
+    keys = list(sweep.Compiled.graphs)
+    assert [k[0][0] for k in keys].count("train") == 1 and len(keys) == counters["stats"]["unique_graphs"] <= 3
+    assert_same_sweep(eager, pathlib.Path("compiled"), 4)
+
+
+def test_a_failed_compilation_runs_the_group_eagerly_with_one_line(monkeypatch, capsys):
+    def refuse(*args):
+        raise RuntimeError("no compiler here\nsecond line")
+
+    monkeypatch.setattr(sweep, "_trace", refuse)
+    grid = ["optim.chain.adamw.learning_rate=1e-2,3e-2", "trainer.max_steps=10", "trainer.eval_every=5"]
+    eager = sweep_of("vmap", *grid)
+    assert run_main("-m", "hydra/launcher=vmap", *SWEEP, *grid, "hydra.launcher.compile=true",
+                    "hydra.sweep.dir=fallback") == 0
+    out = capsys.readouterr()
+    lines = [ln for ln in (out.out + out.err).splitlines() if "runs eagerly" in ln]
+    assert [ln.split("vmap   ", 1)[1] for ln in lines] == [
+        "the vmapped step runs eagerly: torch.compile failed (RuntimeError: no compiler here)",
+        "the vmapped evaluation runs eagerly: torch.compile failed (RuntimeError: no compiler here)"]
+    for job in "01":
+        assert records(eager / job) == records(pathlib.Path("fallback", job))  # the eager path itself: exact
+
+
+def test_vmapped_evaluation_equals_each_jobs_own():
+    # One vmapped call evaluates every member (GroupSteps.evaluate_all); each job's own evaluate_run agrees.
+    cfgs = [cfg_of(*SWEEP, f"optim.chain.adamw.learning_rate={lr}", f"seed={s}") for lr, s in ((1e-2, 0), (3e-2, 1))]
+    built = [runner.build_run(c, torch.device("cpu")) for c in cfgs]
+    states = [fx.TrainState(0, b.params, b.opt_state, fx.rng_state(), b.buffers) for b in built]
+    hp = sweep.hyperparams({"optim.chain.adamw.learning_rate": [1e-2, 3e-2]})
+    group = sweep.GroupSteps(cfgs[0], built, states, hp, shared_data=False)
+    group.advance(0, 7)
+    vmapped = [group.evaluate(7, j, []) for j in range(2)]
+    own = [runner.evaluate_run(b, sweep.pick(group.params, j), sweep.pick(group.buffers, j), 7, [], 512)
+           for j, b in enumerate(built)]
+    assert sorted(vmapped[0]) == sorted(own[0]) == ["val_accuracy", "val_loss"]
+    for a, b in zip(vmapped, own):
+        for k in a:
+            assert math.isclose(a[k], b[k], rel_tol=RTOL, abs_tol=ATOL), k
+    assert vmapped[0] != vmapped[1]  # each member its own params (and seed)
 
 
 # --- grouping (plan-level checks of each reason's note: tests/test_sweep_plan.py) --------------------------

@@ -51,13 +51,20 @@ class VmapLauncher(Launcher):
         ``%j`` is the job id), and submitit's ``AutoExecutor`` parameters (``timeout_min``,
         ``gpus_per_node``, ``cpus_per_task``, ``mem_gb``, ``slurm_partition``, ``slurm_max_num_timeout``...;
         ``null`` leaves submitit's default).
+      compile: run each group's vmapped step and evaluation under ``torch.compile`` (one graph per config and
+        shapes, see :func:`fxtrain.sweep.vmapped_steps`); ``False`` (the default) runs them eagerly, which
+        measured faster end to end on a 2-core CPU, where compiling costs more than the steps it speeds up
+        (experiments/bench/results/sweep.md).
     """
 
-    def __init__(self, max_group_size: int | None = None, executor: Any = None) -> None:
+    def __init__(self, max_group_size: int | None = None, executor: Any = None, compile: bool = False) -> None:  # noqa: A002
         super().__init__()
         if max_group_size is not None and (not isinstance(max_group_size, int) or max_group_size < 1):
             raise ValueError(f"hydra.launcher.max_group_size: expected a positive integer or null, got {max_group_size!r}")
         self.max_group_size = max_group_size
+        if compile not in (True, False):
+            raise ValueError(f"hydra.launcher.compile: expected true or false, got {compile!r}")
+        self.compile = compile
         self.executor = _executor_spec(executor)
         self.config: DictConfig | None = None
         self.task_function: TaskFunction | None = None
@@ -159,7 +166,7 @@ class VmapLauncher(Launcher):
         for group in groups:
             if group.sequential is None:
                 try:
-                    results = sweep.train_group(group)
+                    results = sweep.train_group(group, compile=self.compile)
                 except Exception as e:  # noqa: BLE001 - nothing written yet: the jobs run as the basic launcher runs them
                     why = str(e) if isinstance(e, sweep.NotBatchable) else f"{type(e).__name__}: {e}"
                     group.sequential = why.splitlines()[0] if why else type(e).__name__  # a one-line note
