@@ -247,6 +247,9 @@ def _fused_spec(inner_factory: Callable, other: dict, numeric: dict, schedules: 
         if not isinstance(hps, dict) or set(hps) != injected \
                 or any(isinstance(v, torch.Tensor) and (v.requires_grad or v.ndim) for v in hps.values()):
             return None  # the foreach path refuses these (or differentiates through them)
+        lr = hps.get("learning_rate")
+        if isinstance(lr, torch.Tensor) and lr.dtype != torch.float32 and tree.local(lr).device.type != "cpu":
+            return None  # torch's CUDA kernels read a tensor lr as float32 (the CPU ones read its value)
         host = _host_values({k: v for k, v in hps.items() if k != "learning_rate"})
         spec = None if host is None else kernel(host)
         if spec is None or spec.name != proto.name:
