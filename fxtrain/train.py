@@ -69,6 +69,7 @@ import logging
 import math
 import os
 import pathlib
+import shutil
 import sys
 import time
 from typing import Any, Callable, NamedTuple, Protocol
@@ -421,8 +422,10 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
         self.profile.stop()
         self.done = True
-        for out in self.outs:
-            self.profile.export_chrome_trace(str(out / PROFILE_TRACE))
+        if self.outs:  # a trace is exported once: a vmapped group's other jobs get a copy of it
+            self.profile.export_chrome_trace(str(self.outs[0] / PROFILE_TRACE))
+            for out in self.outs[1:]:
+                shutil.copyfile(self.outs[0] / PROFILE_TRACE, out / PROFILE_TRACE)
         by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = self.profile.key_averages().table(sort_by=by, row_limit=12)
         where = ", ".join(str(out / PROFILE_TRACE) for out in self.outs) or "(no run directory)"
@@ -516,7 +519,7 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
     quiet = lead.run.rank != 0 or not trainer.progress or not sys.stderr.isatty()
     bar = tqdm(total=max_steps, initial=start, desc=steps.desc, dynamic_ncols=True, disable=quiet)
     beat = Heartbeat(trainer.get("heartbeat_s", 30) if lead.run.rank == 0 and quiet else None, start, max_steps,
-                     lead.run.say, t0)
+                     log.info, t0)  # live, also for a vmapped group (whose jobs' lines wait for its end)
     debug = debug_settings(lead.cfg)
     profiler = StepProfiler(debug["profile_steps"] if lead.run.rank == 0 else 0, debug["profile_wait"], start,
                             [m.run.out for m in members if m.run.out is not None], lead.run.say, lead.run.device)

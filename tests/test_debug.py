@@ -125,6 +125,15 @@ def test_profile_writes_a_chrome_trace_and_says_the_top_ops(tmp_path, caplog):
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_profile_under_the_vmap_launcher_gives_every_job_the_group_trace(tmp_path):
+    assert run_main("-m", "hydra/launcher=vmap", "debug=profile", *SMALL, "optim.chain.adamw.learning_rate=1e-2,3e-2",
+                    "hydra.sweep.dir=sweep") == 0
+    for job in "01":
+        assert json.loads(pathlib.Path("sweep", job, "summary.json").read_text())["status"] == "completed"
+        assert "traceEvents" in json.loads(pathlib.Path("sweep", job, "profile_trace.json").read_text())
+    assert "profile steps 4..8: " in pathlib.Path("sweep", "0", "train.log").read_text()
+
+
 # --- the heartbeat -----------------------------------------------------------------------------------
 
 def test_heartbeat_lines_while_training_without_a_bar(tmp_path, caplog):
