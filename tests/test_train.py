@@ -69,6 +69,7 @@ def test_hydra_settings():
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_every_experiment_composes_and_builds(experiment):
     cfg = cfg_of(f"experiment={experiment}")
+    runner.settle_max_steps(cfg)  # an experiment given in epochs (mnist_port) gets its step count, as a run does
     model = build.instantiate(cfg.model, "model")
     tx = build.stack(cfg)
     _, params, _ = fx.functional(model)
