@@ -14,8 +14,10 @@ fresh process, both launchers in the same rounds (the order alternating), median
 * ``train s``: the part the launcher changes: the basic launcher's jobs' ``time_s`` summed (each from
   the start of ``fxtrain.train.train`` to its summary: build, steps, evaluation, checkpoints), against
   the vmapped groups' ``time_s`` (the same, once per group).
-* ``max rel diff``: the largest relative difference of any job's final ``val_loss``/``test_loss``/``loss``
-  between the launchers (the launcher test's bar: 2e-5 after 30 steps).
+* ``rel diff, steps <= 30``: the largest relative difference of any logged metric of any job between the
+  launchers over the first 30 steps (the launcher test's bar: 2e-5); ``max |diff| final``: of the final
+  ``val_loss``/``test_loss`` (large learning rates amplify float32 rounding over hundreds of steps).
+* ``vmap, compile``: ``hydra.launcher.compile=true``, its compilation included.
 
 A second table times the training step alone, in this process (interleaved rounds, one CPU thread): 8 jobs
 of the donated ``fx.train_step`` the basic launcher's runs take, against the vmapped group's step
@@ -27,6 +29,7 @@ against once per job, and the seconds the compiled step takes to compile.
 
 Usage:
     python experiments/bench/sweep.py [--rounds 1] [--step-rounds 20] [--no-compile] [--no-write]
+        [--sweeps "8 lrs x 200 steps"] [--launchers basic,vmap] [--no-steps]
 """
 
 from __future__ import annotations
@@ -52,14 +55,22 @@ SWEEPS = {  # name: (grid, steps, goal: vmap's wall speedup, issue 28)
     "8 lrs x 200 steps": ([LRS], 200, 2.0),
     "16 jobs (8 lrs x 2 seeds) x 1000 steps": ([LRS, "seed=0,1"], 1000, 3.0),
 }
-# The launchers compared: Hydra's basic one, the vmap launcher eager (the default) and compiled.
-LAUNCHERS = {"basic": ["hydra/launcher=basic"], "vmap": ["hydra/launcher=vmap"],
-             "vmap, compile": ["hydra/launcher=vmap", "hydra.launcher.compile=true"]}
-FINALS = ("val_loss", "test_loss", "loss")
+# The launchers: Hydra's basic one and the vmap launcher (eager, its default; experiments/gpu/check.py runs these
+# two), and in this script's tables also the vmap launcher compiled (hydra.launcher.compile=true).
+LAUNCHERS = {"basic": ["hydra/launcher=basic"], "vmap": ["hydra/launcher=vmap"]}
+VARIANTS = {**LAUNCHERS, "vmap, compile": ["hydra/launcher=vmap", "hydra.launcher.compile=true"]}
+FINALS = ("val_loss", "test_loss")
+EARLY = 30  # the launcher test's horizon: its bar (relative 2e-5) holds over the first 30 steps
+
+
+def early_diff(a: list[dict], b: list[dict]) -> float:
+    """The largest relative difference of any logged float of two jobs' metrics.jsonl lines up to step EARLY."""
+    pairs = [(x[k], y[k]) for x, y in zip(a, b) if x["step"] <= EARLY for k in x if k not in ("step", "time_s")]
+    return max((abs(u - v) / max(abs(u), 1e-6) for u, v in pairs), default=0.0)
 
 
 def command(launcher: str, grid: list[str], steps: int, sweep_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "fxtrain.train", "-m", *LAUNCHERS[launcher], *grid,
+    return [sys.executable, "-m", "fxtrain.train", "-m", *VARIANTS[launcher], *grid,
             f"trainer.max_steps={steps}", "trainer.cpu_threads=1", "trainer.progress=false",
             f"hydra.sweep.dir={sweep_dir}"]
 
@@ -72,7 +83,8 @@ def run(cmd: list[str], cwd: Path) -> tuple[float, float, dict[str, dict]]:
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     sweep_dir = Path(cmd[-1].split("=", 1)[1])
-    summaries = {d.name: json.loads((d / "summary.json").read_text())
+    summaries = {d.name: {**json.loads((d / "summary.json").read_text()),
+                          "records": [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]}
                  for d in sorted(sweep_dir.iterdir()) if (d / "summary.json").exists()}
     if "hydra/launcher=vmap" in cmd and "as one process" not in proc.stdout:
         raise RuntimeError(f"the vmap launcher did not batch the jobs:\n{proc.stdout[-3000:]}")
@@ -167,21 +179,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--step-rounds", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true", help="leave the compiled step out of the step table")
+    parser.add_argument("--sweeps", default=",".join(SWEEPS), help="which sweeps, comma-separated names")
+    parser.add_argument("--launchers", default=",".join(VARIANTS), help="which launchers (basic first)")
+    parser.add_argument("--no-steps", action="store_true", help="leave the step table out")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    for name in set(SWEEPS) - set(args.sweeps.split(",")):
+        del SWEEPS[name]
+    for name in set(VARIANTS) - set(args.launchers.split(",")):
+        del VARIANTS[name]
     loads = [f"start {load()}"]
-    steps, fixed = step_rows(args.step_rounds, compile=not args.no_compile)
+    steps, fixed = ([], []) if args.no_steps else step_rows(args.step_rounds, compile=not args.no_compile)
     loads.append(f"after the step table {load()}")
 
-    walls = {(s, la): [] for s in SWEEPS for la in LAUNCHERS}
-    trains = {(s, la): [] for s in SWEEPS for la in LAUNCHERS}
-    diffs = {(s, la): 0.0 for s in SWEEPS for la in LAUNCHERS}
+    walls = {(s, la): [] for s in SWEEPS for la in VARIANTS}
+    trains = {(s, la): [] for s in SWEEPS for la in VARIANTS}
+    diffs = {(s, la): 0.0 for s in SWEEPS for la in VARIANTS}
+    early = {(s, la): 0.0 for s in SWEEPS for la in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for r in range(args.rounds):
             for name, (grid, n_steps, _) in SWEEPS.items():
                 finals = {}
-                for launcher in (list(LAUNCHERS) if r % 2 == 0 else list(LAUNCHERS)[::-1]):
+                for launcher in (list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]):
                     where = re.sub(r'[^a-z0-9]+', '_', f"r{r}-{name}-{launcher}")
                     cmd = command(launcher, grid, n_steps, tmp / where)
                     wall, train, summaries = run(cmd, tmp)
@@ -190,19 +210,21 @@ def main() -> None:
                     finals[launcher] = summaries
                     print(f"round {r} {name}: {launcher:13s} wall {wall:6.2f} s, train {train:6.2f} s, load {load()}",
                           flush=True)
-                for la, job, k in ((la, job, k) for la in LAUNCHERS for job in finals["basic"] for k in FINALS):
-                    a, b = finals["basic"][job]["metrics"][k], finals[la][job]["metrics"][k]
-                    diffs[name, la] = max(diffs[name, la], abs(a - b) / max(abs(a), 1e-12))
+                for la, job in ((la, job) for la in finals for job in finals["basic"]):
+                    a, b = finals["basic"][job], finals[la][job]
+                    diffs[name, la] = max(diffs[name, la], *(abs(a["metrics"][k] - b["metrics"][k]) for k in FINALS))
+                    early[name, la] = max(early[name, la], early_diff(a["records"], b["records"]))
             loads.append(f"after round {r} {load()}")
 
     rows = []
     for name, (_, _, goal) in SWEEPS.items():
-        med = {la: (statistics.median(walls[name, la]), statistics.median(trains[name, la])) for la in LAUNCHERS}
-        for la in LAUNCHERS:
+        med = {la: (statistics.median(walls[name, la]), statistics.median(trains[name, la])) for la in VARIANTS}
+        for la in VARIANTS:
             speed = med["basic"][0] / med[la][0]
             rows.append([name, la, med[la][0], med[la][1], f"{speed:.2f}x", f"{med['basic'][1] / med[la][1]:.2f}x",
                          f"{goal:g}x ({'met' if speed >= goal else f'missed by {goal / speed:.2f}x'})"
-                         if la != "basic" else "", f"{diffs[name, la]:.1e}" if la != "basic" else ""])
+                         if la != "basic" else "", f"{early[name, la]:.1e}" if la != "basic" else "",
+                         f"{diffs[name, la]:.1e}" if la != "basic" else ""])
     cmd = shlex.join(["python", "experiments/bench/sweep.py", *sys.argv[1:]])
     text = "\n".join([
         "# hydra/launcher=vmap against the basic launcher",
@@ -212,11 +234,12 @@ def main() -> None:
         "in a fresh process, the default digits experiment, the same thread count for both launchers).",
         "",
         _common.table(["sweep", "launcher", "wall s", "train s", "wall speedup", "train speedup", "goal",
-                       "max rel diff"], rows),
+                       f"rel diff, steps <= {EARLY}", "max |diff| final val/test loss"], rows),
         "",
         "`wall`: the whole command; `train`: the basic launcher's jobs' `time_s` summed against the vmapped "
-        "groups' (build, steps, evaluation, checkpoints). `max rel diff`: the largest relative difference of a "
-        "job's final val_loss, test_loss or loss between the launchers.",
+        "groups' (build, steps, evaluation, checkpoints). `rel diff, steps <= 30`: the largest relative difference "
+        "of any logged metric of any job between the launchers over the first 30 steps (the launcher test's bar: "
+        "2e-5); `max |diff| final`: the largest absolute difference of a job's final val_loss or test_loss.",
         "",
         "The training step alone (one process, one thread, medians of interleaved rounds, ms per step of all 8 "
         "learning rates; each call runs 25 steps), against the arithmetic bound of 8 models' forward and backward:",
