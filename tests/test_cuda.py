@@ -1,7 +1,7 @@
 """fxtrain on a CUDA device (``pytest -m cuda``; ``make gpu-check`` runs these first).
 
 The CPU suite checks the same properties against the same references (test_fused.py, test_amp.py,
-test_step_compile.py, test_launcher_vmap.py, test_train.py); here the kernels are CUDA's: torch's fused
+test_step_compile.py, test_vmap_launcher.py, test_train.py); here the kernels are CUDA's: torch's fused
 optimizer kernels, float16/bfloat16 matmuls, inductor's GPU code, and the boundary between host and device
 (a training step and its batch never wait for the GPU). The references run on the same device in the same
 test: ``torch.optim``'s ``fused=True`` optimizers, ``torch.autocast`` with ``torch.amp.GradScaler``.
@@ -21,7 +21,7 @@ import fxtrain as fx
 from fxtrain import report, train as runner
 from fxtrain.testing import assert_trees_close
 from tests._runner import cfg_of, isolate, run_main  # noqa: F401 - isolate: autouse (runs write under tmp_path)
-from tests.test_launcher_vmap import assert_same_sweep, sweep_of
+from tests.test_vmap_launcher import assert_same_sweep, sweep_of
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               # Inductor's imports warn about torch.jit (torch 2.13); warnings are errors elsewhere (pyproject).
@@ -269,4 +269,4 @@ def test_vmapped_sweep_on_cuda_matches_the_basic_launcher(capsys):
     basic = sweep_of("basic", *grid)
     vmapped = sweep_of("vmap", *grid)
     assert "jobs 0,1,2,3,4,5 as one process" in capsys.readouterr().out
-    assert_same_sweep(basic, vmapped, 6)  # test_launcher_vmap.py's bars: relative 2e-5 on every logged float
+    assert_same_sweep(basic, vmapped, 6)  # test_vmap_launcher.py's bars: relative 2e-5 on every logged float

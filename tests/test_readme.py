@@ -88,7 +88,7 @@ COMMANDS = {
     ".venv/bin/python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3":
         (".venv/bin/python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3 hydra/launcher=vmap",
          "its 4 jobs in one vmapped process: the numbers the README prints are checked, and the vmap launcher gives "
-         "the basic launcher's to float32 rounding (README; tests/test_launcher_vmap.py) with less CPU time"),
+         "the basic launcher's to float32 rounding (README; tests/test_vmap_launcher.py) with less CPU time"),
     **{command: (None, TORCHRUN) for command in [
         "torchrun --nproc_per_node=2 -m fxtrain.train parallel=dp",
         "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=fsdp",

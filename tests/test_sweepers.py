@@ -87,9 +87,9 @@ def records(job):
 def test_vmap_submitit_local_runs_each_group_as_one_submitit_job(monkeypatch, capsys):
     # Jobs 0-3 (lr x seed) are one vmapped group; jobs 4-7 use a model with dropout, which vmap refuses: that group
     # runs job by job inside its own submitit job. The first group must give what hydra/launcher=vmap gives.
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the submitit jobs import tests.test_launcher_vmap.DropoutMLP
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the submitit jobs import tests.test_vmap_launcher.DropoutMLP
     grid = ["optim.chain.adamw.learning_rate=3e-3,1e-2", "seed=0,1"]
-    models = "model._target_=fxtrain.models.MLP,tests.test_launcher_vmap.DropoutMLP"
+    models = "model._target_=fxtrain.models.MLP,tests.test_vmap_launcher.DropoutMLP"
     code = run_main("-m", "hydra/launcher=vmap_submitit_local", models, *grid, *FAST, "trainer.max_steps=10",
                     "hydra.launcher.executor.timeout_min=5", "hydra.sweep.dir=submitit")
     assert code == 0
