@@ -2,7 +2,7 @@
 runs alone or in which group (one line per reason: the key as the sweep wrote it, its values, why it splits).
 
 Plan-level only (no training): the end-to-end checks that a group's jobs equal the basic launcher's are in
-tests/test_launcher_vmap.py.
+tests/test_vmap_launcher.py.
 """
 
 import copy

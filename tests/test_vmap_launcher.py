@@ -227,7 +227,7 @@ def test_vmapped_evaluation_equals_each_jobs_own():
     assert vmapped[0] != vmapped[1]  # each member its own params (and seed)
 
 
-# --- grouping (plan-level checks of each reason's note: tests/test_sweep_plan.py) --------------------------
+# --- grouping (plan-level checks of each reason's note: tests/test_sweep.py) --------------------------
 
 def test_structures_and_max_steps_match_the_basic_launcher(capsys):
     # Two structures of the chain (the same transforms in another order: a group each) x two lengths: each group
