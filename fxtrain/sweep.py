@@ -820,7 +820,7 @@ def _train_group(group: Group, compile: bool = False) -> list[Result]:  # noqa: 
         if member.error is None:
             try:
                 result.value = runner.close_run(m.job.cfg, m.run, m.built, member.last,
-                                                member.final, elapsed, member.best)
+                                                member.final, elapsed, member.best, member.logger)
                 continue
             except (FloatingPointError, KeyError) as e:
                 member.error = e

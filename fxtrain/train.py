@@ -171,7 +171,7 @@ def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None, checked: validat
     if member.error is not None:
         raise member.error
     return close_run(cfg, run, built, steps.state(cfg.trainer.max_steps, 0), member.final, time.perf_counter() - t0,
-                     member.best)
+                     member.best, member.logger)
 
 
 class Run(NamedTuple):
@@ -573,17 +573,13 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
     _close_loggers([m for m in members if m.error is not None])
 
 
-# The loggers of members that finished their loop, by run directory, until close_run logs the end-of-run test
-# metrics to them and closes them (the vmap launcher calls loop, then close_run for each job).
-_OPEN_LOGGERS: dict[pathlib.Path, loggers.Loggers] = {}
-
-
 def _close_loggers(members: list[Member]) -> None:
-    """Closes these members' loggers (every one, even when one raises)."""
+    """Closes these members' loggers (every one, even when one raises). A member that finished its loop keeps its
+    loggers open for :func:`close_run`, which logs the end-of-run test metrics to them and closes them."""
     with contextlib.ExitStack() as stack:
         for m in members:
             if m.logger is not None:
-                stack.callback(_OPEN_LOGGERS.pop(m.run.out, m.logger).close)
+                stack.callback(m.logger.close)
                 m.logger = None
 
 
@@ -592,7 +588,7 @@ def _open_member(m: Member, start: int) -> None:
     the loop for a member that failed); early stopping fed the lines logged up to ``start`` by the run whose
     checkpoint this one resumes."""
     if m.run.out is not None:
-        m.logger = _OPEN_LOGGERS[m.run.out] = loggers.open_loggers(
+        m.logger = loggers.open_loggers(
             m.cfg.get("logger"), m.run.out, start=start, config=OmegaConf.to_container(m.cfg, resolve=True))
     if isinstance(m.run.source, pathlib.Path):
         m.last_checkpoint = (start, m.run.source)
@@ -687,12 +683,11 @@ def evaluate_run(built: Built, params: Any, buffers: Any, step: int, hooks: list
 
 
 def close_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, final: dict[str, Any],
-              elapsed: float, best: selection.Best | None = None) -> float:
+              elapsed: float, best: selection.Best | None = None, logger: loggers.Loggers | None = None) -> float:
     """The end of a run that trained: ``trainer.export=orbax``'s export (of ``state``'s structure), the test split
     evaluated once on the checkpoint ``trainer.test_ckpt`` names (:func:`evaluate_test`) and its ``test_*`` logged
-    to every logger at the run's last step (the loop left them open; closed here), then :func:`finish_run`.
-    Returns the optimized metric."""
-    logger = _OPEN_LOGGERS.pop(run.out, None) if run.out is not None else None
+    to ``logger``, the run's loggers that the loop left open (its :class:`Member`'s; closed here), at the run's
+    last step, then :func:`finish_run`. Returns the optimized metric."""
     with logger if logger is not None else contextlib.nullcontext():
         orbax_hooks.export(cfg, run.out, run.ckpt_dir, built.model, state.params, state.opt_state, state.buffers,
                            built.tx)
