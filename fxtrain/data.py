@@ -77,6 +77,12 @@ def _to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return x.to(device)
 
 
+def _moved(batches: Any, device: torch.device | str) -> "_Batches":
+    """``batches`` on ``device``: a source of this module moves itself (tensors it holds, once); any other object
+    with ``batches[k]`` moves each batch as it is produced."""
+    return batches.to(device) if isinstance(batches, _Batches) else _OnDevice(batches, device)
+
+
 class _OnDevice(_Batches):
     """``batches`` (any object with ``batches[k]``) with each batch moved to ``device`` as it is produced."""
 
@@ -312,7 +318,7 @@ class Dataset:
         return self.test if self.val is None else self.val
 
     def to(self, device: torch.device | str) -> "Dataset":
-        train = self.train.to(device) if isinstance(self.train, _Batches) else _OnDevice(self.train, device)
+        train = _moved(self.train, device)
         val = None if self.val is None else (self.val[0].to(device), self.val[1].to(device))
         return Dataset(self.name, train, (self.test[0].to(device), self.test[1].to(device)), val)
 
@@ -378,7 +384,7 @@ class _FirstOfEpoch(_Batches):
         return self.batches[epoch * self.per_epoch + i]
 
     def to(self, device: torch.device | str) -> "_FirstOfEpoch":
-        moved = self.batches.to(device) if isinstance(self.batches, _Batches) else _OnDevice(self.batches, device)
+        moved = _moved(self.batches, device)
         return _FirstOfEpoch(moved, self.n, self.per_epoch)
 
     def describe(self, test: Batch) -> str:
@@ -399,7 +405,7 @@ class _Repeated(_Batches):
         return self._held[step % self.n]
 
     def to(self, device: torch.device | str) -> "_Repeated":
-        moved = self.batches.to(device) if isinstance(self.batches, _Batches) else _OnDevice(self.batches, device)
+        moved = _moved(self.batches, device)
         return _Repeated(moved, self.n)
 
     def describe(self, test: Batch) -> str:
