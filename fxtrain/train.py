@@ -501,6 +501,27 @@ class Member:
     final: dict[str, Any] | None = None  #: the last train and eval metrics (and ``stopped_early``) once done
     last: fx.TrainState | None = None  #: its state where it ended (its max_steps, or where it stopped early)
     error: BaseException | None = None  #: why it failed
+    cadence: Cadence | None = None  #: its ``trainer`` cadences, read once by :func:`loop`
+
+
+class Cadence(NamedTuple):
+    """A run's step counts, read once from its ``trainer`` node for the loop: the default cadences are resolver
+    interpolations (``${fxtrain.every:${trainer.max_steps},40}``) that OmegaConf would parse again at every read,
+    which read at every step cost more than a small model's step.
+
+    >>> from omegaconf import OmegaConf
+    >>> Cadence.of(OmegaConf.create({"max_steps": 30, "log_every": 5, "eval_every": 7, "checkpoint_every": 0}))
+    Cadence(max_steps=30, log_every=5, eval_every=7, checkpoint_every=0)
+    """
+
+    max_steps: int
+    log_every: int
+    eval_every: int
+    checkpoint_every: int  # 0: only at the end
+
+    @classmethod
+    def of(cls, trainer: DictConfig) -> Cadence:
+        return cls(trainer.max_steps, trainer.log_every, trainer.eval_every, trainer.checkpoint_every or 0)
 
 
 def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t0: float) -> None:
@@ -513,7 +534,9 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
     every ``trainer.heartbeat_s`` seconds; a debug run's ``debug.profile_steps`` are recorded
     (:class:`StepProfiler`). The loggers of a member that finished stay open for :func:`close_run`, which logs
     the end-of-run test metrics to them and closes them; those of a member that failed are closed here."""
-    ends, lead = [m.cfg.trainer.max_steps for m in members], members[0]
+    for m in members:
+        m.cadence = Cadence.of(m.cfg.trainer)
+    ends, lead = [m.cadence.max_steps for m in members], members[0]
     max_steps = max(ends)
     alive = list(range(len(members)))
     quiet = lead.run.rank != 0 or not trainer.progress or not sys.stderr.isatty()
@@ -537,7 +560,7 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
                 alive.remove(j)
             i = start
             while alive:
-                first, i = i, min(next_event(i, members[j].cfg.trainer, steps.longest) for j in alive)
+                first, i = i, min(next_event(i, members[j].cadence, steps.longest) for j in alive)
                 profiler.before(first)
                 metrics = steps.advance(first, i)
                 profiler.after(i, last=i == max_steps)
@@ -561,7 +584,7 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
                     bar.set_postfix({k: f"{members[0].record[k]:.4g}" for k in ("loss", "learning_rate",
                                                                                "val_accuracy")
                                      if k in members[0].record})
-                elif alive and (i % trainer.log_every == 0 or i == max_steps):
+                elif alive and (i % lead.cadence.log_every == 0 or i == max_steps):
                     bar.set_postfix({"loss": f"{min(losses, default=math.inf):.4g}", "jobs": len(alive)})
             profiler.after(i, last=True)  # a run that stopped early
     except BaseException:
@@ -600,7 +623,7 @@ def _open_member(m: Member, start: int) -> None:
 def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any], t0: float) -> bool:
     """Member ``j`` after step ``i``: its log line, evaluation, early stopping and checkpoint (on its own config's
     cadences); whether early stopping ended it."""
-    trainer, record = m.cfg.trainer, {}
+    trainer, record = m.cadence, {}
     max_steps = trainer.max_steps
     if i % trainer.log_every == 0 or i == max_steps:
         m.train_metrics = steps.logged(metrics, j)
@@ -627,7 +650,7 @@ def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any
         m.record = record
     if m.run.ckpt_dir is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0)
                                        or i == max_steps or m.stopped):
-        m.last_checkpoint = (i, save_checkpoint(m.run.ckpt_dir, steps.state(i, j), trainer.keep_last,
+        m.last_checkpoint = (i, save_checkpoint(m.run.ckpt_dir, steps.state(i, j), m.cfg.trainer.keep_last,
                                                 m.last_checkpoint, m.run.rank, m.run.meta))
     return bool(m.stopped)
 
@@ -642,11 +665,10 @@ def _final(m: Member, start: int, max_steps: int) -> dict[str, Any]:
     return final
 
 
-def next_event(step: int, trainer: DictConfig, longest: int) -> int:
+def next_event(step: int, trainer: Cadence, longest: int) -> int:
     """The first step after ``step`` that logs, evaluates or checkpoints (or the last), at most ``longest`` on.
 
-    >>> from omegaconf import OmegaConf
-    >>> next_event(0, OmegaConf.create({"log_every": 5, "eval_every": 7, "checkpoint_every": 0, "max_steps": 30}), 50)
+    >>> next_event(0, Cadence(max_steps=30, log_every=5, eval_every=7, checkpoint_every=0), 50)
     5
     """
     every = [n for n in (trainer.log_every, trainer.eval_every, trainer.checkpoint_every) if n]
