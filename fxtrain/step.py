@@ -136,7 +136,7 @@ from fxtrain._base import GradientTransformation, apply_updates, apply_updates_,
 from fxtrain.amp import uncast
 from fxtrain.transforms import _fused
 
-__all__ = ["train_step", "donated_step", "call_objective", "detach_tree"]
+__all__ = ["train_step", "donated_step", "pure_gradients", "step_metrics", "call_objective", "detach_tree"]
 
 Params = State = Batch = Any
 Metrics = dict[str, Any]
@@ -268,8 +268,7 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
     extra, constants = _extra_args(tx), traits(tx).constant_reports
 
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
-        fn = wrap_loss(tx, canonical, opt_state)
-        grads, loss, aux = _pure_grad(fn, params, batch, tx)
+        grads, loss, aux = _pure_grad(wrap_loss(tx, canonical, opt_state), params, batch, tx)
         if fused and not (torch.is_grad_enabled() or tree.transformed()) \
                 and _fused.applies(tx, grads, opt_state, params):
             params, opt_state = tree.clone(params), tree.clone(opt_state)
@@ -280,6 +279,43 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
         return params, opt_state, _metrics(loss, aux, opt_state, has_aux, constants)
 
     return step
+
+
+def pure_gradients(loss_fn: Callable, tx: GradientTransformation, *,
+                   has_aux: bool = False) -> Callable[[Params, State, Batch], tuple[Any, torch.Tensor, Any]]:
+    """The gradient half of ``train_step(loss_fn, tx, donate=False)``: ``grads(params, opt_state, batch) -> (grads,
+    loss, aux)``, the gradients its step updates with (``tx``'s ``wrap_loss`` around ``loss_fn`` with ``opt_state``)
+    and the loss and ``aux``, detached. Pure and batchable: under ``torch.func.vmap`` it gives every member's
+    gradients of an ensemble at once, for an update half the caller runs itself (a vmapped sweep runs torch's fused
+    kernel on each member's slices, :class:`fxtrain.sweep.MemberKernels`); :func:`step_metrics` then gives the
+    step's metrics.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> from fxtrain.step import pure_gradients
+        >>> grads = pure_gradients(lambda p, b: (p["w"] * b).sum(), fx.sgd(0.1))
+        >>> g, loss, aux = grads({"w": torch.ones(2)}, None, torch.tensor([1.0, 2.0]))
+        >>> g["w"].tolist(), float(loss), aux
+        ([1.0, 2.0], 3.0, None)
+    """
+    canonical = _canonical(loss_fn, has_aux)
+    return lambda params, opt_state, batch: _pure_grad(wrap_loss(tx, canonical, opt_state), params, batch, tx)
+
+
+def step_metrics(loss: torch.Tensor, aux: Any, opt_state: State, tx: GradientTransformation, *,
+                 has_aux: bool = False) -> Metrics:
+    """The metrics :func:`train_step`'s step returns after updating to ``opt_state``: ``loss``, ``aux`` (with
+    ``has_aux``) and what ``tx`` reports from the state, less the constants it declares; for a step assembled
+    from :func:`pure_gradients` and an update of the caller's.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> from fxtrain.step import step_metrics
+        >>> tx = fx.chain(fx.clip_by_global_norm(1.0), fx.sgd(0.1))
+        >>> sorted(step_metrics(torch.tensor(0.5), None, tx.init({"w": torch.ones(2)}), tx))
+        ['grad_norm', 'loss']
+    """
+    return _metrics(loss, aux, opt_state, has_aux, traits(tx).constant_reports)
 
 
 def _extra_args(tx: GradientTransformation) -> Callable[[torch.Tensor], dict]:

@@ -110,6 +110,8 @@ from omegaconf import DictConfig, OmegaConf
 import fxtrain as fx
 from fxtrain import build, distributed, parallel, rundir, tasks, tree, validate
 from fxtrain import train as runner
+from fxtrain.step import pure_gradients, step_metrics
+from fxtrain.transforms import _fused
 
 __all__ = ["Job", "Group", "Result", "NotBatchable", "plan", "job_notes", "LOOP_KEYS", "CHAIN", "train_group", "GroupSteps", "hyperparams",
            "vmapped_steps", "stack_trees", "pick", "vmap_trees"]
@@ -841,15 +843,80 @@ class _Job:
     resumed: str  # how, for its start line
 
 
+class MemberKernels:
+    """The update half of a vmapped group's step as torch's fused kernel (:mod:`fxtrain.transforms._fused`): one
+    kernel call per member, on that member's slices of the group's batched params and state, in place.
+
+    Under ``vmap`` the pure update runs every elementwise op of the optimizer out of place, a new ``(N, ...)``
+    tensor per op and leaf through vmap's batching rules: on the default stack (clip + AdamW) that was about 60%
+    of the vmapped step. torch's kernels take one learning rate per call, and the members' differ, so each
+    member's own stack (``txs[j]``, its run's, the one the basic launcher's run updates with) is bound once
+    (:func:`fxtrain.transforms._fused.bind`) to views ``x[j]`` of the batched trees and to a gradient buffer of
+    the group's; a step copies the vmapped gradients into that buffer and calls the N bound kernels. A value a
+    member's state gets anew (``inject_hyperparams``' learning rate at the new count) is copied back into the
+    batched state, so the batched trees hold what each member's own fused step would hold.
+
+    :meth:`bind` returns ``None`` where a member's stack declares no kernel, touches the forward pass
+    (``wrap_loss``: amp, SAM...), or its leaves do not allow one; the group then takes the vmapped update.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> txs = [fx.adam(0.1), fx.adam(0.2)]
+        >>> params = {"w": torch.ones(2, 3)}  # two members' (3,) params
+        >>> state = stack_trees([tx.init({"w": torch.ones(3)}) for tx in txs])
+        >>> kernels = MemberKernels.bind(txs, params, state)
+        >>> kernels({"w": torch.ones(2, 3)})
+        >>> [round(w, 4) for w in params["w"][:, 0].tolist()]  # Adam's first step moves a param by its learning rate
+        [0.9, 0.8]
+    """
+
+    def __init__(self, plans: list[Callable[[], None]], grads: list[torch.Tensor], members: list[tuple[Any, list]]):
+        self.plans, self.grads, self.members = plans, grads, members
+
+    @classmethod
+    def bind(cls, txs: Sequence[Any], params: Any, opt_state: Any) -> MemberKernels | None:
+        """The kernels of ``txs[j]`` bound to member ``j``'s slices of ``params`` and ``opt_state`` (batched trees,
+        updated in place from then on), or ``None`` where one does not apply."""
+        if any(_fused.spec(tx) is None or tx.wrap_loss is not None for tx in txs):
+            return None
+        grads = tree.map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, params)
+        plans, members = [], []
+        for j, tx in enumerate(txs):
+            p, s, g = (tree.map(lambda x: x[j] if isinstance(x, torch.Tensor) else x, t)
+                       for t in (params, opt_state, grads))
+            plan = _fused.bind(tx, g, s, p)
+            if plan is None:
+                return None
+            plans.append(plan)
+            members.append((s, tree.leaves(s)))
+        return cls(plans, [x for x in tree.leaves(grads) if isinstance(x, torch.Tensor)], members)
+
+    def __call__(self, grads: Any) -> None:
+        """One update of every member with ``grads`` (batched like the params)."""
+        torch._foreach_copy_(self.grads, [x for x in tree.leaves(grads) if isinstance(x, torch.Tensor)])
+        for plan in self.plans:
+            plan()
+        for state, views in self.members:
+            for now, view in zip(tree.leaves(state), views):
+                if now is not view:  # a new tensor in the member's state: into its slice of the batched one
+                    view.copy_(now)
+
+
 class GroupSteps:
     """The :class:`fxtrain.train.Steps` of a vmapped group: the members' params, optimizer states and buffers
-    stacked (:func:`stack_trees`), each call of :meth:`advance` one :func:`vmapped_steps` call over up to 50
-    steps; evaluation and checkpoints per member (:func:`pick`), as the member's own run makes them."""
+    stacked (:func:`stack_trees`), each call of :meth:`advance` up to 50 steps; evaluation and checkpoints per
+    member (:func:`pick`), as the member's own run makes them.
+
+    A step is the gradients of every member under ``vmap`` (:func:`fxtrain.step.pure_gradients`), then each
+    member's fused kernel on its slices (:class:`MemberKernels`), where the stack declares one and ``compile`` is
+    off; otherwise one :func:`vmapped_steps` call (forward, backward and the pure update under ``vmap``, compiled
+    with ``compile``). ``kernels=False`` takes the latter always (the benchmark's reference)."""
 
     longest = 50
 
     def __init__(self, cfg: DictConfig, built: Sequence[runner.Built], states: Sequence[fx.TrainState],
-                 hp: dict[str, torch.Tensor], shared_data: bool, compile: bool = False):  # noqa: A002
+                 hp: dict[str, torch.Tensor], shared_data: bool, compile: bool = False,  # noqa: A002
+                 kernels: bool = True):
         self.desc, self.built, self.hp, self.shared = f"train x{len(built)}", list(built), hp, shared_data
         self.params = stack_trees([s.params for s in states], "params")
         self.opt_state = stack_trees([s.opt_state for s in states], "optimizer state")
@@ -860,6 +927,12 @@ class GroupSteps:
         # The jobs' modules differ only in their tensors, which the trees carry: the first job's apply serves all.
         self.vmapped = vmapped_steps(cfg, built[0].apply, batch_per_job=not shared_data, task=built[0].task,
                                      compile=compile)
+        self.kernels = MemberKernels.bind([b.tx for b in built], self.params, self.opt_state) \
+            if kernels and not compile else None
+        if self.kernels is not None:  # wrap_loss is None (bind checks): the gradients do not read the state
+            grads = pure_gradients(parallel.loss_function(built[0].apply, built[0].task), built[0].tx, has_aux=True)
+            self.gradients = vmap_trees(lambda p, b, x, y: grads(p, None, (fx.amp.Uncast(b), x, y)),
+                                        in_dims=(0, 0) + ((None, None) if shared_data else (0, 0)))
         self.evaluated: tuple[int, list[dict[str, float]]] | None = None  # (step, every member's task metrics)
         # The validation examples on a job axis of their own (1: tasks.evaluate chunks dim 0) when jobs have their own.
         forward = vmap_trees(_chunk_metrics(built[0].apply, built[0].task), in_dims=(0, 0) + ((None, None) if shared_data
@@ -874,14 +947,32 @@ class GroupSteps:
         return per_job[0] if self.shared else tuple(torch.stack(t) for t in zip(*per_job))
 
     def probe(self, first: int, end: int) -> None:
-        """Runs steps first+1..end and drops what they return (the step is pure): raises where vmap cannot."""
-        self.vmapped(self.hp, self.params, self.opt_state, self.buffers, *self.batches(first, end))
+        """Runs steps first+1..end and drops what they return (the step is pure): raises where vmap cannot. With
+        the members' kernels, the vmapped gradients of step first+1 (the kernels' leaves were checked at bind)."""
+        xs, ys = self.batches(first, end)
+        if self.kernels is None:
+            self.vmapped(self.hp, self.params, self.opt_state, self.buffers, xs, ys)
+        else:
+            self.gradients(self.params, self.buffers, *self._batch(xs, ys, 0))
 
     def advance(self, first: int, end: int) -> dict[str, Any]:
         self.evaluated = None
-        self.params, self.opt_state, self.buffers, metrics = self.vmapped(self.hp, self.params, self.opt_state,
-                                                                      self.buffers, *self.batches(first, end))
+        xs, ys = self.batches(first, end)
+        if self.kernels is None:
+            self.params, self.opt_state, self.buffers, metrics = self.vmapped(self.hp, self.params, self.opt_state,
+                                                                          self.buffers, xs, ys)
+            return metrics
+        for k in range(end - first):
+            grads, loss, aux = self.gradients(self.params, self.buffers, *self._batch(xs, ys, k))
+            self.kernels(grads)  # params and opt_state in place
+            self.buffers = aux.pop("buffers")  # in their own dtype: amp_cast passes Uncast state through
+        metrics = step_metrics(loss, aux, self.opt_state, self.built[0].tx)
+        metrics.update(aux)
         return metrics
+
+    def _batch(self, xs: torch.Tensor, ys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``k``'s batch of :meth:`batches`' stack: ``(B, ...)`` for all, or ``(N, B, ...)`` a batch per job."""
+        return (xs[k], ys[k]) if self.shared else (xs[:, k], ys[:, k])
 
     def logged(self, metrics: dict[str, Any], j: int) -> dict[str, float]:
         return runner.host_metrics(pick(metrics, j), self.constants)

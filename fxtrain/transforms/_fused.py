@@ -107,7 +107,7 @@ from fxtrain import distributed, tree
 from fxtrain._base import FUSED_KERNELS, FusedSpec, GradientTransformation, traits, with_traits
 from fxtrain.transforms._momentum import TraceState
 
-__all__ = ["applies", "declare", "spec", "step_"]
+__all__ = ["applies", "bind", "declare", "spec", "step_"]
 
 def declare(tx: GradientTransformation, name: str, *, covered: bool = True, groups: Sequence[Any] = (),
             **hyperparams: Any) -> GradientTransformation:
@@ -134,7 +134,7 @@ def step_(tx: GradientTransformation, grads: Any, state: Any, params: Any) -> bo
     Returns ``False`` (and touches nothing) when :func:`applies` is false; the caller then runs the
     foreach kernels. ``grads`` are donated: with a clip the kernel writes the clipped gradients into them.
     """
-    plan = _plan(tx, grads, state, params)
+    plan = bind(tx, grads, state, params)
     if plan is None:
         return False
     plan()
@@ -143,11 +143,25 @@ def step_(tx: GradientTransformation, grads: Any, state: Any, params: Any) -> bo
 
 def applies(tx: GradientTransformation, grads: Any, state: Any, params: Any) -> bool:
     """Whether :func:`step_` would run a fused kernel on these trees (metadata only, no sync)."""
-    return _plan(tx, grads, state, params) is not None
+    return bind(tx, grads, state, params) is not None
 
 
-def _plan(tx, grads, state, params):
-    """A thunk running the fused kernel on these trees, or ``None`` where none applies."""
+def bind(tx: GradientTransformation, grads: Any, state: Any, params: Any) -> Callable[[], None] | None:
+    """A thunk that runs :func:`step_`'s kernel on these trees, or ``None`` where none applies (:func:`applies`).
+
+    The checks run once, here; each call of the thunk is one update, reading whatever ``grads`` hold then and
+    writing ``params`` and ``state`` in place. So a caller that keeps its trees (a vmapped sweep binds each
+    member's slices of the group's batched trees once, :class:`fxtrain.sweep.MemberKernels`) pays the checks
+    once instead of every step. Hyperparameters that ``inject_hyperparams`` keeps in the state are read from it
+    at each call, as :func:`step_` reads them.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx, params, grads = fx.sgd(0.5), {"w": torch.zeros(2)}, {"w": torch.ones(2)}
+        >>> update = bind(tx, grads, tx.init(params), params)
+        >>> update(); update(); params["w"].tolist()
+        [-1.0, -1.0]
+    """
     s = spec(tx)
     if s is None or s.name not in FUSED_KERNELS:
         return None
