@@ -293,15 +293,26 @@ def meta_loss_optax(otx: Any, params: Any, steps: int = META_STEPS, inner: Calla
     return outer(params)
 
 
+# Optax's update holds a lax.cond in these cases: op by op, JAX compiles the cond's branches anew at every
+# call (2 to 4 s of CPU a case under jax.grad); under jax.disable_jit the cond is a Python `if` on its
+# concrete predicate (0.5 to 0.9 s), op by op like the other cases. (Compiling the whole jax.grad with
+# jax.jit is slower for the others and moves amsgrad's, belief's and radam's results past GRAD_TOL.)
+OPTAX_COND = {"scale_by_novograd", "novograd", "reduce_on_plateau", "conditionally_transform", "conditionally_mask"}
+assert OPTAX_COND <= set(OPTAX_CASES), OPTAX_COND - set(OPTAX_CASES)
+
+
 @pytest.mark.optax
 @pytest.mark.parametrize("case", list(OPTAX_CASES))
 def test_grad_through_updates_matches_optax(case):
+    import contextlib
+
     import jax
 
     optax = _optax()
     ours, theirs = CASES[case]
     params = small_params()
-    expected = from_jnp(jax.grad(lambda p: meta_loss_optax(theirs(optax), p))(to_jnp(params)))
+    with jax.disable_jit() if case in OPTAX_COND else contextlib.nullcontext():
+        expected = from_jnp(jax.grad(lambda p: meta_loss_optax(theirs(optax), p))(to_jnp(params)))
     actual = grad(lambda p: meta_loss(ours(), p))(params)
     assert_trees_close(actual, expected, **GRAD_TOL)
     # plain autograd gives the same numbers
