@@ -26,9 +26,10 @@ outputs are the same.
   configs differ (the batch order follows the seed), each step stacks the jobs' own batches (vmap
   ``in_dims=0``), else one batch serves all (``in_dims=None``).
 * the loop's per-job settings (:data:`LOOP_KEYS`): ``trainer.max_steps`` (or ``max_epochs``), the log, eval
-  and checkpoint cadences, ``keep_last``, ``test_ckpt``. :func:`fxtrain.train.loop` reads them from each
-  member's config: a member stops at its own ``max_steps`` (its last log line, checkpoint, test and summary
-  there, from its state at that step, as its own run), the others go on. A schedule whose length follows
+  and checkpoint cadences, ``keep_last``, ``test_ckpt``, ``checkpoint.best_by`` and ``early_stopping``.
+  :func:`fxtrain.train.loop` reads them from each member's config: a member stops at its own ``max_steps``
+  or where its own early stopping says (its last log line, checkpoint, test and summary there, from its
+  state at that step, as its own run), the others go on. A schedule whose length follows
   ``max_steps`` (``schedule.decay_steps=${trainer.max_steps}``: cosine, linear, warmup_cosine) takes it as a
   Python int that the factory refuses as a tensor, so there the lengths split groups, said in the note;
   with a schedule that does not follow it (``schedule=constant``, or a fixed ``decay_steps``) they batch.
@@ -207,7 +208,9 @@ class Result:
 #: values) share a group, each member logging, evaluating, checkpointing and stopping on its own. ``max_epochs``
 #: becomes each job's ``max_steps`` when its run is checked.
 LOOP_KEYS = ("trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
-             "trainer.checkpoint_every", "trainer.keep_last", "trainer.test_ckpt")
+             "trainer.checkpoint_every", "trainer.keep_last", "trainer.test_ckpt", "trainer.checkpoint.best_by",
+             "trainer.early_stopping.metric", "trainer.early_stopping.patience", "trainer.early_stopping.mode",
+             "trainer.early_stopping.min_delta")
 
 #: The chain's structure (its transforms' names, in order), a key of its own in :func:`plan`'s view of a config:
 #: ``[a,b]`` and ``[b,a]`` hold the same keys and values, yet build different stacks.

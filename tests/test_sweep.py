@@ -124,6 +124,14 @@ def test_max_steps_batches_when_the_schedule_does_not_follow_it():
     assert members(groups) == [[0, 1]] and list(groups[0].batched) == ["trainer.log_every", "trainer.max_steps"]
 
 
+def test_early_stopping_and_best_by_batch_each_member_on_its_own():
+    groups, notes = sweep.plan(grid("trainer.early_stopping.metric=loss", "trainer.early_stopping.patience=2,5",
+                                    "trainer.checkpoint.best_by=val_loss,val_accuracy"))
+    assert members(groups) == [[0, 1, 2, 3]] and groups[0].sequential is None and groups[0].reasons == []
+    assert groups[0].batched == {"trainer.checkpoint.best_by": ["val_loss", "val_accuracy", "val_loss", "val_accuracy"],
+                                 "trainer.early_stopping.patience": [2, 2, 5, 5]}
+
+
 def test_max_steps_splits_where_the_schedule_length_follows_it_and_says_so():
     # experiment=smoke's cosine: schedule.decay_steps=${trainer.max_steps}, a Python int the schedule refuses as a tensor
     groups, _ = sweep.plan(grid("trainer.max_steps=20,30", "optim.chain.adamw.learning_rate=0.01,0.03"))

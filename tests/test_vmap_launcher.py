@@ -165,6 +165,22 @@ def test_eval_hooks_and_early_stopping_run_per_job_as_the_basic_launcher_runs_th
     assert "confidence" in records(vmapped / "1")[-1]                               # the hook's metric, per job
 
 
+def test_jobs_that_differ_in_early_stopping_share_a_group_and_stop_each_on_its_own(capsys):
+    grid = ["optim.chain.adamw.learning_rate=3e-2", "trainer.early_stopping.metric=loss",
+            "trainer.early_stopping.min_delta=0.05", "trainer.early_stopping.patience=2,30",
+            "trainer.checkpoint.best_by=val_loss"]
+    basic = sweep_of("basic", *grid)
+    vmapped = sweep_of("vmap", *grid)
+    assert "vmap   jobs 0,1 as one process: 2 jobs, batched over trainer.early_stopping.patience" in capsys.readouterr().out
+    steps = []
+    for job in "01":
+        assert_close_records(records(basic / job), records(vmapped / job), f"job {job} metrics.jsonl")
+        sa, sb = (json.loads((d / job / "summary.json").read_text()) for d in (basic, vmapped))
+        assert sa["step"] == sb["step"] and sa.get("stopped_early", {}).get("step") == sb.get("stopped_early", {}).get("step")
+        steps.append(sb["step"])
+    assert steps == [20, 30]  # patience 2 stops at its plateau; patience 30 trains on, in the same process
+
+
 # --- the compiled group step (hydra.launcher.compile=true) -------------------------------------------
 
 # Two groups of the same config and shapes (max_group_size=2), each batched over the learning rate; log_every=7
@@ -346,3 +362,25 @@ def test_a_group_vmap_cannot_run_falls_back_to_one_by_one(monkeypatch, capsys):
         assert "] run    " in log[1]
     assert [r["status"] for r in csv.DictReader(pathlib.Path("sweep/summary.csv").read_text().splitlines())] == \
         ["completed", "completed"]
+
+
+def test_each_jobs_config_is_composed_once_for_validation_and_launch(monkeypatch):
+    # Hydra's basic sweeper composes every job to validate the batch, then a launcher composes it again; the vmap
+    # launcher takes the validated config instead (vmap_launcher._ComposedOnce). Same configs: the files say so.
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    composed = []
+    load = ConfigLoaderImpl.load_sweep_config
+    monkeypatch.setattr(ConfigLoaderImpl, "load_sweep_config",
+                        lambda self, master_config, sweep_overrides: composed.append(list(sweep_overrides))
+                        or load(self, master_config, sweep_overrides))
+    grid = ["optim.chain.adamw.learning_rate=1e-2,3e-2", "trainer.max_steps=3"]
+    basic = sweep_of("basic", *grid)
+    assert len(composed) == 4  # 2 jobs: validated, then launched
+    composed.clear()
+    vmapped = sweep_of("vmap", *grid)
+    assert len(composed) == 2 and composed[0] != composed[1]
+    for job in "01":
+        for name in ("config.yaml", "overrides.yaml"):
+            assert (vmapped / job / ".hydra" / name).read_text() == (basic / job / ".hydra" / name).read_text()
+        assert f"num: {job}\n" in (vmapped / job / ".hydra" / "hydra.yaml").read_text()

@@ -73,6 +73,7 @@ class VmapLauncher(Launcher):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
+        _ComposedOnce.install(hydra_context.config_loader)
         # Decided here, in the launching process, where the task function is still itself: a submitit job gets
         # this launcher through cloudpickle, which pickles the task function by value and (cloudpickle >= 3.1)
         # renames its source file "<dynamic-code>", so the same check there saw a foreign task function and
@@ -123,7 +124,7 @@ class VmapLauncher(Launcher):
 
     def _sweep_config(self, overrides: Sequence[str], num: int, job_id: Any) -> DictConfig:
         assert self.config is not None and self.hydra_context is not None
-        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        sweep_config = _ComposedOnce.take(self.hydra_context.config_loader, self.config, list(overrides))
         with open_dict(sweep_config):
             sweep_config.hydra.job.id = job_id
             sweep_config.hydra.job.num = num
@@ -263,6 +264,43 @@ def _not_batchable_launch(config: DictConfig, task_function: Callable) -> str | 
     if config.hydra.job.env_set:
         return f"hydra.job.env_set sets {', '.join(config.hydra.job.env_set)} per job"
     return None
+
+
+class _ComposedOnce:
+    """Hydra's ``load_sweep_config`` with each job's config composed once per launch instead of twice.
+
+    A sweeper composes every job of a batch to validate it (``Sweeper.validate_batch_is_legal``: "this repeats
+    work the launcher will do") and drops the result; then the launcher composes each job again. On the default
+    experiment a compose takes about 0.2 s, as long as 40 steps of an 8-job group. Installed on the launch's
+    config loader, the loader keeps what it composes (at most :attr:`KEEP` configs, the oldest dropped first) and
+    :meth:`take` hands the launcher that config, once, or composes it where nothing was kept (a sweeper that does
+    not validate, a submitit job). The config is Hydra's own result for the same master config and overrides.
+    """
+
+    KEEP = 4096
+
+    def __init__(self, load: Callable[..., DictConfig]):
+        self.load, self.kept = load, {}
+
+    def __call__(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
+        cfg = self.load(master_config, sweep_overrides)
+        if len(self.kept) >= self.KEEP:
+            self.kept.pop(next(iter(self.kept)))
+        self.kept[(id(master_config), tuple(sweep_overrides))] = cfg
+        return cfg
+
+    @classmethod
+    def install(cls, loader: Any) -> None:
+        if not isinstance(getattr(loader, "load_sweep_config", None), cls):
+            loader.load_sweep_config = cls(loader.load_sweep_config)
+
+    @staticmethod
+    def take(loader: Any, master_config: DictConfig, overrides: list[str]) -> DictConfig:
+        load = loader.load_sweep_config
+        if not isinstance(load, _ComposedOnce):
+            return load(master_config, overrides)
+        cfg = load.kept.pop((id(master_config), tuple(overrides)), None)
+        return load.load(master_config, overrides) if cfg is None else cfg
 
 
 def _job(sweep_config: DictConfig) -> Any:
