@@ -140,14 +140,8 @@ def test_resume_auto_continues_each_job_of_a_killed_group():
         assert [int(r["step"]) for r in rows] == [r["step"] for r in whole[j]]
 
 
-def test_eval_hooks_and_early_stopping_run_per_job_as_the_basic_launcher_runs_them(capsys):
-    # One loop for a run and a group (fxtrain.train.loop): each job evaluates its hooks and stops early alone.
-    grid = ["optim.chain.adamw.learning_rate=3e-2,1e-3", "+trainer.eval_hooks.cal._target_=tests.test_tasks.calibration",
-            "trainer.early_stopping.metric=loss", "trainer.early_stopping.patience=2",
-            "trainer.early_stopping.min_delta=0.05"]
-    basic = sweep_of("basic", *grid)
-    vmapped = sweep_of("vmap", *grid)
-    assert "vmap   jobs 0,1 as one process: 2 jobs" in capsys.readouterr().out
+def same_stops(basic, vmapped):
+    """Both jobs' metrics, steps, early stops and checkpoints equal between the launchers; the vmapped summaries."""
     summaries = []
     for job in "01":
         assert_close_records(records(basic / job), records(vmapped / job), f"job {job} metrics.jsonl")
@@ -159,6 +153,17 @@ def test_eval_hooks_and_early_stopping_run_per_job_as_the_basic_launcher_runs_th
         assert sorted(p.name for p in (basic / job / "checkpoints").iterdir()) == \
             sorted(p.name for p in (vmapped / job / "checkpoints").iterdir())
         summaries.append(sb)
+    return summaries
+
+
+def test_eval_hooks_and_early_stopping_run_per_job_as_the_basic_launcher_runs_them(capsys):
+    # One loop for a run and a group (fxtrain.train.loop): each job evaluates its hooks and stops early alone.
+    grid = ["optim.chain.adamw.learning_rate=3e-2,1e-3", "+trainer.eval_hooks.cal._target_=tests.test_tasks.calibration",
+            "trainer.early_stopping.metric=loss", "trainer.early_stopping.patience=2",
+            "trainer.early_stopping.min_delta=0.05"]
+    basic, vmapped = sweep_of("basic", *grid), sweep_of("vmap", *grid)
+    assert "vmap   jobs 0,1 as one process: 2 jobs" in capsys.readouterr().out
+    summaries = same_stops(basic, vmapped)
     # lr 3e-2 reaches its plateau (no 0.05 better than step 10's loss for 2 lines): it stops alone; 1e-3 goes on.
     assert summaries[0]["stopped_early"]["step"] == 20 and summaries[0]["step"] == 20
     assert "stopped_early" not in summaries[1] and summaries[1]["step"] == 30
@@ -166,19 +171,14 @@ def test_eval_hooks_and_early_stopping_run_per_job_as_the_basic_launcher_runs_th
 
 
 def test_jobs_that_differ_in_early_stopping_share_a_group_and_stop_each_on_its_own(capsys):
+    # Patience 2 stops at its plateau (step 20); patience 30 trains on to 30, in the same process.
     grid = ["optim.chain.adamw.learning_rate=3e-2", "trainer.early_stopping.metric=loss",
             "trainer.early_stopping.min_delta=0.05", "trainer.early_stopping.patience=2,30",
             "trainer.checkpoint.best_by=val_loss"]
-    basic = sweep_of("basic", *grid)
-    vmapped = sweep_of("vmap", *grid)
-    assert "vmap   jobs 0,1 as one process: 2 jobs, batched over trainer.early_stopping.patience" in capsys.readouterr().out
-    steps = []
-    for job in "01":
-        assert_close_records(records(basic / job), records(vmapped / job), f"job {job} metrics.jsonl")
-        sa, sb = (json.loads((d / job / "summary.json").read_text()) for d in (basic, vmapped))
-        assert sa["step"] == sb["step"] and sa.get("stopped_early", {}).get("step") == sb.get("stopped_early", {}).get("step")
-        steps.append(sb["step"])
-    assert steps == [20, 30]  # patience 2 stops at its plateau; patience 30 trains on, in the same process
+    basic, vmapped = sweep_of("basic", *grid), sweep_of("vmap", *grid)
+    out = capsys.readouterr().out
+    assert "vmap   jobs 0,1 as one process: 2 jobs, batched over trainer.early_stopping.patience" in out
+    assert [s["step"] for s in same_stops(basic, vmapped)] == [20, 30]
 
 
 # --- the compiled group step (hydra.launcher.compile=true) -------------------------------------------
