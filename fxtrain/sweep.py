@@ -4,9 +4,13 @@
 
 The launcher (``hydra_plugins/fxtrain_vmap_launcher``) hands every job of a multirun to :func:`plan`,
 which groups the jobs that differ only in values a vmapped step can take as inputs, and to
-:func:`train_group`, which trains one group as one process: ``torch.func.vmap`` over the pure step
-``fx.train_step(loss_fn, tx, donate=False)``, with params, optimizer state and the batched
-hyperparameters carrying a leading axis of size N (one entry per job).
+:func:`train_group`, which trains one group as one process, with params, optimizer state and the batched
+hyperparameters carrying a leading axis of size N (one entry per job). A step is every job's gradients in
+one ``torch.func.vmap`` call (:func:`fxtrain.step.pure_gradients`, the pure step's gradient half), then each
+job's own stack updates its slices of the batched trees in place with torch's fused kernel, the one its own
+run's donated step runs (:class:`MemberKernels`: one kernel call per job, bound once). A stack that declares
+no kernel (``lion``), touches the forward pass (``amp``, SAM) or is compiled takes ``torch.func.vmap`` over the
+whole pure step ``fx.train_step(loss_fn, tx, donate=False)`` instead (:func:`vmapped_steps`).
 
 **Beyond one process.** ``hydra/launcher=vmap_submitit_local`` and ``vmap_submitit_slurm`` set the
 launcher's ``executor``: each group (and each job that runs alone) becomes ONE submitit job, on this machine
@@ -62,8 +66,8 @@ stopping ends, stops logging alone (the NaN one fails, as its own run would); th
 call runs the steps up to the next step that logs, evaluates or checkpoints (at most 50): the stack and the
 step are built once per call, inside it, and the Python loop over those steps runs under vmap. Only those
 steps' metrics are read, as in a run, so a NaN is caught at the same logged step.
-The vmapped step is the pure, out-of-place path: each elementwise op of the optimizer update allocates
-an ``(N, ...)`` tensor (2 MiB for the default MLP's 256x256 weight at N=8); :func:`vmapped_steps` has glibc
+The whole vmapped step (:func:`vmapped_steps`) is the pure, out-of-place path: each elementwise op of the
+optimizer update allocates an ``(N, ...)`` tensor (2 MiB for the default MLP's 256x256 weight at N=8); :func:`vmapped_steps` has glibc
 serve those from the heap rather than a fresh ``mmap`` each (once per process, see ``_reuse_freed_memory``).
 
 **Paid once per group.** The dataset is built once per data config (when building it draws no random
@@ -80,14 +84,16 @@ one line says why. Off by default: on a 2-core CPU compiling takes longer than t
 (experiments/bench/results/sweep.md).
 
 **Numbers.** A job's numbers equal its own run's to float32 rounding: batched matmuls sum in another order
-than unbatched ones (a few 1e-7 relative per step, measured); chaotic runs (a large learning rate) grow
+than unbatched ones (a few 1e-7 relative per step, measured), and the update is its run's own kernel (the
+vmapped update, where it runs, rounds Adam's bias corrections in float32 instead of the kernel's float64:
+tests/test_fused.py); chaotic runs (a large learning rate) grow
 that over hundreds of steps as any rounding change would. Under ``amp`` the compute dtype's rounding
 applies (bf16: about 1e-3 relative at step 1).
 
 **When a group runs one job at a time instead** (a one-line note names the reason): a group of one,
 ``parallel`` other than ``none`` or several ranks, ``hydra.launcher.max_group_size`` (the rest of a class
 goes to the next group, said in both), jobs resuming from different steps, or a step that
-raises under vmap (:class:`NotBatchable`: checked by running the group's first optimizer update before
+raises under vmap (:class:`NotBatchable`: checked by running the vmapped part of the group's first update before
 anything is written; e.g. a transform without a batching rule, or a model that draws random numbers in training, which vmap refuses rather than
 give every job the same draws). Never a silent difference: what vmap cannot run the same way raises, and
 the jobs run as the basic launcher runs them.
