@@ -286,6 +286,21 @@ def test_each_member_updates_with_its_own_fused_kernel_as_its_own_run_does(monke
     assert int(sweep.pick(group.opt_state, 1)[1].count) == 12
 
 
+def test_batchnorm_statistics_ride_through_the_members_kernels_as_through_their_own_steps():
+    # A model with buffers (BatchNorm's running statistics): the vmapped gradients return each member's new
+    # statistics, the kernels update the params; both equal each job's own donated steps.
+    group, built = group_of([1e-2, 3e-2], "model=resnet", "~model.hidden", "data=digits", "model.width=4",
+                            "model.blocks=[1]", "data.batch_size=16")
+    assert group.kernels is not None and "stages.0.bn1.running_mean" in fx.tree.paths(group.buffers)
+    group.advance(0, 3)
+    for j, b in enumerate(built):
+        params, state, buffers = b.params, b.opt_state, b.buffers
+        for i in range(3):
+            params, state, buffers, _ = b.step(params, state, buffers, b.data.train[i])
+        assert_trees_close_rows(sweep.pick(group.params, j), params)
+        assert_trees_close_rows(sweep.pick(group.buffers, j), buffers)
+
+
 def assert_trees_close_rows(a, b):
     for x, y in zip(fx.tree.leaves(a), fx.tree.leaves(b)):
         torch.testing.assert_close(x, y, rtol=RTOL, atol=1e-5)

@@ -1,7 +1,8 @@
 """hydra/launcher=vmap against Hydra's basic launcher on the default experiment (issues 14 and 28).
 
 The default digits experiment (``make train``'s config: MLP 64-256-256-10, clip + AdamW, warmup-cosine,
-batch 64, one CPU thread per process as ``trainer.cpu_threads`` says, for both launchers), two sweeps:
+batch 64, one CPU thread per process as ``trainer.cpu_threads`` says, for both launchers; ``--threads 2``: both
+cores), two sweeps:
 
 * ``8 lrs x 200 steps``: ``optim.chain.adamw.learning_rate=1e-3,2e-3,3e-3,5e-3,7e-3,1e-2,2e-2,3e-2`` (goal: 2x)
 * ``16 jobs (8 lrs x 2 seeds) x 1000 steps``: the same learning rates, ``seed=0,1`` (goal: 3x)
@@ -69,9 +70,9 @@ def early_diff(a: list[dict], b: list[dict]) -> float:
     return max((abs(u - v) / max(abs(u), 1e-6) for u, v in pairs), default=0.0)
 
 
-def command(launcher: str, grid: list[str], steps: int, sweep_dir: Path) -> list[str]:
+def command(launcher: str, grid: list[str], steps: int, sweep_dir: Path, threads: int = 1) -> list[str]:
     return [sys.executable, "-m", "fxtrain.train", "-m", *VARIANTS[launcher], *grid,
-            f"trainer.max_steps={steps}", "trainer.cpu_threads=1", "trainer.progress=false",
+            f"trainer.max_steps={steps}", f"trainer.cpu_threads={threads}", "trainer.progress=false",
             f"hydra.sweep.dir={sweep_dir}"]
 
 
@@ -93,7 +94,7 @@ def run(cmd: list[str], cwd: Path) -> tuple[float, float, dict[str, dict]]:
     return wall, (sum(set(times)) if "hydra/launcher=vmap" in cmd else sum(times)), summaries
 
 
-def step_rows(rounds: int, compile: bool) -> tuple[list[list], list[list]]:  # noqa: A002
+def step_rows(rounds: int, compile: bool, threads: int = 1) -> tuple[list[list], list[list]]:  # noqa: A002
     """ms per step of 8 jobs (donated, vmapped, vmapped compiled, the arithmetic bound), and the fixed costs."""
     import torch
     from hydra import compose, initialize_config_dir
@@ -103,7 +104,7 @@ def step_rows(rounds: int, compile: bool) -> tuple[list[list], list[list]]:  # n
 
     lrs = [float(v) for v in LRS.split("=", 1)[1].split(",")]
     k, n = 25, len(lrs)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfgs = [compose("train", overrides=[f"optim.chain.adamw.learning_rate={lr}", "trainer.device=cpu"])
                 for lr in lrs]
@@ -116,7 +117,8 @@ def step_rows(rounds: int, compile: bool) -> tuple[list[list], list[list]]:  # n
     jobs = [[r.step, r.params, r.opt_state, r.buffers] for r in runs]
     states = [fx.TrainState(0, r.params, r.opt_state, fx.rng_state(), r.buffers) for r in runs]
     hp = sweep.hyperparams({"optim.chain.adamw.learning_rate": lrs})
-    groups = {"vmap": sweep.GroupSteps(cfgs[0], runs, states, hp, shared_data=True)}
+    groups = {"vmap": sweep.GroupSteps(cfgs[0], runs, states, hp, shared_data=True),
+              "vmap, update under vmap": sweep.GroupSteps(cfgs[0], runs, states, hp, shared_data=True, kernels=False)}
     compile_s = None
     if compile:
         groups["vmap, compile=True"] = sweep.GroupSteps(cfgs[0], runs, states, hp, shared_data=True, compile=True)
@@ -183,13 +185,15 @@ def main() -> None:
     parser.add_argument("--launchers", default=",".join(VARIANTS), help="which launchers (basic first)")
     parser.add_argument("--no-steps", action="store_true", help="leave the step table out")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="trainer.cpu_threads of both launchers")
     args = parser.parse_args()
     for name in set(SWEEPS) - set(args.sweeps.split(",")):
         del SWEEPS[name]
     for name in set(VARIANTS) - set(args.launchers.split(",")):
         del VARIANTS[name]
     loads = [f"start {load()}"]
-    steps, fixed = ([], []) if args.no_steps else step_rows(args.step_rounds, compile=not args.no_compile)
+    steps, fixed = ([], []) if args.no_steps else step_rows(args.step_rounds, compile=not args.no_compile,
+                                                                 threads=args.threads)
     loads.append(f"after the step table {load()}")
 
     walls = {(s, la): [] for s in SWEEPS for la in VARIANTS}
@@ -203,7 +207,7 @@ def main() -> None:
                 finals = {}
                 for launcher in (list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]):
                     where = re.sub(r'[^a-z0-9]+', '_', f"r{r}-{name}-{launcher}")
-                    cmd = command(launcher, grid, n_steps, tmp / where)
+                    cmd = command(launcher, grid, n_steps, tmp / where, args.threads)
                     wall, train, summaries = run(cmd, tmp)
                     walls[name, launcher].append(wall)
                     trains[name, launcher].append(train)
@@ -230,7 +234,8 @@ def main() -> None:
         "# hydra/launcher=vmap against the basic launcher",
         "",
         f"Command: `{cmd}` ({args.rounds} round(s), medians; each sweep is `python -m fxtrain.train -m "
-        "hydra/launcher=<basic|vmap> <grid> trainer.max_steps=<steps> trainer.cpu_threads=1 trainer.progress=false` "
+        f"hydra/launcher=<basic|vmap> <grid> trainer.max_steps=<steps> trainer.cpu_threads={args.threads} "
+        "trainer.progress=false` "
         "in a fresh process, the default digits experiment, the same thread count for both launchers).",
         "",
         _common.table(["sweep", "launcher", "wall s", "train s", "wall speedup", "train speedup", "goal",
@@ -241,8 +246,8 @@ def main() -> None:
         "of any logged metric of any job between the launchers over the first 30 steps (the launcher test's bar: "
         "2e-5); `max |diff| final`: the largest absolute difference of a job's final val_loss or test_loss.",
         "",
-        "The training step alone (one process, one thread, medians of interleaved rounds, ms per step of all 8 "
-        "learning rates; each call runs 25 steps), against the arithmetic bound of 8 models' forward and backward:",
+        f"The training step alone (one process, {args.threads} thread(s), medians of interleaved rounds, ms per step "
+        "of all 8 learning rates; each call runs 25 steps), against the arithmetic bound of 8 models' forward and backward:",
         "",
         _common.table(["variant", "ms per step", "speedup", "x the bound"], steps),
         "",
