@@ -275,15 +275,12 @@ def test_each_member_updates_with_its_own_fused_kernel_as_its_own_run_does(monke
     assert_trees_close_rows((group.params, group.opt_state), (vmapped.params, vmapped.opt_state))
     # Each job's own donated step (the basic launcher's, the same fused kernel) on the same 12 batches.
     for j, b in enumerate(built):
-        params, state, buffers = b.params, b.opt_state, b.buffers
-        for i in range(12):
-            params, state, buffers, own = b.step(params, state, buffers, b.data.train[i])
+        params, state, _, own = own_steps(b, 12)
         assert_trees_close_rows(sweep.pick(group.params, j), params)
         assert_trees_close_rows(sweep.pick(group.opt_state, j), state)
         assert math.isclose(metrics["learning_rate"][j], own["learning_rate"], rel_tol=1e-6)
         assert math.isclose(metrics["grad_norm"][j], own["grad_norm"], rel_tol=RTOL)
-    # The batched state is what the members' kernels wrote: a checkpoint of member 1 resumes as its own run.
-    assert int(sweep.pick(group.opt_state, 1)[1].count) == 12
+    assert int(sweep.pick(group.opt_state, 1)[1].count) == 12  # the kernels counted in the batched state
 
 
 def test_batchnorm_statistics_ride_through_the_members_kernels_as_through_their_own_steps():
@@ -294,11 +291,18 @@ def test_batchnorm_statistics_ride_through_the_members_kernels_as_through_their_
     assert group.kernels is not None and "stages.0.bn1.running_mean" in fx.tree.paths(group.buffers)
     group.advance(0, 3)
     for j, b in enumerate(built):
-        params, state, buffers = b.params, b.opt_state, b.buffers
-        for i in range(3):
-            params, state, buffers, _ = b.step(params, state, buffers, b.data.train[i])
+        params, _, buffers, _ = own_steps(b, 3)
         assert_trees_close_rows(sweep.pick(group.params, j), params)
         assert_trees_close_rows(sweep.pick(group.buffers, j), buffers)
+
+
+def own_steps(b, n):
+    """Job ``b``'s own donated step (the basic launcher's run) on its first ``n`` batches: params, state, buffers and
+    the last metrics."""
+    params, state, buffers = b.params, b.opt_state, b.buffers
+    for i in range(n):
+        params, state, buffers, metrics = b.step(params, state, buffers, b.data.train[i])
+    return params, state, buffers, metrics
 
 
 def assert_trees_close_rows(a, b):
