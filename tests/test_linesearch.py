@@ -152,14 +152,18 @@ def test_backtracking_gradient_descent_matches_optax():
     otx = optax.chain(optax.sgd(10.0), optax.scale_by_backtracking_linesearch(max_backtracking_steps=15))
     x, ox = torch.tensor([-1.0, 10.0, 1.0]), to_jnp(torch.tensor([-1.0, 10.0, 1.0]))
     state, ostate = tx.init(x), otx.init(ox)
+
+    @jax.jit  # one compile for the 40 iterations: 0.5 s of CPU, op by op under jax.disable_jit 0.9 to 2.6 s
+    def ostep(ox, ostate):
+        ovalue, ograd = jax.value_and_grad(jfn)(ox)
+        ou, ostate = otx.update(ograd, ostate, ox, value=ovalue, grad=ograd, value_fn=jfn)
+        return optax.apply_updates(ox, ou), ostate
+
     for _ in range(40):
         grad, value = torch.func.grad_and_value(fn)(x)
         u, state = tx.update(grad, state, x, value=value, grad=grad, value_fn=fn)
         x = fx.apply_updates(x, u)
-        with jax.disable_jit():  # op by op: faster than compiling here
-            ovalue, ograd = jax.value_and_grad(jfn)(ox)
-            ou, ostate = otx.update(ograd, ostate, ox, value=ovalue, grad=ograd, value_fn=jfn)
-            ox = optax.apply_updates(ox, ou)
+        ox, ostate = ostep(ox, ostate)
         assert_trees_close(x, from_jnp(ox), rtol=1e-5, atol=1e-6)
     assert_trees_close(x, target, rtol=1e-2, atol=1e-2)
 
