@@ -245,27 +245,33 @@ def test_vmapped_evaluation_equals_each_jobs_own():
 
 # --- the update half: each member's fused kernel on its slices (sweep.MemberKernels) ----------------------
 
-def group_of(lrs, *overrides, **kwargs):
-    """A GroupSteps of the smoke experiment at these learning rates (one batch for all), and each job's own run."""
-    cfgs = [cfg_of(*SWEEP, *overrides, f"optim.chain.adamw.learning_rate={lr}") for lr in lrs]
+def group_of(values, *overrides, key="optim.chain.adamw.learning_rate", **kwargs):
+    """A GroupSteps of the smoke experiment at these values of ``key`` (one batch for all), and each job's own run."""
+    cfgs = [cfg_of(*SWEEP, *overrides, f"{key}={v}") for v in values]
     data = runner.build_run(cfgs[0], torch.device("cpu")).data
     built = [runner.build_run(c, torch.device("cpu"), data=data) for c in cfgs]
     states = [fx.TrainState(0, b.params, b.opt_state, fx.rng_state(), b.buffers) for b in built]
-    hp = sweep.hyperparams({"optim.chain.adamw.learning_rate": lrs})
+    hp = sweep.hyperparams({key: values})
     return sweep.GroupSteps(cfgs[0], built, states, hp, shared_data=True, **kwargs), built
 
 
-def test_each_member_updates_with_its_own_fused_kernel_as_its_own_run_does(monkeypatch):
+@pytest.mark.parametrize("key, values", [("learning_rate", [1e-2, 3e-2, 1e-1]), ("b1", [0.8, 0.9, 0.95]),
+                                         ("weight_decay", [0.0, 0.1, 0.5])])
+def test_each_member_updates_with_its_own_fused_kernel_as_its_own_run_does(monkeypatch, key, values):
+    # The kernel takes the learning rate as a tensor and b1, weight_decay as host numbers: each member's own.
     calls = []
     fused_adamw = torch._fused_adamw_
-    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(k["lr"]) or fused_adamw(*a, **k))
-    lrs = [1e-2, 3e-2, 1e-1]
-    group, built = group_of(lrs)
-    vmapped, _ = group_of(lrs, kernels=False)  # the update under vmap, out of place
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(k) or fused_adamw(*a, **k))
+    key = f"optim.chain.adamw.{key}"
+    group, built = group_of(values, key=key)
+    vmapped, _ = group_of(values, key=key, kernels=False)  # the update under vmap, out of place
     assert group.kernels is not None and vmapped.kernels is None
     metrics, reference = group.advance(0, 12), vmapped.advance(0, 12)
-    assert len(calls) == 12 * 3  # one kernel call per member and step, each at its member's learning rate
-    assert all(isinstance(lr, torch.Tensor) and lr.ndim == 0 for lr in calls)
+    assert len(calls) == 12 * 3  # one kernel call per member and step
+    assert all(isinstance(k["lr"], torch.Tensor) and k["lr"].ndim == 0 for k in calls)
+    if key.endswith(("b1", "weight_decay")):  # each member's own host number, in member order, at every step
+        arg = "beta1" if key.endswith("b1") else "weight_decay"
+        assert all([k[arg] for k in calls[i:i + 3]] == pytest.approx(values) for i in range(0, 36, 3))
     assert sorted(metrics) == sorted(reference) == ["accuracy", "grad_norm", "learning_rate", "loss"]
     for k in metrics:
         assert metrics[k].shape == (3,)
