@@ -105,7 +105,9 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import itertools
 import logging
+import operator
 import pathlib
 import time
 import types
@@ -905,10 +907,14 @@ class MemberKernels:
         torch._foreach_copy_(self.grads, [x for x in tree.leaves(grads) if isinstance(x, torch.Tensor)])
         for plan in self.plans:
             plan()
+        # A leaf a kernel's bookkeeping replaced (not wrote into) goes into its slice of the batched state: found
+        # by identity, in C (compress over map(is_not)), and copied in one foreach call for all members.
+        changed = []
         for state, views in self.members:
-            for now, view in zip(tree.leaves(state), views):
-                if now is not view:  # a new tensor in the member's state: into its slice of the batched one
-                    view.copy_(now)
+            leaves = tree.leaves(state)
+            changed.extend(itertools.compress(zip(views, leaves), map(operator.is_not, leaves, views)))
+        if changed:
+            torch._foreach_copy_(*map(list, zip(*changed)))
 
 
 class GroupSteps:
