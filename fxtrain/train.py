@@ -623,12 +623,12 @@ def _open_member(m: Member, start: int) -> None:
 def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any], t0: float) -> bool:
     """Member ``j`` after step ``i``: its log line, evaluation, early stopping and checkpoint (on its own config's
     cadences); whether early stopping ended it."""
-    trainer, record = m.cadence, {}
-    max_steps = trainer.max_steps
-    if i % trainer.log_every == 0 or i == max_steps:
+    cadence, record = m.cadence, {}
+    max_steps = cadence.max_steps
+    if i % cadence.log_every == 0 or i == max_steps:
         m.train_metrics = steps.logged(metrics, j)
         record.update(m.train_metrics)
-    if i % trainer.eval_every == 0 or i == max_steps:
+    if i % cadence.eval_every == 0 or i == max_steps:
         m.eval_metrics = steps.evaluate(i, j, m.hooks)
         record.update(m.eval_metrics)
         if m.hooks:  # the hooks' names are known now
@@ -639,7 +639,7 @@ def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any
             m.stopped = {"step": i, **m.stopper.describe()}
             m.run.say(f"stop   early at step {i}: {m.stopper.metric} has not improved on {m.stopper.best:.4g} "
                       f"(step {m.stopper.best_step}) for {m.stopper.patience} logged values")
-            if i % trainer.eval_every:  # the summary's test metrics are those of the params it stops with
+            if i % cadence.eval_every:  # the summary's test metrics are those of the params it stops with
                 m.eval_metrics = steps.evaluate(i, j, m.hooks)
                 record.update(m.eval_metrics)
         if m.best is not None and m.best.update(record, i):
@@ -648,7 +648,7 @@ def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any
         if m.logger is not None:
             m.logger.log(i, record)
         m.record = record
-    if m.run.ckpt_dir is not None and ((trainer.checkpoint_every and i % trainer.checkpoint_every == 0)
+    if m.run.ckpt_dir is not None and ((cadence.checkpoint_every and i % cadence.checkpoint_every == 0)
                                        or i == max_steps or m.stopped):
         m.last_checkpoint = (i, save_checkpoint(m.run.ckpt_dir, steps.state(i, j), m.cfg.trainer.keep_last,
                                                 m.last_checkpoint, m.run.rank, m.run.meta))
@@ -665,17 +665,17 @@ def _final(m: Member, start: int, max_steps: int) -> dict[str, Any]:
     return final
 
 
-def next_event(step: int, trainer: Cadence, longest: int) -> int:
+def next_event(step: int, cadence: Cadence, longest: int) -> int:
     """The first step after ``step`` that logs, evaluates or checkpoints (or the last), at most ``longest`` on.
 
     >>> next_event(0, Cadence(max_steps=30, log_every=5, eval_every=7, checkpoint_every=0), 50)
     5
     """
-    every = [n for n in (trainer.log_every, trainer.eval_every, trainer.checkpoint_every) if n]
-    for i in range(step + 1, min(step + longest, trainer.max_steps)):
+    every = [n for n in (cadence.log_every, cadence.eval_every, cadence.checkpoint_every) if n]
+    for i in range(step + 1, min(step + longest, cadence.max_steps)):
         if any(i % n == 0 for n in every):
             return i
-    return min(step + longest, trainer.max_steps)
+    return min(step + longest, cadence.max_steps)
 
 
 def host_metrics(metrics: dict[str, Any], constants: set[str], world: int = 1) -> dict[str, float]:

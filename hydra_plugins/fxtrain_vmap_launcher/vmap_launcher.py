@@ -92,6 +92,7 @@ class VmapLauncher(Launcher):
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             configs.append(self._sweep_config(overrides, idx, idx))
+        _ComposedOnce.forget(self.hydra_context.config_loader)  # what was validated and not launched is stale
         groups = self._plan(configs, notes=True)
         if self.executor is None:
             return self._run_groups(groups, configs)
@@ -272,12 +273,13 @@ class _ComposedOnce:
     A sweeper composes every job of a batch to validate it (``Sweeper.validate_batch_is_legal``: "this repeats
     work the launcher will do") and drops the result; then the launcher composes each job again. On the default
     experiment a compose takes about 0.2 s, as long as 40 steps of an 8-job group. Installed on the launch's
-    config loader, the loader keeps what it composes (at most :attr:`KEEP` configs, the oldest dropped first) and
+    config loader, the loader keeps what it composes until the next launch has taken its jobs (:meth:`forget`;
+    at most :attr:`KEEP` configs, the oldest dropped first, should a sweeper compose without launching) and
     :meth:`take` hands the launcher that config, once, or composes it where nothing was kept (a sweeper that does
     not validate, a submitit job). The config is Hydra's own result for the same master config and overrides.
     """
 
-    KEEP = 4096
+    KEEP = 1024
 
     def __init__(self, load: Callable[..., DictConfig]):
         self.load, self.kept = load, {}
@@ -293,6 +295,11 @@ class _ComposedOnce:
     def install(cls, loader: Any) -> None:
         if not isinstance(getattr(loader, "load_sweep_config", None), cls):
             loader.load_sweep_config = cls(loader.load_sweep_config)
+
+    @staticmethod
+    def forget(loader: Any) -> None:
+        if isinstance(loader.load_sweep_config, _ComposedOnce):
+            loader.load_sweep_config.kept.clear()
 
     @staticmethod
     def take(loader: Any, master_config: DictConfig, overrides: list[str]) -> DictConfig:
