@@ -302,6 +302,35 @@ def test_batchnorm_statistics_ride_through_the_members_kernels_as_through_their_
         assert_trees_close_rows(sweep.pick(group.buffers, j), buffers)
 
 
+# accumulate holds 3 of 4 micro-batches (it declares no fused kernel: one every step would be a silently wrong
+# update); amp wraps the forward (wrap_loss). Tolerances: accumulate elementwise as the kernel tests above; under
+# bf16, batched and unbatched matmuls round differently (about 1e-3 relative a step, fxtrain/sweep.py "Numbers"),
+# and Adam's first step (about lr * sign(g)) turns that into 2 lr on an element whose gradient is near 0 (measured:
+# one element of the 10x32 head). So after one step: every element within 1e-5, except at most 1% of a leaf's,
+# which may differ by a sign flip (2 lr) and no more. The other job's learning rate moves every element.
+AWAY = {"accumulate": (("accumulate=k4", "trainer.max_steps=32"), 8, False),
+        "amp": (("amp=bf16",), 1, True)}
+
+
+@pytest.mark.parametrize("name", list(AWAY))
+def test_stacks_that_are_more_than_one_kernel_call_take_the_vmapped_update_as_their_own_runs(name):
+    overrides, steps, flips = AWAY[name]
+    lrs = [1e-2, 3e-2]
+    group, built = group_of(lrs, *overrides)
+    assert group.kernels is None
+    group.advance(0, steps)
+    for j, b in enumerate(built):
+        params, _, _, _ = own_steps(b, steps)
+        if not flips:
+            assert_trees_close_rows(sweep.pick(group.params, j), params)
+            continue
+        for x, y in zip(fx.tree.leaves(sweep.pick(group.params, j)), fx.tree.leaves(params)):
+            diff = (x - y).abs()
+            assert float((diff > 1e-5).float().mean()) <= 0.01 and float(diff.max()) <= 2 * lrs[j] * 1.01
+    if name == "accumulate":  # 8 micro-batches, 2 updates, in every member's state
+        assert sweep.pick(group.opt_state, 1).inner_state[1].count.tolist() == 2
+
+
 def own_steps(b, n):
     """Job ``b``'s own donated step (the basic launcher's run) on its first ``n`` batches: params, state, buffers and
     the last metrics."""
