@@ -27,6 +27,7 @@ vmap and grad.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import numpy as np
@@ -304,8 +305,6 @@ assert OPTAX_COND <= set(OPTAX_CASES), OPTAX_COND - set(OPTAX_CASES)
 @pytest.mark.optax
 @pytest.mark.parametrize("case", list(OPTAX_CASES))
 def test_grad_through_updates_matches_optax(case):
-    import contextlib
-
     import jax
 
     optax = _optax()
