@@ -139,6 +139,23 @@ def _check_like(tree: Tree, others: Sequence[Tree], what: str = "tree") -> None:
             )
 
 
+def structures_differ(flat: list, spec: optree.PyTreeSpec, other_flat: list, other_spec: optree.PyTreeSpec) -> bool:
+    """Whether two flattened trees differ in structure (a host check; no tensor is read).
+
+    Under ``torch.compile`` the structures are constants of the trace and are compared by their leaf counts:
+    torch 2.11's dynamo cannot trace a PyTreeSpec's ``__eq__`` (its polyfill compares function objects; seen on
+    an H200 by ``make gpu-check``), so a compiled step catches a changed structure only where the leaf count
+    changed. Eager calls compare the specs whole.
+
+    >>> a, b = flatten({"a": 1}), flatten({"b": 1})
+    >>> structures_differ(*a, *b), structures_differ(*a, *a)
+    (True, False)
+    """
+    if torch.compiler.is_compiling():
+        return len(flat) != len(other_flat)
+    return spec != other_spec
+
+
 def align(tree: Tree, *others: Tree, what: str = "state") -> tuple[list, ...]:
     """Flat leaf lists of ``tree`` and ``others``, restricted to positions where ``tree`` has a leaf.
 
@@ -153,7 +170,7 @@ def align(tree: Tree, *others: Tree, what: str = "state") -> tuple[list, ...]:
     rest = []
     for other in others:
         other_flat, other_spec = flatten(other)
-        if other_spec != spec:
+        if structures_differ(flat, spec, other_flat, other_spec):
             hint = " (was the state initialised from different params?)" if what == "state" else ""
             raise ValueError(f"updates do not match the {what}: the trees differ at "
                              f"'{first_mismatch(tree, other)}'{hint}")

@@ -11,6 +11,7 @@ Every test skips where no CUDA device is visible, so the CPU suite collects this
 
 import json
 import pathlib
+import warnings
 
 import pytest
 import torch
@@ -202,8 +203,11 @@ def _fp16_accumulated():  # torch's CUDA amp kernels (unscale, scale update) in 
     return _amp_accumulated("p=f32,c=f16,o=f32", loss_scale=fx.DynamicLossScale(init_scale=2.0 ** 12, growth_interval=2))
 
 
+LION_LR = 1e-3
+
+
 def _clip_lion():  # no fused torch kernel computes it: compile=True compiles its foreach kernels
-    return fx.chain(fx.clip_by_global_norm(0.5), fx.lion(1e-3, weight_decay=0.1))
+    return fx.chain(fx.clip_by_global_norm(0.5), fx.lion(LION_LR, weight_decay=0.1))
 
 
 @pytest.mark.parametrize("make", [_fp16_accumulated, _clip_lion], ids=["accumulate-fp16-clip-injected-adamw", "clip-lion"])
@@ -213,7 +217,14 @@ def test_compiled_step_equals_eager_on_cuda(make):
     torch._dynamo.reset()
     compiled = _fx_run(make(), batches, compile=True)[:2]
     # Inductor's GPU code fuses the foreach passes and may reassociate float32 arithmetic: a few roundings
-    # per step, 10 steps.
+    # per step, 10 steps. Lion steps by lr * sign(c): a rounding of a near-zero c flips an element's step, 2 lr
+    # (seen on an H200: one element of a 32-vector over 10 steps), so its params allow two elements a leaf to
+    # differ by two such flips; its state and every other stack the roundings alone.
+    if make is _clip_lion:
+        for x, y in zip(fx.tree.leaves(compiled[0]), fx.tree.leaves(eager[0])):
+            diff = (x - y).abs()
+            assert int((diff > 1e-5).sum()) <= 2 and float(diff.max()) <= 2 * 2 * LION_LR * 1.01
+        compiled, eager = compiled[1], eager[1]
     assert_trees_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
@@ -239,12 +250,15 @@ def test_a_training_step_and_its_batch_never_wait_for_the_gpu(experiment):
     cfg = cfg_of(f"experiment={experiment}", "trainer.device=cuda")
     built = runner.build_run(cfg, CUDA)
     params, state, buffers = built.params, built.opt_state, built.buffers
-    for i in range(2):  # the first steps create cuBLAS handles and the like
+    for i in range(8):  # the first steps create cuBLAS handles and the like; the first update of an accumulated
+        # window (tiny_lm's accumulate(4)) builds global_norm's gather plan, copying its indices to the device once
         params, state, buffers, _ = built.step(params, state, buffers, built.data.train[i])
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     try:
-        for i in range(2, 10):
+        with warnings.catch_warnings():  # torch calls the mode a prototype; under filterwarnings=error that
+            warnings.filterwarnings("ignore", "Synchronization debug mode", UserWarning)  # raised after setting it
+            torch.cuda.set_sync_debug_mode("error")
+        for i in range(8, 16):
             params, state, buffers, metrics = built.step(params, state, buffers, built.data.train[i])
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -79,7 +79,9 @@ def command(launcher: str, grid: list[str], steps: int, sweep_dir: Path, threads
 def run(cmd: list[str], cwd: Path) -> tuple[float, float, dict[str, dict]]:
     """Runs one sweep; returns (wall seconds, train seconds, {job: summary.json})."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")

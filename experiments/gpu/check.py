@@ -100,7 +100,8 @@ def sizes(cpu_fallback: bool) -> Sizes:
 
 def run_tests(timeout: float = 300) -> dict:
     """``pytest -m cuda tests/test_cuda.py`` in a fresh process: counts, failures, seconds."""
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", "-m", "cuda", "tests/test_cuda.py"]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", "--tb=short", "-m", "cuda",
+           "tests/test_cuda.py"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     lines = proc.stdout.strip().splitlines() or [""]
@@ -110,7 +111,7 @@ def run_tests(timeout: float = 300) -> dict:
     if proc.returncode not in (0, 1) and not failures:  # pytest itself failed (collection, usage)
         failures = [f"pytest exited with {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-500:]}"]
     return {"command": "pytest -m cuda tests/test_cuda.py", "counts": counts, "failures": failures,
-            "seconds": time.perf_counter() - t0, "ok": proc.returncode == 0}
+            "seconds": time.perf_counter() - t0, "ok": proc.returncode == 0, "log": proc.stdout + proc.stderr}
 
 
 # --- 2. the AMP table ------------------------------------------------------------------------------------
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or RESULTS
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_check.md").write_text(text)
+        if results.get("tests", {}).get("failures"):  # the failures' short tracebacks, beside the report
+            (out / "gpu_check_tests.log").write_text(results["tests"]["log"])
         print(f"written to {out / 'gpu_check.md'}")
     return 0 if not errors and results.get("tests", {"ok": True})["ok"] else 1
 

@@ -312,7 +312,7 @@ def select(pred: torch.Tensor, new: Any, old: Any, what: str = "inner state",
     """
     flat_new, spec = tree.flatten(new)
     flat_old, spec_old = tree.flatten(old)
-    if spec_old != spec:
+    if tree.structures_differ(flat_new, spec, flat_old, spec_old):
         raise ValueError(f"the {what} changed structure at '{tree.first_mismatch(new, old)}'")
     at = [i for i, x in enumerate(flat_new) if isinstance(x, torch.Tensor)]
     out = list(flat_new)
