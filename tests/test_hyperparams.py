@@ -1,6 +1,7 @@
 """Tests for fxtrain/transforms/_hyperparams.py: inject_hyperparams against Optax, state, metrics, errors,
 and composed with torch.func (vmap over hyperparameters, hypergradients) against Optax under jax."""
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 import fxtrain as fx
 from fxtrain import _base, tree
 from fxtrain.testing import assert_trees_close, from_jnp, nested_params, to_jnp
+from tests import cases
 from tests._parity import assert_pure_and_donated_agree, growing_grads, noise, reference_trace
 
 
@@ -480,3 +482,93 @@ def test_integer_for_a_counting_hyperparameter_stays_an_integer():
     state.hyperparams["learning_rate"] = 2
     u, state = tx.update(p, state, p)
     assert u["w"].tolist() == [-2.0, -2.0] and state.hyperparams["learning_rate"].dtype == torch.float32
+
+
+# --- every catalogue optimizer's non-float arguments through inject_hyperparams (generated) --------------
+
+def _factory(name: str):
+    return getattr(fx, name, None) or getattr(fx.contrib, name)
+
+
+def _kind(p) -> str | None:
+    """What a factory argument is when it is not a float: 'key', 'bool', 'int', 'callable' (a mask, a function
+    the factory calls), else None (floats, dtypes, strings, sub-transforms: not generated here)."""
+    note = str(p.annotation)
+    if p.name == "key" or "Generator" in note:
+        return "key"
+    if "Mask" in note or "Callable" in note.replace("Scalar | Callable", "") and "LearningRate" not in note:
+        return "callable"
+    if isinstance(p.default, bool) or note == "bool":
+        return "bool"
+    if (isinstance(p.default, int) and not isinstance(p.default, bool)) or "int" in {t.strip() for t in note.split("|")}:
+        return "int"
+    return None
+
+
+def _value(p, kind: str):
+    """A value of ``p`` other than its default, of its kind."""
+    if kind == "key":
+        return 3
+    if kind == "bool":
+        return not p.default if isinstance(p.default, bool) else True
+    if kind == "int":  # (adafactor's decay_offset=1 makes its first update NaN: offsets keep their default 0)
+        return (p.default + 1 if p.default else 0) if isinstance(p.default, int) else 2
+    if callable(p.default) and not isinstance(p.default, fx.GradientTransformation):
+        return p.default  # a function the factory calls (adopt's clip_value_fn)
+    return lambda params: fx.tree.map(lambda x: x.ndim > 1, params)  # a mask: the matrices only
+
+
+def _required(name: str) -> dict:
+    args = {}
+    for k, p in inspect.signature(_factory(name)).parameters.items():
+        if p.default is inspect.Parameter.empty or k == "learning_rate":  # adadelta's default is None
+            args[k] = fx.sgd(0.1) if "GradientTransformation" in str(p.annotation) else 1e-2
+    return args
+
+
+CATALOGUE = sorted({"sgd", "adam", "adamw", "lion", "rmsprop", "adagrad"} | set(cases.merged("OPTIMIZERS")))
+NON_FLOAT = [(name, k, kind) for name in CATALOGUE for k, p in inspect.signature(_factory(name)).parameters.items()
+             if p.default is not inspect.Parameter.empty and (kind := _kind(p)) is not None]
+
+
+def test_the_non_float_cases_are_generated_from_the_catalogue():
+    kinds = {kind for _, _, kind in NON_FLOAT}
+    assert ("noisy_sgd", "key", "key") in NON_FLOAT and kinds == {"key", "bool", "int", "callable"}, NON_FLOAT
+
+
+def _extra(name: str, tx, f, params, grads, opaque: bool) -> dict:
+    """The extra arguments of an update: the line search's (lbfgs), sam's grad_fn in opaque mode, ``value``."""
+    if opaque:
+        return {"grad_fn": lambda p, i: fx.tree.map(lambda x: x + 1.0, p)}
+    if not fx.traits(tx).extra_args:
+        return {}
+    return {"value": f(params), "grad": grads, "value_fn": f} if name == "lbfgs" else {"value": f(params)}
+
+
+@pytest.mark.parametrize("name,arg,kind", NON_FLOAT, ids=[f"{n}-{a}" for n, a, _ in NON_FLOAT])
+@pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
+def test_inject_hyperparams_takes_every_non_float_argument(name, arg, kind):
+    """inject_hyperparams(opt)(..., arg=value) updates as opt(..., arg=value) does, for every catalogue optimizer
+    and each of its key, int, bool and callable arguments (a callable named in static_args, as Optax asks).
+    inject_hyperparams(noisy_sgd)(key=0) was a TypeError at the first update (the int key became a float);
+    mechanize(num_betas), sam(sync_period) and schedule_free's warmup_steps refused their int32 tensors."""
+    factory = _factory(name)
+    kwargs = {**_required(name), arg: _value(inspect.signature(factory).parameters[arg], kind)}
+    static = (arg,) if kind == "callable" else ()
+    tx, ref = fx.inject_hyperparams(factory, static_args=static)(**kwargs), factory(**kwargs)
+    f = lambda p: sum(0.5 * (x ** 2).sum() + x.sum() for x in fx.tree.leaves(p))  # noqa: E731
+    # float64 (the state's hyperparameters are float64 too). Not bit for bit: a 0-dim float64 tensor where the
+    # factory had a Python float moves torch's rounding (noisy_sgd's noise scale is float32 with a float eta
+    # and float64 with a tensor one; measured up to 7e-6 relative, in muon), hence rtol=1e-5
+    params = {"w": torch.linspace(-1.0, 1.0, 12, dtype=torch.float64).reshape(4, 3),
+              "b": torch.linspace(0.5, -0.5, 3, dtype=torch.float64)}
+    ref_params, state, ref_state = params, tx.init(params), ref.init(params)
+    opaque = kwargs.get("opaque_mode") is True
+    for _ in range(3):
+        grads, ref_grads = fx.tree.map(lambda x: x + 1.0, params), fx.tree.map(lambda x: x + 1.0, ref_params)
+        u, state = tx.update(grads, state, params, **_extra(name, ref, f, params, grads, opaque))
+        ref_u, ref_state = ref.update(ref_grads, ref_state, ref_params,
+                                      **_extra(name, ref, f, ref_params, ref_grads, opaque))
+        params, ref_params = fx.apply_updates(params, u), fx.apply_updates(ref_params, ref_u)
+        assert_trees_close(u, ref_u, rtol=1e-5, atol=1e-9)
+    assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-9)

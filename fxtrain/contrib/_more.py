@@ -783,12 +783,17 @@ angle`:
       Cutkosky et al., `Mechanic: A Learning Rate Tuner <https://arxiv.org/abs/2306.00144>`_, 2023.
     """
     check_nonnegative("mechanize", weight_decay=weight_decay, eps=eps, s_init=s_init)
-    if not isinstance(num_betas, int) or num_betas < 1:
+    counted = isinstance(num_betas, torch.Tensor) and num_betas.ndim == 0 and not (
+        num_betas.is_floating_point() or num_betas.is_complex() or num_betas.dtype == torch.bool)
+    if not counted and (not isinstance(num_betas, int) or isinstance(num_betas, bool) or num_betas < 1):
         raise ValueError(f"mechanize: num_betas={num_betas!r} must be an int >= 1")
 
     def init_fn(params):
         dtype, device = scalar_dtype(params), param_device(params)
-        zeros = torch.zeros(num_betas, dtype=dtype, device=device)
+        n = int(num_betas)  # a shape (inject_hyperparams gives a 0-dim int tensor): read once, here
+        if n < 1:
+            raise ValueError(f"mechanize: num_betas={n} must be an int >= 1")
+        zeros = torch.zeros(n, dtype=dtype, device=device)
         return MechanicState(base_optimizer_state=base_optimizer.init(params), count=counter(params), r=zeros,
                              m=zeros.clone(), v=zeros.clone(), s=torch.full_like(zeros, s_init), x0=tree.clone(params))
 
@@ -806,13 +811,14 @@ angle`:
         delta = tree.div_(delta, s_sum + eps)
         h = _vdot(g, delta).to(state.m.dtype)
         delta = tree.add_(delta, u, -1.0)
-        betas = torch.tensor([1.0 - 0.1 ** j for j in range(1, num_betas + 1)], dtype=state.s.dtype,
+        n = state.s.shape[0]  # num_betas, as a shape (no host read of an injected tensor)
+        betas = torch.tensor([1.0 - 0.1 ** j for j in range(1, n + 1)], dtype=state.s.dtype,
                              device=state.s.device)
         clipped_h = torch.minimum(torch.maximum(h, -state.m), state.m)
         m = torch.maximum(betas * state.m, h.abs() + eps)
         v = betas ** 2 * state.v + h ** 2
         r = betas * state.r + clipped_h * state.s
-        s = ((s_init / num_betas) * m + torch.clamp_min(r, 0.0)) / (_safe_sqrt(v) + eps)  # v = 0 at first
+        s = ((s_init / n) * m + torch.clamp_min(r, 0.0)) / (_safe_sqrt(v) + eps)  # v = 0 at first
         u = tree.add_(tree.add_(tree.copy_(u, x0), delta, -s.sum()), x, -1.0)  # x0 - S Delta - x
         return tree.put(base_updates, base_updates, u), MechanicState(
             base_state, safe_increment_(state.count), r, m, v, s, tree.put(state.x0, base_updates, x0))

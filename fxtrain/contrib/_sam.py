@@ -135,7 +135,10 @@ def sam(optimizer: GradientTransformation, adv_optimizer: GradientTransformation
       Foret et al., `Sharpness-Aware Minimization for Efficiently Improving Generalization
       <https://arxiv.org/abs/2010.01412>`_, 2021.
     """
-    if not isinstance(sync_period, int) or sync_period < 1:
+    # An int, or the 0-dim int tensor inject_hyperparams gives (the transparent mode counts on the device).
+    injected = isinstance(sync_period, torch.Tensor) and sync_period.ndim == 0 and not (
+        sync_period.is_floating_point() or sync_period.is_complex() or sync_period.dtype == torch.bool)
+    if not injected and (not isinstance(sync_period, int) or isinstance(sync_period, bool) or sync_period < 1):
         raise ValueError(f"sam: sync_period={sync_period!r} must be an int >= 1")
     if batch_axis_name is not None:
         raise ValueError(f"sam: batch_axis_name={batch_axis_name!r} is JAX's pmean axis; fxtrain reduces "
@@ -172,7 +175,7 @@ def sam(optimizer: GradientTransformation, adv_optimizer: GradientTransformation
             raise ValueError("sam: opaque_mode=True needs the gradient function: "
                              "tx.update(grads, state, params, grad_fn=lambda params, i: grads_at(params))")
         adv_params, adv_state = params, state.adv_state
-        for i in range(sync_period - 1):
+        for i in range(int(sync_period) - 1):  # a host read of an injected sync_period: opaque mode loops here
             updates, adv_state = call(adv_optimizer, updates, adv_state, adv_params)
             updates = tree.put(updates, updates, tree.neg_(tree.leaves(updates)))  # adversarial updates ascend
             adv_params = apply_updates(adv_params, updates)

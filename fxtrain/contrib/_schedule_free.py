@@ -164,6 +164,9 @@ def _warmup(learning_rate: Scalar, warmup_steps: int | None) -> LearningRate:
     """Optax's ``warmup_constant_schedule(0, learning_rate, warmup_steps)``, or ``learning_rate`` itself."""
     if warmup_steps is None:
         return learning_rate
+    if isinstance(warmup_steps, torch.Tensor):  # inject_hyperparams' 0-dim int tensor: the same ramp on device
+        return lambda count: learning_rate * torch.where(
+            warmup_steps > 0, torch.minimum(count, warmup_steps) / warmup_steps.clamp_min(1), 1.0)
     return linear_schedule(init_value=0.0, end_value=learning_rate, transition_steps=warmup_steps)
 
 

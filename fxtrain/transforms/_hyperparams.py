@@ -51,7 +51,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
     leaves them out (read them from ``state.hyperparams``).
 
     As in Optax, callables are schedules unless named in ``static_args``; bools, strings, ``None`` and
-    other non-numbers are static (passed unchanged). Float values become tensors of ``hyperparam_dtype``,
+    other non-numbers are static (passed unchanged), and so is a function the factory takes by default
+    (``adopt``'s ``clip_value_fn``: Optax would call it as a schedule). Float values become tensors of ``hyperparam_dtype``,
     by default the widest floating dtype of the params but at least float32 (Optax would round, say,
     ``b2=0.999`` to 1.0 in bfloat16), and so do integers given for a float argument (``weight_decay=0``,
     ``learning_rate=1``: JAX would promote them in the math, torch's kernels take floats); integers for an
@@ -130,8 +131,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
         bound.apply_defaults()
         schedules, numeric, other = {}, {}, {}
         for k, v in bound.arguments.items():
-            if k in static or isinstance(v, bool):
-                other[k] = v
+            if k in static or isinstance(v, bool) or (callable(v) and v is sig.parameters[k].default):
+                other[k] = v  # a function the factory defaults to is not a schedule (adopt's clip_value_fn)
             elif callable(v):
                 schedules[k] = v
             elif isinstance(v, (numbers.Number, torch.Tensor, np.ndarray, np.generic)):
@@ -342,10 +343,16 @@ def _is_float(v: Any) -> bool:
     return not isinstance(v, numbers.Integral)
 
 
+# Annotations that admit a float: an integer given for such an argument becomes a float hyperparameter.
+_FLOATING = frozenset({"float", "complex", "Scalar", "LearningRate", "ScalarOrSchedule", "Number", "numbers.Number",
+                       "numbers.Real", "Any", "typing.Any"})
+
+
 def _counts(param: inspect.Parameter, v: Any) -> bool:
     """Whether an integer value ``v`` of the factory argument ``param`` stays an integer: a Python or NumPy
     integer (not an integer tensor, kept as given) for an argument whose default is an int (not a bool) or
-    whose annotation names ``int`` and no floating type."""
+    whose annotation names ``int`` and no floating type (``int | torch.Generator | None``, a noise ``key``,
+    counts: a float key was a TypeError at the first update)."""
     if isinstance(v, torch.Tensor):
         return True
     default = param.default
@@ -353,7 +360,7 @@ def _counts(param: inspect.Parameter, v: Any) -> bool:
         return True
     note = param.annotation if isinstance(param.annotation, str) else getattr(param.annotation, "__name__", "")
     kinds = {t.strip() for t in note.split("|")} - {"None"}
-    return kinds == {"int"}
+    return "int" in kinds and not kinds & _FLOATING
 
 
 def _checked(owner: str, what: str, v: Any, is_float: bool) -> Any:

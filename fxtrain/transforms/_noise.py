@@ -96,13 +96,16 @@ def _standard_normal(key: torch.Tensor, count: torch.Tensor, xs: list[torch.Tens
     return [n.view(tree.local(x).shape) for n, x in zip(z.split(sizes), xs)]
 
 
-def _key(key) -> int:
+def _key(key) -> int | torch.Tensor:
+    """The seed of ``key``: an int, or a 0-dim integer tensor kept as a tensor (never read on the host:
+    ``inject_hyperparams`` rebuilds the transform with its int32 tensor of the key at every update)."""
     if key is None:
         return 0
     if isinstance(key, torch.Generator):
         return key.initial_seed()
-    if isinstance(key, torch.Tensor) and key.ndim == 0 and not key.is_floating_point():
-        return int(key)  # at build time, once
+    if isinstance(key, torch.Tensor) and key.ndim == 0 and not (key.is_floating_point() or key.is_complex()
+                                                                 or key.dtype == torch.bool):
+        return key
     if isinstance(key, int) and not isinstance(key, bool):
         return key
     raise TypeError(f"add_noise: key must be an int, a 0-dim integer tensor or a torch.Generator, got {key!r}")
@@ -149,7 +152,7 @@ def add_noise(eta: Scalar, gamma: Scalar, key: int | torch.Generator | None = No
     def init_fn(params):
         device = param_device(params)
         return AddNoiseState(count=torch.zeros((), dtype=torch.int32, device=device),
-                             rng_key=torch.tensor(seed, dtype=torch.int64, device=device))
+                             rng_key=torch.as_tensor(seed, device=device).to(torch.int64, copy=True))
 
     def update_fn(updates, state, params=None):
         del params
