@@ -39,6 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
 from fxtrain import data, distributed, extras, tasks
+from fxtrain._moved import moved_names
 from fxtrain.errors import ConfigError
 
 __all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
@@ -775,3 +776,8 @@ def _named_options(arg: str) -> list[str]:
     value = override.value()
     values = (getattr(value, "list", None) or []) if override.is_sweep_override() else [value]  # glob, range: none
     return [str(name) for v in values for name in (v if isinstance(v, list) else [v]) if name is not None]
+
+
+# Names of earlier releases (tests/cases/public_names.json) that were replaced: reading one says by what.
+__getattr__ = moved_names(__name__, {}, removed={
+    "constant_hyperparams": "the hyperparameters a stack keeps constant are fx.traits(tx).constant_reports"})

@@ -20,6 +20,7 @@ Example:
     5.0
 """
 
+from fxtrain._moved import moved_names
 from fxtrain.distributed._collectives import (
     all_gather_flat, contiguous_stride, match_placements, reduce_partials, reduce_scatter_flat,
 )
@@ -39,3 +40,17 @@ __all__ = [
     # runtime
     "init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device", "mean_across_ranks", "shutdown",
 ]
+
+# Names of earlier releases (tests/cases/public_names.json): the adapters moved one layer up, to fxtrain.parallel
+# (issue 26); the others were replaced. Reading one warns (moved) or says what replaces it (removed).
+__getattr__ = moved_names(__name__, {
+    name: f"fxtrain.parallel.{name}" for name in (
+        "data_parallel", "expert_parallel", "fully_sharded", "fully_sharded_step", "pipeline_step", "tensor_parallel")
+}, removed={
+    "STRATEGIES": "a layout is a set of degrees: fxtrain.distributed.ParallelDims (conf/parallel's presets)",
+    "all_reduce_mean": "data-parallel gradients are reduced by the step (fxtrain.parallel.data_parallel); the mean "
+                       "of a metric over ranks is fxtrain.distributed.mean_across_ranks",
+    "local_batch": "a rank's slice of a batch is fxtrain.distributed.ParallelDims(...).local_batch(batch)",
+    "on_dp_mesh": "ZeRO over data parallelism is fxtrain.parallel.data_parallel with "
+                  "fxtrain.sharded_apply(tx, shard_over='dp')",
+})
