@@ -266,16 +266,32 @@ def test_vmap_matches_optax():
     assert_trees_close(ours, from_jnp(theirs), rtol=1e-5, atol=1e-6)
 
 
+def _differentiated_first_scale(monkeypatch, jax):
+    """Optax's lbfgs as fxtrain's derivatives see it: the first step's scale min(1, 1/|u_0|) differentiated (Optax
+    reads jax.lax.stop_gradient when it builds the update: the only place its lbfgs stops a gradient)."""
+    monkeypatch.setattr(jax.lax, "stop_gradient", lambda x: x)
+
+
 @pytest.mark.optax
-def test_grad_through_updates_matches_optax():
-    """grad of a loss after 3 updates w.r.t. the initial params against jax.grad through Optax's lbfgs."""
+@pytest.mark.parametrize("start", ["far", "near"])
+def test_grad_through_updates_matches_optax(start, monkeypatch):
+    """grad of a loss after 3 updates w.r.t. the initial params against jax.grad through Optax's lbfgs. Far from the
+    minimum (|u_0| > 1) with Optax's first-step stop_gradient lifted, as fxtrain differentiates that scale
+    (lbfgs' docstring: its one difference in derivatives before convergence); near it (|u_0| < 1, the scale is
+    the constant 1) against Optax as it is."""
     optax = pytest.importorskip("optax")
     import jax
 
     tx, otx = (m.lbfgs(0.1, memory_size=3, linesearch=None) for m in (fx, optax))
     run = _run_plain
     xs = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
-    meta = lambda run_, grad, x: (run_(x, rosenbrock, 3, grad) ** 2).sum()  # noqa: E731
+    fn = rosenbrock
+    if start == "far":
+        _differentiated_first_scale(monkeypatch, jax)
+    else:
+        xs, fn = 1.0 + 2e-3 * xs, quadratic
+        assert float(torch.func.grad(fn)(xs[0]).norm()) < 1.0
+    meta = lambda run_, grad, x: (run_(x, fn, 3, grad) ** 2).sum()  # noqa: E731
     ours = torch.func.grad(lambda x: meta(lambda *a: run(tx, *a), torch.func.grad, x))(xs[0])
     # compiled once: 2.9 s of CPU, op by op under jax.disable_jit 3.7 s
     theirs = jax.jit(jax.grad(lambda x: meta(lambda *a: run(otx, *a), jax.grad, x)))(to_jnp(xs[0]))
@@ -388,9 +404,9 @@ def _unrolled(tx_factory, fn, steps):
 def test_grad_through_zoom_linesearch_equals_finite_differences(name):
     """torch.func.grad (branchless search) and plain autograd (the search stopping early) through 3 updates
     equal central finite differences in float64 (it was all NaN: the interpolations of the branches not
-    taken, and the trials a branchless search discards, gave 0 * NaN). lbfgs without scale_init_precond:
-    its first step's scale is a stop_gradient in Optax and here, which finite differences do not see."""
-    make = (lambda: fx.lbfgs(scale_init_precond=False)) if name == "lbfgs" else (
+    taken, and the trials a branchless search discards, gave 0 * NaN). lbfgs as built by default: its first
+    step's scale is differentiated (a stop_gradient in Optax, which finite differences do not see)."""
+    make = fx.lbfgs if name == "lbfgs" else (
         lambda: fx.chain(fx.sgd(1e-3), fx.scale_by_zoom_linesearch(10)))
     meta = _unrolled(make, rosenbrock, 3)
     x0 = torch.tensor([-1.2, 1.0, 0.5], dtype=torch.float64)
@@ -404,14 +420,110 @@ def test_grad_through_zoom_linesearch_equals_finite_differences(name):
     assert_trees_close(by_autograd, by_func, rtol=1e-10, atol=1e-12)
 
 
+def rosenbrock_mild(x):
+    """Rosenbrock's valley with a weight 5 instead of 100: lbfgs converges from (0.3, 0.6, 0.2) in about 20
+    updates, on a path whose line searches take the same branches near the start (finite differences hold)."""
+    return (5.0 * (x[..., 1:] - x[..., :-1] ** 2) ** 2 + (1.0 - x[..., :-1]) ** 2).sum()
+
+
+PAST_CONVERGENCE = {  # objective, start, and the update counts K: before, near and after convergence
+    "quadratic": (quadratic, [-1.2, 0.7, 0.4], (3, 6, 12, 20)),
+    "rosenbrock": (rosenbrock_mild, [0.3, 0.6, 0.2], (6, 12, 18, 25)),
+}
+SEARCHES = {
+    "zoom": fx.lbfgs,  # as built by default
+    "backtracking": lambda: fx.lbfgs(linesearch=fx.scale_by_backtracking_linesearch(15)),
+}
+
+
+def _losses_along(make, fn, x, steps):
+    """``sum(x_k ** 2)`` after k = 1..max(steps) updates of ``make()`` from ``x``: the losses at ``steps``."""
+    tx = make()
+    state, out = tx.init(x), {}
+    for k in range(1, max(steps) + 1):
+        grad, value = torch.func.grad_and_value(fn)(x)
+        u, state = tx.update(grad, state, x, value=value, grad=grad, value_fn=fn)
+        x = x + u
+        if k in steps:
+            out[k] = (x ** 2).sum()
+    return out
+
+
+@pytest.mark.parametrize("search", sorted(SEARCHES))
+@pytest.mark.parametrize("problem", sorted(PAST_CONVERGENCE))
+def test_grad_through_lbfgs_past_convergence_equals_finite_differences(problem, search):
+    """Issue 35: the gradient of a loss after K updates w.r.t. the start, for K across convergence, equals central
+    finite differences of the unrolled function (float64; eps 1e-6, so atol 1e-7 covers their rounding noise of
+    about 1e-9). It was NaN from K = 8 on the quadratic (0/0: the empty curvature pair of a converged step,
+    rho = 1/<s, y> and the scale <s, y>/|y|^2 under a single where)."""
+    fn, start, steps = PAST_CONVERGENCE[problem]
+    x0 = torch.tensor(start, dtype=torch.float64)
+    x = x0.clone().requires_grad_()
+    losses = _losses_along(SEARCHES[search], fn, x, steps)
+    eps, basis = 1e-6, torch.eye(len(start), dtype=torch.float64)
+    ups = [_losses_along(SEARCHES[search], fn, x0 + eps * e, steps) for e in basis]
+    downs = [_losses_along(SEARCHES[search], fn, x0 - eps * e, steps) for e in basis]
+    for k in steps:
+        (grad,) = torch.autograd.grad(losses[k], x, retain_graph=True)
+        fd = torch.stack([(up[k] - down[k]) / (2 * eps) for up, down in zip(ups, downs)])
+        assert torch.isfinite(grad).all(), f"K={k}: {grad}"
+        assert_trees_close(grad, fd, rtol=1e-5, atol=1e-7)
+    assert abs(float(losses[max(steps)].detach()) - len(start)) < 1e-12  # converged: x = (1, 1, 1)
+
+
+def test_grad_through_branchless_lbfgs_past_convergence_is_finite():
+    """torch.func.grad runs the zoom search branchless: all 20 trials every update, after convergence too (trials
+    over zero-length intervals, interpolations of equal values), discarded by torch.where. Their gradients are
+    zero, not NaN: the same gradient as autograd's early-stopping search, 12 updates in (converged at 8)."""
+    fn, start, _ = PAST_CONVERGENCE["quadratic"]
+    x0 = torch.tensor(start, dtype=torch.float64)
+    by_func = torch.func.grad(lambda x: _losses_along(fx.lbfgs, fn, x, (12,))[12])(x0)
+    x = x0.clone().requires_grad_()
+    (by_autograd,) = torch.autograd.grad(_losses_along(fx.lbfgs, fn, x, (12,))[12], x)
+    assert torch.isfinite(by_func).all()
+    assert_trees_close(by_func, by_autograd, rtol=1e-6, atol=1e-20)
+
+
+def test_a_converged_step_keeps_the_memory():
+    """A zero gradient and no step: the memory keeps its pairs and the newest stays newest (Optax writes the empty
+    pair over the oldest; the direction is 0 either way), so the derivative of a converged step stays I - P H with
+    the learned P. Donated (under no_grad) and pure updates agree."""
+    fn, start, _ = PAST_CONVERGENCE["quadratic"]
+
+    def run(steps):
+        x = torch.tensor(start, dtype=torch.float64)
+        tx = fx.lbfgs(memory_size=4)
+        state = tx.init(x)
+        for _ in range(steps):
+            grad, value = torch.func.grad_and_value(fn)(x)
+            u, state = tx.update(grad, state, x, value=value, grad=grad, value_fn=fn)
+            x = x + u
+        return grad, u, state
+
+    _, _, before = run(24)
+    grad, u, after = run(25)
+    with torch.no_grad():
+        assert_trees_close(run(25)[2], after, rtol=0, atol=0)
+    assert not grad.any() and not u.any()  # converged
+    before, after = before[0], after[0]
+    prev, newest = (int(before.count) - 1) % 4, (int(before.count) - 2) % 4
+    assert sorted(after.weights_memory.tolist()) == sorted(before.weights_memory.tolist())
+    assert after.weights_memory[prev] == before.weights_memory[newest] != 0
+    assert torch.equal(after.diff_params_memory[prev], before.diff_params_memory[newest])
+    assert torch.equal(after.diff_params_memory[newest], before.diff_params_memory[prev])
+
+
 @pytest.mark.optax
-def test_grad_through_default_lbfgs_matches_optax():
+def test_grad_through_default_lbfgs_matches_optax(monkeypatch):
     """The gradient of a loss after 2 default lbfgs() updates w.r.t. the initial params equals Optax's under
     JAX differentiation: forward mode (jax.jacfwd), as jax.grad cannot reverse Optax's while_loop under jit
-    and op by op its unguarded interpolation gives NaN (0 * NaN in the branch not taken)."""
+    and op by op its unguarded interpolation gives NaN (0 * NaN in the branch not taken). Optax's first step's
+    stop_gradient lifted, as fxtrain differentiates that scale (lbfgs' docstring)."""
     pytest.importorskip("optax")
     import jax
     import optax
+
+    _differentiated_first_scale(monkeypatch, jax)
 
     def optax_meta(x):
         tx = optax.lbfgs()

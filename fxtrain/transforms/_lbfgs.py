@@ -43,7 +43,9 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
     :math:`\gamma_k = \langle \delta w_{k-1}, \delta u_{k-1}\rangle / \|\delta u_{k-1}\|^2` if
     ``scale_init_precond`` (1 otherwise; at the first step :math:`\min(1, 1/\|u_0\|)`), computed by the
     two-loop recursion. The memory is updated with the new params before the product, so a line search
-    chained after it changes the memory only through the params it accepts. Inner products are global
+    chained after it changes the memory only through the params it accepts; a converged step (a zero
+    gradient and no step) keeps the memory's pairs, so derivatives through it stay finite and right (see
+    :func:`lbfgs` for where this and the first step's scale differ from Optax). Inner products are global
     over leaves (a DTensor leaf counts all its shards); complex leaves use :math:`\mathrm{Re}\langle\cdot,
     \cdot\rangle`.
 
@@ -94,17 +96,32 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
         with tree.functional():
             dw = tree.zero_where_(first, tree.add_(list(p), old_p, -1.0))
             du = tree.zero_where_(first, tree.add_(list(u), old_u, -1.0))
-        curvature = vdot(du, dw)
-        weight = torch.where(first | (curvature == 0.0), torch.zeros_like(curvature), 1.0 / curvature)
-        dw_mem = [_write_row(m, prev, x) for m, x in zip(dw_mem, dw)]
-        du_mem = [_write_row(m, prev, x) for m, x in zip(du_mem, du)]
-        weights = state.weights_memory.index_put((prev.reshape(1),), weight.to(state.weights_memory.dtype).reshape(1))
-        # 2. The scale of the initial inverse Hessian.
+        curvature, u_sq = vdot(du, dw), vdot(u, u)
+        # rho = 1 / <du, dw>, 0 for a pair without curvature (the first step; a converged problem: 0 / 0). The
+        # division sees 1 there (the double where): else its gradient, inf, times where's 0 is NaN.
+        paired = ~first & (curvature != 0.0)
+        weight = torch.where(paired, 1.0 / torch.where(paired, curvature, 1.0), 0.0)
+        # Converged (a zero gradient and no step since the last one): the memory keeps its pairs, the newest
+        # staying newest. Optax writes the empty pair over the oldest; the values are the same (the direction
+        # is P 0 = 0 either way) but not their derivatives: d x_{k+1} = (I - eta P H) d x_k there, which
+        # contracts with the learned P ~ H^-1 and grows without bound once empty pairs have replaced it
+        # (unrolled through 20 iterations of a quadratic: 1e27 where finite differences give 0).
+        keep = ~first & ~paired & (u_sq == 0.0)
+        newest = ((state.count - 2) % memory).long()  # the slot of the newest stored difference
+        dw_mem, dw = _push(dw_mem, dw, prev, newest, keep)
+        du_mem, du = _push(du_mem, du, prev, newest, keep)
+        old = state.weights_memory
+        weights = old.index_put((prev.reshape(1),), weight.to(old.dtype).reshape(1))
+        weights = weights.index_put((newest.reshape(1),), torch.where(keep, old[prev], old[newest]).reshape(1))
+        weights = weights.index_put((prev.reshape(1),), torch.where(keep, old[newest], weight.to(old.dtype)).reshape(1))
+        # 2. The scale of the initial inverse Hessian, from the newest pair.
         gamma = torch.ones((), dtype=weights.dtype, device=weights.device)
         if scale_init_precond:
-            du_sq = vdot(du, du)
-            gamma = torch.where(du_sq > 0.0, curvature / du_sq, 1.0)
-            gamma = torch.where(first, torch.clamp_max(1.0 / vdot(u, u).sqrt().detach(), 1.0), gamma)
+            curvature, du_sq = vdot(du, dw), vdot(du, du)
+            gamma = torch.where(du_sq > 0.0, curvature / torch.where(du_sq > 0.0, du_sq, 1.0), 1.0)
+            # The first step: 1 / ||u|| capped at 1, differentiated (Optax stops its gradient; see lbfgs).
+            capped = torch.clamp_max(torch.where(u_sq > 0.0, u_sq, 1.0).rsqrt(), 1.0)
+            gamma = torch.where(first, capped, gamma)
         # 3. The two-loop recursion, newest to oldest then back.
         direction = _two_loop(u, dw_mem, du_mem, weights, gamma, idx, memory)
         old_p, old_u = tree.copy_(old_p, p), tree.copy_(old_u, u)
@@ -154,6 +171,23 @@ def _two_loop(u, dw_mem, du_mem, rho, gamma, idx, m) -> list[torch.Tensor]:
             beta = rho[order[j]] * vdot(du, q)
             q = tree.add_(q, [_read_row(x, order[j]) for x in dw_mem], alphas[j] - beta)
     return q
+
+
+def _push(mem: list, new: list, prev: torch.Tensor, newest: torch.Tensor, keep: torch.Tensor) -> tuple[list, list]:
+    """Writes ``new`` into row ``prev`` of each memory leaf (the oldest row becomes the newest), or, where ``keep``,
+    swaps rows ``prev`` and ``newest`` instead (the pairs stay, the newest one newest); the memories and the rows
+    now at ``prev``. ``keep`` is a 0-dim bool tensor: both run, selected on device (no host sync)."""
+    out, rows = [], []
+    for m, x in zip(mem, new):
+        oldest, last = _read_row(m, prev), _read_row(m, newest)
+        m = _write_row(m, prev, x)
+        written = _read_row(m, prev)  # x in the memory's dtype and placements
+        with tree.functional():  # new rows; the memory is written as the caller writes (in place when donated)
+            moved, row = tree.where_(keep, [oldest, last], [last, written])
+        m = _write_row(m, newest, moved)
+        out.append(_write_row(m, prev, row))
+        rows.append(row)
+    return out, rows
 
 
 def _stacked_zeros(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -218,6 +252,31 @@ def lbfgs(learning_rate: Scalar | Callable | None = None, memory_size: int = 10,
     transforms the search is branchless anyway; see :mod:`fxtrain.transforms._linesearch`). Its ``update`` takes
     ``value=``, ``grad=`` and ``value_fn=`` for the line search; :func:`value_and_grad_from_state` reuses
     the value and gradient the line search computed at the new params.
+
+    **Differentiating through K iterations** (``torch.func.grad`` or autograd of a loss of the params after K
+    updates, "run 20 iterations and differentiate") gives the derivative of the function those K updates
+    compute: it equals central finite differences of it, before and after the inner problem has converged.
+    The values are Optax's; the derivatives differ from Optax's where Optax's are not those of its values:
+
+    * The first step's scale :math:`\min(1, 1/\|u_0\|)` is differentiated. Optax stops its gradient
+      (``jax.lax.stop_gradient``), so where :math:`\|u_0\| > 1` its meta-gradients miss the step's
+      dependence on the starting point (below 1 the scale is the constant 1 and both agree). The norm's
+      undefined derivative at :math:`u_0 = 0`, a reason to stop it, is met here by guarding the zero.
+    * Once converged (a zero gradient, no step since the last one) the new pair is empty,
+      :math:`\langle \delta u, \delta w\rangle = 0`: its :math:`\rho` is 0 through a double ``where``
+      (the division never sees the 0), where Optax's ``where(s.y == 0, 0, 1 / s.y)`` gives a NaN gradient
+      (0 times inf) in reverse mode.
+    * A converged step keeps the memory's pairs (the newest stays newest) where Optax writes the empty
+      pair over the oldest. The direction is :math:`P\cdot 0 = 0` either way, so the values agree, but the
+      derivative of a converged step is :math:`I - \eta P H`: it vanishes with the learned
+      :math:`P \approx H^{-1}` and grows by up to :math:`\max|1 - \eta\lambda(H)|` per step once empty pairs
+      have replaced it (finite and wrong: 1e27 after 20 iterations of a quadratic whose finite differences
+      are 0).
+
+    The line searches' own guards (interpolations over zero-length intervals, slopes of 0 at the minimum)
+    are described in :mod:`fxtrain.transforms._linesearch`. A derivative through a step whose line search
+    changes branch under a small change of the starting point is that of the branch taken (finite
+    differences across the switch see a jump).
 
     Args:
       learning_rate: a fixed scale of the direction (number, 0-dim tensor or schedule); ``None``: -1.
