@@ -73,10 +73,9 @@ NOT_FACTORIES = {
 REFUSED: dict[str, tuple[str, str]] = {}
 
 # Grad through updates checked, but failing today (xfail, not strict: an XPASS shows when it is fixed).
-_LBFGS = ("grad through scale_by_lbfgs(memory_size=2) on the conformance tree differs from central differences by "
-          "up to 8% (near-singular curvature pairs, or a wrong derivative): for fxtrain/transforms/_lbfgs.py's owner")
+# (scale_by_lbfgs was here, 8% off central differences: its first step's scale was a stop_gradient, as Optax's;
+# it is differentiated since issue 35.)
 PENDING_GRAD: dict[str, str] = {
-    "scale_by_lbfgs": _LBFGS,
     # Not a defect of the transform: the running max of |x_k - x_0| starts at 0, a kink where torch gives the
     # 0 subgradient (Optax: NaN) and central differences change with their step (0.907 at 1e-6, 0.921 at 1e-5).
     "scale_by_distance_over_gradients": "nonsmooth at x_0: central differences are no reference there",
