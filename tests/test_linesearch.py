@@ -430,3 +430,38 @@ def test_vmap_over_starting_points(name, kw):
         for i, (one, one_state) in enumerate(members):
             assert_trees_close(x[i], one, rtol=1e-6, atol=1e-6)
             assert_trees_close(fx.tree.map(lambda t: t[i], state), one_state, rtol=1e-6, atol=1e-6)
+
+
+# --- gradients through a search at a converged point (issue 35) -------------------------------------------
+
+@pytest.mark.parametrize("name", ["scale_by_backtracking_linesearch", "scale_by_zoom_linesearch"])
+@pytest.mark.parametrize("by", ["func", "autograd"])
+def test_grad_through_a_search_at_the_minimum_is_the_taken_branch(name, by):
+    """At the minimum the direction and the slope are 0: the zoom search's interval has length 0 (its cubic and
+    quadratic interpolate equal points: 0/0) and every trial of a branchless search (torch.func) sees the same
+    value. The Jacobian of x -> x + search(-grad f(x)) there is finite and is the accepted step's, I - eta H
+    (float64), not NaN from the branches not taken."""
+    scales = torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64)
+    f = lambda x: 0.5 * (scales * (x - 1.0) ** 2).sum()  # noqa: E731
+    search = (fx.scale_by_zoom_linesearch(10, initial_guess_strategy="one") if name == "scale_by_zoom_linesearch"
+              else fx.scale_by_backtracking_linesearch(10))
+    tx = fx.chain(fx.sgd(1.0), search)
+    state = tx.init(torch.ones(3, dtype=torch.float64))
+
+    def step(x):
+        grad, value = torch.func.grad_and_value(f)(x)
+        u, _ = tx.update(grad, state, x, value=value, grad=grad, value_fn=f)
+        return x + u
+
+    x = torch.ones(3, dtype=torch.float64)
+    if by == "func":
+        jac = torch.func.jacrev(step)(x)
+    else:
+        x = x.clone().requires_grad_()
+        out = step(x)
+        jac = torch.stack([torch.autograd.grad(out[i], x, retain_graph=True)[0] for i in range(3)])
+    _, after = tx.update(torch.zeros(3, dtype=torch.float64), state, torch.ones(3, dtype=torch.float64),
+                         value=f(torch.ones(3)), grad=torch.zeros(3, dtype=torch.float64), value_fn=f)
+    eta = after[-1].learning_rate
+    assert torch.isfinite(jac).all(), jac
+    assert_trees_close(jac, torch.eye(3, dtype=torch.float64) - eta * torch.diag(scales), rtol=1e-12, atol=1e-12)
