@@ -16,7 +16,7 @@ Example:
     ...     warnings.simplefilter("always")
     ...     fn = fx.distributed.fully_sharded
     >>> fn is fx.parallel.fully_sharded, str(caught[0].message)
-    (True, 'fxtrain.distributed.fully_sharded moved to fxtrain.parallel.fully_sharded: import it from there (the old name will be removed)')
+    (True, 'fxtrain.distributed.fully_sharded moved to fxtrain.parallel.fully_sharded: import it from there...')
 """
 
 from __future__ import annotations
