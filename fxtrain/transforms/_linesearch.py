@@ -27,7 +27,10 @@ for them.
 step size is a constant of the trial that was accepted, or the cubic or quadratic interpolation that
 produced it, differentiated through the values and slopes it interpolated. The interpolations are guarded
 (their inputs replaced where they are not defined), so the branches not taken, and the trials discarded
-by a branchless search, give zero gradient, not NaN (0 times a NaN derivative is NaN).
+by a branchless search, give zero gradient, not NaN (0 times a NaN derivative is NaN). At a converged point
+(direction and slope 0, an interval of length 0) both searches accept their first trial, whose derivative is
+that of a constant step: through K L-BFGS updates they equal finite differences past convergence
+(:func:`fxtrain.lbfgs` says where its derivatives differ from Optax's).
 
 **Complex parameters.** torch's gradient of a real function of complex parameters is the conjugate of
 JAX's (torch's is the direction of steepest ascent). Slopes here are :math:`\\mathrm{Re}\\langle g, u\\rangle`
