@@ -19,12 +19,13 @@ train: $(STAMP)
 	$(BIN)/python -m fxtrain.train $(ARGS)
 
 # pytest-xdist: one worker per core, at most 4 (each multi-rank test starts 2-4 processes of its own);
-# --dist loadfile keeps a file in one worker, so module fixtures and worlds are set up once. TEST_WORKERS=0
+# --dist loadfile keeps a file in one worker, so module fixtures and worlds are set up once; --durations=15 prints
+# the slowest 15 tests at the end (issue 36). TEST_WORKERS=0
 # runs everything in one process (a debugger, -x on the first failure in file order).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
 
 test: $(STAMP)
-	$(BIN)/python -m pytest fxtrain tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest fxtrain tests -n $(TEST_WORKERS) --dist loadfile --durations=15 $(ARGS)
 
 # The committed studies (lr_sweep, jax_parity) rerun into a fresh directory and compared with their results.md
 # (experiments/studies.py: tolerance, how to renew them). About 2 minutes on 2 cores.
