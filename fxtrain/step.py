@@ -575,7 +575,9 @@ def _owned(grads: Any) -> Any:
         start = x.data_ptr()
         end = start + x.numel() * x.element_size()
         ranges = taken.setdefault(x.untyped_storage().data_ptr(), [])
-        if not x.is_contiguous() or any(start < e and s < end for s, e in ranges):
+        # A gradient in memory another library owns (a JAX function's output through DLPack) is copied too:
+        # the update is written into the gradient buffers.
+        if not x.is_contiguous() or any(start < e and s < end for s, e in ranges) or tree.borrowed(x):
             flat[i] = g.clone()
         else:
             ranges.append((start, end))
