@@ -202,9 +202,27 @@ def call(tx: GradientTransformation, updates: Updates, state: State, params: Par
     >>> u["w"].tolist(), g["w"].tolist()
     ([3.0, 3.0], [1.0, 1.0])
     """
-    if not tree.is_functional():  # the child's kernel writes into what it is given: give it copies
-        updates, state = tree.clone(updates), tree.clone(state)
-    return call_(tx, updates, state, params, extra_args)
+    if tree.is_functional():
+        return call_(tx, updates, state, params, extra_args)
+    given = tree.clone(updates)  # the child's kernel writes into what it is given: it gets copies
+    new, state = call_(tx, given, tree.clone(state), params, extra_args)
+    if tree.is_donated():
+        # A donated child may return None for updates it leaves untouched (accumulate holding: the step skips
+        # the add); the wrapper sees what the pure update gives there, zeros (the child may keep the buffers
+        # it was given, as accumulate's sum does, so they are new ones).
+        new = _none_as_zeros(new, given)
+    return new, state
+
+
+def _none_as_zeros(new: Updates, given: Updates) -> Updates:
+    flat, spec = tree.flatten(new)
+    if not any(x is None for x in flat):
+        return new
+    given_flat, given_spec = tree.flatten(given)
+    if tree.structures_differ(flat, spec, given_flat, given_spec):
+        return new
+    return tree.unflatten(spec, [torch.zeros_like(g) if x is None and isinstance(g, torch.Tensor) else x
+                                 for x, g in zip(flat, given_flat)])
 
 
 def call_(tx: GradientTransformation, updates: Updates, state: State, params: Params = None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import optree
 import torch
 
 from fxtrain import tree
@@ -141,12 +142,13 @@ def _run(tx: GradientTransformation, params: Any, gs: list, extra: dict, fail: _
     for k, g in enumerate(gs):
         g = tree.clone(g)
         before = tree.clone((g, state, params)) if check_pure else None
+        zeros = tree.map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, g) if donate else None
         try:
             u, new_state = _call(tx, g, tree.clone(state) if donate else state, params, extra, donate)
         except Exception as e:  # noqa: BLE001 - reported as this mode's failure, by name
             fail(mode, f"step {k}: raised {type(e).__name__}: {_first_line(e)}")
         if donate:  # a donated kernel may leave untouched updates as None (accumulate between emissions)
-            u = tree.map(lambda d, x: torch.zeros_like(x) if d is None and x is not None else d, u, g)
+            u = optree.tree_map(lambda d, z: z if d is None else d, u, zeros, **tree.optree_options())
         if check_pure:
             for what, now, was in zip(("updates", "state", "params"), (g, state, params), before):
                 path = _first_differing(now, was, 0.0, 0.0)
@@ -209,7 +211,7 @@ def _stack(trees: list) -> Any:
 
 
 def _check_vmap(tx: GradientTransformation, params: Any, gs: list, extra: dict, ref: list, fail: _Failure,
-                rtol: float, atol: float, seed: int, state: bool) -> None:
+                rtol: float, atol: float, seed: int, compare_state: bool) -> None:
     other = tree.map(lambda p: p * 0.5 + 0.25 if isinstance(p, torch.Tensor) and p.is_floating_point() else p, params)
     other_gs = _gradients(params, len(gs), seed + 1)
     with torch.enable_grad():
@@ -227,7 +229,8 @@ def _check_vmap(tx: GradientTransformation, params: Any, gs: list, extra: dict, 
         fail("vmap", f"raised {type(e).__name__}: {_first_line(e)} (leave 'vmap' out of modes if tx cannot be batched)")
     for i, expected in enumerate((ref, ref2)):
         member = [tree.map(lambda x: x[i] if isinstance(x, torch.Tensor) else x, run) for run in out]
-        _compare(member, expected, fail, "vmap", "a loop over the members", rtol, atol, state, member=f", member {i}")
+        _compare(member, expected, fail, "vmap", "a loop over the members", rtol, atol, compare_state,
+                 member=f", member {i}")
 
 
 def _check_grad(tx: GradientTransformation, params: Any, gs: list, extra: dict, fail: _Failure, seed: int) -> None:
