@@ -336,8 +336,10 @@ def to_numpy(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         if hasattr(x, "full_tensor"):
             x = x.full_tensor()
+        # A copy: torch marks a storage exported through .numpy() as not resizable for good, which a donated
+        # step's first call takes for memory another library owns (fxtrain.tree.borrowed).
         x = x.detach().cpu()
-        return (x.double() if x.is_floating_point() else x).numpy()
+        return (x.to(torch.float64, copy=True) if x.is_floating_point() else x.clone()).numpy()
     arr = np.asarray(x)
     return arr.astype(np.float64) if np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16" else arr
 
@@ -351,7 +353,7 @@ def to_jnp(t: Any) -> Any:
             return x
         if x.dtype == torch.bfloat16:
             return jnp.asarray(x.float().numpy()).astype(jnp.bfloat16)
-        return jnp.asarray(x.detach().numpy())
+        return jnp.asarray(x.detach().cpu().clone().numpy())  # a copy, see to_numpy
 
     return tree.map(conv, t)
 

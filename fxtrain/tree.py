@@ -616,10 +616,17 @@ def borrowed(x: Any) -> bool:
     from DLPack capsules (JAX and Flax arrays, ``fxtrain.interop.from_jax(copy=False)``, CuPy),
     ``torch.frombuffer``, and records read by ``torch.load``/safetensors (file mappings included): writing
     into those in place changes an array another library owns, or a file. How it is told: torch marks a
-    storage *resizable* exactly when its own allocator made it and may reallocate it (``torch.empty``,
-    every op's output, ``clone``, parameters, checkpoint loads that copy); a storage that wraps memory
-    handed to it (``at::from_blob``: numpy, DLPack, buffers, mappings, ``torch.load``'s records) is not,
-    on every device. A metadata read, no sync. Empty tensors are never borrowed (nothing to write).
+    storage *resizable* exactly when its own allocator made it and nothing outside torch points into it
+    (``torch.empty``, every op's output, ``clone``, parameters, ``fx.load``); a storage that wraps memory
+    handed to it (``at::from_blob``: numpy, DLPack, buffers, mappings, ``torch.load``'s records) is not, on
+    every device, and neither is one that torch has exported to numpy (``t.numpy()``, ``np.asarray(t)``:
+    the array points into it, so torch may never reallocate it; measured on torch 2.13, the mark stays
+    after the array is gone). That last case is conservative: a numpy view kept by the caller would see
+    a donated step's writes, a temporary one would not, and both are refused; ``fx.tree.clone`` gives a
+    tensor of torch's own either way. Measured on CPU, torch 2.13: from_numpy, as_tensor, frombuffer,
+    DLPack from JAX, torch.load and safetensors are borrowed; ones, clone, views, parameters,
+    share_memory_, fx.load, to_jax/to_dlpack exports are not. A metadata read, no sync. Empty tensors are
+    never borrowed (nothing to write).
 
     >>> import numpy as np
     >>> borrowed(torch.from_numpy(np.ones(2))), borrowed(torch.ones(2)), borrowed(torch.from_numpy(np.ones(2)).clone())

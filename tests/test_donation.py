@@ -48,6 +48,8 @@ BORROWED = {  # tensors whose memory another library (or a file) owns
     "view of from_numpy": lambda: torch.from_numpy(np.ones(4, dtype=np.float32))[1:],
     "frombuffer": lambda: torch.frombuffer(bytearray(12), dtype=torch.float32),
     "dlpack of jax": _jax_array,
+    # torch's memory, but a numpy array may point into it: refused too (conservative, see fx.tree.borrowed)
+    "exported to numpy": lambda: (lambda t: (np.asarray(t), t)[1])(torch.ones(3)),
 }
 OWNED = {  # tensors in memory torch's allocator made
     "ones": lambda: torch.ones(3),
@@ -57,6 +59,7 @@ OWNED = {  # tensors in memory torch's allocator made
     "shared memory": lambda: torch.ones(3).share_memory_(),
     "view": lambda: torch.ones(4)[1:],
     "empty from numpy": lambda: torch.from_numpy(np.ones(0, dtype=np.float32)),  # nothing to write
+    "exported through dlpack": lambda: (lambda t: (torch.utils.dlpack.to_dlpack(t), t)[1])(torch.ones(3)),
 }
 
 
