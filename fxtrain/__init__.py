@@ -3,7 +3,7 @@
 This file is the map: every public name and the module it lives in.
 """
 
-from fxtrain import tree
+from fxtrain import testing, tree
 
 # --- core: protocol and combinators (fxtrain/_base.py)
 from fxtrain._base import (
@@ -27,6 +27,7 @@ from fxtrain._base import (
 # --- writing your own transforms: what the library's own wrappers use (fxtrain/_base.py)
 from fxtrain._base import (
     call,
+    call_,
     check_learning_rate,
     check_needs_params,
     check_nonnegative,

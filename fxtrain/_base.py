@@ -185,10 +185,62 @@ def kernel(tx: GradientTransformation) -> Callable:
 
 def call(tx: GradientTransformation, updates: Updates, state: State, params: Params = None,
          extra_args: dict | None = None) -> tuple[Updates, State]:
-    """Runs the kernel of ``tx`` in the caller's op mode, passing ``extra_args`` only if ``tx`` reads them.
+    """Runs ``tx`` as a child of a wrapper, in the caller's op mode: the wrapper may still read ``updates`` and
+    ``state`` afterwards, in every mode.
 
-    How combinators run their children: ``value=``, ``grad=``, ``value_fn=`` (Optax's extra arguments)
-    reach the transforms that declare ``extra_args`` (:func:`transform`) and are dropped for the others.
+    How wrappers run their children: ``value=``, ``grad=``, ``value_fn=`` (Optax's extra arguments) reach the
+    transforms that declare ``extra_args`` (:func:`transform`) and are dropped for the others. Where the op
+    layer runs in place (a donated step, :func:`update_`, ``tx.update`` under ``torch.no_grad``) the child
+    gets copies of ``updates`` and ``state``, so what the wrapper passed keeps its values: the pure and the
+    donated update of a wrapper written with ``call`` are the same. Out of place nothing is copied. A
+    wrapper that never reads what it passed (``chain``) may hand its buffers over with :func:`call_`.
+
+    >>> import torch, fxtrain as fx
+    >>> g = {"w": torch.ones(2)}
+    >>> with torch.no_grad(), fx.tree.donated():          # as in a donated step
+    ...     u, _ = fx.call(fx.scale(3.0), g, fx.EmptyState())
+    >>> u["w"].tolist(), g["w"].tolist()
+    ([3.0, 3.0], [1.0, 1.0])
+    """
+    if tree.is_functional():
+        return call_(tx, updates, state, params, extra_args)
+    given = tree.clone(updates)  # the child's kernel writes into what it is given: it gets copies
+    new, state = call_(tx, given, tree.clone(state), params, extra_args)
+    if tree.is_donated():
+        # A donated child may return None for updates it leaves untouched (accumulate holding: the step skips
+        # the add); the wrapper sees what the pure update gives there, zeros (the child may keep the buffers
+        # it was given, as accumulate's sum does, so they are new ones).
+        new = _none_as_zeros(new, given)
+    return new, state
+
+
+def _none_as_zeros(new: Updates, given: Updates) -> Updates:
+    flat, spec = tree.flatten(new)
+    if not any(x is None for x in flat):
+        return new
+    given_flat, given_spec = tree.flatten(given)
+    if tree.structures_differ(flat, spec, given_flat, given_spec):
+        return new
+    return tree.unflatten(spec, [torch.zeros_like(g) if x is None and isinstance(g, torch.Tensor) else x
+                                 for x, g in zip(flat, given_flat)])
+
+
+def call_(tx: GradientTransformation, updates: Updates, state: State, params: Params = None,
+          extra_args: dict | None = None) -> tuple[Updates, State]:
+    """:func:`call` donating ``updates`` and ``state`` to the child: where the op layer runs in place, the
+    child writes into them, and the wrapper must not read them afterwards (use what ``call_`` returns).
+
+    The door for wrappers that only pass values on (``chain``: each child's output is the next one's input),
+    which then allocate nothing; a wrapper that reads its inputs after the call uses :func:`call`.
+    :func:`fxtrain.testing.check_transform` finds a wrapper that reads what it donated (its pure and donated
+    updates differ).
+
+    >>> import torch, fxtrain as fx
+    >>> g = {"w": torch.ones(2)}
+    >>> with torch.no_grad(), fx.tree.donated():
+    ...     u, _ = fx.call_(fx.scale(3.0), g, fx.EmptyState())
+    >>> u["w"] is g["w"], g["w"].tolist()          # the child wrote into the buffer it was given
+    (True, [3.0, 3.0])
     """
     if extra_args and traits(tx).extra_args:
         return kernel(tx)(updates, state, params, **extra_args)
@@ -263,14 +315,20 @@ def named(tx: GradientTransformation, name: str | Callable[[], str]) -> Gradient
     return GradientTransformation(tx.init, _Update(kernel(tx), name, traits(tx)))
 
 
-def merge_traits(children: Sequence[GradientTransformation], states_of: Callable | None = None) -> Traits:
-    """The traits of a combinator that runs ``children`` in sequence on the same updates (``chain``...).
+def merge_traits(children: Sequence[GradientTransformation], states_of: Callable | None = None, *,
+                 fused: bool = False) -> Traits:
+    """The traits of a combinator that runs ``children`` (``chain``, ``masked``, a wrapper of yours...).
 
     Elementwise if all children are; reads extra arguments if any child does; its constant reports are
-    all its children's; takes ``Partial`` gradients and decides on the host as its first child does (the first child is the one that sees the gradients); fused as
-    :func:`_fused_in_sequence` decides (the one place where specs combine). ``wrap_loss`` composes
-    the children's (the first one outermost) when ``states_of(state)`` gives their states in order;
-    combinators that cannot pass a state per child (``states_of=None``) refuse children with one.
+    all its children's; takes ``Partial`` gradients and decides on the host as its first child does (the first
+    child is the one that sees the gradients). ``wrap_loss`` composes the children's (the first one outermost)
+    when ``states_of(state)`` gives their states in order; combinators that cannot pass a state per child
+    (``states_of=None``) refuse children with one.
+
+    A fused kernel (:class:`FusedSpec`) computes the children's math, not the combinator's, so it carries
+    over only with ``fused=True``, which ``chain`` and ``named_chain`` pass: their update is provably their
+    children's in sequence (:func:`_fused_in_sequence` is the one place where specs combine). A wrapper
+    with an update of its own (:func:`combine`) never inherits one: the fused kernel would replace its update.
     """
     ts = [traits(c) for c in children]
     wraps = [t.wrap_loss for t in ts]
@@ -281,8 +339,8 @@ def merge_traits(children: Sequence[GradientTransformation], states_of: Callable
                              "the forward pass (wrap_loss); apply it outside")
         wrap = _composed_wrap_loss(tuple(children), states_of)
     first = ts[0] if ts else _PLAIN
-    return Traits(elementwise=all(t.elementwise for t in ts), partial_grads=first.partial_grads,
-                  host=first.host, fused=_fused_in_sequence([t.fused for t in ts], states_of), wrap_loss=wrap,
+    return Traits(elementwise=all(t.elementwise for t in ts), partial_grads=first.partial_grads, host=first.host,
+                  fused=_fused_in_sequence([t.fused for t in ts], states_of) if fused else None, wrap_loss=wrap,
                   **forwarded(*children))
 
 
@@ -325,7 +383,7 @@ def update_(tx: GradientTransformation, updates: Updates, state: State, params: 
                          f"use {tx!r}.update (pure, composable) to differentiate through the update")
     with torch.no_grad(), tree.donated():
         try:
-            return call(tx, updates, state, params, extra_args)
+            return call_(tx, updates, state, params, extra_args)
         except tree.DonatedGradError as e:
             raise ValueError(f"{tx!r}: {e}") from None
 
@@ -576,11 +634,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             raise ValueError(f"chain of {len(txs)} transforms got a state of {len(state)} entries")
         new_state = []
         for t, s in zip(txs, state):
-            updates, s = call(t, updates, s, params, extra_args)
+            updates, s = call_(t, updates, s, params, extra_args)
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return combine(init_fn, update_fn, txs, lambda s: s)
+    return _in_sequence(init_fn, update_fn, txs, lambda s: s)
 
 
 @transform(elementwise=None)
@@ -605,10 +663,10 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
             raise ValueError(f"named_chain expects state entries {names}, got {list(state)}")
         new_state = {}
         for n, t in transforms:
-            updates, new_state[n] = call(t, updates, state[n], params, extra_args)
+            updates, new_state[n] = call_(t, updates, state[n], params, extra_args)
         return updates, new_state
 
-    return combine(init_fn, update_fn, txs, lambda s: [s[n] for n in names])
+    return _in_sequence(init_fn, update_fn, txs, lambda s: [s[n] for n in names])
 
 
 def combine(init_fn: Callable, update_fn: Callable, children: Sequence[GradientTransformation],
@@ -618,12 +676,14 @@ def combine(init_fn: Callable, update_fn: Callable, children: Sequence[GradientT
     How the library's own wrappers (``chain``, ``masked``, ``apply_if_finite``, ``lookahead``...) are
     built, and how you build yours: ``update_fn(updates, state, params=None, **extra_args)`` runs each
     child with :func:`call` (which passes ``value=`` and other extra arguments on to the children that
-    read them); the result reads extra arguments if a child does, is elementwise only if every child is,
-    and keeps the children's constant reports. ``states_of(state)`` gives the children's states in order;
-    with it a child's ``wrap_loss`` (``amp_cast``) and a fused kernel carry over, without it such a child
-    is refused. Decorate the factory with :func:`transform` for its repr, and declare its own
-    elementwise-ness there: ``@transform(elementwise=None)`` keeps the children's. See the README's
-    "Writing your own transform".
+    read them, and leaves what it passed readable afterwards, donated or not); the result reads extra
+    arguments if a child does, is elementwise only if every child is, and keeps the children's constant
+    reports. ``states_of(state)`` gives the children's states in order; with it a child's ``wrap_loss``
+    (``amp_cast``) carries over, without it such a child is refused. A child's fused kernel never carries
+    over: it would compute the child's update instead of ``update_fn``. Decorate the factory with
+    :func:`transform` for its repr, and declare its own elementwise-ness there: ``@transform(elementwise=None)``
+    keeps the children's. :func:`fxtrain.testing.check_transform` checks the result (pure, donated,
+    ``no_grad``, ``vmap``, ``grad``, its elementwise claim). See the README's "Writing your own transform".
 
     Example: ``every_other(tx)`` applies ``tx`` on odd steps and passes updates through on even ones.
 
@@ -653,8 +713,23 @@ def combine(init_fn: Callable, update_fn: Callable, children: Sequence[GradientT
         [-0.1, -0.1]
         [1.0, 1.0]
         [-0.1, -0.1]
+
+    Donated (a step's :func:`update_`, or ``tx.update`` under ``torch.no_grad``), the same numbers: ``call``
+    left ``updates`` as they came for the ``where``:
+
+        >>> u, _ = fx.update_(tx, {"w": torch.ones(2)}, tx.init(g))
+        >>> u["w"].tolist()
+        [-0.1, -0.1]
+        >>> fx.testing.check_transform(tx, g)
     """
     return GradientTransformation(init_fn, _Update(update_fn, "", merge_traits(children, states_of)))
+
+
+def _in_sequence(init_fn: Callable, update_fn: Callable, children: Sequence[GradientTransformation],
+                 states_of: Callable) -> GradientTransformation:
+    """:func:`combine` for ``chain`` and ``named_chain``, whose ``update_fn`` runs exactly ``children`` in
+    sequence: the one case where a fused kernel of the children is the combinator's (``clip`` then ``adamw``)."""
+    return GradientTransformation(init_fn, _Update(update_fn, "", merge_traits(children, states_of, fused=True)))
 
 
 def _composed_wrap_loss(txs: tuple, states_of: Callable) -> Callable:

@@ -66,7 +66,7 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from fxtrain import distributed, tree
-from fxtrain._base import (forwarded, GradientTransformation, call, public_factory, report, transform, with_traits,
+from fxtrain._base import (forwarded, GradientTransformation, call_, public_factory, report, transform, with_traits,
                            wrap_loss)
 from fxtrain.transforms._conditionality import seen_grad_norm, select, skip_where_
 from fxtrain.transforms._hyperparams import param_device
@@ -528,7 +528,7 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
 
     def update_fn(updates, state, params=None, **extra_args):
         if not scaler.scaled:
-            updates, inner_state = call(inner, updates, state.inner_state, params, extra_args)
+            updates, inner_state = call_(inner, updates, state.inner_state, params, extra_args)
             return updates, AmpCastState(state.loss_scale, state.skipped, inner_state)
         local = distributed.local_leaves(updates)
         if tree.is_functional():  # out of place: the same math with ordinary ops (vmap, grad see it all)
@@ -546,7 +546,7 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
             updates = tree.put(updates, updates, tree.zero_where_(overflow, local))
         else:  # the inner kernel writes into its state: keep a copy to restore
             before = tree.clone(state.inner_state)
-        updates, inner_state = call(inner, updates, state.inner_state, params, extra_args)
+        updates, inner_state = call_(inner, updates, state.inner_state, params, extra_args)
         # The norm of what was skipped (out of place the inner stack saw zeros on overflow).
         seen = seen_grad_norm(report(inner_state), overflow, local, fed_zeros=tree.is_functional())
         inner_state = select(~overflow, inner_state, before, what="inner state", seen=seen)

@@ -136,7 +136,8 @@ from fxtrain._base import GradientTransformation, apply_updates, apply_updates_,
 from fxtrain.amp import uncast
 from fxtrain.transforms import _fused
 
-__all__ = ["train_step", "donated_step", "pure_gradients", "step_metrics", "call_objective", "detach_tree"]
+__all__ = ["train_step", "donated_step", "pure_gradients", "step_metrics", "call_objective", "detach_tree",
+           "check_owned"]
 
 Params = State = Batch = Any
 Metrics = dict[str, Any]
@@ -228,6 +229,7 @@ def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool
     """The in-place step: autograd on detached views (or ``grad``), then the fused, compiled or foreach kernels."""
     fused = _fused.spec(tx) is not None  # decided once; whether the leaves allow it, per call (metadata)
     extra, constants = _extra_args(tx), traits(tx).constant_reports
+    owned = []  # set once the first call's trees were found to be torch's own (checked once per step function)
 
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
         if tree.transformed():
@@ -235,6 +237,9 @@ def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool
             raise ValueError(f"train_step({option}) updates its params and state in place, which torch.func "
                              "transforms (vmap, grad, jvp...) cannot batch or differentiate: build the step "
                              f"with donate=False to use it under one (stack: {tx!r})")
+        if not owned:
+            check_owned(params, opt_state)
+            owned.append(True)
         fn = wrap_loss(tx, canonical, opt_state)
         grads, loss, aux = grad(fn, params, batch, tx)
         # Nothing was written before this point: a failure above leaves the inputs as they were.
@@ -254,6 +259,30 @@ def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool
         return params, opt_state, _metrics(loss, aux, opt_state, has_aux, constants)
 
     return step
+
+
+def check_owned(params: Params, opt_state: State) -> None:
+    """Refuses, in one line naming the leaf, params or state that a donated step would write into while another
+    library owns their memory (:func:`fxtrain.tree.borrowed`: numpy arrays, JAX/Flax arrays through DLPack,
+    buffers, file records); metadata only. A donated step runs it on its first call, before anything is
+    written, as :func:`fxtrain.parallel` steps do through :func:`donated_step`.
+
+    >>> import numpy as np, torch
+    >>> from fxtrain.step import check_owned
+    >>> check_owned({"w": torch.ones(2)}, ())
+    >>> check_owned({"w": torch.as_tensor(np.ones(2))}, ())
+    Traceback (most recent call last):
+    ...
+    ValueError: train_step(donate=True) would write in place into params 'w', whose memory torch did not allocate ...
+    """
+    for what, t in (("params", params), ("opt_state", opt_state)):
+        path = tree.first_borrowed(t)
+        if path is not None:
+            raise ValueError(
+                f"train_step(donate=True) would write in place into {what} '{path}', whose memory torch did not "
+                "allocate (a numpy array through torch.as_tensor/from_numpy, a JAX/Flax array through DLPack, "
+                "torch.frombuffer, or a torch.load/safetensors record) and another library may still read: copy "
+                f"it first ({what} = fx.tree.clone({what})) or build the step with donate=False")
 
 
 def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, sync: Callable) -> Step:
@@ -546,7 +575,9 @@ def _owned(grads: Any) -> Any:
         start = x.data_ptr()
         end = start + x.numel() * x.element_size()
         ranges = taken.setdefault(x.untyped_storage().data_ptr(), [])
-        if not x.is_contiguous() or any(start < e and s < end for s, e in ranges):
+        # A gradient in memory another library owns (a JAX function's output through DLPack) is copied too:
+        # the update is written into the gradient buffers.
+        if not x.is_contiguous() or any(start < e and s < end for s, e in ranges) or tree.borrowed(x):
             flat[i] = g.clone()
         else:
             ranges.append((start, end))

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "flatten", "unflatten", "leaves", "paths", "structure", "map", "align", "put", "first_mismatch",
     "zeros_like", "clone", "cast", "sum_sq", "norm", "vdot", "full", "local", "all_finite", "where",
+    "borrowed", "first_borrowed",
     # the op layer: in place by default, out of place inside functional()
     "functional", "is_functional", "donated", "is_donated", "transformed", "scale_", "mul_", "div_", "add_", "lerp_", "addcmul_",
     "addcdiv_", "sqrt_", "reciprocal_", "sign_", "tanh_", "abs_", "neg_", "clamp_", "maximum_", "copy_",
@@ -606,6 +607,49 @@ def local(x: Any) -> Any:
     if not isinstance(x, DTensor):
         return x
     return x.to_local() if is_functional() else x._local_tensor
+
+
+def borrowed(x: Any) -> bool:
+    """Whether tensor ``x`` (a DTensor: its local piece) lives in memory that torch did not allocate for itself.
+
+    True for tensors made from numpy arrays (``torch.from_numpy``, ``torch.as_tensor`` without a copy),
+    from DLPack capsules (JAX and Flax arrays, ``fxtrain.interop.from_jax(copy=False)``, CuPy),
+    ``torch.frombuffer``, and records read by ``torch.load``/safetensors (file mappings included): writing
+    into those in place changes an array another library owns, or a file. How it is told: torch marks a
+    storage *resizable* exactly when its own allocator made it and nothing outside torch points into it
+    (``torch.empty``, every op's output, ``clone``, parameters, ``fx.load``); a storage that wraps memory
+    handed to it (``at::from_blob``: numpy, DLPack, buffers, mappings, ``torch.load``'s records) is not, on
+    every device, and neither is one that torch has exported to numpy (``t.numpy()``, ``np.asarray(t)``:
+    the array points into it, so torch may never reallocate it; measured on torch 2.13, the mark stays
+    after the array is gone). That last case is conservative: a numpy view kept by the caller would see
+    a donated step's writes, a temporary one would not, and both are refused; ``fx.tree.clone`` gives a
+    tensor of torch's own either way. Measured on CPU, torch 2.13: from_numpy, as_tensor, frombuffer,
+    DLPack from JAX, torch.load and safetensors are borrowed; ones, clone, views, parameters,
+    share_memory_, fx.load, to_jax/to_dlpack exports are not. A metadata read, no sync. Empty tensors are
+    never borrowed (nothing to write).
+
+    >>> import numpy as np
+    >>> borrowed(torch.from_numpy(np.ones(2))), borrowed(torch.ones(2)), borrowed(torch.from_numpy(np.ones(2)).clone())
+    (True, False, False)
+    """
+    if not isinstance(x, torch.Tensor) or x.is_meta or x.layout != torch.strided:
+        return False
+    storage = local(x).untyped_storage()
+    return storage.nbytes() > 0 and not storage.resizable()
+
+
+def first_borrowed(tree: Tree) -> str | None:
+    """The path of the first tensor leaf of ``tree`` that is :func:`borrowed`, or ``None``.
+
+    >>> import numpy as np
+    >>> first_borrowed({"a": torch.ones(1), "b": [torch.as_tensor(np.ones(1))]})
+    'b.0'
+    """
+    flat, _ = flatten(tree)
+    for i, x in enumerate(flat):
+        if borrowed(x):
+            return paths(tree)[i]
+    return None
 
 
 def where_(pred: torch.Tensor, new: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> list:

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+import fxtrain as fx
 from fxtrain.interop import from_jax, to_jax
 
 jax = pytest.importorskip("jax")
@@ -33,14 +34,17 @@ def test_round_trip_is_exact_and_zero_copy_both_ways(dtype):
     assert a.dtype == jnp.dtype(str(dtype).removeprefix("torch."))
     assert a.shape == t.shape
     assert a.unsafe_buffer_pointer() == t.data_ptr()  # torch -> jax shares the buffer
-    back = from_jax(a)
-    assert back.dtype == dtype and back.data_ptr() == t.data_ptr()  # jax -> torch too
+    back = from_jax(a, copy=False)
+    assert back.dtype == dtype and back.data_ptr() == t.data_ptr()  # jax -> torch too, when asked
     assert torch.equal(back, t)
+    copied = from_jax(a)  # the default: torch's own memory, which a donated step may write
+    assert copied.dtype == dtype and copied.data_ptr() != t.data_ptr() and torch.equal(copied, t)
+    assert not fx.tree.borrowed(copied) and fx.tree.borrowed(back)
 
 
-def test_jax_created_arrays_come_over_without_copy():
+def test_jax_created_arrays_come_over_without_copy_when_asked():
     a = jnp.arange(12, dtype=jnp.bfloat16).reshape(3, 4)
-    t = from_jax(a)
+    t = from_jax(a, copy=False)
     assert t.data_ptr() == a.unsafe_buffer_pointer()
     assert t.dtype == torch.bfloat16 and t.tolist() == a.astype(jnp.float32).tolist()
 

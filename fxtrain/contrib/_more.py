@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
-from fxtrain._base import (GradientTransformation, Params, call, chain, check_needs_params, check_nonnegative, identity,
+from fxtrain._base import (GradientTransformation, Params, call_, chain, check_needs_params, check_nonnegative, identity,
                            is_elementwise, transform, with_traits)
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._moments import (Scalar, bias_correction, counter, is_zero, param_device, safe_increment_,
@@ -800,7 +800,7 @@ angle`:
     def update_fn(updates, state, params=None, **extra_args):
         check_needs_params("mechanize", params)
         g = tree.clone(tree.leaves(updates))  # the gradients, before the base optimizer writes its update there
-        base_updates, base_state = call(base_optimizer, updates, state.base_optimizer_state, params, extra_args)
+        base_updates, base_state = call_(base_optimizer, updates, state.base_optimizer_state, params, extra_args)
         u, x0, x = tree.align(base_updates, state.x0, params)
         x0 = tree.where_(state.count == 0, x, x0)
         s_sum = state.s.sum()
@@ -997,7 +997,7 @@ def split_real_and_imaginary(inner: GradientTransformation) -> GradientTransform
 
     def update_fn(updates, state, params=None):
         split_updates, split_params = _map_split(_split, updates), _map_split(_split, params)
-        split_updates, inner_state = call(inner, split_updates, state.inner_state, split_params)
+        split_updates, inner_state = call_(inner, split_updates, state.inner_state, split_params)
         return _map_split(_merge, split_updates), SplitRealAndImaginaryState(inner_state)
 
     return with_traits(GradientTransformation(init_fn, update_fn), elementwise=is_elementwise(inner))

@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import (forwarded, EmptyState, GradientTransformation, Params, apply_updates, call, is_elementwise,
+from fxtrain._base import (forwarded, EmptyState, GradientTransformation, Params, apply_updates, call_, is_elementwise,
                            transform, with_traits)
 from fxtrain import distributed
 from fxtrain.distributed import match_placements
@@ -154,8 +154,8 @@ def sam(optimizer: GradientTransformation, adv_optimizer: GradientTransformation
         del grad_fn, extra_args
         first, last = state.steps_since_sync == 0, state.steps_since_sync == sync_period - 1
         with tree.functional():  # both optimizers run; their inputs stay intact for the selection below
-            adv_updates, adv_state = call(adv_optimizer, updates, state.adv_state, params)
-            opt_updates, opt_state = call(optimizer, updates, state.opt_state, state.cache)
+            adv_updates, adv_state = call_(adv_optimizer, updates, state.adv_state, params)
+            opt_updates, opt_state = call_(optimizer, updates, state.opt_state, state.cache)
             g, c, p, adv_u, opt_u = tree.align(updates, state.cache, params, adv_updates, opt_updates)
             opt_u = tree.add_(tree.add_(opt_u, c), p, -1.0)  # back to the cache, then the outer step
         g = tree.copy_(g, tree.neg_(adv_u))  # adversarial updates ascend
@@ -176,13 +176,13 @@ def sam(optimizer: GradientTransformation, adv_optimizer: GradientTransformation
                              "tx.update(grads, state, params, grad_fn=lambda params, i: grads_at(params))")
         adv_params, adv_state = params, state.adv_state
         for i in range(int(sync_period) - 1):  # a host read of an injected sync_period: opaque mode loops here
-            updates, adv_state = call(adv_optimizer, updates, adv_state, adv_params)
+            updates, adv_state = call_(adv_optimizer, updates, adv_state, adv_params)
             updates = tree.put(updates, updates, tree.neg_(tree.leaves(updates)))  # adversarial updates ascend
             adv_params = apply_updates(adv_params, updates)
             updates = match_placements(grad_fn(adv_params, i), adv_params)
         if reset_state:
             adv_state = adv_optimizer.init(params)
-        updates, opt_state = call(optimizer, updates, state.opt_state, params)
+        updates, opt_state = call_(optimizer, updates, state.opt_state, params)
         return updates, SAMState(steps_since_sync=torch.zeros_like(state.steps_since_sync), opt_state=opt_state,
                                  adv_state=adv_state, cache=None)
 

@@ -7,7 +7,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import (forwarded, GradientTransformation, Params, call, chain, check_needs_params, check_nonnegative,
+from fxtrain._base import (forwarded, GradientTransformation, Params, call_, chain, check_needs_params, check_nonnegative,
                            is_elementwise, transform, with_traits)
 from fxtrain.optimizers import sgd
 from fxtrain.schedules import linear_schedule
@@ -141,7 +141,7 @@ def schedule_free(base_optimizer: GradientTransformation, learning_rate: Learnin
         # c = weight / weight_sum, 0 while both are 0 (zero learning rates); NaN stays NaN.
         ck = torch.where(weight.isnan() | weight_sum.isnan(), torch.nan,
                          torch.nan_to_num(weight / weight_sum, nan=0.0, posinf=torch.inf))
-        base_updates, base_state = call(base_optimizer, updates, state.base_optimizer_state, params, extra_args)
+        base_updates, base_state = call_(base_optimizer, updates, state.base_optimizer_state, params, extra_args)
         u, z, y = tree.align(base_updates, state.z, params)
         with tree.functional():  # x_t = (y_t - (1 - b1) z_t) / b1: a new buffer, promoted like Optax's
             x = [yi.to(torch.promote_types(yi.dtype, zi.dtype)) for yi, zi in zip(y, z)]

@@ -1,13 +1,15 @@
-"""Trees of arrays across frameworks: ``to_jax`` and ``from_jax``, zero-copy through DLPack.
+"""Trees of arrays across frameworks: ``to_jax`` and ``from_jax``, through DLPack.
 
-Both directions hand over the buffer, not a copy (measured on CPU with jax 0.10 and torch 2.13, bfloat16
-and strided views included): a ``jax.Array`` made by :func:`to_jax` reads the tensor's memory and a tensor
-made by :func:`from_jax` reads the array's. Two consequences, the same as for a donated buffer:
-
-* JAX arrays are immutable by contract. Writing in place into a tensor that came from :func:`from_jax`
-  (a donated :func:`fxtrain.train_step` does) changes the JAX array it aliases; hand the JAX tree over
-  and stop using it, or ``.clone()`` first.
-* Likewise a tensor written in place after :func:`to_jax` changes the JAX array.
+:func:`to_jax` hands over the buffer, not a copy (measured on CPU with jax 0.10 and torch 2.13, bfloat16 and
+strided views included): the ``jax.Array`` reads the tensor's memory, so a tensor written in place after
+:func:`to_jax` changes the JAX array. :func:`from_jax` copies by default: JAX arrays are immutable by
+contract, and a tensor that shares one would be written in place by a donated :func:`fxtrain.train_step`,
+changing the array behind JAX's back (a JAX run continued from the arrays would silently start from the
+torch run's params). ``from_jax(tree, copy=False)`` shares the buffers instead (zero-copy: the tensors read
+the arrays' memory); a donated step then refuses them on its first call (:func:`fxtrain.tree.borrowed`),
+and ``donate=False`` or a ``clone`` is the user's explicit choice. Every fxtrain function that turns JAX or
+numpy arrays into tensors (``from_linen``, ``from_nnx``, ``load_orbax``, ``state_from_optax``...) does the same,
+with the same ``copy`` argument: :func:`to_torch`.
 
 DLPack copies instead (still correct) when the buffer cannot be shared, e.g. a view whose start is not
 aligned as XLA requires. Dtypes are kept exactly (bfloat16, float16, every integer width, bool, complex);
@@ -23,9 +25,10 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
+from fxtrain import tree
 from fxtrain.interop._jax import is_jax_array, require
 
-__all__ = ["to_jax", "from_jax", "tensor_to_jax", "array_to_torch"]
+__all__ = ["to_jax", "from_jax", "tensor_to_jax", "array_to_torch", "to_torch", "owned"]
 
 _KW = {"none_is_leaf": True, "namespace": "fxtrain"}
 _WIDE = (torch.float64, torch.int64, torch.uint64, torch.complex128)
@@ -78,16 +81,19 @@ def to_jax(tree: Any, *, local: bool = False) -> Any:
     return optree.tree_map_with_path(conv, tree, **_KW)
 
 
-def from_jax(tree: Any) -> Any:
-    """A tree of ``jax.Array`` as a tree of torch tensors sharing their memory (DLPack, no copy).
+def from_jax(tree: Any, *, copy: bool = True) -> Any:
+    """A tree of ``jax.Array`` as a tree of torch tensors (copies; ``copy=False``: sharing their memory).
 
     The inverse of :func:`to_jax`. The tree is walked with JAX's own tree utilities, so JAX-registered
     containers (Optax states, Flax's ``FrozenDict``...) are understood; ``None`` and leaves that are not
     JAX arrays pass through. Each tensor lives on the device that holds the array (CPU arrays give CPU
-    tensors). Writing into the tensors in place changes the arrays (see the module docstring).
+    tensors).
 
     Args:
       tree: a pytree whose leaves may be ``jax.Array``, ``None`` or anything else.
+      copy: copy each array into memory torch owns (the default), so nothing fxtrain does in place (a donated
+        step) can change the arrays. ``False`` shares the buffers through DLPack (no copy): writing into a
+        tensor then changes its array, and a donated step refuses such params on its first call.
 
     Returns:
       The same tree with ``torch.Tensor`` leaves where ``tree`` had JAX arrays.
@@ -103,11 +109,13 @@ def from_jax(tree: Any) -> Any:
         >>> t = from_jax({"w": a, "step": 3})
         >>> t["w"].dtype, t["w"].shape, t["step"]
         (torch.bfloat16, torch.Size([2, 3]), 3)
-        >>> t["w"].data_ptr() == a.unsafe_buffer_pointer()   # zero-copy
+        >>> t["w"].data_ptr() == a.unsafe_buffer_pointer()   # a copy
+        False
+        >>> from_jax(a, copy=False).data_ptr() == a.unsafe_buffer_pointer()   # zero-copy
         True
     """
     jax = require(what="fxtrain.interop.from_jax")
-    return jax.tree_util.tree_map(lambda x: array_to_torch(x) if is_jax_array(x) else x, tree)
+    return jax.tree_util.tree_map(lambda x: array_to_torch(x, copy=copy) if is_jax_array(x) else x, tree)
 
 
 def tensor_to_jax(x: torch.Tensor, *, where: str = "tensor") -> Any:
@@ -121,12 +129,32 @@ def tensor_to_jax(x: torch.Tensor, *, where: str = "tensor") -> Any:
     return jax.dlpack.from_dlpack(x.detach())
 
 
-def array_to_torch(x: Any) -> torch.Tensor:
-    """One ``jax.Array`` as a torch tensor through DLPack."""
+def array_to_torch(x: Any, *, copy: bool = False) -> torch.Tensor:
+    """One ``jax.Array`` as a torch tensor through DLPack (sharing its buffer; ``copy=True``: torch's own copy)."""
     if len(x.devices()) > 1:
         raise ValueError(f"from_jax: an array sharded over {len(x.devices())} devices has no single buffer "
                          "to share; gather it first (jax.device_get) or convert its addressable shards")
-    return torch.from_dlpack(x)
+    t = torch.from_dlpack(x)
+    return t.clone() if copy and tree.borrowed(t) else t
+
+
+def to_torch(x: Any, *, copy: bool) -> torch.Tensor:
+    """A JAX array, numpy array or tensor as a tensor: with ``copy``, in memory torch owns (a copy only where
+    it would otherwise share another library's: :func:`fxtrain.tree.borrowed`); without, sharing where
+    DLPack or numpy allow. The one boundary every interop reader goes through.
+
+    >>> import numpy as np
+    >>> a = np.ones(2, dtype=np.float32)
+    >>> to_torch(a, copy=True).data_ptr() == a.ctypes.data, to_torch(a, copy=False).data_ptr() == a.ctypes.data
+    (False, True)
+    """
+    t = array_to_torch(x) if is_jax_array(x) else torch.as_tensor(x)
+    return owned(t) if copy else t
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where its memory belongs to another library (:func:`fxtrain.tree.borrowed`)."""
+    return t.clone() if tree.borrowed(t) else t
 
 
 def dotted(path: tuple) -> str:

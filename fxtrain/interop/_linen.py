@@ -46,8 +46,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import nn
 
-from fxtrain.interop._arrays import array_to_torch, tensor_to_jax
-from fxtrain.interop._jax import is_jax_array
+from fxtrain.interop._arrays import owned, tensor_to_jax, to_torch
 
 __all__ = ["to_linen", "from_linen", "linen_names"]
 
@@ -308,7 +307,8 @@ def to_linen(params: dict[str, Any], module: nn.Module, *, naming: str = "compac
     return out
 
 
-def from_linen(variables: dict, module: nn.Module, *, naming: str = "compact") -> dict[str, torch.Tensor]:
+def from_linen(variables: dict, module: nn.Module, *, naming: str = "compact",
+               copy: bool = True) -> dict[str, torch.Tensor]:
     """Flax linen variables as the params of a torch module: the inverse of :func:`to_linen`.
 
     Args:
@@ -316,11 +316,13 @@ def from_linen(variables: dict, module: nn.Module, *, naming: str = "compact") -
         or the ``params`` collection alone; leaves may be JAX arrays (read through DLPack) or tensors.
       module: the torch module whose params to produce.
       naming: the naming used (see the module docstring).
+      copy: every tensor in memory torch owns (the default): a donated step may then train them in place
+        while the JAX arrays stay as they were. ``False`` shares the memory of the arrays whose layout is
+        unchanged (DLPack, no copy); a donated step refuses those (see :mod:`fxtrain.interop._arrays`).
 
     Returns:
       ``{name: tensor}`` in ``module.named_parameters()`` order, torch layouts, contiguous: ready for
       :func:`fxtrain.functional`'s ``apply_fn`` or ``module.load_state_dict(..., strict=False)``.
-      Unchanged layouts share memory with the JAX arrays.
 
     Raises:
       ValueError: a parameter is missing from ``variables`` or has the wrong shape (naming both paths),
@@ -351,9 +353,10 @@ def from_linen(variables: dict, module: nn.Module, *, naming: str = "compact") -
                                      f"have no '{'/'.join(map(str, path[:i + 1]))}'")
                 node = node[key]
             used.add(path)
-            t = array_to_torch(node) if is_jax_array(node) else torch.as_tensor(node)
+            t = to_torch(node, copy=False)  # shared here; copied below where the layout change has not
             parts.append(leaf.from_linen(t).contiguous() if leaf.from_linen is not None else t)
         t = torch.cat(parts) if leaf.split else parts[0]
+        t = owned(t) if copy else t
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"from_linen: '{'/'.join(map(str, leaf.path))}' gives '{name}' the shape "
                              f"{tuple(t.shape)}, expected {shapes[name]}")

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxtrain.interop._arrays import array_to_torch, tensor_to_jax
-from fxtrain.interop._jax import is_jax_array, require
+from fxtrain.interop._arrays import tensor_to_jax, to_torch
+from fxtrain.interop._jax import require
 from fxtrain.interop._linen import from_linen, linen_names, to_linen
 from fxtrain.interop._optax_state import state_from_optax, state_to_optax
 
@@ -75,7 +75,8 @@ def _nested(flat: dict[tuple, Any]) -> dict:
     return out
 
 
-def from_nnx(nnx_model_or_state: Any, module: nn.Module, *, buffers: bool = False) -> dict[str, torch.Tensor]:
+def from_nnx(nnx_model_or_state: Any, module: nn.Module, *, buffers: bool = False,
+             copy: bool = True) -> dict[str, torch.Tensor]:
     """The variables of a Flax NNX module as the params of a torch module with the same layers.
 
     Args:
@@ -84,11 +85,12 @@ def from_nnx(nnx_model_or_state: Any, module: nn.Module, *, buffers: bool = Fals
       module: the torch module whose params to produce (read for its layer types and names only).
       buffers: also return BatchNorm's running statistics (``BatchStat`` ``mean``/``var``) under their
         buffer names (``bn.running_mean``).
+      copy: every tensor in memory torch owns (the default), so a donated step cannot write into the NNX
+        model's arrays; ``False`` shares the arrays whose layout is unchanged (see :func:`from_linen`).
 
     Returns:
       ``{name: tensor}`` keyed like ``module.named_parameters()`` (plus the running statistics with
-      ``buffers``), torch layouts: ``module.load_state_dict(out, strict=False)`` takes it. Unchanged
-      layouts share memory with the JAX arrays.
+      ``buffers``), torch layouts: ``module.load_state_dict(out, strict=False)`` takes it.
 
     Raises:
       ValueError: a parameter is missing or has the wrong shape, or the NNX state holds a ``Param`` the
@@ -111,14 +113,14 @@ def from_nnx(nnx_model_or_state: Any, module: nn.Module, *, buffers: bool = Fals
     where = linen_names(module, naming="nnx", buffers=True)
     stat_paths = {leaf.path[1:]: name for name, leaf in where.items() if leaf.path[0] == "batch_stats"}
     params = {p: v for p, (kind, v) in flat.items() if kind == "param" or (kind == "?" and p not in stat_paths)}
-    out = from_linen({"params": _nested(params)}, module, naming="nnx")
+    out = from_linen({"params": _nested(params)}, module, naming="nnx", copy=copy)
     if buffers:
         for path, name in stat_paths.items():
             if path not in flat:
                 raise ValueError(f"from_nnx: '{name}' expects the BatchStat '{'/'.join(map(str, path))}', "
                                  "which the NNX state does not have")
             v = flat[path][1]
-            out[name] = array_to_torch(v) if is_jax_array(v) else torch.as_tensor(v)
+            out[name] = to_torch(v, copy=copy)
     return out
 
 
@@ -246,7 +248,7 @@ def _pure(opt_state: Any) -> Any:
     return walk(opt_state)
 
 
-def state_from_nnx_optimizer(optimizer: Any, module: nn.Module, fx_like: Any) -> Any:
+def state_from_nnx_optimizer(optimizer: Any, module: nn.Module, fx_like: Any, *, copy: bool = True) -> Any:
     """The Optax state of an ``nnx.Optimizer`` as the state of the matching fxtrain transform.
 
     Args:
@@ -254,6 +256,8 @@ def state_from_nnx_optimizer(optimizer: Any, module: nn.Module, fx_like: Any) ->
         wrt=nnx.Param)`` after some steps.
       module: the torch module with the same layers as the NNX model.
       fx_like: the fxtrain counterpart's fresh state: ``fx.adamw(1e-3).init(params)``.
+      copy: tensors in memory torch owns (the default); ``False`` shares the arrays' memory where it can
+        (see :func:`~fxtrain.interop.state_from_optax`).
 
     Returns:
       A state with the classes of ``fx_like`` and the values of the optimizer's state, its param trees
@@ -272,7 +276,7 @@ def state_from_nnx_optimizer(optimizer: Any, module: nn.Module, fx_like: Any) ->
         >>> type(state[0]).__name__, sorted(state[0].mu)
         ('ScaleByAdamState', ['bias', 'weight'])
     """
-    return state_from_optax(_nnx_to_fx_keys(_pure(optimizer.opt_state), module), fx_like)
+    return state_from_optax(_nnx_to_fx_keys(_pure(optimizer.opt_state), module), fx_like, copy=copy)
 
 
 def state_to_nnx_optimizer(fx_state: Any, module: nn.Module, optimizer: Any) -> Any:

@@ -40,7 +40,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
-from fxtrain.interop._arrays import array_to_torch, dotted, tensor_to_jax
+from fxtrain.interop._arrays import dotted, owned, tensor_to_jax, to_torch
 from fxtrain.interop._jax import is_jax_array, require
 
 __all__ = ["state_to_optax", "state_from_optax"]
@@ -79,19 +79,21 @@ def state_to_optax(fx_state: Any, optax_like: Any) -> Any:
     return _Walk("state_to_optax", _leaf_to_jax).convert(fx_state, optax_like, ())
 
 
-def state_from_optax(optax_state: Any, fx_like: Any) -> Any:
+def state_from_optax(optax_state: Any, fx_like: Any, *, copy: bool = True) -> Any:
     """An Optax optimizer state as the state of the matching fxtrain transform.
 
     Args:
       optax_state: the state of an Optax transform.
       fx_like: a state of the fxtrain counterpart freshly initialized on the same params, e.g.
         ``fx.adamw(1e-3).init(params)``; it gives the classes, dtypes and devices.
+      copy: every tensor in memory torch owns (the default), so a donated step cannot write into the Optax
+        state's arrays. ``False`` shares their memory where DLPack can (a donated step refuses those, see
+        :mod:`fxtrain.interop._arrays`); two leaves that would share one buffer are copied even then, so an
+        update never writes twice into one buffer.
 
     Returns:
       A state with the classes of ``fx_like`` and the values of ``optax_state``, ready for ``tx.update``
-      or :func:`fxtrain.train_step`. Its tensors share memory with ``optax_state`` where they can (a
-      donated step then writes into those JAX buffers: stop using ``optax_state``); two leaves that would
-      share one buffer are copied, so a donated update never writes twice into one buffer.
+      or :func:`fxtrain.train_step`.
 
     Raises:
       ValueError: the trees differ; the message names the first path that does.
@@ -113,6 +115,7 @@ def state_from_optax(optax_state: Any, fx_like: Any) -> Any:
 
     def leaf(src, like, where):
         t = _leaf_to_torch(src, like, where)
+        t = owned(t) if copy else t
         ptr = t.data_ptr() if t.numel() else None
         if ptr is not None and ptr in seen:
             t = t.clone()
@@ -278,8 +281,8 @@ def _leaf_to_torch(src: Any, like: Any, where: str) -> torch.Tensor:
     if isinstance(like, DTensor):
         raise ValueError(f"state_from_optax: '{where}' is a DTensor in the fxtrain state; convert into a state "
                          "of plain tensors, then distribute it (fxtrain.sharded_apply keeps states local)")
-    t = array_to_torch(src) if is_jax_array(src) else torch.as_tensor(np.asarray(src))
-    return t.to(device=like.device, dtype=like.dtype)
+    return to_torch(np.asarray(src) if not is_jax_array(src) else src, copy=False).to(device=like.device,
+                                                                                        dtype=like.dtype)
 
 
 def _kind(x: Any) -> str:

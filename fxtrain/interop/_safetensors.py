@@ -19,6 +19,8 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
+from fxtrain.interop._arrays import owned
+
 __all__ = ["save_safetensors", "load_safetensors"]
 
 
@@ -86,7 +88,7 @@ def load_safetensors(path: str | os.PathLike, like: Mapping[str, torch.Tensor], 
       strict: refuse names in the file that ``like`` does not have.
 
     Returns:
-      A dict with ``like``'s names and the file's values.
+      A dict with ``like``'s names and the file's values, in memory torch owns (a donated step may train them).
 
     Raises:
       ImportError: safetensors is not installed.
@@ -119,7 +121,9 @@ def load_safetensors(path: str | os.PathLike, like: Mapping[str, torch.Tensor], 
             if tuple(t.shape) != tuple(ref.shape):
                 raise ValueError(f"load_safetensors: '{name}' has shape {tuple(t.shape)} in the file, "
                                  f"{tuple(ref.shape)} in like")
-            out[name] = t.to(device=ref.device, dtype=ref.dtype)
+            # safe_open's tensors wrap the file's mapping (not torch's memory): copied, so a donated step may
+            # train them in place (see fxtrain/interop/_arrays.py)
+            out[name] = owned(t.to(device=ref.device, dtype=ref.dtype))
     return out
 
 

@@ -68,7 +68,7 @@ import optree
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import forwarded, GradientTransformation, describe, call, kernel, transform, with_traits
+from fxtrain._base import forwarded, GradientTransformation, describe, call_, kernel, transform, with_traits
 from fxtrain.transforms._hyperparams import safe_increment_
 from fxtrain.transforms._moments import as_dtype, param_device
 
@@ -194,7 +194,7 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
                              "should_skip_update_fn the window is decided on device: pass an integer every")
 
     def inner_kernel(extra_args):
-        return lambda u, s, p: call(tx, u, s, p, extra_args)
+        return lambda u, s, p: call_(tx, u, s, p, extra_args)
 
     def init_fn(params):
         held = every != 1  # every=1 never holds a gradient: no accumulator memory
@@ -246,7 +246,7 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
             updates, acc = _window_sum(acc, updates, m + 1 if mean else 1, same_dtype=dtype is None)
         # Data parallel: Partial sums become Replicate here, once per emitted update (one packed all-reduce).
         updates = distributed.reduce_partials(updates)
-        updates, inner_state = call(tx, updates, state.inner_state, params, extra_args)
+        updates, inner_state = call_(tx, updates, state.inner_state, params, extra_args)
         mini_step = torch.zeros_like(state.mini_step) if tree.is_functional() else state.mini_step.zero_()
         return updates, AccumulateState(mini_step, safe_increment_(state.emitted), acc, inner_state, state.skip_state)
 

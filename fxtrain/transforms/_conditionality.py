@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
-from fxtrain._base import forwarded, GradientTransformation, combine, call, report, traits, transform, with_traits
+from fxtrain._base import forwarded, GradientTransformation, combine, call_, report, traits, transform, with_traits
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "ConditionallyTransformState", "conditionally_transform",
@@ -105,7 +105,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
                 updates, fed_zeros = tree.put(updates, updates, tree.zero_where_(~accept, raw)), True
         else:  # the inner kernel writes into its state: keep a copy to restore
             before = tree.clone(state.inner_state)
-        updates, inner_state = call(inner, updates, state.inner_state, params, extra_args)
+        updates, inner_state = call_(inner, updates, state.inner_state, params, extra_args)
         reports = report(inner_state)
         # What an inner stack did on its own skip (loss scale backoff, skipped=1) is kept, not restored.
         accept_state = accept | (reports["skipped"] > 0) if "skipped" in reports else accept
@@ -165,7 +165,7 @@ def _run_if(inner: GradientTransformation, should_transform_fn: Callable, forwar
     run = should_transform_fn(step, **(extra_args if forward_extra_args else {}))
     if isinstance(run, (bool, numbers.Integral)):  # decided on the host already (no tensor involved)
         if run:
-            return call(inner, updates, inner_state, params, extra_args)
+            return call_(inner, updates, inner_state, params, extra_args)
         return (updates if rejected == "pass" else tree.map(torch.zeros_like, updates)), inner_state
     run = torch.as_tensor(run).to(torch.bool)
     if run.ndim:
@@ -173,7 +173,7 @@ def _run_if(inner: GradientTransformation, should_transform_fn: Callable, forwar
     functional = tree.is_functional()
     before = inner_state if functional else tree.clone(inner_state)  # in place the inner kernel writes into it
     kept = updates if functional or rejected == "zero" else tree.clone(updates)
-    new, new_state = call(inner, updates, inner_state, params, extra_args)
+    new, new_state = call_(inner, updates, inner_state, params, extra_args)
     us, olds = tree.align(new, kept, what="updates")
     reject = ~run.to(us[0].device) if us else ~run
     # Selected into the new updates' buffers (in place, tree.put keeps them where they are).

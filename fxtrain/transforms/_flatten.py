@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, combine, call, transform, with_traits
+from fxtrain._base import GradientTransformation, combine, call_, transform, with_traits
 
 __all__ = ["flatten"]
 
@@ -48,7 +48,7 @@ def flatten(inner: GradientTransformation) -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra_args):
         us = tree.leaves(updates)
         flat_params = None if params is None else _flat(tree.leaves(params))
-        new, state = call(inner, _flat(us), state, flat_params, extra_args)
+        new, state = call_(inner, _flat(us), state, flat_params, extra_args)
         pieces = [p.view(u.shape) for p, u in zip(torch.split(new, [u.numel() for u in us]), us)]
         return tree.put(updates, updates, tree.copy_(us, pieces)), state
 

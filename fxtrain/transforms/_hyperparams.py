@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from fxtrain import tree
-from fxtrain._base import (FusedSpec, GradientTransformation, call, describe, named, public_factory, traits,
+from fxtrain._base import (FusedSpec, GradientTransformation, call_, describe, named, public_factory, traits,
                            with_traits)
 from fxtrain.schedules import bind, value_at
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
@@ -187,7 +187,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], sta
         def update_fn(updates, state, params=None, **extra_args):
             hps = current(state, params)
             inner = inner_factory(**other, **hps)  # cheap: factories are closures over the 0-dim tensors
-            updates, inner_state = call(inner, updates, state.inner_state, params, extra_args)
+            updates, inner_state = call_(inner, updates, state.inner_state, params, extra_args)
             return updates, InjectHyperparamsState(safe_increment_(state.count), hps, inner_state)
 
         def wrap_loss(loss_fn, state):

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, combine, call, check_nonnegative, transform, with_traits
+from fxtrain._base import GradientTransformation, combine, call_, check_nonnegative, transform, with_traits
 from fxtrain.transforms._conditionality import select
 from fxtrain.transforms._moments import counter
 
@@ -109,7 +109,7 @@ def lookahead(fast_optimizer: GradientTransformation, sync_period: int, slow_ste
             raise ValueError("lookahead: update needs params=LookaheadParams(fast, slow) (the slow params move "
                              f"at each synchronization), got {type(params).__name__}; start from "
                              "fx.LookaheadParams.init_synced(params)")
-        updates, fast_state = call(fast_optimizer, updates, state.fast_state, params.fast, extra_args)
+        updates, fast_state = call_(fast_optimizer, updates, state.fast_state, params.fast, extra_args)
         sync = state.steps_since_sync == sync_period - 1
         us, fs, ss = tree.align(updates, params.fast, params.slow, what="params")
         diff = tree.add_(_sum(fs, us), ss, alpha=-1.0)  # fast + u - slow, a new buffer

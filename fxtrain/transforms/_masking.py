@@ -16,7 +16,7 @@ from typing import Any, Hashable, Mapping, NamedTuple
 import optree
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, combine, call, transform
+from fxtrain._base import GradientTransformation, combine, call_, transform
 from fxtrain.transforms._simple import set_to_zero
 
 __all__ = ["MaskedNode", "MaskedState", "PartitionState", "masked", "partition", "multi_transform", "freeze",
@@ -151,7 +151,7 @@ def masked(inner: GradientTransformation, mask: Mask, *, mask_compatible_extra_a
         masked_params = None if params is None else mask_tree(params, m)
         if mask_compatible_extra_args:
             extra_args = _masked_extra_args(extra_args, updates, m)
-        new, inner_state = call(inner, mask_tree(updates, m), state.inner_state, masked_params, extra_args)
+        new, inner_state = call_(inner, mask_tree(updates, m), state.inner_state, masked_params, extra_args)
         return _unmask(m, new, updates), MaskedState(inner_state)
 
     return combine(init_fn, update_fn, (inner,))
@@ -210,7 +210,7 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
         new_states = {}
         for k, t in txs.items():
             group = masked(t, group_mask(labels, k), mask_compatible_extra_args=mask_compatible_extra_args)
-            updates, new_states[k] = call(group, updates, state.inner_states[k], params, extra_args)
+            updates, new_states[k] = call_(group, updates, state.inner_states[k], params, extra_args)
         return updates, PartitionState(new_states)
 
     return combine(init_fn, update_fn, tuple(txs.values()))

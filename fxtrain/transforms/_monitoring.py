@@ -10,7 +10,7 @@ from fxtrain.transforms._moments import Scalar
 import torch
 
 from fxtrain import tree
-from fxtrain._base import GradientTransformation, combine, call, chain, stateless, transform
+from fxtrain._base import GradientTransformation, combine, call_, chain, stateless, transform
 from fxtrain.transforms._simple import ema
 
 __all__ = ["SnapshotState", "snapshot", "MonitorState", "monitor", "measure_with_ema"]
@@ -122,7 +122,7 @@ def monitor(measures: Mapping[str, GradientTransformation | Callable[[Any], Any]
             given = updates
             if not tree.is_functional() and isinstance(measures[n], GradientTransformation):
                 given = tree.clone(updates)  # a transform measure may write into its input in place
-            measurements[n], s = call(txs[n], given, s, params, extra_args)
+            measurements[n], s = call_(txs[n], given, s, params, extra_args)
             states.append(s)
         return updates, MonitorState(measurements, tuple(states))
 

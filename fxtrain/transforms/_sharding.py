@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import distributed, tree
 from fxtrain._base import (
-    GradientTransformation, call, forwarded, is_elementwise, public_factory, traits, transform, with_traits,
+    GradientTransformation, call_, forwarded, is_elementwise, public_factory, traits, transform, with_traits,
 )
 from fxtrain.distributed._collectives import check_same_mesh, contiguous_stride, redistribute
 
@@ -137,7 +137,7 @@ def _factory(tx: GradientTransformation, *, shard_over: str | None = None) -> Gr
     _refuse(tx)
 
     def inner(updates, state, params, extra_args):
-        return call(tx, updates, state, params, extra_args)
+        return call_(tx, updates, state, params, extra_args)
 
     def init_fn(params):
         flat_p, pspec = tree.flatten(params)
