@@ -191,8 +191,8 @@ def _instantiate(node):
 
 
 def _steps_and_mid() -> tuple[int, int]:
-    """Batches per run (a multiple of every accumulate preset's window, at least 2 windows of the largest... or 8)
-    and the checkpoint step inside every window (no multiple of any ``every`` > 1)."""
+    """Batches per run (the least common multiple of the accumulate presets' windows, at least 8) and the step of
+    the mid-window checkpoint (the first from 3 on that is no multiple of any ``every`` > 1: inside every window)."""
     everies = [int(OmegaConf.load(CONF / "accumulate" / f"{a}.yaml").every) for a in presets("accumulate")]
     steps = math.lcm(*everies)
     steps *= max(1, -(-8 // steps))
@@ -342,6 +342,8 @@ def run_group(group: Group, resumes: set[str], root: pathlib.Path) -> dict:
     """The group's runs on its layout (every rank of its world, or this one process): the uninterrupted one,
     checkpointing at MID (and at the end), and, if asked, the killed one continued by ``resume=auto``.
     Writes and returns ``{"whole": ..., "killed": ...}``."""
+    if (root / "result.json").exists():  # run already (experiments/matrix/run.py --out DIR continues a product)
+        return json.loads((root / "result.json").read_text())
     whole, killed = root / "whole", root / "killed"
     args = [*group.overrides(), f"trainer.checkpoint_every={MID}"]
     out = {"whole": attempt(whole, *args)}
@@ -430,7 +432,9 @@ def judge(cell: dict, runs: dict, root: pathlib.Path, base: pathlib.Path) -> Ver
     if resume == "whole":
         got = whole
     elif resume == "killed":
-        got = runs.get("killed", {"error": f"not run: no checkpoint at step {MID}"})
+        if "killed" not in runs:
+            return Verdict("FAILS", f"no checkpoint at step {MID} to resume from: {whole.get('error')}")
+        got = runs["killed"]
         if got.get("records") != whole["records"] or _stop(got) != _stop(whole):
             dev, where = deviation(got.get("records", []), whole["records"])
             return Verdict("FAILS", f"resume=auto differs from the uninterrupted run on its layout: "
@@ -467,8 +471,24 @@ def selected(cells: list[dict], only: str) -> list[dict]:
     return [c for c in cells if all(c[k] in vs for k, vs in want.items())]
 
 
+def covering(axes: dict[str, list]) -> list[dict]:
+    """The fast suite's cells: :func:`pairwise`, and for every group it runs the resume modes that cost no
+    run on the layout (``whole``: the group's run itself; ``relayout``: a one-process continuation). Pairwise
+    alone pairs most layouts' relayout with an amp mode that the layout refuses or that never updates in 8
+    batches (naive_fp16's 2**32 scale), which would leave relayout untested where it matters."""
+    cells = pairwise(axes)
+    seen = {cell_id(c) for c in cells}
+    for cell in list(cells):
+        for resume in ("whole", "relayout"):
+            extra = {**cell, "resume": resume}
+            if cell_id(extra) not in seen:
+                seen.add(cell_id(extra))
+                cells.append(extra)
+    return cells
+
+
 # FXTRAIN_MATRIX=full (experiments/matrix/run.py sets it, so the world ranks see it too): the whole product.
-CELLS = selected(product(AXES) if os.environ.get("FXTRAIN_MATRIX") == "full" else pairwise(AXES),
+CELLS = selected(product(AXES) if os.environ.get("FXTRAIN_MATRIX") == "full" else covering(AXES),
                  os.environ.get("FXTRAIN_MATRIX_ONLY", ""))
 GROUPS = groups_of(CELLS)
 CASES, case = _worlds.registry(worlds=())
@@ -488,13 +508,35 @@ for _group, _resumes in GROUPS.items():
 
 # The worlds run the groups (each file's share of a world's time limit; 8 ranks on 2 cores are slow). Their
 # per-case tests are not collected: test_cell below judges each cell from the runs a group left.
-WORLD_TIMEOUT_S = 120 + 40 * max([sum(g.world == w for g in GROUPS) * w // 2 for w in (2, 4, 8)] + [0])
+WORLD_TIMEOUT_S = 120 + 20 * max([sum(g.world == w for g in GROUPS) * w // 2 for w in (2, 4, 8)] + [0])
 _worlds.tests(__file__, CASES, timeout_s=WORLD_TIMEOUT_S)
 
 
 # --- known defects (issue 35; fixed on branch wt-pipeline): strict xfails, removed with their fix --------------
 
-KNOWN_DEFECTS: list[tuple[dict, str]] = [
+PIPELINES = ["pp", "pp_tp", "pp_fsdp", "3d"]
+KNOWN_DEFECTS: list[tuple[dict, str]] = [  # (the values of the cells it fails, why): the first match is the cell's
+    # issue 35's own list
+    ({"parallel": ["pp_fsdp", "3d"], "amp": ["bf16"]},
+     "issue 35: pp_fsdp and 3d train nothing under amp=bf16 (grad_norm 0 at every update)"),
+    ({"parallel": ["pp", "pp_tp"], "amp": ["bf16"]},
+     "issue 35: pp and pp_tp under bf16 apply n_microbatches x the gradient (grad_norm 4x); continued mid-window "
+     "in one process, the held 4x sums mix with 1x ones"),
+    # found by this matrix
+    ({"parallel": PIPELINES, "amp": ["pure_bf16", "pure_fp16"]},
+     "matrix: half-precision params under a pipeline fail at the first step with a ValueError traceback ('... is "
+     "not a parameter of the schedule's stage module(s)'), not a one-line refusal before training"),
+    ({"parallel": ["fsdp", "fsdp_tp", "hsdp"], "amp": ["pure_bf16", "pure_fp16"]},
+     "matrix: half-precision params under FSDP fail at the first step with a ValueError traceback ('fully_sharded"
+     "(TransformerLM) step: params[...] is torch.bfloat16 but TransformerLM's parameter is torch.float32'), not a "
+     "one-line refusal before training"),
+    ({"parallel": ["ep", "ep_fsdp", "hsdp"], "amp": ["fp16"]},
+     "matrix: fp16's dynamic loss scale overflows under ep, ep_fsdp and hsdp (grad_norm inf, the update skipped) "
+     "where one process's gradients are finite; the losses part from there"),
+    ({"parallel": ["fsdp_tp"], "amp": ["off"], "accumulate": ["k4", "k8"], "resume": ["relayout"]},
+     "matrix: an fsdp_tp checkpoint taken mid-window holds half the accumulated gradient of the params replicated "
+     "over tp (every LayerNorm weight and bias): continued in one process, the first update's grad_norm is 1.8e-4 "
+     "off in float32 (bf16/fp16 tolerances hide it at this size)"),
 ]
 
 

@@ -20,6 +20,7 @@ import logging
 import os
 import pathlib
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="cells whose values match, e.g. 'parallel=dp,fsdp;amp=bf16'")
     ap.add_argument("--pairwise", action="store_true", help="the fast suite's covering subset, not the product")
-    ap.add_argument("--out", default=None, help="where the runs go (default: a fresh temporary directory)")
+    ap.add_argument("--out", default=None, help="where the runs go (default: a fresh temporary directory); the "
+                    "groups a call with the same --out ran already are not run again")
     ap.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per world (default: the test's)")
     args = ap.parse_args(argv)
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         world_s[world] = time.time() - t
         world_cpu[world] = _cpu(resource.RUSAGE_CHILDREN) - sum(world_cpu.values())
     verdicts = {}
+    shutil.rmtree(out / "one", ignore_errors=True)  # the layouts' runs of an earlier call are kept, not these
     one = _mkdir(out / "one")
     root_log = logging.getLogger()
     for cell in m.CELLS:
