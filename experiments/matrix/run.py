@@ -127,11 +127,12 @@ def table(m, verdicts: dict, counts, args, total_s: float, world_s: dict, world_
         "",
         f"**{len(verdicts)} cells: {counts['holds']} hold, {counts['refused']} refused, {counts['FAILS']} FAIL.**"
         + ("" if not (args.only or args.pairwise) else
-           f" A slice of the product: {'the pairwise subset' if args.pairwise else ''} {args.only}".rstrip()),
+           " A slice of the product: " + " ".join(x for x in ("the covering subset" if args.pairwise else "",
+                                                               args.only) if x) + "."),
         "",
         "The axes, read from the registries when the test module is imported:",
         "",
-        "| axis | values | |",
+        "| axis | count | values |",
         "| --- | --- | --- |",
         axes,
         "",
