@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PIP     := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: train test studies bench bench-suite gpu-check setup clean
+.PHONY: train test studies matrix bench bench-suite gpu-check setup clean
 
 # Reinstall when the project metadata or pins change; otherwise reuse the venv.
 $(STAMP): pyproject.toml constraints.txt
@@ -31,6 +31,12 @@ test: $(STAMP)
 # (experiments/studies.py: tolerance, how to renew them). About 2 minutes on 2 cores.
 studies: $(STAMP)
 	$(BIN)/python experiments/studies.py $(ARGS)
+
+# The whole layout x amp x accumulate x optimizer-kind x resume product of tests/test_matrix.py (the suite runs a
+# pairwise subset), judged against one process, into experiments/matrix/results.md: commit it with the change that
+# moved it. ARGS="--only 'parallel=pp,pp_tp;amp=bf16'" runs a slice (printed; --write writes it as the table).
+matrix: $(STAMP)
+	$(BIN)/python experiments/matrix/run.py --write $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python experiments/bench/step.py $(ARGS)
