@@ -38,8 +38,11 @@ Both verify the checkpoint first (:func:`fxtrain.checkpoint.verify`; nothing in 
 runs code): ``resume=auto`` goes back past a newest checkpoint that does not verify to the previous one,
 naming the damaged one in a warning (none verifying is an error, never a silent start at step 0). The world
 size and the parallel layout are part of the run (recorded in ``run.json`` and every checkpoint's manifest):
-resuming on another is refused unless ``resume_relayout=true`` (the checkpoint is resharded; the start line
-says ``relayout from 2 ranks, parallel=dp [dp=2] to 1 process, parallel=none``).
+resuming on another is refused unless ``resume_relayout=true`` (the checkpoint is resharded: every leaf's value
+placed as the new layout's; the start line says ``relayout from 2 ranks, parallel=dp [dp=2] to 1 process,
+parallel=none``). From inside an accumulation window (a held gradient sum) a relayout continues only into
+layouts that hold their sums as plain tensors (``parallel=none``, ``parallel=pp``); into the others it is
+refused before any step (resume from a window boundary instead).
 
 In both cases ``metrics.jsonl`` is cut back to the checkpoint's step before training goes on (the lines
 a killed run logged after its last checkpoint are logged again by the resumed one), so it holds every
