@@ -157,7 +157,7 @@ def tests(script: str, cases: dict, timeout_s: float) -> Callable:
 def shared_results(world: int, tmp_path_factory) -> list[dict]:
     """Each rank's ``{script: {case: result}}`` of the one world of size ``world`` that runs every registered
     file: run by the first caller of the session (all pytest-xdist workers together), read by the others."""
-    out_dir = _shared_dir(world, tmp_path_factory)
+    files, out_dir = sorted(_FILES[world]), _shared_dir(world, tmp_path_factory)
     key, shared = out_dir.name, out_dir.parent
     if key in _CACHE:
         return _CACHE[key]

@@ -160,7 +160,19 @@ for _name in COMPOSED:
     _composed_case(_name)
 
 
-test_case = _worlds.tests(__file__, CASES, timeout_s=600)
+@case()
+def case_relayout_into_and_out_of_fsdp(world):
+    """Each layout the presets give on 4 ranks continued on fsdp and fsdp's on each (pairs through one hub: every
+    pair of them would cost minutes here; tests/test_train_resume_layouts.py runs every pair on 2 ranks), from a
+    window's end like the uninterrupted run, from inside one refused before any step but into plain-tensor
+    layouts (issue 35: hsdp -> fsdp inside a window crashed at its first step)."""
+    from tests.test_train_resume_layouts import relayout_pairs
+
+    pairs = relayout_pairs(world, _worlds.OUT_DIR / "relayout", hub="fsdp", one_process=False)
+    assert {(s, d) for _, s, d in pairs} >= {("hsdp", "fsdp"), ("fsdp", "pp_fsdp"), ("ep_fsdp", "fsdp")}, pairs
+
+
+test_case = _worlds.tests(__file__, CASES, timeout_s=1500)
 
 
 if __name__ == "__main__":

@@ -220,50 +220,48 @@ def _continue(source: pathlib.Path, out: pathlib.Path, step: int, *overrides: st
     assert_steps_close(str(out), got, want, rel, norm_rel)
 
 
-@case(2)
-def case_relayout_every_pair(world):
-    """Every layout's checkpoint continued on every other layout of the presets (and one process's on each):
-    from a window's end, each continues like the uninterrupted run; from inside a window (a held gradient sum),
-    into a layout that holds its sums as plain tensors (pp) likewise, into the others refused before any step,
-    naming what to do (issue 35: tp -> dp crashed at a window's end, tp -> dp and hsdp -> fsdp inside a window,
-    and none -> pp refused a whole model's checkpoint). Into one process: test_relayout_into_one_process."""
+def relayout_pairs(world: int, root: pathlib.Path, hub: str | None = None, one_process: bool = True) -> list:
+    """Trains the sources and continues each pair of :func:`presets` (``hub``: only the pairs into and out of it;
+    ``one_process``: one process's checkpoint into each too) from a window's end and from inside one: like the
+    uninterrupted run, or (inside a window, into a layout that holds its sums in another form than plain tensors)
+    refused before any step. A pair runs the first of :data:`MODELS` both sides take. Returns the pairs run."""
     import subprocess
 
     from fxtrain.errors import ConfigError
 
-    root, rank = _worlds.OUT_DIR / "relayout", torch.distributed.get_rank()
-    layouts = presets(world)
-    taken: dict[str, dict[str, list[str]]] = {}  # model -> the presets that build it
-    for model in MODELS:
-        taken[model] = {}
-        for name, overrides in layouts.items():
+    rank, layouts, built = torch.distributed.get_rank(), presets(world), {}
+
+    def takes(model: str, name: str) -> bool:  # trains the source (model on layout name) the first time asked
+        if (model, name) not in built:
             try:
-                _train(root / model / name, *_args(*overrides, f"model={model}"))
+                _train(root / model / name, *_args(*layouts[name], f"model={model}"))
+                built[model, name] = True
             except ConfigError as e:  # this model on this layout (the MoE has no tensor-parallel plan)
                 assert f"model={model}" in str(e) or "model=?" in str(e), str(e)
                 torch.distributed.barrier()
-                continue
-            taken[model][name] = overrides
-    done = root / "one_process.done"
-    if rank == 0:  # one process's runs, in a process of their own (the ranks here are a world of 2)
-        env = {k: v for k, v in _worlds.script_env().items()  # not a rank of a torchrun world, if this one is
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-        for model in MODELS:
-            subprocess.run([sys.executable, "-m", "fxtrain.train", *_args("parallel=none", f"model={model}"),
-                            f"hydra.run.dir={root / model / 'none'}"], env=env, check=True, capture_output=True,
-                           timeout=600)
-        done.touch()
-    for _ in range(1200):  # the other ranks wait on the file system: a barrier would time out (the world's 60 s)
-        if done.exists():
-            break
-        time.sleep(1.0)
-    torch.distributed.barrier()
-    # issue 35's third defect: pp's held sums under bf16, continued in one process (test_relayout_into_one_process)
-    _train(root / "transformer" / "pp_bf16", *_args("parallel=pp", "amp=bf16"))
-    pairs = [(model, src, dst) for src in ["none", *layouts] for dst in layouts if src != dst
-             for model in [next((m for m in MODELS if dst in taken[m] and (src == "none" or src in taken[m])), None)]
-             if model is not None]
-    assert {(s, d) for _, s, d in pairs} >= {("tp", "dp"), ("none", "pp"), ("ep", "fsdp"), ("dp", "ep")}, pairs
+                built[model, name] = False
+        return built[model, name]
+
+    pairs = [(src, dst) for src in [*layouts, *(["none"] if one_process else [])] for dst in layouts
+             if src != dst and (hub is None or hub in (src, dst))]
+    pairs = [(next((m for m in MODELS if (src == "none" or takes(m, src)) and takes(m, dst)), None), src, dst)
+             for src, dst in pairs]
+    pairs = [p for p in pairs if p[0] is not None]
+    if one_process:
+        done = root / "one_process.done"
+        if rank == 0:  # one process's runs, in a process of their own (the ranks here are a world)
+            env = {k: v for k, v in _worlds.script_env().items()  # not a rank of a torchrun world, if this one is
+                   if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+            for model in sorted({m for m, src, _ in pairs if src == "none"}):
+                subprocess.run([sys.executable, "-m", "fxtrain.train", *_args("parallel=none", f"model={model}"),
+                                f"hydra.run.dir={root / model / 'none'}"], env=env, check=True, capture_output=True,
+                               timeout=600)
+            done.touch()
+        for _ in range(1200):  # the other ranks wait on the file system: a barrier would time out (the world's 60 s)
+            if done.exists():
+                break
+            time.sleep(1.0)
+        torch.distributed.barrier()
     for model, src, dst in pairs:
         source, overrides, out = root / model / src, [*layouts[dst], f"model={model}"], root / model / f"{src}-{dst}"
         _continue(source, out.with_name(f"{out.name}-{BOUNDARY}"), BOUNDARY, *overrides)
@@ -281,6 +279,22 @@ def case_relayout_every_pair(world):
             raise AssertionError(f"{src} -> {dst} at step {MID}: not refused")
         torch.distributed.barrier()
         assert not (out.with_name(f"{out.name}-{MID}") / "metrics.jsonl").exists()
+    return pairs
+
+
+@case(2)
+def case_relayout_every_pair(world):
+    """Every layout's checkpoint continued on every other layout of the presets (and one process's on each):
+    from a window's end, each continues like the uninterrupted run; from inside a window (a held gradient sum),
+    into a layout that holds its sums as plain tensors (pp) likewise, into the others refused before any step,
+    naming what to do (issue 35: tp -> dp crashed at a window's end, tp -> dp inside a window, and none -> pp
+    refused a whole model's checkpoint). Into one process: test_relayout_into_one_process; the 4-rank layouts:
+    tests/test_train_parallel.py."""
+    root = _worlds.OUT_DIR / "relayout"
+    pairs = relayout_pairs(world, root)
+    assert {(s, d) for _, s, d in pairs} >= {("tp", "dp"), ("none", "pp"), ("ep", "fsdp"), ("dp", "ep")}, pairs
+    # issue 35's third defect: pp's held sums under bf16, continued in one process (test_relayout_into_one_process)
+    _train(root / "transformer" / "pp_bf16", *_args("parallel=pp", "amp=bf16"))
 
 
 @pytest.mark.slow
