@@ -483,9 +483,11 @@ def _replicas_only(node: DictConfig) -> bool:
 
 
 def fsdp_casts(dims: distributed.ParallelDims) -> bool:
-    """Whether FSDP's ``MixedPrecisionPolicy`` casts the params (FSDP-sharded whole models; a pipeline stage's
-    params are cast by ``amp_cast`` through :func:`fxtrain.parallel.pipeline_step`)."""
-    return dims.params_sharded and not dims.enabled("pp") and not dims.enabled("ep")
+    """Whether FSDP's ``MixedPrecisionPolicy`` casts the params: FSDP-sharded models and pipeline stages (FSDP's
+    all-gather replaces whatever ``amp_cast`` would cast, so its casts never reach the gradients: issue 35's
+    ``pp_fsdp`` under bf16 trained nothing). Unsharded pipeline stages are cast by ``amp_cast`` through
+    :func:`fxtrain.parallel.pipeline_step`."""
+    return dims.params_sharded and not dims.enabled("ep")
 
 
 def _short(dtype: torch.dtype) -> str:

@@ -498,7 +498,8 @@ def _remove(d: pathlib.Path) -> None:
 
 # --- load -----------------------------------------------------------------------------------------
 
-def load(path: str | os.PathLike, *, like: Any, verify: bool = True, saved_placements: bool = False) -> Any:
+def load(path: str | os.PathLike, *, like: Any, verify: bool = True, saved_placements: bool = False,
+         part: bool = False) -> Any:
     """Reads the checkpoint at ``path`` into a new tree shaped like ``like``.
 
     ``like`` gives the structure, and for each tensor leaf the shape, dtype, device and (for DTensors)
@@ -512,10 +513,13 @@ def load(path: str | os.PathLike, *, like: Any, verify: bool = True, saved_place
       verify: check every file's size and CRC32 against the manifest first (reads the whole checkpoint
         once more; ``False`` only checks sizes).
       saved_placements: DTensor leaves keep the placements they were saved with where ``like``'s mesh has the
-        shape of the one they were saved on (a resume: an accumulated gradient's placements may differ from
-        its param's); ``False``: ``like``'s. ``Partial`` leaves keep theirs either way (their terms, exactly).
+        shape of the one they were saved on (a resume on the same layout: an accumulated gradient's placements
+        may differ from its param's); ``False``: ``like``'s, each leaf's value placed so (``Partial`` terms
+        summed, unless ``like``'s leaf is ``Partial`` the same way: then its terms, exactly).
         A checkpoint whose ranks saved different trees (pipeline stages) loads into a ``like`` that is one
         rank's part, or the whole tree.
+      part: ``like`` may be a part of the saved tree (a pipeline stage's params and state, from the checkpoint
+        of a whole model): only its leaves are read. ``False``: the trees must match.
 
     Returns:
       The loaded tree, with ``like``'s containers.
@@ -545,7 +549,7 @@ def load(path: str | os.PathLike, *, like: Any, verify: bool = True, saved_place
     manifest = _manifest(path)
     _check_files(path, manifest, verify)
     saved = manifest["leaves"]
-    if manifest.get("partitioned") is True:  # pipeline stages: `like` is one stage's part (or the whole tree)
+    if manifest.get("partitioned") is True or part:  # pipeline stages: `like` is one stage's part (or the whole)
         mine = set(like_paths)
         saved = [e for e in saved if e["path"] in mine] if mine <= {e["path"] for e in saved} else saved
     _check_like(path, saved, like_paths, flat)
@@ -867,8 +871,10 @@ def _empty_like(x: torch.Tensor, entry: dict[str, Any], saved: bool = False) -> 
         return torch.empty((*terms, *x.shape), dtype=x.dtype, device=x.device) if terms else \
             torch.empty_like(x.detach(), memory_format=torch.contiguous_format)
     placements = _saved_placements(entry, x)
-    if placements is not None and not saved and not _saved_terms(entry):
-        placements = tuple(x.placements)
+    if placements is not None and not saved and placements != tuple(x.placements):
+        # Into another layout (a mesh of the same shape may mean other dims: tp's (2,) is not dp's): the leaf's
+        # value, Partial terms reduced, placed like x. Issue 35: tp -> dp kept tp's Shard on the dp mesh.
+        placements = None if _saved_terms(entry) else tuple(x.placements)
     if placements is None:  # saved on another mesh: the full value, on every rank, then placed like x
         terms = _saved_terms(entry)
         return torch.empty((*terms, *x.shape), dtype=x.dtype, device=x._local_tensor.device)

@@ -38,8 +38,11 @@ Both verify the checkpoint first (:func:`fxtrain.checkpoint.verify`; nothing in 
 runs code): ``resume=auto`` goes back past a newest checkpoint that does not verify to the previous one,
 naming the damaged one in a warning (none verifying is an error, never a silent start at step 0). The world
 size and the parallel layout are part of the run (recorded in ``run.json`` and every checkpoint's manifest):
-resuming on another is refused unless ``resume_relayout=true`` (the checkpoint is resharded; the start line
-says ``relayout from 2 ranks, parallel=dp [dp=2] to 1 process, parallel=none``).
+resuming on another is refused unless ``resume_relayout=true`` (the checkpoint is resharded: every leaf's value
+placed as the new layout's; the start line says ``relayout from 2 ranks, parallel=dp [dp=2] to 1 process,
+parallel=none``). From inside an accumulation window (a held gradient sum) a relayout continues only into
+layouts that hold their sums as plain tensors (``parallel=none``, ``parallel=pp``); into the others it is
+refused before any step (resume from a window boundary instead).
 
 In both cases ``metrics.jsonl`` is cut back to the checkpoint's step before training goes on (the lines
 a killed run logged after its last checkpoint are logged again by the resumed one), so it holds every
@@ -267,14 +270,20 @@ def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, 
     if orbax is not None:
         start, opt_state, resumed = orbax
     elif isinstance(run.source, pathlib.Path):
+        # On the same layout a held gradient keeps its placements (they may differ from its param's); on another
+        # (resume_relayout: run.note), every leaf's value is placed as this layout's tree, and a pipeline stage
+        # reads its part of a whole model's checkpoint.
+        relayout = run.note is not None
         state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers),
-                        saved_placements=True)  # a held gradient keeps its own (it may differ from its param's)
+                        saved_placements=not relayout, part=relayout and run.dims.enabled("pp"))
         # Into the built trees, in place: FSDP and pipeline stages compute with their modules' own tensors,
         # which these leaves are (a new tree would train a copy the module never sees).
         with torch.no_grad():
             tree.copy_(tree.leaves(params), tree.leaves(state.params))
             tree.copy_(tree.leaves(buffers), tree.leaves(state.buffers))
         start, opt_state = state.step, state.opt_state
+        if relayout:
+            _check_held_relayout(cfg, run, start)
         fx.set_rng_state(state.rng)
         if start > cfg.trainer.max_steps:
             raise ConfigError(f"resume: the checkpoint {run.source} is at step {start}, beyond "
@@ -283,6 +292,27 @@ def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, 
     elif cfg.get("resume") == "auto":
         resumed = f"from step 0 (resume=auto: no checkpoint in {run.ckpt_dir})"
     return fx.TrainState(start, params, opt_state, fx.rng_state(), buffers), resumed
+
+
+def _check_held_relayout(cfg: DictConfig, run: Run, step: int) -> None:
+    """Refuses a relayout from inside an accumulation window into a layout whose gradients are not plain tensors.
+
+    A checkpoint inside a window holds the sum of its first micro-batches' gradients, loaded here as its value
+    placed like this layout's params. Plain-tensor layouts (one process, pipeline stages) add the next
+    gradients to it as they are. The others hold their sums in another form than their params: data-parallel
+    replicas as per-rank ``Partial`` terms, FSDP as each rank's unsharded sum, tensor parallel with some
+    gradients ``Replicate`` beside ``Shard`` params; the value would be counted once per rank or not fit
+    (issue 35: tp -> dp mid-window crashed at its first step, or added the held sum twice).
+    """
+    every = cfg.accumulate.every
+    plain = not any(run.dims.enabled(d) for d in ("dp_replicate", "dp_shard", "tp", "ep"))
+    if every > 1 and step % every and not plain:
+        raise ConfigError(f"resume_relayout=true: the checkpoint {run.source} is at step {step}, inside an "
+                          f"accumulation window (accumulate.every={every}: {step % every} micro-batches' gradient "
+                          f"sum held), which {run.dims.describe()} cannot continue exactly (it holds the sum in "
+                          "another form per rank); resume from a checkpoint at a window boundary (a step that is "
+                          f"a multiple of {every}; trainer.checkpoint_every={every} writes them), on the "
+                          "checkpoint's own layout, or into parallel=none or parallel=pp")
 
 
 def begin_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, resumed: str,
@@ -939,6 +969,13 @@ def _check_same_config(cfg: DictConfig, path: pathlib.Path, manifest: dict[str, 
         return
     _, flat = rundir.config_hash(cfg)
     diff = rundir.differing(there, flat, cfg)
+    if diff and all(k.startswith("parallel.") for k in diff):  # the layout alone: resume_relayout is the key
+        shown = ", ".join(f"{k}={there[k]} there, {flat[k]} here" for k in diff[:3])
+        raise rundir.RunDirError(f"resume={cfg.resume}: the checkpoint was trained on another parallel layout "
+                                 f"({shown}{', ...' if len(diff) > 3 else ''}), which changes what the run computes "
+                                 "(batches per rank, reduction order), so it is not resumed silently; launch on "
+                                 "that layout, or pass resume_relayout=true to continue it on this one (its "
+                                 "checkpoint is resharded)")
     if diff:
         shown = ", ".join(f"{k}={there[k]} there, {flat[k]} here" for k in diff[:3])
         raise rundir.RunDirError(f"resume={cfg.resume}: the checkpoint is of another config ({shown}"

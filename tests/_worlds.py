@@ -157,13 +157,10 @@ def tests(script: str, cases: dict, timeout_s: float) -> Callable:
 def shared_results(world: int, tmp_path_factory) -> list[dict]:
     """Each rank's ``{script: {case: result}}`` of the one world of size ``world`` that runs every registered
     file: run by the first caller of the session (all pytest-xdist workers together), read by the others."""
-    files = sorted(_FILES[world])
-    key = f"worlds{world}-" + hashlib.sha1("\n".join(files).encode()).hexdigest()[:12]
+    files, out_dir = sorted(_FILES[world]), _shared_dir(world, tmp_path_factory)
+    key, shared = out_dir.name, out_dir.parent
     if key in _CACHE:
         return _CACHE[key]
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: one basetemp per worker
-    out_dir = shared / key
     with open(shared / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         done = out_dir / "results.json"
@@ -174,6 +171,23 @@ def shared_results(world: int, tmp_path_factory) -> list[dict]:
             done.write_text(json.dumps(res))
         _CACHE[key] = json.loads(done.read_text())
     return _CACHE[key]
+
+
+def out_dir(world: int, script: str, tmp_path_factory) -> pathlib.Path:
+    """The directory the cases of ``script`` (a test file's ``__file__``) wrote under (:data:`OUT_DIR`) in the
+    shared world of size ``world``, which runs first if it has not: for a test of this process that reads what
+    a world's case left (checkpoints to continue in one process)."""
+    shared_results(world, tmp_path_factory)
+    return _shared_dir(world, tmp_path_factory) / pathlib.Path(script).stem
+
+
+def _shared_dir(world: int, tmp_path_factory) -> pathlib.Path:
+    """The session's directory of the shared world of size ``world`` (named by the files it runs)."""
+    files = sorted(_FILES[world])
+    key = f"worlds{world}-" + hashlib.sha1("\n".join(files).encode()).hexdigest()[:12]
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: one basetemp per worker
+    return shared / key
 
 
 def _spawn(entry: list[str], world: int, out_dir, timeout_s: float, extra: list[str] = ()) -> list[dict]:

@@ -254,9 +254,14 @@ def test_another_world_size_or_layout_is_refused_unless_relayout(tmp_path, caplo
     # into another directory: the checkpoint's own manifest says it (no run.json there to tell)
     with pytest.raises(rundir.RunDirError, match=r"the checkpoint .*step_0000002 was trained on 2 ranks"):
         runner.train(cfg_of(*cfg, f"resume={run / 'checkpoints' / 'step_0000002'}"), tmp_path / "elsewhere")
-    # parallel=none is the same run on another layout: its parallel.* keys are the layout, not another config
-    with pytest.raises(rundir.RunDirError, match=r"another config \(parallel\.dp_replicate=-1 there, 1 here\)"):
+    # parallel=none is the same run on another layout: its parallel.* keys are the layout, not another config,
+    # and the refusal names the key that continues it (issue 35: it named resume_force, which led to a second
+    # refusal naming resume_relayout)
+    with pytest.raises(rundir.RunDirError, match=r"^resume=.*step_0000002: the checkpoint was trained on another "
+                                                 r"parallel layout \(parallel\.dp_replicate=-1 there, 1 here\), "
+                                                 r"[^\n]*pass resume_relayout=true to continue it on this one") as e:
         runner.train(cfg_of(*SHORT, f"resume={run / 'checkpoints' / 'step_0000002'}"), tmp_path / "none")
+    assert "resume_force" not in str(e.value)
     runner.train(cfg_of(*SHORT, f"resume={run / 'checkpoints' / 'step_0000002'}", "resume_relayout=true"),
                  tmp_path / "none")
     with caplog.at_level("INFO", logger="fxtrain"):

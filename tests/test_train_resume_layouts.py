@@ -11,8 +11,11 @@ import json
 import pathlib
 import shutil
 import sys
+import time
 
+import pytest
 import torch
+from hydra.core.global_hydra import GlobalHydra
 
 import fxtrain as fx
 from tests import _worlds
@@ -110,6 +113,217 @@ def case_eval_precision_and_pp_amp(world):
     assert abs(pp_first - ref_first) <= 2e-6 * ref_first, (pp_first, ref_first)
 
 
+BF16 = {**LAYOUTS, "pp_1f1b": ["parallel=pp", "parallel.microbatches=2", "parallel.schedule=1f1b"]}
+
+
+def one_process_metrics(*overrides: str) -> list[dict]:
+    """The loss and grad_norm of every step of the one-process run of a config, computed on this rank (the
+    runner's build and step on each whole batch)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fxtrain import train as runner
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, "parallel=none"])
+    built = runner.build_run(cfg, torch.device("cpu"))
+    params, state, buffers, out = built.params, built.opt_state, built.buffers, []
+    for i in range(cfg.trainer.max_steps):
+        params, state, buffers, metrics = built.step(params, state, buffers, built.data.train[i])
+        out.append({k: float(metrics[k]) for k in ("loss", "grad_norm")})
+    return out
+
+
+def assert_steps_close(name: str, got: list[dict], ref: list[dict], loss_rel: float, norm_rel: float) -> None:
+    """Per step, the layout's logged loss and grad_norm against one process's, within relative tolerances."""
+    assert len(got) == len(ref), (name, len(got), len(ref))
+    for i, (g, r) in enumerate(zip(got, ref)):
+        for key, rel in (("loss", loss_rel), ("grad_norm", norm_rel)):
+            assert abs(g[key] - r[key]) <= rel * abs(r[key]), (name, i + 1, key, g[key], r[key])
+
+
+@case()
+def case_bf16_layouts_match_one_process(world):
+    """Under amp=bf16 (tiny_lm's preset), every layout logs one process's bf16 run, step by step: loss and
+    grad_norm, every step an update (accumulate off). The layouts differ from one process by bf16 rounding in
+    another order (measured: loss 1e-5, grad_norm 6e-4 relative), not by a factor: issue 35's pp and pp_tp
+    applied n_microbatches x the gradient (grad_norm 2x here) under bf16 with gpipe and 1f1b."""
+    amp = [t for t in TINY if t != "amp=off"] + ["accumulate=off", "trainer.max_steps=4", "trainer.eval_every=4",
+                                                  "trainer.checkpoint_every=0"]
+    refs = {model: one_process_metrics(*amp, f"model={model}") for model in ("transformer", "moe")}
+    root = _worlds.OUT_DIR / "bf16"
+    for name, overrides in BF16.items():
+        _train(root / name, *amp, *overrides)
+        got = [r for r in _records(root / name) if "loss" in r]
+        assert_steps_close(name, got, refs["moe" if "model=moe" in overrides else "transformer"], 2e-4, 1e-2)
+
+
+# --- relayout: every pair of layouts the conf/parallel presets give, generated ---------------------------
+
+# Every 2 steps a checkpoint, so a window's end after a real update (step 4's has learning rate 0) and 2 of
+# accumulate's 4 micro-batches held after it.
+RELAYOUT = [*TINY, "trainer.max_steps=12", "trainer.eval_every=12", "trainer.checkpoint_every=2"]
+BOUNDARY, MID = 8, 10
+# A pair runs the first of these models both layouts take (ep needs the MoE, which has no tensor-parallel plan).
+MODELS = ("transformer", "moe")
+# Relayouts agree with the uninterrupted run as the layouts agree with each other in float32 (measured 3e-7)
+REL = 1e-5
+
+
+def presets(world: int) -> dict[str, list[str]]:
+    """``{name: overrides}``: the conf/parallel presets that compose on ``world`` ranks, one per layout they give
+    (on 2 ranks hsdp is dp, fsdp_tp is tp...: the shortest name), read from the config group so that a new preset
+    is covered."""
+    from fxtrain import build, train as runner
+    from fxtrain.errors import ConfigError
+    from tests._runner import cfg_of
+
+    out: dict[str, list[str]] = {}
+    for path in sorted((runner.CONF_DIR / "parallel").glob("*.yaml"), key=lambda p: (len(p.stem), p.stem)):
+        if path.stem.startswith("_"):
+            continue
+        GlobalHydra.instance().clear()
+        try:
+            layout = build.parallel_dims(cfg_of(*RELAYOUT, f"parallel={path.stem}"), world).describe()
+        except ConfigError:  # not on this world size (none on 2 ranks, 3d on fewer than 8)
+            continue
+        out.setdefault(layout, [f"parallel={path.stem}"])
+    return {o[0].split("=")[1]: o for o in out.values()}
+
+
+def _args(*overrides: str) -> list[str]:
+    """RELAYOUT with ``overrides`` in place of its own values of the same keys."""
+    keys = {o.split("=")[0] for o in overrides}
+    return [*(o for o in RELAYOUT if o.split("=")[0] not in keys), *overrides]
+
+
+def _takes_held_sums(overrides: list[str], world: int) -> bool:
+    """Whether a relayout into this preset continues inside a window (plain-tensor layouts: the runner's rule)."""
+    from fxtrain import build
+    from tests._runner import cfg_of
+
+    GlobalHydra.instance().clear()
+    dims = build.parallel_dims(cfg_of(*_args(*overrides)), world)
+    return not any(dims.enabled(d) for d in ("dp_replicate", "dp_shard", "tp", "ep"))
+
+
+def _continue(source: pathlib.Path, out: pathlib.Path, step: int, *overrides: str, rel: float = REL,
+              norm_rel: float = REL, train=None) -> None:
+    """Resumes ``source``'s checkpoint at ``step`` on the layout of ``overrides`` (resume_relayout=true) into
+    ``out`` and checks that it logs what ``source`` logged after ``step``, step by step."""
+    args = [*_args(*overrides), f"resume={source / 'checkpoints' / f'step_{step:07d}'}", "resume_relayout=true"]
+    (train or _train)(out, *args)
+    want = [r for r in _records(source) if r["step"] > step and "loss" in r]
+    got = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in got] == [r["step"] for r in want], (out, step)
+    assert_steps_close(str(out), got, want, rel, norm_rel)
+
+
+def relayout_pairs(world: int, root: pathlib.Path, hub: str | None = None, one_process: bool = True) -> list:
+    """Trains the sources and continues each pair of :func:`presets` (``hub``: only the pairs into and out of it;
+    ``one_process``: one process's checkpoint into each too) from a window's end and from inside one: like the
+    uninterrupted run, or (inside a window, into a layout that holds its sums in another form than plain tensors)
+    refused before any step. A pair runs the first of :data:`MODELS` both sides take. Returns the pairs run."""
+    import subprocess
+
+    from fxtrain.errors import ConfigError
+
+    rank, layouts, built = torch.distributed.get_rank(), presets(world), {}
+
+    def takes(model: str, name: str) -> bool:  # trains the source (model on layout name) the first time asked
+        if (model, name) not in built:
+            try:
+                _train(root / model / name, *_args(*layouts[name], f"model={model}"))
+                built[model, name] = True
+            except ConfigError as e:  # this model on this layout (the MoE has no tensor-parallel plan)
+                assert f"model={model}" in str(e) or "model=?" in str(e), str(e)
+                torch.distributed.barrier()
+                built[model, name] = False
+        return built[model, name]
+
+    pairs = [(src, dst) for src in [*layouts, *(["none"] if one_process else [])] for dst in layouts
+             if src != dst and (hub is None or hub in (src, dst))]
+    pairs = [(next((m for m in MODELS if (src == "none" or takes(m, src)) and takes(m, dst)), None), src, dst)
+             for src, dst in pairs]
+    pairs = [p for p in pairs if p[0] is not None]
+    if one_process:
+        done = root / "one_process.done"
+        if rank == 0:  # one process's runs, in a process of their own (the ranks here are a world)
+            env = {k: v for k, v in _worlds.script_env().items()  # not a rank of a torchrun world, if this one is
+                   if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+            for model in sorted({m for m, src, _ in pairs if src == "none"}):
+                subprocess.run([sys.executable, "-m", "fxtrain.train", *_args("parallel=none", f"model={model}"),
+                                f"hydra.run.dir={root / model / 'none'}"], env=env, check=True, capture_output=True,
+                               timeout=600)
+            done.touch()
+        for _ in range(1200):  # the other ranks wait on the file system: a barrier would time out (the world's 60 s)
+            if done.exists():
+                break
+            time.sleep(1.0)
+        torch.distributed.barrier()
+    for model, src, dst in pairs:
+        source, overrides, out = root / model / src, [*layouts[dst], f"model={model}"], root / model / f"{src}-{dst}"
+        _continue(source, out.with_name(f"{out.name}-{BOUNDARY}"), BOUNDARY, *overrides)
+        if _takes_held_sums(overrides, world):
+            _continue(source, out.with_name(f"{out.name}-{MID}"), MID, *overrides)
+            continue
+        try:
+            _train(out.with_name(f"{out.name}-{MID}"), *_args(*overrides), "resume_relayout=true",
+                   f"resume={source / 'checkpoints' / f'step_{MID:07d}'}")
+        except ConfigError as e:
+            assert str(e).startswith(f"resume_relayout=true: the checkpoint {source}/checkpoints/step_{MID:07d} is "
+                                     f"at step {MID}, inside an accumulation window (accumulate.every=4: 2 micro-"
+                                     "batches' gradient sum held), which parallel "), str(e)
+        else:
+            raise AssertionError(f"{src} -> {dst} at step {MID}: not refused")
+        torch.distributed.barrier()
+        assert not (out.with_name(f"{out.name}-{MID}") / "metrics.jsonl").exists()
+    return pairs
+
+
+@case(2)
+def case_relayout_every_pair(world):
+    """Every layout's checkpoint continued on every other layout of the presets (and one process's on each):
+    from a window's end, each continues like the uninterrupted run; from inside a window (a held gradient sum),
+    into a layout that holds its sums as plain tensors (pp) likewise, into the others refused before any step,
+    naming what to do (issue 35: tp -> dp crashed at a window's end, tp -> dp inside a window, and none -> pp
+    refused a whole model's checkpoint). Into one process: test_relayout_into_one_process; the 4-rank layouts:
+    tests/test_train_parallel.py."""
+    root = _worlds.OUT_DIR / "relayout"
+    pairs = relayout_pairs(world, root)
+    assert {(s, d) for _, s, d in pairs} >= {("tp", "dp"), ("none", "pp"), ("ep", "fsdp"), ("dp", "ep")}, pairs
+    # issue 35's third defect: pp's held sums under bf16, continued in one process (test_relayout_into_one_process)
+    _train(root / "transformer" / "pp_bf16", *_args("parallel=pp", "amp=bf16"))
+
+
+@pytest.mark.slow
+def test_relayout_into_one_process(tmp_path_factory, tmp_path):
+    """Every layout's checkpoint of case_relayout_every_pair continued in one process (resume_relayout=true),
+    from a window's end and from inside one, like the uninterrupted run; pp under bf16 from inside a window
+    too, within bf16 rounding (issue 35: pp's held sums were n_microbatches x the gradient, so the one process
+    added them to its own 1x ones: grad_norm 8.54 against 3.45)."""
+    from fxtrain import train as runner
+    from tests._runner import cfg_of
+
+    root = _worlds.out_dir(2, __file__, tmp_path_factory) / "relayout"
+    sources = [(m.name, p.name) for m in sorted(root.iterdir()) if m.is_dir() for p in sorted(m.iterdir())
+               if "-" not in p.name and p.name != "none" and (p / "checkpoints" / f"step_{MID:07d}").exists()]
+    assert {("transformer", "tp"), ("transformer", "pp"), ("moe", "ep"), ("transformer", "pp_bf16")} <= set(sources)
+
+    def train(out, *args):
+        GlobalHydra.instance().clear()
+        runner.train(cfg_of(*args), out)
+
+    for model, src in sources:
+        for step in (BOUNDARY, MID):
+            source, out = root / model / src, tmp_path / f"{model}-{src}-{step}"
+            if src == "pp_bf16":
+                _continue(source, out, step, "parallel=none", "amp=bf16", rel=2e-4, norm_rel=1e-2, train=train)
+            else:
+                _continue(source, out, step, "parallel=none", f"model={model}", train=train)
+
+
 def _layout_case(name: str):
     def run(world):
         _mid_window_resume(name, *LAYOUTS[name])
@@ -122,7 +336,7 @@ for _name in LAYOUTS:
     _layout_case(_name)
 
 
-test_case = _worlds.tests(__file__, CASES, timeout_s=600)
+test_case = _worlds.tests(__file__, CASES, timeout_s=1500)
 
 
 def test_none_resumes_mid_window_bit_exact(tmp_path):

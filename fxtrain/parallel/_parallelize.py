@@ -62,7 +62,8 @@ def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims
       dims: the run's mesh object (built).
       task: the loss and metrics (:mod:`fxtrain.tasks`); ``None``: classification.
       pipeline: under ``pp``: ``{"schedule": "gpipe" | "1f1b", "microbatches": int}``.
-      mp_policy: under ``dp_shard`` without ``pp``: FSDP's ``MixedPrecisionPolicy`` (the amp group's compute dtype).
+      mp_policy: under ``dp_shard`` (whole models and pipeline stages): FSDP's ``MixedPrecisionPolicy`` (the amp
+        group's compute dtype; :func:`fxtrain.build.mixed_precision`).
 
     Raises:
       ValueError: the model cannot take a degree (no TP plan, no pipeline split, no MoE layer), naming the
@@ -78,7 +79,7 @@ def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims
     task = task or tasks.classification()
     _check(model, dims)
     if dims.enabled("pp"):
-        return _pipelined(model, tx, dims, task, pipeline or {})
+        return _pipelined(model, tx, dims, task, pipeline or {}, mp_policy)
     if dims.enabled("ep"):
         # Experts over ep; the dense params replicated over the data ranks, or sharded (FSDP's layout) with dp_shard.
         apply, params, buffers = expert_parallel(model, dims.mesh, ep="ep", shard_dense=dims.params_sharded)
@@ -130,7 +131,8 @@ def _stage_plan(model: nn.Module) -> dict:
     return {k: v for k, v in model.tp_plan(sequence_parallel=False).items() if k.startswith("blocks.")}
 
 
-def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: dict) -> Parallel:
+def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: dict, mp_policy: Any = None
+               ) -> Parallel:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -141,7 +143,7 @@ def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipel
     n, stage_index = pp.size(), pp.get_local_rank()
     plan = _stage_plan(model) if dims.enabled("tp") else None
     module = model.pipeline_stage(stage_index, n)
-    _placed(module, dims, plan)
+    _placed(module, dims, plan, mp_policy)
     device = next(module.parameters()).device
     stage = PipelineStage(module, stage_index, n, device, group=pp.get_group())
     microbatches = int(pipeline.get("microbatches", 4))

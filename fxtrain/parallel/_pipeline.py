@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, report
@@ -117,11 +118,21 @@ def pipeline_step(schedule: Any, tx: GradientTransformation, *, pp_group: Any) -
     if tx.wrap_loss is not None and _scales_the_loss(tx):
         raise ValueError("pipeline_step: amp_cast scales the loss (fp16), which the schedule's own loss_fn "
                          "cannot take; use bf16 (amp=bf16: no loss scale)")
-    engine = _Engine(schedule, stages, group, tx)
+    dtype = next((p.dtype for s in stages for p in s.submod.parameters() if p.is_floating_point()), torch.float32)
+    casts = tx.wrap_loss is not None and _casts_the_params(tx, dtype)
+    sharded = [s.stage_index for s in stages if isinstance(s.submod, FSDPModule)]
+    if casts and sharded:
+        # FSDP's pre-forward all-gathers its own params over whatever the cast put in the module: the casts
+        # would never be differentiated (issue 35: parallel=pp_fsdp under bf16 trained on zero gradients).
+        raise ValueError(f"pipeline_step: {tx!r} casts the params in its forward (amp_cast's compute dtype), but "
+                         f"stage {sharded[0]}'s module is fully_shard-ed, whose all-gather replaces the casts: cast "
+                         "with fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)) and "
+                         "amp_cast(policy='p=f32,c=f32,o=f32'), as the runner does")
+    engine = _Engine(schedule, stages, group, tx if casts else None)
     update = donated_step(engine.forward, tx, grads=engine)
 
     def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict]:
-        engine.check(params, opt_state)
+        engine.check(params, opt_state, tx)
         out = update(params, opt_state, batch)
         engine.pending.wait()  # metrics["loss"], summed over the stages
         return out
@@ -132,8 +143,9 @@ def pipeline_step(schedule: Any, tx: GradientTransformation, *, pp_group: Any) -
 class _Engine:
     """The gradient engine handed to ``donated_step``: the schedule's backward, then the stages' ``.grad``."""
 
-    def __init__(self, schedule: Any, stages: list, group: Any, tx: GradientTransformation):
-        self.schedule, self.stages, self.group, self.tx = schedule, stages, group, tx
+    def __init__(self, schedule: Any, stages: list, group: Any, casting: GradientTransformation | None):
+        self.schedule, self.stages, self.group = schedule, stages, group
+        self.casting = casting  # the stack, where its wrap_loss casts the params (amp_cast): the cast step
         self.ranks = dist.get_process_group_ranks(group)
         self.checked_leaves: tuple = ()  # ids of the leaves last checked: a cheap per-call test
         self.sources: list[torch.Tensor] = []  # the stage parameter behind each leaf, in flatten order
@@ -141,7 +153,7 @@ class _Engine:
         self.pending: Any = None  # the loss's all_reduce, in flight during the update
         self.run: Any = None  # (inputs, targets, losses) of the step under way with a wrap_loss (amp_cast)
 
-    def check(self, params: Any, opt_state: Any) -> None:
+    def check(self, params: Any, opt_state: Any, tx: GradientTransformation) -> None:
         """Refuses params that are not the stages' own, or a stack that sees one stage; on every rank at once
         on the first call."""
         key = tuple(map(id, tree.leaves(params)))
@@ -155,9 +167,9 @@ class _Engine:
                 raise ValueError(error)
         else:
             self._agree(error, "its params")
-            reports, probe_error = _report_vector(self.tx, params, opt_state, dist.get_rank(self.group))
+            reports, probe_error = _report_vector(tx, params, opt_state, dist.get_rank(self.group))
             self._agree(probe_error, "the probe of the stack")
-            _check_reports(self.tx, reports, self.group, self.ranks)
+            _check_reports(tx, reports, self.group, self.ranks)
             self.stack_checked = True
         self.sources, self.checked_leaves = sources, key
 
@@ -177,7 +189,8 @@ class _Engine:
         for stage in self.stages:  # torch accumulates into .grad; stale gradients would add in
             stage.submod.zero_grad(set_to_none=True)
         losses: list = []
-        if tx.wrap_loss is None:
+        del tx  # its wrap_loss, if it casts, is self.casting's; one that casts nothing is the identity here
+        if self.casting is None:
             with torch.enable_grad():
                 self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
         else:
@@ -199,10 +212,17 @@ class _Engine:
         it = iter(self.sources)
         sources = tree.unflatten(spec, [None if x is None else next(it) for x in flat])
         self.run = (inputs, targets, losses)
+        # torch divides the stage modules' .grad by n_microbatches at the end of the backward (scale_grads), but
+        # under the casts those modules hold the casts (no .grad): the sum over the micro-batches would reach the
+        # stack (issue 35: n_microbatches x the gradient under amp=bf16). The step divides the params' own.
+        scale, self.schedule.scale_grads = self.schedule.scale_grads, False
         try:
             fn(sources, inputs)
         finally:
-            self.run = None
+            self.run, self.schedule.scale_grads = None, scale
+        if scale:
+            torch._foreach_div_([tree.local(p.grad) for p in self.sources if p.grad is not None],
+                                float(self.schedule._n_microbatches))
 
     def forward(self, params: Any, inputs: Any) -> torch.Tensor:
         """The loss function ``wrap_loss`` wraps: ``params`` and ``inputs`` as cast by it; runs the schedule."""
@@ -228,6 +248,20 @@ class _Engine:
         # gloo latency per step on a loaded 2-core machine when waited for here.
         self.pending = dist.all_reduce(loss, group=self.group, async_op=True)
         return loss
+
+
+def _casts_the_params(tx: GradientTransformation, dtype: torch.dtype) -> bool:
+    """Whether ``tx``'s ``wrap_loss`` hands the loss params of another dtype than it is given (amp_cast's compute
+    dtype), asked on a one-leaf tree of the stages' ``dtype``."""
+    seen, params = [], {"w": torch.zeros(1, dtype=dtype)}
+
+    def loss(p: Any, batch: Any) -> tuple:
+        seen.append(p["w"])
+        one = torch.ones((), dtype=torch.float32)
+        return one, (one, None)
+
+    tx.wrap_loss(loss, tx.init(params))(params, ())
+    return seen[0].dtype != params["w"].dtype
 
 
 def _scales_the_loss(tx: GradientTransformation) -> bool:
