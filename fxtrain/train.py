@@ -116,8 +116,9 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None,
     """
     if checked is None:
         checked = check(cfg)
-    with rundir.claim(out_dir, cfg):  # one run, one live process per directory (fxtrain/rundir.py)
-        return _train(cfg, out_dir, checked)
+    # One run, one live process per directory (fxtrain/rundir.py), taken once nothing can refuse the launch any more.
+    with rundir.claim(out_dir, cfg, defer=True) as claimed:
+        return _train(cfg, out_dir, checked, claimed)
 
 
 def check(cfg: DictConfig) -> validate.Checked:
@@ -154,15 +155,18 @@ def settle_max_steps(cfg: DictConfig) -> int:
     return cfg.trainer.max_steps
 
 
-def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None, checked: validate.Checked) -> float:
+def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None, checked: validate.Checked,
+           claimed: rundir.Claim) -> float:
     t0 = time.perf_counter()
     run = plan_run(cfg, out_dir)
     if run.source == "completed":  # resume=auto on a finished run: leave it as it is
         run.say(f"resume=auto: {out_dir} completed {cfg.trainer.max_steps} steps already; nothing to do")
         return float(rundir.read_summary(out_dir)["value"])
-    run = start_run(cfg, run)
+    run = place_run(cfg, run)
     built = build_run(cfg, run.device, run.dims, task=checked.task)
     state, resumed = load_start(cfg, run, built)
+    claimed.accept()  # nothing refused the launch (resume, data, model, layout): the directory gets its first files
+    write_config(cfg, run)
     for line in begin_run(cfg, run, built, state, resumed):
         run.say(line)
     steps = RunSteps(built, run.dims, state, cfg.trainer.eval_batch_size)
@@ -205,13 +209,24 @@ def plan_run(cfg: DictConfig, out_dir: str | pathlib.Path | None, say: Callable[
 
 def start_run(cfg: DictConfig, run: Run) -> Run:
     """Writes ``config.yaml`` (resolved) into the run directory, sets ``trainer.cpu_threads`` and builds the
-    mesh: the :class:`Run` that :func:`build_run` builds on."""
-    if run.out is not None:
-        run.out.mkdir(parents=True, exist_ok=True)
-        (run.out / "config.yaml").write_text(resolved_yaml(cfg))
+    mesh: the :class:`Run` that :func:`build_run` builds on (:func:`place_run`, then :func:`write_config`)."""
+    write_config(cfg, run)
+    return place_run(cfg, run)
+
+
+def place_run(cfg: DictConfig, run: Run) -> Run:
+    """Sets ``trainer.cpu_threads`` and builds the mesh: the :class:`Run` that :func:`build_run` builds on.
+    Writes nothing."""
     if run.device.type == "cpu" and cfg.trainer.cpu_threads:
         torch.set_num_threads(cfg.trainer.cpu_threads)
     return run._replace(dims=run.dims.build(run.device.type))
+
+
+def write_config(cfg: DictConfig, run: Run) -> None:
+    """Writes ``config.yaml`` (resolved) into the run directory (none without one)."""
+    if run.out is not None:
+        run.out.mkdir(parents=True, exist_ok=True)
+        (run.out / "config.yaml").write_text(resolved_yaml(cfg))
 
 
 class Built(NamedTuple):
@@ -267,8 +282,11 @@ def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, 
     if orbax is not None:
         start, opt_state, resumed = orbax
     elif isinstance(run.source, pathlib.Path):
-        state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers),
-                        saved_placements=True)  # a held gradient keeps its own (it may differ from its param's)
+        try:
+            state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers),
+                            saved_placements=True)  # a held gradient keeps its own (it may differ from its param's)
+        except fx.CheckpointError as e:  # another model's or stack's checkpoint: a refused launch, in one line
+            raise rundir.RunDirError(f"resume={cfg.get('resume')}: {e}") from None
         # Into the built trees, in place: FSDP and pipeline stages compute with their modules' own tensors,
         # which these leaves are (a new tree would train a copy the module never sees).
         with torch.no_grad():
@@ -1026,14 +1044,22 @@ def _task(cfg: DictConfig) -> float:
         try:
             checked = check(cfg)  # a bad setting writes nothing where a run is, not even a failed summary.json
         except ConfigError as e:
-            if multirun and distributed.rank_and_world()[0] == 0:  # a sweep job's own new directory: say why there
-                rundir.write_refused(out, cfg, e)
+            if distributed.rank_and_world()[0] == 0:
+                if multirun:  # a sweep job's own new directory: say why there
+                    rundir.write_refused(out, cfg, e)
+                else:  # a refused launch leaves nothing, not even the directory Hydra made for it
+                    rundir.withdraw(out)
             raise
         try:
             return train(cfg, out, checked)
         except Exception as e:
-            if distributed.rank_and_world()[0] == 0:  # a failed job still says why in its directory (and summary.csv)
-                write_failure(out, cfg, e)
+            if distributed.rank_and_world()[0] == 0:
+                if rundir.accepted(out):  # a failed job still says why in its directory (and summary.csv)
+                    write_failure(out, cfg, e)
+                elif multirun:  # refused before its directory was taken: a sweep job's own new one says why
+                    rundir.write_refused(out, cfg, e, "refused" if isinstance(e, ConfigError) else "failed")
+                else:  # a refused launch leaves nothing, not even the directory Hydra made for it
+                    rundir.withdraw(out)
             raise
 
 
