@@ -742,12 +742,15 @@ def evaluate_test(cfg: DictConfig, run: Run, built: Built, last: fx.TrainState,
              best: selection.Best | None) -> dict[str, Any]:
     """The test split's metrics (``test_loss``, ``test_<metric>``) of the state ``trainer.test_ckpt`` names, with
     the best step's validation metrics and ``best_step`` (summary.json's); says the ``test`` line."""
-    state, which = selection.state_to_test(cfg.trainer.get("test_ckpt", "best"), best, last)
+    state, tested = selection.state_to_test(cfg.trainer.get("test_ckpt", "best"), best, last)
     metrics = tasks.split_metrics(built.evaluate(state.params, state.buffers, built.data.test,
                                                  cfg.trainer.eval_batch_size), "test")
+    which = (f"best ({best.describe()})" if tested["checkpoint"] == "best" and best is not None
+             else selection.describe_tested(tested))
     run.say(f"test   {which}: " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     chosen = {k: v for k, v in (best.metrics if best is not None else {}).items() if k.startswith("val_")}
-    return {**chosen, **metrics, "best_step": best.step if best is not None else None, "tested": which}
+    return {**chosen, **metrics, "best_step": best.step if best is not None else None, "which_tested": which,
+            "tested": tested}
 
 
 def _hook_metrics(name: str, values: Any) -> dict[str, float]:
@@ -805,7 +808,7 @@ def finish_run(cfg: DictConfig, out: pathlib.Path | None, final: dict[str, float
     """
     final = dict(final)
     stopped = final.pop("stopped_early", None)
-    best_step, tested = final.pop("best_step", None), final.pop("tested", None)
+    best_step, which, tested = final.pop("best_step", None), final.pop("which_tested", None), final.pop("tested", None)
     steps = stopped["step"] if stopped else cfg.trainer.max_steps
     value = final[cfg.optimized_metric]
     if out is not None:
@@ -813,13 +816,14 @@ def finish_run(cfg: DictConfig, out: pathlib.Path | None, final: dict[str, float
                    "optimized_metric": cfg.optimized_metric, "value": value, "metrics": final}
         if stopped:
             summary["stopped_early"] = stopped
-        if tested is not None:
-            summary.update(best_step=best_step, test_ckpt=tested)
+        if tested is not None:  # which checkpoint the test_* are of, and why (the last one, when best was asked)
+            summary.update(best_step=best_step, test_ckpt=which, tested=tested)
         rundir.write_json(out / "summary.json", summary)  # atomic: a kill leaves the old one or the new one
     shown = [cfg.optimized_metric] + [k for k in ("val_accuracy", "test_accuracy", "test_loss", "loss")
                                       if k != cfg.optimized_metric]
     say(f"done   {steps} steps in {elapsed:.1f} s | " + " | ".join(f"{k} {final[k]:.4f}" for k in shown
-                                                                   if k in final))
+                                                                   if k in final)
+        + (f" | tested {selection.describe_tested(tested)}" if tested is not None else ""))
     if not math.isfinite(value):
         raise FloatingPointError(f"optimized_metric {cfg.optimized_metric} is {value}")
     return float(value)

@@ -333,4 +333,5 @@ def test_a_refused_launch_into_a_fresh_directory_leaves_nothing(tmp_path):
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
     # and an accepted launch into it writes as before
     assert run_main(*SHORT, "hydra.run.dir=mine") == 0
-    assert {"run.json", "config.yaml", "summary.json", "train.log", ".hydra"} <= {p.name for p in (tmp_path / "mine").iterdir()}
+    written = {p.name for p in (tmp_path / "mine").iterdir()}
+    assert {"run.json", "config.yaml", "summary.json", "train.log", ".hydra"} <= written

@@ -41,6 +41,8 @@ def test_validation_every_eval_test_once_on_the_best_checkpoint(tmp_path):
     assert summary["metrics"]["val_accuracy"] == best["val_accuracy"]
     assert {"test_loss", "test_accuracy"} <= set(summary["metrics"])
     assert summary["test_ckpt"].startswith("best")
+    assert summary["tested"] == {"step": best["step"], "checkpoint": "best", "why": "trainer.test_ckpt=best: "
+                                 f"val_accuracy {best['val_accuracy']:.4g} at step {best['step']}"}
     # keep_last=1 keeps the last step and, beside it, the best one
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "step_0000008"]
     ckpt = load_checkpoint(tmp_path / "checkpoints" / "best", cfg)
@@ -105,6 +107,7 @@ def test_test_ckpt_last_and_no_validation_split(tmp_path, caplog):
     runner.train(cfg, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["test_ckpt"] == "last (step 4)"
+    assert summary["tested"] == {"step": 4, "checkpoint": "last", "why": "trainer.test_ckpt=last"}
     # synthetic has no validation split: validation reads the test split, and the data line says so once
     said = [r.getMessage() for r in caplog.records]
     assert sum(runner.NO_VALIDATION in line for line in said) == 1
