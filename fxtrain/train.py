@@ -55,7 +55,10 @@ and test on 2 batches, no checkpoints), ``overfit`` (one batch every step: :func
 
 **A run directory belongs to one run** (:mod:`fxtrain.rundir`): relaunching another config into it is
 refused, and so is the same config with ``resume=null`` (use ``resume=auto``); one live process holds it
-(a lock naming its pid and host); ``keep_last`` deletes only this run's older checkpoints.
+(a lock naming its pid and host); ``keep_last`` deletes only this run's older checkpoints. A launch is
+refused (one line) or accepted before the directory gets its first file: the directory is checked, the resume's
+checkpoint verified and loaded, the data split and the model built, and only then taken
+(:meth:`fxtrain.rundir.Claim.accept`), so a refused launch writes nothing, into a fresh directory either.
 """
 
 from __future__ import annotations
@@ -953,9 +956,10 @@ def _check_same_config(cfg: DictConfig, path: pathlib.Path, manifest: dict[str, 
                                 "another config) or false")
     there = manifest["meta"].get("config")
     if not isinstance(there, dict):
-        try:
-            there = json.loads((path.parent.parent / rundir.OWNER).read_text()).get("config")
-        except (OSError, ValueError, AttributeError):
+        try:  # the checkpoint's run's run.json: a regular file there, or none (a FIFO must not hang the resume)
+            with checkpoint.open_file(path.parent.parent / rundir.OWNER, path.parent.parent) as fh:
+                there = json.loads(fh.read().decode("utf-8")).get("config")
+        except (OSError, ValueError, AttributeError):  # CheckpointError is a ValueError
             there = None
     if not isinstance(there, dict) or force:
         return

@@ -266,3 +266,19 @@ def test_a_save_never_follows_a_linked_leftover_into_another_directory(tmp_path)
     fx.save(tmp_path / "d" / "ck", {"w": torch.ones(2)})
     assert (elsewhere / "precious").read_text() == "kept" and (elsewhere / checkpoint._OWNER).exists()
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [".other.old", ".other.saving", "ck"]
+
+
+def test_resume_path_does_not_wait_on_a_fifo_for_the_checkpoints_run_json(trained, tmp_path):
+    """resume=PATH reads the checkpoint's run's run.json (its config, when the manifest has none); a FIFO there
+    hung it like a checkpoint file. Now it is not read: the resume goes on on what the manifest records."""
+    from tests._runner import cfg_of
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, symlinks=True)
+    (run / "run.json").unlink()
+    os.mkfifo(run / "run.json")
+    ckpt = run / "checkpoints" / "step_0000004"
+    with deadline(), pytest.raises(rundir.RunDirError, match=r"the checkpoint is of another config"):
+        runner.train(cfg_of(*RUN, "seed=1", f"resume={ckpt}"), tmp_path / "new")  # the manifest's config differs
+    with deadline():
+        runner._check_same_config(cfg_of(*RUN, f"resume={ckpt}"), ckpt, {"meta": {}})  # no config recorded: none read
