@@ -282,3 +282,18 @@ def test_resume_path_does_not_wait_on_a_fifo_for_the_checkpoints_run_json(traine
         runner.train(cfg_of(*RUN, "seed=1", f"resume={ckpt}"), tmp_path / "new")  # the manifest's config differs
     with deadline():
         runner._check_same_config(cfg_of(*RUN, f"resume={ckpt}"), ckpt, {"meta": {}})  # no config recorded: none read
+
+
+def test_resume_auto_past_a_linked_step_leaves_the_linked_run_as_it_was(trained, tmp_path):
+    """resume=auto goes on from step 2 past a step_4 linked into another run, and writes its own step_4: the link
+    is replaced, never followed (the save put it aside as .step_4.old and removed what it pointed at)."""
+    from tests._runner import cfg_of
+
+    run, ckpt, _ = attacked(trained, tmp_path, linked_step)
+    (run / "summary.json").unlink()
+    elsewhere = tmp_path / "other" / "checkpoints" / "step_0000004"
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
+    with deadline(60):
+        runner.train(cfg_of(*RUN, "resume=auto"), run)
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before
+    assert not ckpt.is_symlink() and checkpoint.verify(ckpt)["world_size"] == 1
