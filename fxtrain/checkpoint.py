@@ -16,7 +16,12 @@ and the size and CRC32 of every file, and is itself checksummed: its ``digest`` 
 * a truncated or corrupted file is reported with its name and the checkpoint's path, never loaded;
 * an edited or damaged manifest (a step changed by hand, a ``files`` map emptied or shortened, a key
   missing) is refused as one :class:`CheckpointError` line, and every DCP file in the directory must be
-  listed in it: nothing in a checkpoint escapes verification.
+  listed in it: nothing in a checkpoint escapes verification;
+* nothing is read from outside the checkpoint, and nothing can make a read wait for ever: every file is opened
+  with ``O_NOFOLLOW | O_NONBLOCK`` and must be a regular file (:func:`open_file`: a symbolic link, say to
+  another run's file or to ``/dev/zero``, a FIFO or a device is refused naming it), its size is checked against
+  the manifest before a byte is read, and a checkpoint directory that is itself a symbolic link (a ``step_N``
+  linked into another run) is refused.
 
 A leaf's path is its keys joined with ``.`` (``opt_state.mu.w``), which is also its name in DCP's files.
 Two leaves with the same path (``{"a.b": t1, "a": {"b": t2}}``, keys ``1`` and ``"1"``) would load as
@@ -65,6 +70,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -74,21 +81,23 @@ import pickle
 import re
 import shutil
 import socket
+import stat
 import time
 import warnings
 import zlib
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 
 __all__ = ["TrainState", "save", "load", "rng_state", "set_rng_state", "latest", "CheckpointError", "read_dcp_metadata",
-           "verify", "candidates", "first_failure"]
+           "verify", "candidates", "first_failure", "open_file"]
 
 MANIFEST = "fxtrain.json"
 _FORMAT = "fxtrain-checkpoint"
@@ -352,12 +361,16 @@ def _clean(parent: pathlib.Path, path: pathlib.Path) -> None:
     a live process is saving there: that raises), then puts back or removes the ``.old`` of interrupted
     commits. A ``.saving`` without an owner record or an ``.old`` without a manifest is not fxtrain's and
     stays, unless it is ``path``'s own. A sibling that cannot be removed (another user's) stays too."""
-    found = [(d, *m.groups()) for d in sorted(parent.iterdir()) if (m := _LEFTOVER.match(d.name)) and d.is_dir()]
+    found = [(d, *m.groups()) for d in sorted(parent.iterdir())
+             if (m := _LEFTOVER.match(d.name)) and (d.is_dir() or d.is_symlink())]
     # .saving first: an .old is put back only while no save of its name is under way
     for d, name, kind in sorted(found, key=lambda f: f[2] == "old"):
         own = parent / name == path
         try:
-            if kind == "saving":
+            if d.is_symlink():  # not fxtrain's (a save makes directories): never followed; path's own is unlinked
+                if own:
+                    d.unlink()
+            elif kind == "saving":
                 _clean_saving(d, path if own else None)
             else:
                 _clean_old(d, parent / name, own)
@@ -412,8 +425,9 @@ def _me() -> dict[str, Any]:
 
 def _owner(d: pathlib.Path) -> dict[str, Any] | None:
     try:
-        owner = json.loads((d / _OWNER).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        with open_file(d / _OWNER, d) as fh:
+            owner = json.loads(fh.read(1 << 16).decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):  # CheckpointError is a ValueError: a link, a FIFO
         return None
     return owner if isinstance(owner, dict) else None
 
@@ -480,7 +494,10 @@ def _read(f: str) -> str | None:
 def _remove(d: pathlib.Path) -> None:
     """Removes a ``.saving`` or ``.old`` directory, its owner record and manifest last: a crash halfway leaves
     it still recognisable as fxtrain's, for the next save to finish. What is gone already (another
-    process's cleanup got there first) is skipped."""
+    process's cleanup got there first) is skipped. A symbolic link is removed itself, never followed."""
+    if d.is_symlink():
+        d.unlink(missing_ok=True)
+        return
     try:
         files = sorted(d.iterdir(), key=lambda f: f.name in (_OWNER, MANIFEST))
     except FileNotFoundError:
@@ -594,9 +611,15 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _readable(path: pathlib.Path) -> pathlib.Path:
+    """``path``, or its ``.old`` sibling when a save was killed between its renames; a link is refused."""
+    _, old = _siblings(path)
+    for d in (path, old):
+        if d.is_symlink():  # a step_N linked into another run would continue that run's state under this name
+            raise CheckpointError(f"checkpoint {d} is a symbolic link (to {os.readlink(d)}): a checkpoint is read "
+                                  "from its own directory, never through a link (another run's checkpoint?); pass "
+                                  "the directory it links to, if that is the one you mean")
     if path.is_dir():
         return path
-    _, old = _siblings(path)
     if (old / MANIFEST).exists():  # a save was killed between its two renames: the previous one is here
         return old
     raise FileNotFoundError(f"no checkpoint at {path}")
@@ -610,8 +633,10 @@ def _manifest(path: pathlib.Path) -> dict[str, Any]:
         what = "an incomplete save or a DCP checkpoint not written by fx.save" if (path / ".metadata").exists() \
             else "not a checkpoint directory"
         raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: {what}")
+    with open_file(f, path) as fh:
+        text = fh.read()
     try:
-        manifest = json.loads(f.read_text(encoding="utf-8"))
+        manifest = json.loads(text.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupted ({e}); {_REDO}") from None
     if not isinstance(manifest, dict):
@@ -686,16 +711,16 @@ def _check_files(path: pathlib.Path, manifest: dict[str, Any], verify: bool) -> 
             raise CheckpointError(f"checkpoint {path}: {f.name} is not listed in {MANIFEST} (the manifest was "
                                   f"edited, or files of another save were copied in); {_REDO}")
     for name in sorted({".metadata", *files}):
-        f = path / name
-        if not f.exists():
+        if name not in files:  # .metadata, not listed: the loop above found none
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
         size, crc = files[name]
-        actual = f.stat().st_size
-        if actual != size:
-            raise CheckpointError(f"checkpoint {path} is truncated or corrupted: {name} has {actual} bytes, "
-                                  f"{size} were written")
-        if verify and _crc(f) != crc:
-            raise CheckpointError(f"checkpoint {path} is corrupted: {name} does not match its checksum")
+        with open_file(path / name, path) as fh:  # a regular file of this directory, or refused: never waits
+            actual = os.fstat(fh.fileno()).st_size
+            if actual != size:
+                raise CheckpointError(f"checkpoint {path} is truncated or corrupted: {name} has {actual} bytes, "
+                                      f"{size} were written")
+            if verify and _crc_of(fh, size) != crc:
+                raise CheckpointError(f"checkpoint {path} is corrupted: {name} does not match its checksum")
 
 
 def _check_dcp(path: pathlib.Path, manifest: dict[str, Any]) -> None:
@@ -788,9 +813,9 @@ def read_dcp_metadata(path: str | os.PathLike) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = pathlib.Path(path)
-    f = path / ".metadata"
     try:
-        data = f.read_bytes()
+        with open_file(path / ".metadata", path) as fh:
+            data = fh.read()
     except OSError as e:
         raise CheckpointError(f"checkpoint {path}: .metadata cannot be read ({e.strerror or e})") from None
     try:
@@ -807,8 +832,25 @@ def read_dcp_metadata(path: str | os.PathLike) -> Any:
     return metadata
 
 
+class _CheckedFileSystem(FileSystem):
+    """DCP's file system, reading through :func:`open_file`: no link followed, no FIFO or device opened."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            raise CheckpointError(f"checkpoint {pathlib.Path(path).parent}: opened to write ({mode!r}) while loading")
+        path = pathlib.Path(path)
+        with open_file(path, path.parent) as fh:
+            yield fh
+
+
 class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with :func:`read_dcp_metadata` in place of its ``pickle.load`` of ``.metadata``."""
+    """DCP's file reader with :func:`read_dcp_metadata` in place of its ``pickle.load`` of ``.metadata``, and
+    every file opened through :func:`open_file`."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.fs = _CheckedFileSystem()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("rank") is not None:  # per-rank metadata files: fx.save never writes them
@@ -820,6 +862,56 @@ class _SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def open_file(f: str | os.PathLike, checkpoint: str | os.PathLike) -> io.BufferedReader:
+    """The file ``f`` of the checkpoint directory ``checkpoint``, opened for reading once it is known to be a
+    regular file there: opened with ``O_NOFOLLOW`` (a symbolic link, to another run's file or to ``/dev/zero``,
+    is refused) and ``O_NONBLOCK`` (so that opening a FIFO returns at once instead of waiting for a writer),
+    then checked with ``os.fstat`` on the opened descriptor (a FIFO, a device, a socket is refused). Every
+    file :func:`load` and :func:`verify` read, DCP's included, is opened here.
+
+    Raises:
+      CheckpointError: ``f`` is missing, a link, or not a regular file; one line naming it and ``checkpoint``.
+
+    >>> import tempfile; d = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (d / "a").write_bytes(b"xy"); (d / "b").symlink_to("/dev/zero")
+    >>> with open_file(d / "a", d) as fh: fh.read()
+    b'xy'
+    >>> open_file(d / "b", d)
+    Traceback (most recent call last):
+    ...
+    fxtrain.checkpoint.CheckpointError: checkpoint ...: b is a symbolic link (to /dev/zero), not a file of the checkpoint; ...
+    """
+    f = pathlib.Path(f)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(f, flags)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {checkpoint} is incomplete: {f.name} is missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP or f.is_symlink():  # O_NOFOLLOW on a link: ELOOP (EMLINK on some BSDs)
+            raise CheckpointError(f"checkpoint {checkpoint}: {f.name} is a symbolic link (to {os.readlink(f)}), not "
+                                  f"a file of the checkpoint; {_REDO}") from None
+        raise CheckpointError(f"checkpoint {checkpoint}: {f.name} cannot be read ({e.strerror or e})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+                if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special")
+        raise CheckpointError(f"checkpoint {checkpoint}: {f.name} is {kind}, not a regular file (reading it could "
+                              f"wait for ever or never end); {_REDO}")
+    os.set_blocking(fd, True)  # no effect on a regular file; reads stay plain
+    return os.fdopen(fd, "rb")
+
+
+def _crc_of(fh: io.BufferedReader, size: int) -> int:
+    """CRC32 of the first ``size`` bytes of the open file ``fh`` (its size, checked), in 4 MiB chunks."""
+    crc, left = 0, size
+    while left > 0 and (chunk := fh.read(min(1 << 22, left))):
+        crc = zlib.crc32(chunk, crc)
+        left -= len(chunk)
+    return crc
 
 
 def _crc(f: pathlib.Path, fsync: bool = False) -> int:

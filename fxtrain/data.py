@@ -501,11 +501,16 @@ def _split(n: int, test_fraction: float, split_seed: int, owner: str,
 
     The test rows are the first of one permutation drawn from ``split_seed`` and the validation rows the
     next ones, so adding a validation split keeps the test set (it is carved out of the training rows).
+    A fraction that rounds to no rows is refused (:func:`check_held_out`).
 
     >>> [len(part) for part in _split(100, 0.25, 0, "mine", val_fraction=0.1)]
     [65, 10, 25]
     >>> bool((_split(100, 0.25, 0, "mine")[2] == _split(100, 0.25, 0, "mine", val_fraction=0.1)[2]).all())
     True
+    >>> _split(40, 0.01, 0, "synthetic")
+    Traceback (most recent call last):
+    ...
+    ValueError: synthetic: test_fraction=0.01 of 40 examples holds out 0.4, which rounds to none: the test split would be empty; raise test_fraction to at least 0.025 (1 of 40), or give more examples
     """
     if not 0 < test_fraction < 1:
         raise ValueError(f"{owner}: test_fraction={test_fraction} must be between 0 and 1")
@@ -515,7 +520,34 @@ def _split(n: int, test_fraction: float, split_seed: int, owner: str,
     # The split has its own seed: sweeping the run's seed changes init and batch order, not the held-out sets.
     perm = np.random.default_rng(split_seed).permutation(n)
     n_test, n_val = int(round(n * test_fraction)), int(round(n * val_fraction))
+    check_held_out(owner, n, "examples", test_fraction, n_test, val_fraction, n_val)
     return perm[n_test + n_val:], perm[n_test:n_test + n_val], perm[:n_test]
+
+
+def check_held_out(owner: str, n: int, unit: str, test_fraction: float, n_test: int, val_fraction: float,
+                   n_val: int, least: int = 1) -> None:
+    """Refuses a split that holds out nothing: a ``test_fraction`` whose share of ``n`` ``unit`` (rows, bytes)
+    rounds to fewer than ``least``, and a ``val_fraction`` above 0 that does (validation would silently read
+    the test split; ``val_fraction=0`` asks for that on purpose, and the run says so). Each is one line naming
+    the setting, its share and the smallest one that holds ``least``.
+
+    >>> check_held_out("mine", 512, "examples", 0.25, 128, 0.0001, 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: mine: val_fraction=0.0001 of 512 examples holds out 0.0512, which rounds to none: the validation split would be empty, and validation would read the test split; raise val_fraction to at least 0.002 (1 of 512), or set val_fraction=0 to validate on the test split on purpose
+    """
+    for name, fraction, held, empty in (
+            ("test_fraction", test_fraction, n_test, "the test split would be empty"),
+            ("val_fraction", val_fraction, n_val, "the validation split would be empty, and validation would read the "
+                                                  "test split")):
+        if held >= least or (name == "val_fraction" and fraction == 0):
+            continue
+        smallest = least / n if n else 1.0
+        fix = ("set val_fraction=0 to validate on the test split on purpose" if name == "val_fraction"
+               else f"give more {unit}")
+        got = f"{n * fraction:.3g}, which rounds to none" if held == 0 else f"{held}, fewer than {least}"
+        raise ValueError(f"{owner}: {name}={fraction:g} of {n} {unit} holds out {got}: {empty}; raise {name} to at "
+                         f"least {smallest:.2g} ({least} of {n}), or {fix}")
 
 
 def _rows(x: torch.Tensor, y: torch.Tensor, rows: np.ndarray) -> Batch | None:
@@ -606,6 +638,8 @@ def stdlib_text(batch_size: int = 32, context: int = 128, max_bytes: int = 2_000
         raise FileNotFoundError(f"stdlib_text: no *.py files under {root}")
     tokens = torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
     n_test, n_val = int(len(tokens) * test_fraction), int(len(tokens) * val_fraction)
+    # each held-out split is cut into windows of context + 1 bytes: fewer is a split with no window
+    check_held_out("stdlib_text", len(tokens), "bytes", test_fraction, n_test, val_fraction, n_val, least=context + 1)
     train, val, held = tokens[:-n_test - n_val], tokens[-n_test - n_val:-n_test], tokens[-n_test:]
     test = _windows(held, eval_windows, context)
     return Dataset("stdlib_text", WindowBatches(train, batch_size, context, seed), test,

@@ -47,7 +47,9 @@ SEED_KEYS = ("seed", "data.seed", "data.split_seed")  # overrides whose jobs are
 
 def collect(sweep_dir: str | pathlib.Path) -> list[dict[str, Any]]:
     """One row per job directory of ``sweep_dir``, in job order: ``job``, ``status``, the job's overrides
-    (one column per key), its final metrics (the optimized one first), ``step``, ``time_s`` and ``error``.
+    (one column per key), its final metrics (the optimized one first), ``tested`` for a job whose ``test_*`` are
+    of another checkpoint than ``trainer.test_ckpt`` names (``last (step 20)`` where the best was asked for and
+    there was none; summary.json's ``tested`` says why), ``step``, ``time_s`` and ``error``.
 
     A single run directory (with ``metrics.jsonl`` in it) gives one row.
     """
@@ -65,6 +67,10 @@ def collect(sweep_dir: str | pathlib.Path) -> list[dict[str, Any]]:
         for k in [summary.get("optimized_metric"), *_FINAL]:
             if k is not None and k in metrics:
                 row[k] = metrics[k]
+        tested = summary.get("tested")
+        if isinstance(tested, dict) and {"checkpoint", "step"} <= set(tested) \
+                and ", but " in str(tested.get("why")):  # test_* of another checkpoint than trainer.test_ckpt's
+            row["tested"] = f"{tested['checkpoint']} (step {tested['step']})"
         if "step" in summary:
             row["step"] = summary["step"]
         if "time_s" in summary:

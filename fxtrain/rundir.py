@@ -22,10 +22,14 @@ launch does can mix into it or delete from it.
   ``resume`` continues and records the new config. A directory with progress but no ``run.json`` (written
   before run directories were recorded) is continued only with ``resume``.
 * **Nothing written before acceptance.** ``conf/train.yaml`` sets ``hydra.output_subdir: null``: Hydra's
-  ``.hydra/{config,hydra,overrides}.yaml`` are written by :func:`claim` once the launch is accepted (and by
-  the :class:`HydraFiles` callback for jobs claimed outside Hydra's ``run_job``), the lock's holder record
-  too, so a refused launch leaves the directory byte-identical. A sweep job refused for a setting records
-  ``status: refused`` and its error in its own new directory (:func:`write_refused`), for ``summary.csv``.
+  ``.hydra/{config,hydra,overrides}.yaml`` are written once the launch is accepted (:meth:`Claim.accept`;
+  and by the :class:`HydraFiles` callback for jobs claimed outside Hydra's ``run_job``), the lock's holder
+  record and ``run.json`` too. The runner accepts only once everything that can refuse a launch is built
+  (the resume's checkpoint verified and loaded, the data split, the model placed), its ``train.log`` is opened
+  at its first line (``delay: true``), and the directory Hydra made for a refused launch is removed
+  (:func:`withdraw`; only an empty one this launch made): a refused launch leaves an existing directory
+  byte-identical and no fresh one behind. A sweep job refused records ``status: refused`` and its error in its
+  own new directory (:func:`write_refused`), for ``summary.csv``.
 * **One live process.** :func:`claim` holds an exclusive advisory lock (``fcntl.flock``) on ``run.lock``,
   which records the holder's pid and host, for the whole run; a second process is refused with a message
   naming the holder. The lock dies with its process (``kill -9`` included), so a relaunch never finds a
@@ -59,7 +63,7 @@ from omegaconf.errors import OmegaConfBaseException
 from fxtrain.errors import ConfigError
 from fxtrain import build, checkpoint, distributed, report
 
-__all__ = ["RunDirError", "UNHASHED", "config_hash", "claim", "rewind", "prune", "write_json", "read_summary",
+__all__ = ["RunDirError", "UNHASHED", "config_hash", "claim", "Claim", "accepted", "withdraw", "rewind", "prune", "write_json", "read_summary",
            "check_layout", "describe_layout", "differing", "write_refused", "HydraFiles"]
 
 OWNER = "run.json"  # {"config_sha256": ..., "config": {...}}: the run this directory belongs to
@@ -98,56 +102,124 @@ def config_hash(cfg: DictConfig | dict) -> tuple[str, dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def claim(out: str | os.PathLike | None, cfg: DictConfig) -> Iterator[None]:
+def claim(out: str | os.PathLike | None, cfg: DictConfig, *, defer: bool = False) -> Iterator[Claim]:
     """Holds the run directory ``out`` for the run ``cfg`` describes (see the module doc), until the block ends.
 
     ``None`` (a run that writes nothing) claims nothing. Under torchrun rank 0 claims and every rank gets
-    its verdict.
+    its verdict. With ``defer`` the directory is only checked here (its lock taken if it has one) and written
+    nothing: ``run.json``, Hydra's files and the lock's holder record are written by :meth:`Claim.accept`, which
+    the runner calls once everything that can refuse the launch (the resume's checkpoint, the data, the model,
+    the layout) has been built, so that a refused launch leaves no file, in a fresh directory too.
 
     Raises:
       RunDirError: the directory holds another run, this run without ``resume``, or another live process.
       fxtrain.errors.ConfigError: ``trainer.keep_last`` is negative.
     """
+    if out is not None:
+        _LAUNCHED[_key(out)] = False  # this launch's verdict (accepted) replaces an earlier one's
     keep_last = cfg.trainer.get("keep_last", 0)
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0:
         raise ConfigError(f"trainer.keep_last={keep_last!r}: expected the number of checkpoints to keep, "
                                 "a positive integer, or 0 to keep every checkpoint")
-    if out is None:
-        yield
-        return
-    rank, world = distributed.rank_and_world()
-    out = pathlib.Path(out)
-    fd, why = None, None
-    if rank == 0:
-        try:
-            fd = _lock(out)
-            _check_owner(out, cfg, _identity(cfg, world))
-            _hold(fd)
-            _write_hydra_files(out, cfg)
-        except RunDirError as e:
-            why = str(e)
-            if fd is not None:
-                os.close(fd)
-                fd = None
-    if world > 1:  # rank 0's verdict, on every rank (none starts a run that rank 0 refused)
-        import torch.distributed as dist
-
-        box = [why]
-        dist.broadcast_object_list(box, src=0)
-        why = box[0]
-    if why is not None:
-        raise RunDirError(why)
-    if rank == 0:
-        _ACCEPTED.add(str(out.resolve()))
+    held = Claim(None if out is None else pathlib.Path(out), cfg)
     try:
-        yield
+        held.check() if defer else held.accept()
+        yield held
     finally:
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        held.release()
+
+
+class Claim:
+    """A run directory :func:`claim` holds: checked (:meth:`check`, nothing written), then :meth:`accept`-ed."""
+
+    def __init__(self, out: pathlib.Path | None, cfg: DictConfig):
+        self.out, self.cfg, self.fd = out, cfg, None
+        self.accepted = out is None
+
+    def check(self) -> None:
+        """Refuses the launch as :meth:`accept` would, writing nothing: the lock is taken only where the
+        directory has its file already (a run that made it, alive or not); a fresh directory gets it at accept."""
+        def verdict() -> None:
+            if not self.out.is_dir():
+                return
+            if (self.out / LOCK).exists():
+                self.fd = _lock(self.out, create=False)
+            _check_owner(self.out, self.cfg, _identity(self.cfg, distributed.rank_and_world()[1]), write=False)
+        self._on_rank0(verdict)
+
+    def accept(self) -> None:
+        """Takes the directory for this run: its lock (and holder record), ``run.json``, Hydra's files.
+
+        Raises:
+          RunDirError: what :meth:`check` refuses, seen again under the lock (a process that came meanwhile).
+        """
+        if self.accepted:
+            return
+
+        def take() -> None:
+            if self.fd is None:
+                self.fd = _lock(self.out)
+            _check_owner(self.out, self.cfg, _identity(self.cfg, distributed.rank_and_world()[1]))
+            _hold(self.fd)
+            _write_hydra_files(self.out, self.cfg)
+        self._on_rank0(take)
+        self.accepted = _LAUNCHED[_key(self.out)] = True
+        if distributed.rank_and_world()[0] == 0:
+            _ACCEPTED.add(_key(self.out))
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def _on_rank0(self, fn: Any) -> None:
+        """Runs ``fn`` on rank 0; its refusal (a RunDirError) is raised on every rank."""
+        if self.out is None:
+            return
+        rank, world = distributed.rank_and_world()
+        why = None
+        if rank == 0:
+            try:
+                fn()
+            except RunDirError as e:
+                why = str(e)
+                self.release()
+        if world > 1:  # rank 0's verdict, on every rank (none starts a run that rank 0 refused)
+            import torch.distributed as dist
+
+            box = [why]
+            dist.broadcast_object_list(box, src=0)
+            why = box[0]
+        if why is not None:
+            raise RunDirError(why)
 
 
 _ACCEPTED: set[str] = set()  # run directories this process claimed (rank 0): Hydra's files may be written there
+_MADE: set[str] = set()  # run directories that did not exist when Hydra's run started (HydraFiles.on_run_start)
+_LAUNCHED: dict[str, bool] = {}  # run directory -> whether this process's latest launch into it was accepted
+
+
+def _key(out: str | os.PathLike) -> str:
+    return str(pathlib.Path(out).resolve())
+
+
+def accepted(out: str | os.PathLike) -> bool:
+    """Whether this process's latest launch into ``out`` was accepted (:meth:`Claim.accept`): only then may a
+    failure be recorded there (before, the directory is not the launch's: another run's, or nothing)."""
+    return _LAUNCHED.get(_key(out), False)
+
+
+def withdraw(out: str | os.PathLike) -> None:
+    """After a launch refused before :meth:`Claim.accept`: removes ``out`` when this launch made it (Hydra does,
+    before the task runs) and it is empty, so a refused launch into a fresh directory leaves none. Never
+    removes a file, nor a directory that existed before the launch."""
+    out = pathlib.Path(out)
+    if _key(out) in _MADE and not accepted(out):
+        try:
+            out.rmdir()  # only an empty one
+        except OSError:
+            pass
 
 
 def _hydra_node() -> DictConfig | None:
@@ -190,7 +262,17 @@ def _write_hydra_files(out: pathlib.Path, cfg: DictConfig, hydra_cfg: DictConfig
 class HydraFiles(Callback):
     """Hydra callback (``conf/train.yaml``): writes ``.hydra/`` of a job whose directory this process claimed,
     when the job ends. :func:`claim` writes them itself when the job runs in the claiming process's Hydra
-    job; this covers jobs claimed outside ``run_job`` (``hydra/launcher=vmap`` trains a group first)."""
+    job; this covers jobs claimed outside ``run_job`` (``hydra/launcher=vmap`` trains a group first). And it
+    notes whether a single run's directory exists before Hydra makes it, so that a refused launch removes the
+    empty directory it made (:func:`withdraw`)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            out = pathlib.Path(str(config.hydra.run.dir))
+        except (OmegaConfBaseException, OSError):
+            return
+        if not out.exists():
+            _MADE.add(str(out.resolve()))
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         try:
@@ -201,23 +283,27 @@ class HydraFiles(Callback):
             _write_hydra_files(out, job_return.cfg, OmegaConf.create({"hydra": config.hydra}))
 
 
-def write_refused(out: str | os.PathLike, cfg: DictConfig, error: BaseException) -> bool:
+def write_refused(out: str | os.PathLike, cfg: DictConfig, error: BaseException, status: str = "refused") -> bool:
     """Records a launch refused for a setting (``status: refused`` and its one-line error in ``summary.json``,
     and Hydra's files) in ``out`` when ``out`` holds no run: a sweep job's fresh directory, so that
-    ``summary.csv`` says why the job did not run. Never writes where a run is. Returns whether it wrote."""
+    ``summary.csv`` says why the job did not run (``status``: ``failed`` for an error that is not a setting's,
+    raised before the launch was accepted). Never writes where a run is. Returns whether it wrote."""
     out = pathlib.Path(out)
     if (out / OWNER).exists() or _progress(out) is not None:
         return False
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / SUMMARY, {"status": "refused", "error": f"{type(error).__name__}: {error}",
+    write_json(out / SUMMARY, {"status": status, "error": f"{type(error).__name__}: {error}",
                                "optimized_metric": cfg.get("optimized_metric")})
     _write_hydra_files(out, cfg)
     return True
 
 
-def _lock(out: pathlib.Path) -> int:
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+def _lock(out: pathlib.Path, create: bool = True) -> int:
+    """The flock'ed descriptor of ``out/run.lock`` (made with ``out`` when ``create``), or a RunDirError naming
+    the live process that holds it."""
+    if create:
+        out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK, os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -238,8 +324,9 @@ def _hold(fd: int) -> None:
     os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode(), 0)
 
 
-def _check_owner(out: pathlib.Path, cfg: DictConfig, identity: dict[str, Any]) -> None:
-    """Refuses ``cfg`` in ``out`` (see the module doc), or records ``cfg`` and ``identity`` as the owner of ``out``."""
+def _check_owner(out: pathlib.Path, cfg: DictConfig, identity: dict[str, Any], write: bool = True) -> None:
+    """Refuses ``cfg`` in ``out`` (see the module doc), or (``write``) records ``cfg`` and ``identity`` as the
+    owner of ``out``."""
     digest, flat = config_hash(cfg)
     progress = _progress(out)
     try:
@@ -273,7 +360,8 @@ def _check_owner(out: pathlib.Path, cfg: DictConfig, identity: dict[str, Any]) -
             raise RunDirError(f"run directory {out} holds a run without {OWNER} (from before run directories were "
                               f"recorded), {progress}: pass resume=auto to continue it with this config, or another "
                               "hydra.run.dir to start a new run")
-    write_json(out / OWNER, {"config_sha256": digest, "config": flat, **identity})
+    if write:
+        write_json(out / OWNER, {"config_sha256": digest, "config": flat, **identity})
 
 
 def differing(there: dict[str, Any], here: dict[str, Any], cfg: DictConfig) -> list[str]:

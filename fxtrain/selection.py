@@ -10,7 +10,10 @@ survives a restart; a best from after the resumed step is of a timeline that is 
 
 The **test** split is evaluated once, when training ends, on the checkpoint ``trainer.test_ckpt`` names:
 ``best`` (default) or ``last`` (:func:`state_to_test`); ``test_loss``, ``test_<metric>`` go into ``summary.json``
-beside the best step's ``val_*`` metrics and ``best_step``.
+beside the best step's ``val_*`` metrics, ``best_step`` and ``tested``: which checkpoint was tested and why
+(``{"step": 20, "checkpoint": "last", "why": "trainer.test_ckpt=best, but ..."}``), so a run asked to test its
+best step that tested its last one (no step logged the metric, or ``checkpoints/best`` was damaged and dropped
+at a resume with no evaluation since) says so, there and in its closing line.
 
 A data source without a validation split (``data.val_fraction=0``, an iterable of batches) is validated on
 its test split (:attr:`fxtrain.data.Dataset.validation`), as runs were before there were three splits; its
@@ -69,6 +72,7 @@ class Best:
         self.value: float | None = None
         self.metrics: dict[str, float] = {}  # the best step's logged metrics
         self.state: fx.TrainState | None = None  # a copy of the best step's state
+        self.dropped: str | None = None  # why a resume did not take the best so far (checkpoints/best), if it did not
 
     def update(self, record: dict[str, float], step: int) -> bool:
         """Reads one logged line; ``True`` when it is a new best (ties keep the earlier step)."""
@@ -100,9 +104,13 @@ class Best:
         except (checkpoint.CheckpointError, OSError) as e:
             logging.getLogger("fxtrain").warning(f"checkpoint {path} is damaged ({e}): dropped; the best step is "
                                                  f"chosen from step {start} on")
-            recorded = {}
+            recorded, self.dropped = {}, f"checkpoints/best was damaged and dropped at the resume from step {start}"
         if recorded.get("metric") != self.metric or not isinstance(recorded.get("step"), int) \
                 or recorded["step"] > start:
+            if self.dropped is None:
+                self.dropped = (f"checkpoints/best (step {recorded['step']}) is from after the resumed step {start}"
+                                if isinstance(recorded.get("step"), int) and recorded.get("metric") == self.metric
+                                else f"checkpoints/best was not chosen by {self.metric}") + ": dropped"
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
             return
@@ -117,14 +125,38 @@ class Best:
         return f"{self.metric} {self.value:.4g} at step {self.step}" if self.step is not None else f"no {self.metric}"
 
 
-def state_to_test(which: str, best: Best | None, last: fx.TrainState) -> tuple[fx.TrainState, str]:
-    """The state ``trainer.test_ckpt`` names and how to say it: the best step's (``best``; the last one when no
-    step logged the metric), or ``last``."""
+def state_to_test(which: str, best: Best | None, last: fx.TrainState) -> tuple[fx.TrainState, dict[str, Any]]:
+    """The state ``trainer.test_ckpt`` names, and what summary.json's ``tested`` says of it: ``{"step",
+    "checkpoint": "best" | "last", "why"}``. ``best`` is the best step's, or the last one when there is no best
+    step (no step logged the metric since the run, or its resume, began; the why says which).
+
+    >>> last = fx.TrainState(8, {}, None)
+    >>> state_to_test("best", Best("val_loss"), last)[1]
+    {'step': 8, 'checkpoint': 'last', 'why': 'trainer.test_ckpt=best, but no step logged val_loss: the last step was tested'}
+    """
     if which == "best" and best is not None and best.state is not None:
-        return best.state, f"best ({best.describe()})"
+        why = f"trainer.test_ckpt=best: {best.describe()}"
+        if best.dropped:
+            why += f" (chosen after the resume: {best.dropped})"
+        return best.state, {"step": best.step, "checkpoint": "best", "why": why}
     if which == "best":
-        return last, f"last (step {last.step}: no step logged {best.metric if best else 'the best_by metric'})"
-    return last, f"last (step {last.step})"
+        metric = best.metric if best is not None else "the best_by metric"
+        reason = (f"{best.dropped}, and no step logged {metric} since" if best is not None and best.dropped
+                  else f"no step logged {metric}")
+        return last, {"step": last.step, "checkpoint": "last",
+                      "why": f"trainer.test_ckpt=best, but {reason}: the last step was tested"}
+    return last, {"step": last.step, "checkpoint": "last", "why": "trainer.test_ckpt=last"}
+
+
+def describe_tested(tested: dict[str, Any]) -> str:
+    """summary.json's ``tested`` as the run's lines say it: ``best (step 12)``, or ``last (step 20: why)`` when it
+    is not what ``trainer.test_ckpt`` asked for by name.
+
+    >>> describe_tested({"step": 20, "checkpoint": "last", "why": "trainer.test_ckpt=last"})
+    'last (step 20)'
+    """
+    said = tested["why"] in ("trainer.test_ckpt=last",) or tested["why"].startswith("trainer.test_ckpt=best:")
+    return f"{tested['checkpoint']} (step {tested['step']}" + (")" if said else f": {tested['why']})")
 
 
 def _copy(values: Any) -> Any:

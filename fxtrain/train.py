@@ -58,7 +58,10 @@ and test on 2 batches, no checkpoints), ``overfit`` (one batch every step: :func
 
 **A run directory belongs to one run** (:mod:`fxtrain.rundir`): relaunching another config into it is
 refused, and so is the same config with ``resume=null`` (use ``resume=auto``); one live process holds it
-(a lock naming its pid and host); ``keep_last`` deletes only this run's older checkpoints.
+(a lock naming its pid and host); ``keep_last`` deletes only this run's older checkpoints. A launch is
+refused (one line) or accepted before the directory gets its first file: the directory is checked, the resume's
+checkpoint verified and loaded, the data split and the model built, and only then taken
+(:meth:`fxtrain.rundir.Claim.accept`), so a refused launch writes nothing, into a fresh directory either.
 """
 
 from __future__ import annotations
@@ -119,8 +122,9 @@ def train(cfg: DictConfig, out_dir: str | pathlib.Path | None = None,
     """
     if checked is None:
         checked = check(cfg)
-    with rundir.claim(out_dir, cfg):  # one run, one live process per directory (fxtrain/rundir.py)
-        return _train(cfg, out_dir, checked)
+    # One run, one live process per directory (fxtrain/rundir.py), taken once nothing can refuse the launch any more.
+    with rundir.claim(out_dir, cfg, defer=True) as claimed:
+        return _train(cfg, out_dir, checked, claimed)
 
 
 def check(cfg: DictConfig) -> validate.Checked:
@@ -157,15 +161,18 @@ def settle_max_steps(cfg: DictConfig) -> int:
     return cfg.trainer.max_steps
 
 
-def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None, checked: validate.Checked) -> float:
+def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None, checked: validate.Checked,
+           claimed: rundir.Claim) -> float:
     t0 = time.perf_counter()
     run = plan_run(cfg, out_dir)
     if run.source == "completed":  # resume=auto on a finished run: leave it as it is
         run.say(f"resume=auto: {out_dir} completed {cfg.trainer.max_steps} steps already; nothing to do")
         return float(rundir.read_summary(out_dir)["value"])
-    run = start_run(cfg, run)
+    run = place_run(cfg, run)
     built = build_run(cfg, run.device, run.dims, task=checked.task)
     state, resumed = load_start(cfg, run, built)
+    claimed.accept()  # nothing refused the launch (resume, data, model, layout): the directory gets its first files
+    write_config(cfg, run)
     for line in begin_run(cfg, run, built, state, resumed):
         run.say(line)
     steps = RunSteps(built, run.dims, state, cfg.trainer.eval_batch_size)
@@ -208,13 +215,24 @@ def plan_run(cfg: DictConfig, out_dir: str | pathlib.Path | None, say: Callable[
 
 def start_run(cfg: DictConfig, run: Run) -> Run:
     """Writes ``config.yaml`` (resolved) into the run directory, sets ``trainer.cpu_threads`` and builds the
-    mesh: the :class:`Run` that :func:`build_run` builds on."""
-    if run.out is not None:
-        run.out.mkdir(parents=True, exist_ok=True)
-        (run.out / "config.yaml").write_text(resolved_yaml(cfg))
+    mesh: the :class:`Run` that :func:`build_run` builds on (:func:`place_run`, then :func:`write_config`)."""
+    write_config(cfg, run)
+    return place_run(cfg, run)
+
+
+def place_run(cfg: DictConfig, run: Run) -> Run:
+    """Sets ``trainer.cpu_threads`` and builds the mesh: the :class:`Run` that :func:`build_run` builds on.
+    Writes nothing."""
     if run.device.type == "cpu" and cfg.trainer.cpu_threads:
         torch.set_num_threads(cfg.trainer.cpu_threads)
     return run._replace(dims=run.dims.build(run.device.type))
+
+
+def write_config(cfg: DictConfig, run: Run) -> None:
+    """Writes ``config.yaml`` (resolved) into the run directory (none without one)."""
+    if run.out is not None:
+        run.out.mkdir(parents=True, exist_ok=True)
+        (run.out / "config.yaml").write_text(resolved_yaml(cfg))
 
 
 class Built(NamedTuple):
@@ -274,8 +292,11 @@ def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, 
         # (resume_relayout: run.note), every leaf's value is placed as this layout's tree, and a pipeline stage
         # reads its part of a whole model's checkpoint.
         relayout = run.note is not None
-        state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers),
-                        saved_placements=not relayout, part=relayout and run.dims.enabled("pp"))
+        try:
+            state = fx.load(run.source, like=fx.TrainState(0, params, opt_state, fx.rng_state(), buffers),
+                            saved_placements=not relayout, part=relayout and run.dims.enabled("pp"))
+        except fx.CheckpointError as e:  # another model's or stack's checkpoint: a refused launch, in one line
+            raise rundir.RunDirError(f"resume={cfg.get('resume')}: {e}") from None
         # Into the built trees, in place: FSDP and pipeline stages compute with their modules' own tensors,
         # which these leaves are (a new tree would train a copy the module never sees).
         with torch.no_grad():
@@ -754,12 +775,15 @@ def evaluate_test(cfg: DictConfig, run: Run, built: Built, last: fx.TrainState,
              best: selection.Best | None) -> dict[str, Any]:
     """The test split's metrics (``test_loss``, ``test_<metric>``) of the state ``trainer.test_ckpt`` names, with
     the best step's validation metrics and ``best_step`` (summary.json's); says the ``test`` line."""
-    state, which = selection.state_to_test(cfg.trainer.get("test_ckpt", "best"), best, last)
+    state, tested = selection.state_to_test(cfg.trainer.get("test_ckpt", "best"), best, last)
     metrics = tasks.split_metrics(built.evaluate(state.params, state.buffers, built.data.test,
                                                  cfg.trainer.eval_batch_size), "test")
+    which = (f"best ({best.describe()})" if tested["checkpoint"] == "best" and best is not None
+             else selection.describe_tested(tested))
     run.say(f"test   {which}: " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     chosen = {k: v for k, v in (best.metrics if best is not None else {}).items() if k.startswith("val_")}
-    return {**chosen, **metrics, "best_step": best.step if best is not None else None, "tested": which}
+    return {**chosen, **metrics, "best_step": best.step if best is not None else None, "which_tested": which,
+            "tested": tested}
 
 
 def _hook_metrics(name: str, values: Any) -> dict[str, float]:
@@ -817,7 +841,7 @@ def finish_run(cfg: DictConfig, out: pathlib.Path | None, final: dict[str, float
     """
     final = dict(final)
     stopped = final.pop("stopped_early", None)
-    best_step, tested = final.pop("best_step", None), final.pop("tested", None)
+    best_step, which, tested = final.pop("best_step", None), final.pop("which_tested", None), final.pop("tested", None)
     steps = stopped["step"] if stopped else cfg.trainer.max_steps
     value = final[cfg.optimized_metric]
     if out is not None:
@@ -825,13 +849,14 @@ def finish_run(cfg: DictConfig, out: pathlib.Path | None, final: dict[str, float
                    "optimized_metric": cfg.optimized_metric, "value": value, "metrics": final}
         if stopped:
             summary["stopped_early"] = stopped
-        if tested is not None:
-            summary.update(best_step=best_step, test_ckpt=tested)
+        if tested is not None:  # which checkpoint the test_* are of, and why (the last one, when best was asked)
+            summary.update(best_step=best_step, test_ckpt=which, tested=tested)
         rundir.write_json(out / "summary.json", summary)  # atomic: a kill leaves the old one or the new one
     shown = [cfg.optimized_metric] + [k for k in ("val_accuracy", "test_accuracy", "test_loss", "loss")
                                       if k != cfg.optimized_metric]
     say(f"done   {steps} steps in {elapsed:.1f} s | " + " | ".join(f"{k} {final[k]:.4f}" for k in shown
-                                                                   if k in final))
+                                                                   if k in final)
+        + (f" | tested {selection.describe_tested(tested)}" if tested is not None else ""))
     if not math.isfinite(value):
         raise FloatingPointError(f"optimized_metric {cfg.optimized_metric} is {value}")
     return float(value)
@@ -961,9 +986,10 @@ def _check_same_config(cfg: DictConfig, path: pathlib.Path, manifest: dict[str, 
                                 "another config) or false")
     there = manifest["meta"].get("config")
     if not isinstance(there, dict):
-        try:
-            there = json.loads((path.parent.parent / rundir.OWNER).read_text()).get("config")
-        except (OSError, ValueError, AttributeError):
+        try:  # the checkpoint's run's run.json: a regular file there, or none (a FIFO must not hang the resume)
+            with checkpoint.open_file(path.parent.parent / rundir.OWNER, path.parent.parent) as fh:
+                there = json.loads(fh.read().decode("utf-8")).get("config")
+        except (OSError, ValueError, AttributeError):  # CheckpointError is a ValueError
             there = None
     if not isinstance(there, dict) or force:
         return
@@ -1063,14 +1089,22 @@ def _task(cfg: DictConfig) -> float:
         try:
             checked = check(cfg)  # a bad setting writes nothing where a run is, not even a failed summary.json
         except ConfigError as e:
-            if multirun and distributed.rank_and_world()[0] == 0:  # a sweep job's own new directory: say why there
-                rundir.write_refused(out, cfg, e)
+            if distributed.rank_and_world()[0] == 0:
+                if multirun:  # a sweep job's own new directory: say why there
+                    rundir.write_refused(out, cfg, e)
+                else:  # a refused launch leaves nothing, not even the directory Hydra made for it
+                    rundir.withdraw(out)
             raise
         try:
             return train(cfg, out, checked)
         except Exception as e:
-            if distributed.rank_and_world()[0] == 0:  # a failed job still says why in its directory (and summary.csv)
-                write_failure(out, cfg, e)
+            if distributed.rank_and_world()[0] == 0:
+                if rundir.accepted(out):  # a failed job still says why in its directory (and summary.csv)
+                    write_failure(out, cfg, e)
+                elif multirun:  # refused before its directory was taken: a sweep job's own new one says why
+                    rundir.write_refused(out, cfg, e, "refused" if isinstance(e, ConfigError) else "failed")
+                else:  # a refused launch leaves nothing, not even the directory Hydra made for it
+                    rundir.withdraw(out)
             raise
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import fxtrain as fx
 from fxtrain import build, loggers, rundir, train as runner
@@ -309,3 +310,33 @@ def test_a_sweep_job_refused_for_a_setting_says_why_in_summary_csv(tmp_path):
     assert rows["1"]["trainer.log_every"] == "0"                           # its overrides, from its .hydra/
     summary = json.loads((tmp_path / "sweep" / "1" / "summary.json").read_text())
     assert summary["status"] == "refused" and "trainer.log_every=0" in summary["error"]
+
+
+# --- a refused launch writes nothing, in a fresh directory too (issue 35 item 5) ---------------------------------
+# Refusals raised once the directory was claimed (the data, an empty split, the resume's checkpoint) left run.json,
+# .hydra/, config.yaml, run.lock, a failed summary.json, and Hydra's train.log, in a directory no run ever used.
+
+def bad_settings(tmp_path):
+    """One refusal of each kind: validation, the data when built, an empty split, resume=PATH (none there, and a
+    checkpoint of another tree, refused when loaded)."""
+    foreign = fx.save(tmp_path / "foreign" / "step_0000002", fx.TrainState(2, {"w": torch.zeros(3)}, None))
+    return [["data.test_fraction=2"], ["trainer.keep_last=-1"], ["data.batch_size=100000"],
+            ["data.num_examples=40", "data.test_fraction=0.01"], [f"resume={tmp_path / 'missing'}"],
+            [f"resume={foreign}"]]
+
+
+def test_a_refused_launch_into_a_fresh_directory_leaves_nothing(tmp_path):
+    from tests._runner import run_main
+
+    for i, refused in enumerate(bad_settings(tmp_path)):
+        code = run_main(*SHORT, f"hydra.run.dir=fresh/{i}", *refused)
+        assert isinstance(code, str) and code.startswith("Error: ") and "\n" not in code, (refused, code)
+        assert not (tmp_path / "fresh" / str(i)).exists(), (refused, sorted(every_file(tmp_path / "fresh" / str(i))))
+    # a directory that was there before (empty) stays, empty: nothing of a refused launch is kept, nothing else goes
+    (tmp_path / "mine").mkdir()
+    assert run_main(*SHORT, "hydra.run.dir=mine", "data.batch_size=100000").startswith("Error: ")
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
+    # and an accepted launch into it writes as before
+    assert run_main(*SHORT, "hydra.run.dir=mine") == 0
+    written = {p.name for p in (tmp_path / "mine").iterdir()}
+    assert {"run.json", "config.yaml", "summary.json", "train.log", ".hydra"} <= written

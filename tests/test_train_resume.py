@@ -259,7 +259,18 @@ def test_a_damaged_best_checkpoint_is_dropped_with_a_warning_and_the_run_goes_on
     killed_after(run, 4)
     best = run / "checkpoints" / "best"
     (best / ".metadata").write_bytes(b"damaged")
-    with caplog.at_level("WARNING", logger="fxtrain"):
+    with caplog.at_level("INFO", logger="fxtrain"):
         runner.train(cfg_of(*SHORT, "resume=auto"), run)
     assert f"checkpoint {best} is damaged (" in caplog.text and "chosen from step 4 on" in caplog.text
-    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    # The last step was tested where the best was asked for: summary.json and the closing line say so, and why
+    # (they said best_step: null and nothing else).
+    why = ("trainer.test_ckpt=best, but checkpoints/best was damaged and dropped at the resume from step 4, and no "
+           "step logged val_accuracy since: the last step was tested")
+    assert summary["best_step"] is None and summary["tested"] == {"step": 4, "checkpoint": "last", "why": why}
+    [done] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done   ")]
+    assert done.endswith(f" | tested last (step 4: {why})"), done
+    from fxtrain import report
+
+    assert report.collect(run)[0]["tested"] == "last (step 4)"

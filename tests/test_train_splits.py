@@ -41,6 +41,8 @@ def test_validation_every_eval_test_once_on_the_best_checkpoint(tmp_path):
     assert summary["metrics"]["val_accuracy"] == best["val_accuracy"]
     assert {"test_loss", "test_accuracy"} <= set(summary["metrics"])
     assert summary["test_ckpt"].startswith("best")
+    assert summary["tested"] == {"step": best["step"], "checkpoint": "best", "why": "trainer.test_ckpt=best: "
+                                 f"val_accuracy {best['val_accuracy']:.4g} at step {best['step']}"}
     # keep_last=1 keeps the last step and, beside it, the best one
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "step_0000008"]
     ckpt = load_checkpoint(tmp_path / "checkpoints" / "best", cfg)
@@ -105,6 +107,7 @@ def test_test_ckpt_last_and_no_validation_split(tmp_path, caplog):
     runner.train(cfg, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["test_ckpt"] == "last (step 4)"
+    assert summary["tested"] == {"step": 4, "checkpoint": "last", "why": "trainer.test_ckpt=last"}
     # synthetic has no validation split: validation reads the test split, and the data line says so once
     said = [r.getMessage() for r in caplog.records]
     assert sum(runner.NO_VALIDATION in line for line in said) == 1
@@ -154,3 +157,50 @@ def test_a_best_by_metric_the_run_does_not_log_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^trainer\.checkpoint\.best_by=val_acc is not a metric of this run; "
                                           r"it has: .*val_accuracy"):
         runner.train(cfg, tmp_path / "run")
+
+
+# --- a split that gets no rows (issue 35 item 5) ----------------------------------------------------------------
+# data=synthetic data.num_examples=40 data.test_fraction=0.01 held out 0.4 rows, rounded to none: a RuntimeError
+# traceback at the first evaluation, after the run directory was written. A val_fraction that rounds to none became
+# "validation reads the test split" in silence (the meaning of val_fraction=0, which asks for it).
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in (runner.CONF_DIR / "data").glob("*.yaml"))
+
+
+def rounds_to_none(preset: str) -> list[str]:
+    """Each split fraction ``preset`` has, at a value that holds out less than one row (byte) of any shipped data."""
+    keys = [k for k in ("test_fraction", "val_fraction") if k in cfg_of(f"data={preset}").data]
+    return [f"data.{k}=1e-09" for k in keys]
+
+
+@pytest.mark.parametrize("preset, override", [(p, o) for p in presets() for o in rounds_to_none(p)])
+def test_a_split_fraction_that_rounds_to_no_rows_is_refused_in_one_line(preset, override):
+    from fxtrain import build
+
+    cfg = cfg_of(f"data={preset}", override)
+    key = override.split("=")[0].removeprefix("data.")
+    with pytest.raises(ConfigError) as info:
+        build.dataset(cfg.data)
+    msg = str(info.value)
+    assert f"{key}=1e-09 of " in msg and "rounds to none" in msg and f"raise {key} to at least " in msg, msg
+    assert "\n" not in msg
+    if key == "val_fraction":  # what asks for validation on the test split, named
+        assert "or set val_fraction=0 to validate on the test split on purpose" in msg
+
+
+def test_the_empty_test_split_of_the_issue_is_refused_before_anything_is_written(tmp_path):
+    from tests._runner import run_main
+
+    code = run_main(*SMALL, "data.num_examples=40", "data.test_fraction=0.01", "hydra.run.dir=run")
+    assert code == ("Error: data (fxtrain.data.synthetic): synthetic: test_fraction=0.01 of 40 examples holds out "
+                    "0.4, which rounds to none: the test split would be empty; raise test_fraction to at least 0.025 "
+                    "(1 of 40), or give more examples"), code
+    assert not (tmp_path / "run").exists()
+
+
+def test_val_fraction_zero_still_asks_for_validation_on_the_test_split():
+    data = fxdata.synthetic(batch_size=8, num_examples=40, val_fraction=0.0)
+    assert data.val is None and data.validation is data.test
+    with pytest.raises(ValueError, match=r"val_fraction=0.01 of 40 examples holds out 0.4, which rounds to none"):
+        fxdata.synthetic(batch_size=8, num_examples=40, val_fraction=0.01)
