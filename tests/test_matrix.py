@@ -533,12 +533,6 @@ KNOWN_DEFECTS: list[tuple[dict, str]] = [  # (the values of the cells it fails, 
      "matrix: apply_if_finite under a pipeline fails at the first step with a ValueError traceback (it 'reports "
      "total_notfinite differently on the stages of the pp group': it takes no groups=), not a one-line refusal "
      "before training"),
-    # issue 35's own list
-    ({"parallel": ["pp_fsdp", "3d"], "amp": ["bf16"]},
-     "issue 35: pp_fsdp and 3d train nothing under amp=bf16 (grad_norm 0 at every update)"),
-    ({"parallel": ["pp", "pp_tp"], "amp": ["bf16"]},
-     "issue 35: pp and pp_tp under bf16 apply n_microbatches x the gradient (grad_norm 4x); continued mid-window "
-     "in one process, the held 4x sums mix with 1x ones"),
     # found by this matrix
     ({"parallel": ["fsdp", "fsdp_tp", "hsdp"], "amp": ["pure_bf16", "pure_fp16"]},
      "matrix: half-precision params under FSDP fail at the first step with a ValueError traceback ('fully_sharded"
