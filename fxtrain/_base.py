@@ -36,9 +36,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
+from fxtrain._deferred import DTensor
 
 Params = Updates = State = Any
 LossFn = Callable[..., Any]

@@ -21,8 +21,8 @@ from typing import Any
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
+from fxtrain._deferred import DTensor
 from fxtrain.interop._jax import is_jax_array, require
 
 __all__ = ["to_jax", "from_jax", "tensor_to_jax", "array_to_torch"]

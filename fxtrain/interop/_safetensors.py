@@ -17,7 +17,8 @@ import os
 from typing import Any, Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from fxtrain._deferred import DTensor
 
 __all__ = ["save_safetensors", "load_safetensors"]
 

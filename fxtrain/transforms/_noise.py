@@ -22,11 +22,11 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, chain, check_learning_rate, check_nonnegative, transform
 
+from fxtrain._deferred import DTensor, Replicate, Shard
 from fxtrain.transforms._moments import LearningRate, Scalar, param_device, safe_increment_
 from fxtrain.transforms._scaling import scale_by_learning_rate
 
