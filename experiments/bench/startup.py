@@ -1,0 +1,119 @@
+"""Start-up (issue 36, item 6): ``import fxtrain`` and ``import fxtrain.train`` against ``import torch``, and the time
+from ``python -m fxtrain.train`` to its first header line.
+
+Every timing is a fresh process (``python -c "<statement>"``, wall clock from spawn to exit), so the file cache is
+warm but nothing is imported. Rounds interleave the statements (the order rotating every round) and the table
+reports medians and quartiles: on a machine shared with other work, a slow spell hits every statement alike.
+The goal: each fxtrain import <= 0.3 s above ``import torch``; the first line of ``python -m fxtrain.train`` within
+3 s (it runs ``trainer.max_steps=1`` in a temporary directory; the whole run's time is reported too).
+
+Usage:
+    python experiments/bench/startup.py [--rounds 15] [--run-rounds 5] [--baseline DIR] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+STATEMENTS = {
+    "python": "pass",
+    "import torch": "import torch",
+    "import fxtrain": "import fxtrain",
+    "import fxtrain.train": "import fxtrain.train",
+}
+
+
+def _env(root: Path = ROOT) -> dict:
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
+
+
+def time_statement(statement: str, root: Path = ROOT) -> float:
+    """Seconds from spawning ``python -c statement`` (``root`` first on the path) to its exit."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", statement], env=_env(root), check=True)
+    return time.perf_counter() - t0
+
+
+def time_run(workdir: str) -> tuple[float, float]:
+    """Seconds from spawning ``python -m fxtrain.train trainer.max_steps=1`` to its first line, and to its exit."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "fxtrain.train", "trainer.max_steps=1"], cwd=workdir, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = proc.stdout.readline()
+    t_first = time.perf_counter() - t0
+    proc.stdout.read()
+    if proc.wait() != 0 or not first:
+        raise RuntimeError(f"python -m fxtrain.train trainer.max_steps=1 failed (first line: {first!r})")
+    return t_first, time.perf_counter() - t0
+
+
+def _commit(root: Path) -> str:
+    out = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True, text=True)
+    return out.stdout.strip()[:80] or "(not a git checkout)"
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    return tuple(statistics.quantiles(xs, n=4)) if len(xs) > 1 else (xs[0],) * 3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15, help="fresh processes per import statement")
+    parser.add_argument("--run-rounds", type=int, default=5, help="runs of python -m fxtrain.train (0: none)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout (e.g. `git worktree add /tmp/before main`): its imports timed too")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+
+    load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    runs = {name: (statement, ROOT) for name, statement in STATEMENTS.items()}
+    if args.baseline:
+        runs.update({f"{name} (baseline)": (STATEMENTS[name], args.baseline) for name in STATEMENTS if "fxtrain" in name})
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            seconds[name].append(time_statement(*runs[name]))
+    torch_median = statistics.median(seconds["import torch"])
+    rows = []
+    for name, xs in seconds.items():
+        q1, med, q3 = quartiles(xs)
+        rows.append([f"`{name}`", med, q1, q3, med - torch_median, med / torch_median])
+    text = ["# Start-up", "", _common.environment(), f"- load average at the start: {load_before}",
+            f"- command: `python experiments/bench/startup.py {' '.join(sys.argv[1:])}`",
+            *([f"- baseline: {args.baseline} at `{_commit(args.baseline)}`"] if args.baseline else []),
+            "", f"Fresh processes, {args.rounds} interleaved rounds, seconds (goal: fxtrain's imports <= 0.3 s above "
+            "`import torch`).", "",
+            _common.table(["statement", "median s", "q1", "q3", "above torch s", "x torch"], rows)]
+
+    if args.run_rounds:
+        firsts, totals = [], []
+        with tempfile.TemporaryDirectory() as workdir:
+            for _ in range(args.run_rounds):
+                first, total = time_run(workdir)
+                firsts.append(first)
+                totals.append(total)
+        run_rows = [["first line (`run ...`)", *(statistics.median(firsts), *quartiles(firsts)[::2])],
+                    ["exit", *(statistics.median(totals), *quartiles(totals)[::2])]]
+        text += ["", f"`python -m fxtrain.train trainer.max_steps=1` (default config, digits), {args.run_rounds} runs, "
+                 "seconds from spawn (goal: first line within 3 s).", "",
+                 _common.table(["until", "median s", "q1", "q3"], run_rows)]
+    report = "\n".join(text)
+    print(report)
+    if not args.no_write:
+        print(f"\nwrote {_common.write_result('startup', report)}")
+
+
+if __name__ == "__main__":
+    main()
