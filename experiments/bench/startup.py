@@ -57,6 +57,16 @@ def time_statement(statement: str, root: Path = ROOT) -> tuple[float, float]:
     return time.perf_counter() - t0, _children_cpu() - c0
 
 
+def time_increment(module: str, root: Path = ROOT) -> tuple[float, float]:
+    """Wall and CPU seconds of ``import module`` in a fresh process that has imported torch already: the cost
+    above torch measured inside one process (the spread of torch's own import time between processes left out)."""
+    code = ("import time, torch; w, c = time.perf_counter(), time.process_time(); "
+            f"import {module}; print(time.perf_counter() - w, time.process_time() - c)")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(root), check=True, capture_output=True, text=True)
+    wall, cpu = map(float, out.stdout.split())
+    return wall, cpu
+
+
 def time_run(workdir: str) -> tuple[float, float, float]:
     """Seconds from spawning ``python -m fxtrain.train trainer.max_steps=1`` to its first line (wall and CPU),
     and to its exit (wall)."""
@@ -93,6 +103,10 @@ def main() -> None:
     runs = {name: (statement, ROOT) for name, statement in STATEMENTS.items()}
     if args.baseline:
         runs.update({f"{name} (baseline)": (STATEMENTS[name], args.baseline) for name in STATEMENTS if "fxtrain" in name})
+    increments = {f"{m}{label}": (m, root) for m in ("fxtrain", "fxtrain.train")
+                  for label, root in [("", ROOT), *([(" (baseline)", args.baseline)] if args.baseline else [])]}
+    inc_wall: dict[str, list[float]] = {name: [] for name in increments}
+    inc_cpu: dict[str, list[float]] = {name: [] for name in increments}
     wall: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
@@ -101,6 +115,10 @@ def main() -> None:
             w, c = time_statement(*runs[name])
             wall[name].append(w)
             cpu[name].append(c)
+        for name, (module, root) in increments.items():
+            w, c = time_increment(module, root)
+            inc_wall[name].append(w)
+            inc_cpu[name].append(c)
     torch_wall, torch_cpu = statistics.median(wall["import torch"]), statistics.median(cpu["import torch"])
     rows = []
     for name in names:
@@ -115,6 +133,11 @@ def main() -> None:
             "much less with the load than the wall clock does.", "",
             _common.table(["statement", "wall median s", "q1", "q3", "wall above torch s", "CPU median s",
                            "CPU above torch s", "CPU x torch"], rows)]
+
+    inc_rows = [[f"`import {name}`", statistics.median(inc_wall[name]), *quartiles(inc_wall[name])[::2],
+                 statistics.median(inc_cpu[name])] for name in increments]
+    text += ["", "Above torch inside one process (`import torch`, then the clock, then `import fxtrain...`), same "
+             "rounds:", "", _common.table(["after import torch", "wall median s", "q1", "q3", "CPU median s"], inc_rows)]
 
     if args.run_rounds:
         firsts, cpus, totals = [], [], []
