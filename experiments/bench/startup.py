@@ -35,7 +35,7 @@ STATEMENTS = {
 }
 
 
-def _env(root: Path = ROOT) -> dict:
+def _env(root: Path = ROOT) -> dict:  # with cwd=root: `python -c` puts its cwd first on sys.path
     return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
 
 
@@ -53,7 +53,7 @@ def _cpu_of(pid: int) -> float:
 def time_statement(statement: str, root: Path = ROOT) -> tuple[float, float]:
     """Wall and CPU seconds of ``python -c statement`` (``root`` first on the path), spawn to exit."""
     t0, c0 = time.perf_counter(), _children_cpu()
-    subprocess.run([sys.executable, "-c", statement], env=_env(root), check=True)
+    subprocess.run([sys.executable, "-c", statement], cwd=root, env=_env(root), check=True)
     return time.perf_counter() - t0, _children_cpu() - c0
 
 
@@ -62,7 +62,8 @@ def time_increment(module: str, root: Path = ROOT) -> tuple[float, float]:
     above torch measured inside one process (the spread of torch's own import time between processes left out)."""
     code = ("import time, torch; w, c = time.perf_counter(), time.process_time(); "
             f"import {module}; print(time.perf_counter() - w, time.process_time() - c)")
-    out = subprocess.run([sys.executable, "-c", code], env=_env(root), check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=_env(root), check=True, capture_output=True,
+                         text=True)
     wall, cpu = map(float, out.stdout.split())
     return wall, cpu
 
@@ -102,7 +103,8 @@ def main() -> None:
     load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     runs = {name: (statement, ROOT) for name, statement in STATEMENTS.items()}
     if args.baseline:
-        runs.update({f"{name} (baseline)": (STATEMENTS[name], args.baseline) for name in STATEMENTS if "fxtrain" in name})
+        runs.update({f"{name} (baseline)": (STATEMENTS[name], args.baseline)
+                     for name in STATEMENTS if "fxtrain" in name})
     increments = {f"{m}{label}": (m, root) for m in ("fxtrain", "fxtrain.train")
                   for label, root in [("", ROOT), *([(" (baseline)", args.baseline)] if args.baseline else [])]}
     inc_wall: dict[str, list[float]] = {name: [] for name in increments}
@@ -137,7 +139,8 @@ def main() -> None:
     inc_rows = [[f"`import {name}`", statistics.median(inc_wall[name]), *quartiles(inc_wall[name])[::2],
                  statistics.median(inc_cpu[name])] for name in increments]
     text += ["", "Above torch inside one process (`import torch`, then the clock, then `import fxtrain...`), same "
-             "rounds:", "", _common.table(["after import torch", "wall median s", "q1", "q3", "CPU median s"], inc_rows)]
+             "rounds:", "",
+             _common.table(["after import torch", "wall median s", "q1", "q3", "CPU median s"], inc_rows)]
 
     if args.run_rounds:
         firsts, cpus, totals = [], [], []
