@@ -36,9 +36,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
+from fxtrain._deferred import DTensor
 
 Params = Updates = State = Any
 LossFn = Callable[..., Any]
@@ -817,7 +817,7 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
     us, ps = tree.align(updates, params, what="params")  # checks the structure, naming the first bad path
     with torch.no_grad():
         kinds = set(map(type, ps))
-        if DTensor in kinds and len(kinds) > 1:
+        if any(issubclass(k, DTensor) for k in kinds) and len(kinds) > 1:
             # DTensor refuses foreach lists that mix it with plain tensors: one call per kind. The DTensor
             # call goes through DTensor dispatch, which redistributes an update placed unlike its param.
             for want in (False, True):

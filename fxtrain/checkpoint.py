@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -90,11 +91,11 @@ from typing import Any, Callable, Iterator, NamedTuple
 import optree
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
+from fxtrain._deferred import DTensor, deferred_module
+
+dcp = deferred_module("torch.distributed.checkpoint")
 
 __all__ = ["TrainState", "save", "load", "rng_state", "set_rng_state", "latest", "CheckpointError", "read_dcp_metadata",
            "verify", "candidates", "first_failure", "open_file"]
@@ -577,7 +578,7 @@ def load(path: str | os.PathLike, *, like: Any, verify: bool = True, saved_place
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=_SafeReader(path), no_dist=not _distributed())
+            dcp.load(tensors, storage_reader=_safe_reader()(path), no_dist=not _distributed())
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP wraps per-rank failures in a BaseException; say which checkpoint
@@ -725,7 +726,7 @@ def _check_files(path: pathlib.Path, manifest: dict[str, Any], verify: bool) -> 
 
 def _check_dcp(path: pathlib.Path, manifest: dict[str, Any]) -> None:
     """The manifest's tensor leaves are exactly the tensors DCP's ``.metadata`` holds, in files it lists."""
-    metadata = _SafeReader(path).read_metadata()
+    metadata = _safe_reader()(path).read_metadata()
     stored = set(metadata.state_dict_metadata)
     listed = [e["path"] for e in manifest["leaves"] if e["kind"] == "tensor"]
     for p in listed:
@@ -832,36 +833,42 @@ def read_dcp_metadata(path: str | os.PathLike) -> Any:
     return metadata
 
 
-class _CheckedFileSystem(FileSystem):
-    """DCP's file system, reading through :func:`open_file`: no link followed, no FIFO or device opened."""
+@functools.cache
+def _safe_reader() -> type:
+    """DCP's file reader with :func:`read_dcp_metadata` in place of its ``pickle.load`` of ``.metadata``, and every
+    file opened through :func:`open_file` (classes made on first use: their bases import
+    ``torch.distributed.checkpoint``, which ``import fxtrain`` defers)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        if mode != "rb":
-            raise CheckpointError(f"checkpoint {pathlib.Path(path).parent}: opened to write ({mode!r}) while loading")
-        path = pathlib.Path(path)
-        with open_file(path, path.parent) as fh:
-            yield fh
+    class _CheckedFileSystem(FileSystem):
+        """DCP's file system, reading through :func:`open_file`: no link followed, no FIFO or device opened."""
 
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+            if mode != "rb":
+                raise CheckpointError(f"checkpoint {pathlib.Path(path).parent}: opened to write ({mode!r}) while "
+                                      "loading")
+            path = pathlib.Path(path)
+            with open_file(path, path.parent) as fh:
+                yield fh
 
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with :func:`read_dcp_metadata` in place of its ``pickle.load`` of ``.metadata``, and
-    every file opened through :func:`open_file`."""
+    class _SafeReader(dcp.FileSystemReader):
+        def __init__(self, path: str | os.PathLike) -> None:
+            super().__init__(path)
+            self.fs = _CheckedFileSystem()
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self.fs = _CheckedFileSystem()
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("rank") is not None:  # per-rank metadata files: fx.save never writes them
+                raise CheckpointError(f"checkpoint {self.path}: per-rank DCP metadata is not read by fxtrain")
+            from torch.distributed.checkpoint.metadata import StorageMeta
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("rank") is not None:  # per-rank metadata files: fx.save never writes them
-            raise CheckpointError(f"checkpoint {self.path}: per-rank DCP metadata is not read by fxtrain")
-        from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata = read_dcp_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
-        metadata = read_dcp_metadata(self.path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    return _SafeReader
 
 
 def open_file(f: str | os.PathLike, checkpoint: str | os.PathLike) -> io.BufferedReader:

@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.func import functional_call
 
 from fxtrain import tree
+from fxtrain._deferred import FSDPModule
 
 Params = Buffers = dict[str, torch.Tensor]
 ApplyFn = Callable[..., tuple[Any, Buffers]]

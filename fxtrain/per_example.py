@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
+from fxtrain._deferred import DTensor
 
 __all__ = ["per_example_grads"]
 

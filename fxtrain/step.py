@@ -129,10 +129,10 @@ from typing import Any, Callable
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 from fxtrain._base import GradientTransformation, apply_updates, apply_updates_, kernel, report, traits, update_, wrap_loss
+from fxtrain._deferred import DTensor
 from fxtrain.amp import uncast
 from fxtrain.transforms import _fused
 

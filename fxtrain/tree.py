@@ -26,7 +26,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
+
+from fxtrain._deferred import DTensor
 
 __all__ = [
     "flatten", "unflatten", "leaves", "paths", "structure", "map", "align", "put", "first_mismatch",

@@ -8,11 +8,11 @@ from typing import Any, Callable, Literal, NamedTuple
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 from fxtrain._base import (GradientTransformation, Params, call_, chain, check_needs_params, check_nonnegative, identity,
                            is_elementwise, transform, with_traits)
+from fxtrain._deferred import DTensor
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._moments import (Scalar, bias_correction, counter, is_zero, param_device, safe_increment_,
                                         scalar_dtype)

@@ -12,10 +12,10 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, Updates, chain, check_learning_rate, check_nonnegative, transform
+from fxtrain._deferred import DTensor, Replicate
 from fxtrain.optimizers import adamw
 from fxtrain.transforms._masking import Mask, partition
 from fxtrain.transforms._moments import (Scalar, as_dtype, bias_correction, counter, ema_, mixed_dtypes,

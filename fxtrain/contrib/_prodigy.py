@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Updates, check_needs_params, check_nonnegative, transform
+from fxtrain._deferred import DTensor
 from fxtrain.schedules import value_at
 from fxtrain.transforms._moments import Scalar, counter, ema_, ema_sq_, is_zero, param_device, safe_increment_
 from fxtrain.transforms._scaling import precision

@@ -11,9 +11,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 
 from fxtrain import tree
+from fxtrain._deferred import DTensor, Replicate
 from fxtrain.distributed._norms import REDUCE_OPS, acc_dtype, pack, to_local, unpack
 
 __all__ = ["match_placements", "reduce_partials", "reduce_scatter_flat", "all_gather_flat"]

@@ -44,9 +44,9 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 
 from fxtrain import tree
+from fxtrain._deferred import DTensor, Replicate
 
 __all__ = ["global_norm", "global_sum_sq", "global_count", "GlobalSumSq", "to_local", "local_leaves"]
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
+from fxtrain._deferred import DTensor
 from fxtrain.interop._jax import is_jax_array, require
 
 __all__ = ["to_jax", "from_jax", "tensor_to_jax", "array_to_torch", "to_torch", "owned"]

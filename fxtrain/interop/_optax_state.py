@@ -37,9 +37,9 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
+from fxtrain._deferred import DTensor
 from fxtrain.interop._arrays import dotted, owned, tensor_to_jax, to_torch
 from fxtrain.interop._jax import is_jax_array, require
 

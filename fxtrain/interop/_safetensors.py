@@ -17,7 +17,8 @@ import os
 from typing import Any, Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from fxtrain._deferred import DTensor
 
 from fxtrain.interop._arrays import owned
 

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from fxtrain._deferred import DTensor, Partial, Replicate
 from fxtrain.functional import functional
 
 __all__ = ["data_parallel"]

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from fxtrain._deferred import DTensor, Partial, Replicate, Shard
 from fxtrain.functional import ApplyFn, Buffers, Params, functional
 from fxtrain.models import MoE, experts_forward
 

@@ -69,11 +69,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from fxtrain import tree
+from fxtrain._deferred import DTensor, FSDPModule
 from fxtrain.distributed import contiguous_stride
 from fxtrain.functional import fully_sharded_modules, module_label
 from fxtrain.step import call_objective, detach_tree, donated_step

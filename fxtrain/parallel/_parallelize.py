@@ -29,6 +29,7 @@ from torch import nn
 
 from fxtrain import distributed, tasks, tree
 from fxtrain._base import GradientTransformation
+from fxtrain._deferred import DTensor
 from fxtrain.amp import Uncast
 from fxtrain.distributed import ParallelDims
 from fxtrain.functional import functional
@@ -199,7 +200,7 @@ def _fully_sharded(model: nn.Module, tx, task: tasks.Task, twin: nn.Module) -> P
     def evaluate_full(params, buffers, test, batch_size):
         # In the params' dtype, as every layout evaluates (see evaluate): FSDP's hooks would compute in its
         # MixedPrecisionPolicy's param_dtype, so the gathered params run through the model's plain twin.
-        full = {k: v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v for k, v in params.items()}
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in params.items()}
         return evaluate(twin_apply, full, buffers, test, batch_size, task)
 
     return Parallel(apply, params, buffers, _with_buffers(train), evaluate_full)
@@ -264,7 +265,7 @@ def loss_function(apply: Callable, task: tasks.Task | None = None) -> Callable:
 
 def _full(x: torch.Tensor) -> torch.Tensor:
     """Logits as a plain tensor (a tensor-parallel head may hand back a DTensor)."""
-    return x.full_tensor() if isinstance(x, torch.distributed.tensor.DTensor) else x
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def _like_statistics(params: dict, buffers: dict) -> dict:

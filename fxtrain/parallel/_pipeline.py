@@ -56,10 +56,10 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, report
+from fxtrain._deferred import FSDPModule
 from fxtrain.step import donated_step
 
 __all__ = ["pipeline_step"]

@@ -13,10 +13,10 @@ import numbers
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 from fxtrain._base import forwarded, GradientTransformation, combine, call_, report, traits, transform, with_traits
+from fxtrain._deferred import DTensor
 from fxtrain.transforms._moments import counter, param_device, safe_increment_
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "ConditionallyTransformState", "conditionally_transform",

@@ -101,10 +101,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 from fxtrain._base import FUSED_KERNELS, FusedSpec, GradientTransformation, traits, with_traits
+from fxtrain._deferred import DTensor
 from fxtrain.transforms._momentum import TraceState
 
 __all__ = ["applies", "bind", "declare", "spec", "step_"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Updates, chain, check_needs_params, identity, transform
+from fxtrain._deferred import DTensor, Shard
 from fxtrain.distributed._collectives import contiguous_stride
 from fxtrain.transforms._linesearch import scale_by_zoom_linesearch, vdot
 from fxtrain.transforms._moments import Scalar, counter, param_device, safe_increment_

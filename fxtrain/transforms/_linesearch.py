@@ -43,10 +43,10 @@ import inspect
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
 from fxtrain._base import EmptyState, GradientTransformation, Params, Updates, check_nonnegative, transform
+from fxtrain._deferred import DTensor
 from fxtrain.transforms._moments import Scalar, param_device
 
 __all__ = [

@@ -17,9 +17,9 @@ import functools
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import tree
+from fxtrain._deferred import DTensor
 
 Scalar = Any  # a Python number or a 0-dim tensor
 LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of the count

@@ -22,11 +22,11 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, chain, check_learning_rate, check_nonnegative, transform
 
+from fxtrain._deferred import DTensor, Replicate, Shard
 from fxtrain.transforms._moments import LearningRate, Scalar, param_device, safe_increment_
 from fxtrain.transforms._scaling import scale_by_learning_rate
 
@@ -62,7 +62,7 @@ def _indices(x: torch.Tensor) -> torch.Tensor:
     """Row-major indices of ``x``'s elements in the whole tensor (its global shape for a DTensor), flat."""
     if not isinstance(x, DTensor):
         return torch.arange(x.numel(), device=x.device)
-    if any(type(p) not in (Shard, Replicate) for p in x.placements):
+    if any(type(p) not in (Shard.real(), Replicate.real()) for p in x.placements):  # not _StridedShard
         raise ValueError(f"add_noise: DTensor leaves with placements {x.placements} are not supported (only "
                          "Shard and Replicate); reduce Partial gradients first")
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

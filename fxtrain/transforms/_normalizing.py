@@ -18,11 +18,11 @@ import math
 from typing import Any, NamedTuple, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fxtrain import distributed, tree
 from fxtrain._base import (EmptyState, GradientTransformation, Updates, check_needs_params, check_nonnegative, describe,
                            named, transform)
+from fxtrain._deferred import DTensor
 from fxtrain.transforms._moments import Scalar, as_dtype, param_device
 from fxtrain.transforms._per_example import check_batch_axis, clip_sum
 

@@ -48,12 +48,12 @@ from typing import Any, Callable, Sequence
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxtrain import distributed, tree
 from fxtrain._base import (
     GradientTransformation, call_, forwarded, is_elementwise, public_factory, traits, transform, with_traits,
 )
+from fxtrain._deferred import DTensor, Replicate, Shard
 from fxtrain.distributed._collectives import check_same_mesh, contiguous_stride, redistribute
 
 __all__ = ["sharded_apply"]
