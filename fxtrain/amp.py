@@ -512,9 +512,10 @@ class AmpCastState(NamedTuple):
 
 
 def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScale | None = None, *,
-             groups: Sequence[Any] = (), allow_fp16: bool = False) -> GradientTransformation:
+             groups: Sequence[Any] = (), allow_fp16: bool = False, data_ranks: int = 1) -> GradientTransformation:
     """The transform behind :func:`amp_cast`, called with normalized arguments (so the repr shows them)."""
     scaler = _as_loss_scale(loss_scale, policy)
+
     dynamic = isinstance(scaler, DynamicLossScale)
     if dynamic and not allow_fp16 and policy.param_dtype == torch.float16:
         raise ValueError("amp_cast: " + _FP16_REFUSAL.format(where=f" (policy '{policy}')"))
@@ -560,12 +561,15 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
     def wrap(loss_fn, state):
         fn = wrap_loss(inner, loss_fn, state.inner_state)
         scale = state.loss_scale.scale if scaler.scaled else None
+        ranks = data_ranks if scale is not None else 1
 
         def amp_loss(params, batch):
+            if ranks != 1:  # the backward in compute dtype at scale / ranks, the master gradients at scale
+                params = tree.map(lambda p: _TimesInBackward.apply(p, ranks) if _floating(p) else p, params)
             objective, (loss, aux) = fn(policy.cast_to_compute(params), policy.cast_to_compute(batch))
             objective = policy.cast_to_output(objective)
             if scale is not None:  # GradScaler.scale: a 0-dim float32 product, so a float16 loss does not overflow here
-                objective = objective * scale
+                objective = objective * (scale if ranks == 1 else scale / ranks)
             return objective, (policy.cast_to_output(loss), aux)
 
         return amp_loss
@@ -578,7 +582,8 @@ _amp_cast = transform(elementwise=False)(_factory)
 
 
 def amp_cast(inner: GradientTransformation, policy: str | Policy = "params=float32,compute=bfloat16,output=float32",
-             loss_scale: Any = None, *, groups: Sequence[Any] = (), allow_fp16: bool = False) -> GradientTransformation:
+             loss_scale: Any = None, *, groups: Sequence[Any] = (), allow_fp16: bool = False,
+             data_ranks: int = 1) -> GradientTransformation:
     r"""Mixed precision around a gradient transformation: cast the forward pass, scale the loss, skip overflows.
 
     Forward (through ``wrap_loss``, run by :func:`fxtrain.train_step`): params and the floating-point
@@ -625,6 +630,14 @@ def amp_cast(inner: GradientTransformation, policy: str | Policy = "params=float
         all-reduced *inside* ``inner``, pipeline stages. See :func:`fxtrain.distributed.global_sum_sq`.
       allow_fp16: accept dynamic scaling with float16 master params (refused by default, as
         ``torch.amp.GradScaler`` does).
+      data_ranks: how many ranks each differentiate the mean loss of their own share of the batch, the
+        gradients then averaged over them (``Partial("avg")``, DDP's and FSDP's way). A rank's gradient is
+        then up to ``data_ranks`` times one process's (a token frequent in one share only, an expert's sum
+        over its ep group's tokens), so its low-precision backward overflows where one process's does not:
+        the loss is multiplied by ``scale / data_ranks``, which keeps each rank's backward at one process's
+        magnitude, and the gradients times ``data_ranks`` as they reach the master params (in their dtype:
+        exact for a power of two), so they, ``accumulate``'s held sums and checkpoints mean what they mean
+        without it. Only where ``amp_cast`` casts the params (not under FSDP's ``MixedPrecisionPolicy``).
 
     Returns:
       A transform with an :class:`AmpCastState`; :func:`fxtrain.train_step` reports ``loss_scale`` and
@@ -659,10 +672,34 @@ def amp_cast(inner: GradientTransformation, policy: str | Policy = "params=float
         kwargs["groups"] = tuple(groups)
     if allow_fp16:
         kwargs["allow_fp16"] = True
+    if not (isinstance(data_ranks, int) and not isinstance(data_ranks, bool) and data_ranks >= 1):
+        raise ValueError(f"amp_cast: data_ranks={data_ranks!r} must be an integer >= 1 (the data-parallel degree)")
+    if data_ranks != 1:
+        kwargs["data_ranks"] = data_ranks
     return _amp_cast(inner, **kwargs)
 
 
 public_factory(amp_cast)  # public factory: the conformance test needs a case for it
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+class _TimesInBackward(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``n`` (torch.func-compatible)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.n = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g * ctx.n, None
 
 
 def _unscaled(xs: list[torch.Tensor], scale: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:

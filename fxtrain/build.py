@@ -467,6 +467,9 @@ def stack(cfg: DictConfig, dims: distributed.ParallelDims | None = None,
             policy = _call(_wrapper("Policy", "amp.policy").parse, "amp.policy", cfg.amp.policy)
             p = policy.param_dtype  # None: amp.policy=off, which keeps every dtype
             kwargs["policy"] = "off" if p is None else f"p={_short(p)},c={_short(p)},o={_short(p)}"
+        if dims is not None and dims.data_world > 1 and not dims.enabled("pp") and not fsdp_casts(dims):
+            # Each data rank differentiates its share's mean: its backward at one process's magnitude.
+            kwargs["data_ranks"] = dims.data_world
         if cfg.amp.loss_scale is not None:
             loss_scale = cfg.amp.loss_scale
             kwargs["loss_scale"] = OmegaConf.to_container(loss_scale) if isinstance(loss_scale, DictConfig) else loss_scale

@@ -1092,7 +1092,13 @@ def _loaded(loaded: torch.Tensor, like: torch.Tensor, entry: dict[str, Any]) -> 
         return loaded
     if terms:  # every term, as a plain tensor: their value
         ops = [p[1] for p in entry["layout"]["placements"] if p[0] == "P"]
-        value = loaded.sum(dim=tuple(range(len(terms)))) if "avg" not in ops else loaded.mean(dim=tuple(range(len(terms))))
+        if len(set(ops)) == 1:
+            dims = tuple(range(len(terms)))
+            value = loaded.mean(dim=dims) if ops[0] == "avg" else loaded.sum(dim=dims)
+        else:  # each term dim by its own op: e.g. FSDP x TP's held sum of a norm weight, avg over dp, sum over tp
+            value = loaded
+            for d in reversed(range(len(ops))):
+                value = value.mean(dim=d) if ops[d] == "avg" else value.sum(dim=d)
         loaded = value.to(like.dtype)
     if isinstance(like, DTensor):  # saved on another mesh: placed like `like` from the full value on every rank
         from torch.distributed.tensor import distribute_tensor

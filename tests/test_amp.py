@@ -392,6 +392,28 @@ def test_loss_is_reported_unscaled_and_gradients_unscaled_exactly():
     assert [float(m["loss"]) for _, m in history] == [float(m["loss"]) for _, m in ref_history]
 
 
+def test_data_ranks_keeps_a_ranks_float16_backward_at_one_process_magnitude():
+    # One process's batch [40000, 0, 0, 0]: d mean(w * x) / dw = 10000, scaled by 4: 40000, finite in float16.
+    # A rank of two holds the share [40000, 0]: its local mean's gradient is 20000 (the step averages it with
+    # the other rank's 0), scaled by 4: 80000, which overflows float16 where one process's does not.
+    share = torch.tensor([40000.0, 0.0])
+
+    def run(**kwargs):
+        tx = fx.amp_cast(fx.sgd(1.0), "p=f32,c=f16,o=f32", loss_scale=fx.DynamicLossScale(init_scale=4.0), **kwargs)
+        step = fx.train_step(lambda p, x: (p["w"] * x).mean(), tx)
+        params = {"w": torch.zeros(())}
+        return step(params, tx.init(params), share)
+
+    params, _, metrics = run()
+    assert metrics["skipped"].item() == 1 and params["w"].item() == 0  # the bug: a skip one process never makes
+    params, _, metrics = run(data_ranks=2)  # the loss times 4 / 2: this rank's backward at one process's size
+    assert metrics["skipped"].item() == 0 and metrics["loss_scale"].item() == 4.0
+    assert params["w"].item() == -20000.0  # the local mean's gradient, unscaled exactly (powers of two)
+    with pytest.raises(ValueError, match=r"amp_cast: data_ranks=0 must be an integer >= 1"):
+        fx.amp_cast(fx.sgd(1.0), "fp16", data_ranks=0)
+    assert "data_ranks=2" in repr(fx.amp_cast(fx.sgd(1.0), "fp16", data_ranks=2))
+
+
 def test_clipping_inside_sees_unscaled_gradients():
     inner = fx.chain(fx.clip_by_global_norm(0.5), fx.sgd(0.1))
     params, _, history = _run(fx.amp_cast(inner, "f32", loss_scale=fx.DynamicLossScale(2.0 ** 12)), _batches(4))

@@ -253,6 +253,18 @@ def victim(path: pathlib.Path, where: str) -> None:
     raise SystemExit("not killed")
 
 
+def test_partial_terms_load_on_one_process_reduced_by_each_dims_own_op():
+    # FSDP x TP's held sum of a norm weight: Partial avg over dp_shard, Partial sum over tp (sequence
+    # parallel: each tp rank's tokens). Loaded on one process its terms are its value: the mean over dp of
+    # the sum over tp; the mean over every term (the bug) gave half of it.
+    terms = torch.arange(12, dtype=torch.float32).reshape(2, 2, 3)  # [dp, tp, *shape]
+    entry = {"layout": {"mesh": [2, 2], "placements": [["P", "avg"], ["P", "sum"]]}}
+    got = fx.checkpoint._loaded(terms, torch.zeros(3), entry)
+    assert torch.equal(got, (terms[0, 0] + terms[0, 1] + terms[1, 0] + terms[1, 1]) / 2)
+    entry = {"layout": {"mesh": [2, 2], "placements": [["P", "sum"], ["P", "avg"]]}}
+    assert torch.equal(fx.checkpoint._loaded(terms, torch.zeros(3), entry), terms.sum(0).mean(0))
+
+
 def test_sigkill_during_save_leaves_the_last_good_checkpoint(tmp_path):
     procs = {w: subprocess.Popen([sys.executable, str(HERE), "victim", str(tmp_path / w / "ck"), w], env=ENV,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for w in ("write", "commit")}
