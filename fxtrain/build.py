@@ -746,6 +746,11 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
         group = m["group"]
         kind = "transform" if group == "optim/transform" else "option"
         options = repo.get_group_options(group, ObjectType.CONFIG)
+        if _is_null(arg):  # Hydra's own answer is a ValueError traceback from its defaults list
+            listed = ", ".join(o for o in options if not o.startswith("_"))
+            empty = " or [] for none" if group == "logger" else ""
+            raise ConfigError(f"{arg}: {group} is a config group; it takes an option ({listed}){empty}, not null; "
+                              f"leave {arg.partition('=')[0]} out for its default")
         for value in _named_options(arg):
             if value not in options:
                 close = difflib.get_close_matches(value, options, n=1)
@@ -754,6 +759,27 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
                                   if source.is_group(group) and (found := sorted(
                                       source.list(group, ObjectType.CONFIG))))
                 raise ConfigError(f"{arg}: no {kind} {value!r} in {group}{hint}; available: {where}")
+
+
+def _is_null(arg: str) -> bool:
+    """Whether the override ``arg`` sets its key to null (``logger=null``, or null among a sweep's values), read
+    with Hydra's override grammar.
+
+    >>> _is_null("logger=null"), _is_null("logger=[]"), _is_null("model=mlp,null"), _is_null("model=mlp,moe")
+    (True, False, True, False)
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        override = OverridesParser.create().parse_overrides([arg])[0]
+    except HydraException:
+        return False
+    if override.is_delete():
+        return False
+    value = override.value()
+    values = (getattr(value, "list", None) or []) if override.is_sweep_override() else [value]
+    return any(v is None for v in values)
 
 
 def _named_options(arg: str) -> list[str]:
