@@ -204,7 +204,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "trainer.early_stopping": ("metric", "patience", "mode", "min_delta"),
     "trainer.checkpoint": ("best_by",),
     "debug": ("name", "checkpoints", "limit_train", "limit_val", "limit_test", "overfit_batches", "profile_steps",
-              "profile_wait"),
+              "profile_wait", "shorten", "shortened"),
     "amp": ("policy", "loss_scale"),
     "accumulate": ("every", "mean", "accumulator_dtype"),
     "parallel": (*distributed.DIMS, "dp", "shard_optimizer", "schedule", "microbatches"),
@@ -379,6 +379,12 @@ def _debug(cfg: DictConfig) -> None:
     if name is not None and not (isinstance(name, str) and name.strip()):
         raise ConfigError(f"debug.name={_show(name)}: expected the option's name (fast) or null")
     _flag(cfg, "debug.checkpoints")
+    _flag(cfg, "debug.shorten")
+    shortened = node.get("shortened", {})
+    shortened = {} if shortened is None else shortened  # null: nothing shortened
+    if not (isinstance(shortened, Mapping) and all(k in SHORTENED and _is_whole(v) for k, v in shortened.items())):
+        raise ConfigError(f"debug.shortened={_show(shortened)}: set by the run (what debug.shorten changed, "
+                          f"{{key: whole number}} with keys among {', '.join(SHORTENED)}); leave it out")
     for key in ("limit_train", "limit_val", "limit_test"):
         try:
             fxdata.check_limit(f"debug.{key}", node.get(key))
@@ -397,6 +403,9 @@ def _debug(cfg: DictConfig) -> None:
     if profiled and _is_whole(steps) and wait + profiled > steps:
         raise ConfigError(f"debug.profile_steps={profiled}: after debug.profile_wait={wait} steps the run has "
                           f"{max(steps - wait, 0)} left (trainer.max_steps={steps}); record fewer, or train longer")
+
+
+SHORTENED = ("accumulate.every", "schedule.warmup_steps")  # what fxtrain.train.shorten_for_debug may shorten
 
 
 def _flag(cfg: DictConfig, key: str) -> None:

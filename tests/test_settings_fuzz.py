@@ -112,7 +112,7 @@ ACCEPTED.update({(key, "null"): why for key, why in {
     "accumulate.accumulator_dtype": "null: the gradients' dtype",
     "parallel.dp": "null: the default (the key before degrees)",
     **{f"parallel.{d}": "null: the degree is 1 (ParallelDims.of)" for d in ("pp", "dp_replicate", "dp_shard", "ep", "tp")},
-    "debug.name": "null: a custom debug run", "debug.limit_*": "null: the whole split",
+    "debug.name": "null: a custom debug run", "debug.shortened": "null: nothing shortened", "debug.limit_*": "null: the whole split",
     "optim.chain.*.momentum": "null: no momentum (sgd)",
     "trainer.eval_hooks": "null: no hooks",
     "logger.*.run_name": "null: the run directory", "logger.*.tracking_uri": "null: <run dir>/mlflow.db",
