@@ -41,7 +41,7 @@ import fxtrain as fx
 from fxtrain import data, distributed, extras, tasks
 from fxtrain.errors import ConfigError
 
-__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
+__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "single_process_note", "mixed_precision", "cast_params",
            "check_overrides", "search_path", "dataset", "data_keys", "floats_where_expected", "DATA_KEYS", "task",
            "eval_hooks", "early_stopping", "ScaledSchedule", "user_search_path", "user_configs_first",
            "settle_optimized_metric"]
@@ -533,6 +533,25 @@ def parallel_dims(cfg: DictConfig, world: int) -> distributed.ParallelDims:
         raise ConfigError(f"parallel.microbatches={node.microbatches} does not divide the per-rank batch of "
                           f"{batch // dims.data_world} (data.batch_size={batch}): pick a divisor")
     return dims
+
+
+def single_process_note(cfg: DictConfig, dims: distributed.ParallelDims) -> str | None:
+    """What the ``run`` line says when a layout's ``-1`` degrees took the rest of a world of one process
+    (``parallel=tp`` without torchrun): nothing is split, and how to get the layout; ``None`` otherwise.
+
+    The presets' degrees are ``-1`` by design, so that one command runs on one process and on N (the same
+    curve); explicit sizes (``parallel.tp=2``) on one process are refused by :func:`parallel_dims`.
+
+    >>> from omegaconf import OmegaConf
+    >>> cfg = OmegaConf.create({"parallel": {"tp": -1, "pp": 1}})
+    >>> single_process_note(cfg, distributed.ParallelDims.of(world=1, tp=-1))
+    '1 process: parallel.tp=-1 takes the rest of a world of 1, so nothing is split (tp=1); launch with torchrun --nproc_per_node=N for tp=N'
+    """
+    free = [d for d in distributed.DIMS if cfg.parallel.get(d) == -1]
+    if dims.world != 1 or not free:
+        return None
+    return (f"1 process: parallel.{free[0]}=-1 takes the rest of a world of 1, so nothing is split ({free[0]}=1); "
+            f"launch with torchrun --nproc_per_node=N for {free[0]}=N")
 
 
 def _shard_elementwise(txs: list, names: list[str], shard_over: str | None) -> list:

@@ -296,6 +296,7 @@ def begin_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, res
     if where is None and dims.world > 1:
         where = (f"{dims.world} ranks, {dims.describe()}"
                  + (", shard_optimizer" if cfg.parallel.get("shard_optimizer") else ""))
+    where = where or build.single_process_note(cfg, dims)  # parallel=tp on one process: nothing is split, say so
     return [f"run    {run.out if run.out is not None else '(not saved)'}" + (f"  [{where}]" if where else ""),
             *debug_lines(cfg),
             *describe_run(built.data, built.model, state.params, built.tx, state.opt_state, run.device,
