@@ -42,7 +42,7 @@ from fxtrain import data, distributed, extras, tasks
 from fxtrain._moved import moved_names
 from fxtrain.errors import ConfigError
 
-__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "mixed_precision", "cast_params",
+__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "single_process_note", "mixed_precision", "cast_params",
            "check_overrides", "search_path", "dataset", "data_keys", "floats_where_expected", "DATA_KEYS", "task",
            "eval_hooks", "early_stopping", "ScaledSchedule", "user_search_path", "user_configs_first",
            "settle_optimized_metric"]
@@ -541,6 +541,25 @@ def parallel_dims(cfg: DictConfig, world: int) -> distributed.ParallelDims:
     return dims
 
 
+def single_process_note(cfg: DictConfig, dims: distributed.ParallelDims) -> str | None:
+    """What the ``run`` line says when a layout's ``-1`` degrees took the rest of a world of one process
+    (``parallel=tp`` without torchrun): nothing is split, and how to get the layout; ``None`` otherwise.
+
+    The presets' degrees are ``-1`` by design, so that one command runs on one process and on N (the same
+    curve); explicit sizes (``parallel.tp=2``) on one process are refused by :func:`parallel_dims`.
+
+    >>> from omegaconf import OmegaConf
+    >>> cfg = OmegaConf.create({"parallel": {"tp": -1, "pp": 1}})
+    >>> single_process_note(cfg, distributed.ParallelDims.of(world=1, tp=-1))
+    '1 process: parallel.tp=-1 takes the rest of a world of 1, so nothing is split (tp=1); launch with torchrun --nproc_per_node=N for tp=N'
+    """
+    free = [d for d in distributed.DIMS if cfg.parallel.get(d) == -1]
+    if dims.world != 1 or not free:
+        return None
+    return (f"1 process: parallel.{free[0]}=-1 takes the rest of a world of 1, so nothing is split ({free[0]}=1); "
+            f"launch with torchrun --nproc_per_node=N for {free[0]}=N")
+
+
 def _shard_elementwise(txs: list, names: list[str], shard_over: str | None) -> list:
     """``txs`` with each run of consecutive elementwise transforms in one ``sharded_apply(..., shard_over=...)``.
 
@@ -752,6 +771,11 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
         group = m["group"]
         kind = "transform" if group == "optim/transform" else "option"
         options = repo.get_group_options(group, ObjectType.CONFIG)
+        if _is_null(arg):  # Hydra's own answer is a ValueError traceback from its defaults list
+            listed = ", ".join(o for o in options if not o.startswith("_"))
+            empty = " or [] for none" if group == "logger" else ""
+            raise ConfigError(f"{arg}: {group} is a config group; it takes an option ({listed}){empty}, not null; "
+                              f"leave {arg.partition('=')[0]} out for its default")
         for value in _named_options(arg):
             if value not in options:
                 close = difflib.get_close_matches(value, options, n=1)
@@ -760,6 +784,27 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
                                   if source.is_group(group) and (found := sorted(
                                       source.list(group, ObjectType.CONFIG))))
                 raise ConfigError(f"{arg}: no {kind} {value!r} in {group}{hint}; available: {where}")
+
+
+def _is_null(arg: str) -> bool:
+    """Whether the override ``arg`` sets its key to null (``logger=null``, or null among a sweep's values), read
+    with Hydra's override grammar.
+
+    >>> _is_null("logger=null"), _is_null("logger=[]"), _is_null("model=mlp,null"), _is_null("model=mlp,moe")
+    (True, False, True, False)
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        override = OverridesParser.create().parse_overrides([arg])[0]
+    except HydraException:
+        return False
+    if override.is_delete():
+        return False
+    value = override.value()
+    values = (getattr(value, "list", None) or []) if override.is_sweep_override() else [value]
+    return any(v is None for v in values)
 
 
 def _named_options(arg: str) -> list[str]:

@@ -54,7 +54,7 @@ import os
 import pathlib
 import time
 import warnings
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from fxtrain.errors import ConfigError
 from fxtrain import build, extras
@@ -373,7 +373,8 @@ class WandbLogger(_FileLogger):
     """
 
     def __init__(self, dir: str | os.PathLike, project: str = "fxtrain", name: str | None = None,
-                 mode: str = "offline", settings: dict | None = None, *, start: int = 0, config: dict | None = None):
+                 mode: Literal["offline", "online", "disabled"] = "offline", settings: dict | None = None, *,
+                 start: int = 0, config: dict | None = None):
         del start
         wandb = extras.require("wandb", "logger=wandb", "wandb", "wandb")
         pathlib.Path(dir).mkdir(parents=True, exist_ok=True)
@@ -381,6 +382,31 @@ class WandbLogger(_FileLogger):
         self.run = wandb.init(dir=str(dir), project=project, name=name or str(dir), mode=mode, config=config,
                               settings=settings or {}, reinit="create_new")
         self.path = pathlib.Path(self.run.dir).parent  # dir/wandb/offline-run-<time>-<id>
+
+    @staticmethod
+    def check_settings(settings: dict | None = None, **others: Any) -> None:
+        """Raises ``ValueError("settings.<key>=<value>: ...")`` for a ``settings`` entry ``wandb.Settings`` refuses,
+        before the run starts (:func:`fxtrain.validate.check` calls it); without wandb installed, nothing.
+
+        >>> WandbLogger.check_settings({"console": "loud"})
+        Traceback (most recent call last):
+        ...
+        ValueError: settings.console=loud: Input should be 'auto', 'off', 'wrap', 'redirect', 'wrap_raw' or 'wrap_emu'
+        """
+        del others
+        try:
+            import wandb
+        except ImportError:  # the logger's own build names the extra (fxtrain[wandb])
+            return
+        try:
+            wandb.Settings(**(settings or {}))
+        except ValueError as e:  # pydantic's ValidationError: one line for its first error
+            first = e.errors()[0] if hasattr(e, "errors") else {"loc": (), "msg": str(e).splitlines()[0]}
+            where = ".".join(str(p) for p in first["loc"])
+            value = (settings or {}).get(first["loc"][0]) if first["loc"] else settings
+            value = value if isinstance(value, str) else json.dumps(value)
+            raise ValueError(f"settings.{where}={value}: {first['msg']}" if where else f"settings: {first['msg']}") \
+                from None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(dict(metrics), step=step)
@@ -436,6 +462,21 @@ class MlflowLogger(_FileLogger):
             params = [Param(k, v) for k, v in _flat(config or {}).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
                 self._client.log_batch(self.run_id, params=params[i:i + 100])
+
+    @staticmethod
+    def check_settings(tracking_uri: str | None = None, **others: Any) -> None:
+        """Raises ``ValueError("tracking_uri=...: ...")`` for a tracking URI without a scheme, which MLflow would
+        read as a path to its deprecated file store (:func:`fxtrain.validate.check` calls it before the run).
+
+        >>> MlflowLogger.check_settings(tracking_uri="mlruns")
+        Traceback (most recent call last):
+        ...
+        ValueError: tracking_uri=mlruns: expected a URI with a scheme: sqlite:///path/mlflow.db, http://host:5000, file:///path/mlruns, databricks; or null (sqlite:///<run dir>/mlflow.db)
+        """
+        del others
+        if tracking_uri and tracking_uri not in ("databricks", "databricks-uc") and "://" not in tracking_uri:
+            raise ValueError(f"tracking_uri={tracking_uri}: expected a URI with a scheme: sqlite:///path/mlflow.db, "
+                             "http://host:5000, file:///path/mlruns, databricks; or null (sqlite:///<run dir>/mlflow.db)")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric

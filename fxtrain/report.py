@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fxtrain import distributed, tasks
 
-__all__ = ["collect", "read_jsonl", "format_table", "write_csv", "plot", "figure", "best", "by_config", "describe",
+__all__ = ["collect", "metric_columns", "ranked_by", "read_jsonl", "format_table", "write_csv", "plot", "figure", "best", "by_config", "describe",
            "SEED_KEYS", "SweepSummary", "finish_sweep", "main"]
 
 _FINAL = ("val_accuracy", "test_accuracy", "test_loss", "loss", "accuracy", "val_loss")  # after the optimized one
@@ -64,9 +64,8 @@ def collect(sweep_dir: str | pathlib.Path) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"job": d.name, "status": summary.get("status", "incomplete")}
         row.update(_overrides(d))
         metrics = summary.get("metrics", {})
-        for k in [summary.get("optimized_metric"), *_FINAL]:
-            if k is not None and k in metrics:
-                row[k] = metrics[k]
+        for k in metric_columns(summary.get("optimized_metric"), metrics):
+            row[k] = metrics[k]
         tested = summary.get("tested")
         if isinstance(tested, dict) and {"checkpoint", "step"} <= set(tested) \
                 and ", but " in str(tested.get("why")):  # test_* of another checkpoint than trainer.test_ckpt's
@@ -79,6 +78,20 @@ def collect(sweep_dir: str | pathlib.Path) -> list[dict[str, Any]]:
             row["error"] = summary["error"]
         rows.append(row)
     return rows
+
+
+def metric_columns(optimized: str | None, metrics: dict[str, Any]) -> list[str]:
+    """The metric columns of a job's row: the optimized metric, the usual ones (:data:`_FINAL`), then every other
+    metric its task declares, found as the held-out splits' names in ``metrics`` (summary.json's): ``val_<m>``,
+    ``test_<m>`` and the training ``<m>``. A custom task's ``mae`` gets ``val_mae``, ``test_mae``, ``mae``.
+
+    >>> metric_columns("val_loss", {"val_loss": 1, "test_loss": 1, "loss": 1, "test_mae": 1, "val_mae": 1, "mae": 1,
+    ...                             "grad_norm": 1})
+    ['val_loss', 'test_loss', 'loss', 'val_mae', 'test_mae', 'mae']
+    """
+    declared = dict.fromkeys(k.partition("_")[2] for k in metrics if k.partition("_")[0] in tasks.SPLITS)
+    extra = [k for m in declared for k in (*(f"{split}_{m}" for split in tasks.SPLITS), m)]
+    return [k for k in dict.fromkeys([optimized, *_FINAL, *extra]) if k is not None and k in metrics]
 
 
 def _is_job(d: pathlib.Path) -> bool:
@@ -249,6 +262,19 @@ def _metric_of(sweep_dir: pathlib.Path, rows: list[dict]) -> str | None:
     return None
 
 
+def ranked_by(metric: str | None, rows: list[dict]) -> str | None:
+    """What ranks the jobs when ``metric`` is asked for: a test split's metric is shown but its validation form
+    ranks (choosing by the test split would tune on it), where the jobs have one.
+
+    >>> ranked_by("test_mae", [{"val_mae": 0.1, "test_mae": 0.2}]), ranked_by("test_mae", [{"test_mae": 0.2}])
+    ('val_mae', 'test_mae')
+    """
+    if metric is None or not tasks.reads_test(metric):
+        return metric
+    val = f"val_{metric.removeprefix('test_')}"
+    return val if any(val in row for row in rows) else metric
+
+
 def describe(sweep_dir: str | pathlib.Path, metric: str | None = None,
              seed_keys: tuple[str, ...] = SEED_KEYS) -> str:
     """The table of :func:`collect`, overrides shared by every job on one line, the best and failures.
@@ -272,6 +298,9 @@ def describe(sweep_dir: str | pathlib.Path, metric: str | None = None,
     text = format_table([{k: v for k, v in row.items() if k not in shared} for row in rows])
     if shared:
         text += "\nevery job: " + " ".join(f"{k}={v}" for k, v in shared.items())
+    shown, metric = metric, ranked_by(metric, rows)
+    if shown != metric:
+        text += f"\nranked by {metric}: {shown} is the test split's, shown but never what chooses"
     if metric and _seeded(rows, metric, varied, seed_keys):
         keys = [k for k in varied if k not in seed_keys]
         groups = by_config(rows, metric, varied, seed_keys)
@@ -369,13 +398,14 @@ def figure(sweep_dir: str | pathlib.Path, metric: str | None = None, seed_keys: 
     varied, shared = _split_overrides(sweep_dir, rows)
     jobs = [_job(sweep_dir, row, metric) for row in rows]
     finals = [{**j.row, metric: j.final} for j in jobs]
-    seeded = _seeded(finals, metric, varied, seed_keys)
+    rank = ranked_by(metric, finals)  # a test metric is drawn; its validation form chooses the best
+    seeded = _seeded(finals, rank, varied, seed_keys)
     if seeded:  # the best configuration: every seed of it
-        groups = by_config(finals, metric, varied, seed_keys)
+        groups = by_config(finals, rank, varied, seed_keys)
         top = groups[0] if groups and groups[0]["n"] else None
         best_jobs = {r["job"] for r in top["jobs"]} if top else set()
     else:
-        top = best(finals, metric)
+        top = best(finals, rank)
         best_jobs = {top["job"]} if top is not None else set()
     kinds = ["best" if j.row["job"] in best_jobs else
              "done" if j.row["status"] == "completed" else "failed" for j in jobs]
@@ -387,7 +417,7 @@ def figure(sweep_dir: str | pathlib.Path, metric: str | None = None, seed_keys: 
         fig = Figure(figsize=(14, 0.9 + 2.8 * len(keys)), layout="constrained")
         _per_value(fig, jobs, kinds, keys, metric, _short_names(keys))
     FigureCanvasAgg(fig)  # a canvas of its own: no pyplot, no global backend switch
-    fig.suptitle(_title(sweep_dir, jobs, shared, top, varied, metric, seeded), fontsize=10)
+    fig.suptitle(_title(sweep_dir, jobs, shared, top, varied, rank if seeded else metric, seeded), fontsize=10)
     return fig
 
 

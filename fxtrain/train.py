@@ -133,6 +133,7 @@ def check(cfg: DictConfig) -> validate.Checked:
     objects (the task, the eval hooks, early stopping), which the run uses."""
     build.settle_optimized_metric(cfg)
     settle_max_steps(cfg)
+    shorten_for_debug(cfg)
     return validate.check(cfg)
 
 
@@ -346,6 +347,7 @@ def begin_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, res
     if where is None and dims.world > 1:
         where = (f"{dims.world} ranks, {dims.describe()}"
                  + (", shard_optimizer" if cfg.parallel.get("shard_optimizer") else ""))
+    where = where or build.single_process_note(cfg, dims)  # parallel=tp on one process: nothing is split, say so
     return [f"run    {run.out if run.out is not None else '(not saved)'}" + (f"  [{where}]" if where else ""),
             *debug_lines(cfg),
             *describe_run(built.data, built.model, state.params, built.tx, state.opt_state, run.device,
@@ -372,7 +374,7 @@ def run_length(cfg: DictConfig, data: Any) -> str:
 
 # What a run without debug=... has; conf/debug/_settings.yaml gives every debug option these keys.
 DEBUG_DEFAULTS = {"name": None, "checkpoints": True, "limit_train": None, "limit_val": None, "limit_test": None,
-                  "overfit_batches": 0, "profile_steps": 0, "profile_wait": 0}
+                  "overfit_batches": 0, "profile_steps": 0, "profile_wait": 0, "shorten": False, "shortened": {}}
 PROFILE_TRACE = "profile_trace.json"  # debug=profile's chrome trace, in the run directory
 
 
@@ -388,6 +390,37 @@ def debug_settings(cfg: DictConfig) -> dict[str, Any]:
     """
     node = cfg.get("debug") or {}
     return {**DEBUG_DEFAULTS, **{k: node[k] for k in node}}
+
+
+def shorten_for_debug(cfg: DictConfig) -> dict[str, tuple[int, int]]:
+    """With ``debug.shorten`` (``debug=fast``, ``profile``, ``overfit``): ``schedule.warmup_steps`` and
+    ``accumulate.every`` that do not fit ``trainer.max_steps`` shortened in ``cfg`` so that any experiment
+    runs in a debug run's few steps; returns ``{key: (the config's value, the run's)}``, also kept in
+    ``debug.shortened`` (the ``debug`` line says it, ``config.yaml`` records it). A warmup as long as the run
+    becomes half of it; an accumulation that does not divide the run, the largest divisor below it.
+
+    >>> from omegaconf import OmegaConf
+    >>> cfg = OmegaConf.create({"debug": {"shorten": True}, "trainer": {"max_steps": 3},
+    ...                         "accumulate": {"every": 4}, "schedule": {"warmup_steps": 80}})
+    >>> shorten_for_debug(cfg)
+    {'accumulate.every': (4, 3), 'schedule.warmup_steps': (80, 1)}
+    """
+    steps = cfg.trainer.max_steps
+    if debug_settings(cfg)["shorten"] is not True or type(steps) is not int or steps < 1:  # validate names the key
+        return {}
+    changed = {}
+    every = OmegaConf.select(cfg, "accumulate.every")
+    if type(every) is int and every > 1 and steps % every:
+        changed["accumulate.every"] = (every, max(d for d in range(1, min(every, steps) + 1) if steps % d == 0))
+    warmup = OmegaConf.select(cfg, "schedule.warmup_steps") if OmegaConf.is_dict(cfg.get("schedule")) else None
+    if type(warmup) is int and warmup >= steps:
+        changed["schedule.warmup_steps"] = (warmup, steps // 2)
+    with open_dict(cfg):
+        for key, (_, value) in changed.items():
+            OmegaConf.update(cfg, key, value)
+        if changed:
+            cfg.debug.shortened = {**(cfg.debug.get("shortened") or {}), **{k: was for k, (was, _) in changed.items()}}
+    return changed
 
 
 def debug_data(cfg: DictConfig, data: fxdata.Dataset) -> fxdata.Dataset:
@@ -420,6 +453,9 @@ def debug_lines(cfg: DictConfig) -> list[str]:
     if debug["profile_steps"]:
         first = debug["profile_wait"] + 1
         said.append(f"torch.profiler over steps {first}..{first + debug['profile_steps'] - 1} ({PROFILE_TRACE})")
+    if debug["shortened"]:
+        said.append(f"shortened to fit trainer.max_steps={cfg.trainer.max_steps}: " + ", ".join(
+            f"{k} {was} -> {OmegaConf.select(cfg, k)}" for k, was in debug["shortened"].items()))
     return [f"debug  debug={debug['name'] or 'custom'}: " + ", ".join(said)]
 
 

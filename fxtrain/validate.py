@@ -59,10 +59,13 @@ import inspect
 import math
 import os
 import pathlib
+import types
+import typing
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from hydra.errors import CompactHydraException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -72,7 +75,8 @@ from fxtrain import data as fxdata
 from fxtrain.errors import ConfigError
 from fxtrain.interop import run_hooks as orbax_hooks
 
-__all__ = ["check", "Checked", "one_line_errors", "message", "DiskFull", "metric_names", "SCHEMA", "ARG_RULES"]
+__all__ = ["check", "Checked", "one_line_errors", "message", "DiskFull", "metric_names", "SCHEMA", "ARG_RULES",
+           "check_launcher", "launcher_schema", "LauncherCheck", "typed_args", "annotation_rule"]
 
 # (key, smallest value, what it counts, an example): the whole-number settings of the trainer group.
 _TRAINER_COUNTS = [
@@ -200,7 +204,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "trainer.early_stopping": ("metric", "patience", "mode", "min_delta"),
     "trainer.checkpoint": ("best_by",),
     "debug": ("name", "checkpoints", "limit_train", "limit_val", "limit_test", "overfit_batches", "profile_steps",
-              "profile_wait"),
+              "profile_wait", "shorten", "shortened"),
     "amp": ("policy", "loss_scale"),
     "accumulate": ("every", "mean", "accumulator_dtype"),
     "parallel": (*distributed.DIMS, "dp", "shard_optimizer", "schedule", "microbatches"),
@@ -375,6 +379,12 @@ def _debug(cfg: DictConfig) -> None:
     if name is not None and not (isinstance(name, str) and name.strip()):
         raise ConfigError(f"debug.name={_show(name)}: expected the option's name (fast) or null")
     _flag(cfg, "debug.checkpoints")
+    _flag(cfg, "debug.shorten")
+    shortened = node.get("shortened", {})
+    shortened = {} if shortened is None else shortened  # null: nothing shortened
+    if not (isinstance(shortened, Mapping) and all(k in SHORTENED and _is_whole(v) for k, v in shortened.items())):
+        raise ConfigError(f"debug.shortened={_show(shortened)}: set by the run (what debug.shorten changed, "
+                          f"{{key: whole number}} with keys among {', '.join(SHORTENED)}); leave it out")
     for key in ("limit_train", "limit_val", "limit_test"):
         try:
             fxdata.check_limit(f"debug.{key}", node.get(key))
@@ -393,6 +403,9 @@ def _debug(cfg: DictConfig) -> None:
     if profiled and _is_whole(steps) and wait + profiled > steps:
         raise ConfigError(f"debug.profile_steps={profiled}: after debug.profile_wait={wait} steps the run has "
                           f"{max(steps - wait, 0)} left (trainer.max_steps={steps}); record fewer, or train longer")
+
+
+SHORTENED = ("accumulate.every", "schedule.warmup_steps")  # what fxtrain.train.shorten_for_debug may shorten
 
 
 def _flag(cfg: DictConfig, key: str) -> None:
@@ -576,13 +589,29 @@ def _parallel(cfg: DictConfig) -> None:
         raise ConfigError(f"{' and '.join(free)}: only one degree can take the rest of the world; give the others a "
                           "size (e.g. parallel.dp_replicate=2)")
     _flag(cfg, "parallel.shard_optimizer")
-    schedule = _value(cfg, "parallel.schedule")
-    if schedule is not None and schedule not in ("gpipe", "1f1b"):
+    schedule = _value(cfg, "parallel.schedule", default="gpipe")  # absent: the runner's default
+    if schedule not in ("gpipe", "1f1b"):  # null too: the pipeline would look up a schedule named None
         raise ConfigError(f"parallel.schedule={_show(schedule)}: expected gpipe or 1f1b (the pipeline schedule)")
-    micro = _value(cfg, "parallel.microbatches")
-    if micro is not None and not (_is_whole(micro) and 1 <= micro <= MAX_COUNT):
+    micro = _value(cfg, "parallel.microbatches", default=4)
+    if not (_is_whole(micro) and 1 <= micro <= MAX_COUNT):  # null too: int(None) where the pipeline reads it
         raise ConfigError(f"parallel.microbatches={_show(micro)}: expected a positive whole number (micro-batches "
                           "per batch)")
+    # Checked whatever the layout, as the other settings are: a batch splits into at most data.batch_size
+    # micro-batches of one example. Only the preset's own default is left alone where no pipeline can read it
+    # (parallel.pp=1), so that a small data.batch_size is not refused for a setting the user never wrote.
+    batch = _value(cfg, "data.batch_size")
+    unread = _value(cfg, "parallel.pp", default=1) == 1 and micro == _parallel_default("microbatches")
+    if _is_whole(micro) and _is_whole(batch) and 1 <= batch < micro and not unread:  # data.batch_size < 1: _data
+        raise ConfigError(f"parallel.microbatches={micro}: a batch of data.batch_size={batch} examples splits into at "
+                          f"most {batch} micro-batches (the pipeline's, parallel.pp > 1); pick a divisor of the "
+                          f"per-rank batch, e.g. parallel.microbatches={max(d for d in range(1, min(batch, 4) + 1) if batch % d == 0)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _parallel_default(key: str) -> Any:
+    """``key``'s default in ``conf/parallel/_degrees.yaml``, which every parallel preset starts from."""
+    conf = pathlib.Path(str(importlib.resources.files("fxtrain.conf")))
+    return OmegaConf.load(conf / "parallel" / "_degrees.yaml").get(key)
 
 
 # --- _target_ nodes: their keys are their target's arguments, checked by name --------------------------------
@@ -649,7 +678,7 @@ ARG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "split_seed": ((lambda v: _is_whole(v) and 0 <= v < 2**64), "a whole number from 0 to 2**64-1"),
     "seed": ((lambda v: _is_whole(v) and 0 <= v < 2**64), "a whole number from 0 to 2**64-1"),
     # tasks and loggers
-    "optimized_metric": _NAME, "filename": _NAME, "subdir": _NAME,
+    "optimized_metric": _NAME, "filename": _NAME, "subdir": _NAME, "experiment": _NAME, "project": _NAME,
 }
 FLAGS = frozenset(n for n, rule in ARG_RULES.items() if rule is _FLAG)
 NUMBERS = frozenset(("learning_rate", "step_size", "b1", "b2", "decay", "momentum", "eps", "eps_root", "weight_decay",
@@ -674,6 +703,9 @@ def _target_values(key: str, spec: dict, skip: tuple[str, ...] = ()) -> None:
             raise ConfigError(f"{key}.{name}={_show(value)}: expected {rule[1]}")
         if rule is None and isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}.{name}={_show(value)}: expected a finite number")
+    # The others against the target's annotations (batchnorm: bool takes true or false, not 1).
+    typed_args(key, build.locate(spec, key), {k: v for k, v in spec.items() if k != "_target_" and k not in skip
+                                              and k not in ARG_RULES and not (isinstance(v, dict) and "_target_" in v)})
 
 
 def _data(cfg: DictConfig) -> None:
@@ -916,11 +948,225 @@ def _loggers(cfg: DictConfig) -> None:
         return  # open_loggers names this layout
     for name in node:
         key = f"logger.{name}"
+        if not (isinstance(node[name], Mapping) and "_target_" in node[name]):
+            raise ConfigError(f"{key}={_show(node[name])}: expected a logger, a _target_ node; pick loggers with "
+                              "'logger=[jsonl,csv]' (conf/logger)")
         spec = build.resolve(node[name], key)
         fn = build.locate(spec, key)
         kwargs = {k: v for k, v in spec.items() if k != "_target_"}
         build.check_args(fn, {**kwargs, "dir": ".", "start": 0, "config": {}}, key, spec["_target_"])
         _target_values(key, spec)
+        if _is_fxtrain(spec):
+            typed_args(key, fn, kwargs)
+            _nested_values(key, kwargs, _option_schema("logger").get(spec["_target_"], {}))
+            own = getattr(fn, "check_settings", None)  # a logger's own rules (MLflow's URI, wandb.Settings)
+            if own is not None:
+                try:
+                    own(**kwargs)
+                except ValueError as e:
+                    raise ConfigError(f"{key}.{str(e).splitlines()[0]}") from None
+
+
+def annotation_rule(annotation: Any) -> tuple[Callable[[Any], bool], str] | None:
+    """The rule a parameter's annotation states (``str``, ``bool``, ``int``, ``float``, ``dict``, ``list``,
+    ``Literal[...]`` and their unions with ``None``), or ``None`` for one it does not (``os.PathLike``...).
+
+    >>> ok, text = annotation_rule(int | None)
+    >>> ok(3), ok(None), ok(True), text
+    (True, True, False, 'a whole number, or null')
+    """
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        rules = [annotation_rule(a) for a in args if a is not type(None)]
+        if not rules or any(r is None for r in rules):
+            return None
+        optional = type(None) in args
+        return ((lambda v: (optional and v is None) or any(r[0](v) for r in rules)),
+                " or ".join(r[1] for r in rules) + (", or null" if optional else ""))
+    if origin is typing.Literal:
+        return _choice(*args)
+    return _SIMPLE_RULES.get(origin or annotation)
+
+
+_SIMPLE_RULES: dict[Any, tuple[Callable[[Any], bool], str]] = {
+    str: ((lambda v: isinstance(v, str)), "a string"),
+    bool: ((lambda v: isinstance(v, bool)), "true or false"),
+    int: (_is_whole, "a whole number"),
+    float: (_is_real, "a finite number"),
+    dict: ((lambda v: isinstance(v, Mapping)), "a mapping ({key: value, ...})"),
+    list: ((lambda v: isinstance(v, (list, tuple))), "a list"),
+}
+
+
+def typed_args(key: str, fn: Callable, kwargs: Mapping) -> None:
+    """Each of ``kwargs`` against the annotation of ``fn``'s parameter of that name (:func:`annotation_rule`):
+    a new argument of a logger or launcher is checked the day it is added, with no rule to write.
+
+    >>> from fxtrain.loggers import MlflowLogger
+    >>> typed_args("logger.mlflow", MlflowLogger, {"tracking_uri": 5})
+    Traceback (most recent call last):
+    ...
+    fxtrain.errors.ConfigError: logger.mlflow.tracking_uri=5: expected a string, or null
+    """
+    try:
+        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+    except Exception:  # noqa: BLE001 - an annotation that does not evaluate states no rule
+        hints = {}
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    for name, value in kwargs.items():
+        rule = annotation_rule(hints[name]) if name in hints else None
+        if rule is None and name in params:  # `Any` (a number or a tensor): a config holds no tensor, so its default's type
+            default = params[name].default
+            rule = (_FLAG if isinstance(default, bool) else (_is_real, "a finite number") if _is_number(default)
+                    else None)
+        if rule is not None and not rule[0](value):
+            raise ConfigError(f"{key}.{name}={_show(value)}: expected {rule[1]}")
+
+
+# --- hydra.launcher: generated from conf/hydra/launcher -------------------------------------------------
+
+def launcher_schema() -> dict[str, dict[str, list[Any]]]:
+    """``{_target_: {key: [defaults]}}`` of the launchers ``conf/hydra/launcher/*.yaml`` configure, every key at
+    every depth (``executor.timeout_min``) with the defaults its options give it: what :func:`check_launcher`
+    checks a ``hydra.launcher`` node against, so that a key added there is checked the day it is added.
+
+    >>> sorted(launcher_schema()["hydra_plugins.fxtrain_vmap_launcher.vmap_launcher.VmapLauncher"])[:4]
+    ['_target_', 'compile', 'executor', 'executor.cluster']
+    """
+    return _option_schema("hydra/launcher")
+
+
+@functools.lru_cache(maxsize=None)
+def _option_schema(group: str) -> dict[str, dict[str, list[Any]]]:
+    """``{_target_: {key: [defaults]}}`` of the ``_target_`` nodes the options of ``conf/<group>`` configure (an
+    option's one node under its name too: ``conf/logger/csv.yaml`` is ``csv: {_target_: ...}``)."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    conf = pathlib.Path(str(importlib.resources.files("fxtrain.conf"))) / group
+
+    def add(keys: dict[str, list[Any]], node: DictConfig, prefix: str) -> None:
+        for name in node:
+            child = node._get_node(name)
+            key = f"{prefix}{name}"
+            value = None if child._is_interpolation() else _plain(child._value()) if not OmegaConf.is_config(
+                child) or not child._is_none() else None
+            keys.setdefault(key, []).append(value)
+            if isinstance(child, DictConfig) and not child._is_none() and not child._is_interpolation():
+                add(keys, child, f"{key}.")
+
+    for option in sorted(conf.glob("*.yaml")):
+        node = OmegaConf.load(option)
+        for spec in [node, *(node[k] for k in node if OmegaConf.is_dict(node[k]))]:
+            target = spec.get("_target_") if OmegaConf.is_dict(spec) else None
+            if isinstance(target, str):
+                add(out.setdefault(target, {}), spec, "")
+    return out
+
+
+def _nested_values(key: str, spec: Mapping, schema: Mapping[str, list[Any]]) -> None:
+    """The entries of a target's mapping arguments (``logger.wandb.settings.quiet``) against the type of their
+    defaults in the options of conf/ (:func:`_rule_of_defaults`): a boolean there takes true or false, not 1."""
+    def walk(node: Mapping, prefix: str) -> None:
+        for name, value in node.items():
+            where = f"{prefix}{name}"
+            rule = _rule_of_defaults(schema.get(where, []))
+            if rule is not None and not rule[0](value):
+                raise ConfigError(f"{key}.{where}={_show(value)}: expected {rule[1]}")
+            if isinstance(value, Mapping):
+                walk(value, f"{where}.")
+    for name, value in spec.items():
+        if isinstance(value, Mapping) and not (name == "_target_"):
+            walk(value, f"{name}.")
+
+
+def _rule_of_defaults(defaults: list[Any]) -> tuple[Callable[[Any], bool], str] | None:
+    """The type every non-null default of a key shares (a bool, a whole number >= 0, a string, a mapping), and
+    null where a default is null; ``None`` when the defaults state no type (all null, or mixed)."""
+    kinds = {type(d) for d in defaults if d is not None}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    rule = {bool: _FLAG, int: ((lambda v: _is_whole(v) and 0 <= v <= MAX_COUNT), "a whole number >= 0"),
+            str: ((lambda v: isinstance(v, str) and bool(v)), "a non-empty string"),
+            dict: ((lambda v: isinstance(v, Mapping)), "a mapping ({key: value, ...})"),
+            list: ((lambda v: isinstance(v, (list, tuple))), "a list")}.get(kind)
+    return _optional(rule) if rule is not None and None in defaults else rule
+
+
+@functools.lru_cache(maxsize=None)
+def _submitit_types() -> dict[str, tuple[Callable[[Any], bool], str]]:
+    """The rules of the parameters every submitit executor shares (``timeout_min``, ``mem_gb``...), from the types
+    submitit itself asserts when a launch sets them; none without submitit (the launch names the extra)."""
+    try:
+        import submitit
+        typed = submitit.AutoExecutor._typed_parameters()  # what AutoExecutor.update_parameters asserts
+    except (ImportError, AttributeError):
+        return {}
+    rules = {}
+    for name, kind in typed.items():
+        rule = _SIMPLE_RULES.get(kind)
+        if kind is float:  # submitit takes an int or a float there
+            rule = (_is_real, "a number")
+        if rule is not None:
+            rules[name] = rule
+    return rules
+
+
+def check_launcher(node: Any) -> None:
+    """Raises :class:`~fxtrain.errors.ConfigError` naming the first bad ``hydra.launcher.*`` setting of a launcher
+    that ``conf/hydra/launcher`` configures (another launcher's are its own business).
+
+    Generated, like the rest: a key none of its options has is refused with the nearest name (the executor's
+    keys excepted: any of submitit's parameters goes there); the values of the launcher's arguments against
+    their annotations (``compile: bool`` takes true or false, not 1), the others against the type of their
+    defaults there (``executor.timeout_min`` a whole number); then the launcher's own rules
+    (``check_settings``: one process per group...).
+
+    >>> check_launcher({"_target_": "hydra_plugins.fxtrain_vmap_launcher.vmap_launcher.VmapLauncher", "compile": 1})
+    Traceback (most recent call last):
+    ...
+    fxtrain.errors.ConfigError: hydra.launcher.compile=1: expected true or false
+    """
+    node = _plain(node)
+    if not isinstance(node, Mapping) or node.get("_target_") not in launcher_schema():
+        return
+    keys = launcher_schema()[node["_target_"]]
+    fn = build.locate(node, "hydra.launcher")
+    args = {k: v for k, v in node.items() if k != "_target_"}
+    for name in args:
+        if name not in keys:
+            top = sorted(k for k in keys if "." not in k and k != "_target_")
+            close = difflib.get_close_matches(str(name), top, n=1)
+            hint = f" (did you mean hydra.launcher.{close[0]}?)" if close else ""
+            raise ConfigError(f"hydra.launcher.{name}: not a setting of this launcher{hint}; it takes {', '.join(top)}")
+    typed_args("hydra.launcher", fn, args)
+    executor = args.get("executor")
+    if isinstance(executor, Mapping):
+        shared = _submitit_types()
+        for name, value in executor.items():
+            rule = _rule_of_defaults(keys.get(f"executor.{name}", []))
+            if rule is None and name in shared:
+                rule = _optional(shared[name])  # null: submitit's default
+            if rule is not None and not rule[0](value):
+                raise ConfigError(f"hydra.launcher.executor.{name}={_show(value)}: expected {rule[1]}")
+    own = getattr(fn, "check_settings", None)
+    if own is not None:
+        try:
+            own(**args)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+
+
+class LauncherCheck(Callback):
+    """Hydra callback (``hydra.callbacks.launcher`` in ``conf/train.yaml``): :func:`check_launcher` on the
+    multirun's ``hydra.launcher`` before the sweeper builds the launcher, so that a bad setting is one line
+    (``Error: hydra.launcher.compile=1: expected true or false``) and nothing is launched or written."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with one_line_errors():
+            check_launcher(config.hydra.get("launcher"))
 
 
 STEP_METRICS = ("loss",)  # every step's; the stack's reports (grad_norm, learning_rate...) are found by building it

@@ -152,3 +152,52 @@ def test_no_heartbeat_when_off(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="fxtrain")
     runner.train(cfg_of(*SMALL, "trainer.max_steps=6", "trainer.heartbeat_s=0"), tmp_path)
     assert lines(caplog, "beat   ") == [] and lines(caplog, "done   ")
+
+
+# --- every shipped experiment under every debug option (issue 35): generated from conf/ -------------------------
+
+EXPERIMENTS = sorted(p.stem for p in (runner.CONF_DIR / "experiment").glob("*.yaml"))
+DEBUG_OPTIONS = sorted(p.stem for p in (runner.CONF_DIR / "debug").glob("*.yaml") if not p.stem.startswith("_"))
+
+
+@pytest.mark.parametrize("option", DEBUG_OPTIONS)
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_is_accepted_under_every_debug_option(experiment, option):
+    """Before: experiment=tiny_lm/resnet_accumulate debug=fast was refused (accumulate.every=4 does not divide
+    max_steps=3), stdlib_lm (warmup_steps=30 >= 3); debug=profile likewise. A debug option that shortens says
+    what on its debug line."""
+    cfg = cfg_of(f"experiment={experiment}", f"debug={option}")
+    runner.check(cfg)
+    shortened = dict(cfg.debug.get("shortened") or {})
+    assert set(shortened) <= {"accumulate.every", "schedule.warmup_steps"}
+    if shortened:
+        assert cfg.debug.shorten and "shortened to fit trainer.max_steps=" in runner.debug_lines(cfg)[0]
+        if "accumulate.every" in shortened:
+            assert cfg.trainer.max_steps % cfg.accumulate.every == 0 < cfg.accumulate.every < shortened["accumulate.every"]
+        if "schedule.warmup_steps" in shortened:
+            assert cfg.schedule.warmup_steps < cfg.trainer.max_steps <= shortened["schedule.warmup_steps"]
+
+
+def test_a_run_without_debug_is_refused_rather_than_shortened():
+    with pytest.raises(runner.ConfigError, match=r"^accumulate.every=4: trainer.max_steps=3 is not a multiple"):
+        runner.check(cfg_of("experiment=tiny_lm", "trainer.max_steps=3"))
+    with pytest.raises(runner.ConfigError, match=r"^accumulate.every=4: trainer.max_steps=3 is not a multiple"):
+        runner.check(cfg_of("experiment=tiny_lm", "debug=fast", "debug.shorten=false"))
+
+
+def test_fast_runs_a_shortened_experiment_and_says_so(tmp_path, caplog):
+    """tiny_lm (bf16, accumulate=k4, warmup 80) in debug=fast's 3 steps: one update of 3 micro-batches."""
+    caplog.set_level(logging.INFO, logger="fxtrain")
+    runner.train(cfg_of("experiment=tiny_lm", "debug=fast", *FAST, "data.max_bytes=20000"), tmp_path)
+    assert lines(caplog, "debug  ") == [
+        "debug  debug=fast: no checkpoints (nothing for resume=auto), limit_val=2, limit_test=2, shortened to fit "
+        "trainer.max_steps=3: accumulate.every 4 -> 3, schedule.warmup_steps 80 -> 1"]
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_fast_runs_every_shipped_experiment(tmp_path):
+    """`-m 'experiment=glob(*)' debug=fast`, as the issue ran it (measured: 11 jobs, 12.5 s of CPU)."""
+    assert run_main("-m", "experiment=glob(*)", "debug=fast", f"hydra.sweep.dir={tmp_path}") == 0
+    text = (tmp_path / "summary.csv").read_text()
+    assert text.count("completed") == len(EXPERIMENTS) and "failed" not in text, text

@@ -10,6 +10,7 @@ import torch
 
 import fxtrain as fx
 from fxtrain import build, parallel
+from fxtrain import train as runner
 from fxtrain.distributed import ParallelDims
 from fxtrain.models import MLP, TransformerLM
 from tests._runner import cfg_of
@@ -107,3 +108,22 @@ def test_one_process_is_fx_functional_and_train_step():
     params, _, _, metrics = placed.step(placed.params, fx.sgd(0.1).init(placed.params), placed.buffers, (x, y))
     assert set(metrics) >= {"loss", "accuracy"} and float(metrics["loss"]) > 0
     assert set(placed.evaluate(params, placed.buffers, (x, y), 4)) == {"test_loss", "test_accuracy"}
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (runner.CONF_DIR / "parallel").glob("*.yaml")
+                                           if not p.stem.startswith("_")))
+def test_a_preset_on_one_process_says_that_nothing_is_split(preset):
+    """Issue 35: parallel=tp on one process trained unsharded without a line. The presets' -1 degrees take the
+    rest of the world by design (one command on 1 or N processes), so the run line says it instead of refusing."""
+    cfg = cfg_of("experiment=smoke", f"parallel={preset}")
+    if any(cfg.parallel.get(d) not in (1, -1, None) for d in ("pp", "dp_replicate", "dp_shard", "ep", "tp")):
+        with pytest.raises(build.ConfigError, match=r"needs several processes: launch with torchrun"):
+            build.parallel_dims(cfg, 1)  # a fixed size (hsdp's dp_replicate=2) is refused on one process
+        return
+    note = build.single_process_note(cfg, build.parallel_dims(cfg, 1))
+    free = [d for d in ("pp", "dp_replicate", "dp_shard", "ep", "tp") if cfg.parallel.get(d) == -1]
+    assert (note is None) == (not free)
+    if free:
+        assert note.startswith(f"1 process: parallel.{free[0]}=-1 takes the rest of a world of 1, so nothing is split")
+    if preset in ("dp", "fsdp", "tp"):  # on 2 ranks the layout is there: nothing to say
+        assert build.single_process_note(cfg, build.parallel_dims(cfg, 2)) is None

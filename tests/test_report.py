@@ -257,11 +257,13 @@ def test_the_metric_a_task_function_declares_ranks_the_sweep(launcher, tmp_path,
         assert "task   mine, optimizes test_accuracy" in (tmp_path / "sweep" / job / "train.log").read_text()
     top = max(rows, key=lambda r: (r["test_accuracy"], -r["test_loss"]))  # highest accuracy; ties: lowest test_loss
     assert report.best(rows, "test_accuracy") == top
-    # Three seeds of one configuration: nothing to choose between, their mean +- std by the declared metric.
+    # Three seeds of one configuration: nothing to choose between, their mean +- std by the declared metric's
+    # validation form (issue 35: the test split is shown, never what ranks).
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("best: ", "seeds: "))]
     assert printed == [line for line in report.describe("sweep").splitlines() if line.startswith(("best: ", "seeds: "))]
-    assert printed == [f"seeds: one configuration, test_accuracy {report._pm(report.by_config(rows, 'test_accuracy', ['seed'])[0])}"]
-    assert "seeds of one configuration: test_accuracy" in report.figure("sweep")._suptitle.get_text()
+    assert printed == [f"seeds: one configuration, val_accuracy {report._pm(report.by_config(rows, 'val_accuracy', ['seed'])[0])}"]
+    assert "seeds of one configuration: val_accuracy" in report.figure("sweep")._suptitle.get_text()
+    assert "ranked by val_accuracy: test_accuracy is the test split's" in report.describe("sweep")
 
 
 # --- seeds: jobs that differ only in a seed key are repeats of one configuration -------------------------
@@ -324,3 +326,24 @@ def test_plot_of_seeds_shows_mean_and_std_per_value(seeded):
     lines = job_lines(panels[1])
     assert {k for k, l in lines.items() if l.get_color() == "black"} == {"job 3", "job 4", "job 5"}  # best config's seeds
     assert "best (black): learning_rate=0.3, test_accuracy 0.85 +- 0.01, n=3" in fig._suptitle.get_text()
+
+
+# --- a task's declared metrics (issue 35): every val_*/test_* a column, ranked by validation --------------------
+
+def test_every_declared_metric_gets_its_val_and_test_columns_ranked_by_validation(tmp_path):
+    """Before: summary.csv kept a fixed list (val_accuracy, test_accuracy, test_loss, loss, accuracy, val_loss):
+    a custom task's test_mae and test_max_err were missing, and --metric=test_mae ranked by the test split."""
+    sweep = tmp_path / "sweep"
+    for job, (val, test) in enumerate([(0.3, 0.1), (0.2, 0.4)]):  # job 1 is better on validation, worse on test
+        make_job(sweep, str(job), [f"optim.chain.adamw.learning_rate=0.{job + 1}"], {
+            "status": "completed", "step": 10, "optimized_metric": "val_loss",
+            "metrics": {"val_loss": 1.0 + job, "test_loss": 1.0, "loss": 1.0, "val_mae": val, "test_mae": test,
+                        "mae": 0.5, "val_max_err": 2.0, "test_max_err": 3.0, "max_err": 1.0, "grad_norm": 0.1}})
+    report.write_csv(report.collect(sweep), sweep / "summary.csv")
+    with open(sweep / "summary.csv") as f:
+        header = next(csv.reader(f))
+    assert header == ["job", "status", "optim.chain.adamw.learning_rate", "val_loss", "test_loss", "loss", "val_mae", "test_mae", "mae",
+                      "val_max_err", "test_max_err", "max_err", "step"]
+    text = report.describe(sweep, metric="test_mae")
+    assert "ranked by val_mae: test_mae is the test split's" in text
+    assert "best: job 1 (val_mae 0.2): optim.chain.adamw.learning_rate=0.2" in text  # job 0 has the better test_mae

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import inspect
 import math
+import pathlib
 
 import pytest
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from fxtrain import build, validate
+from fxtrain import train as runner
 from tests._runner import cfg_of, isolate  # noqa: F401 - isolate: autouse (runs in tmp_path)
 
 # The composed configs fuzzed: the default, the experiments, and the options whose keys the default lacks.
@@ -36,7 +39,7 @@ BASES = {
     "debug_limit": ["debug=limit"],  # the debug node's keys (fractions)
     "debug_profile": ["debug=profile", "debug.limit_val=2", "debug.limit_test=1"],  # counts, profiling
 }
-CASES = ("wrong_type", "negative", "zero", "nan", "inf", "huge", "empty", "unknown")
+CASES = ("wrong_type", "negative", "zero", "nan", "inf", "huge", "empty", "unknown", "null", "one")
 
 # (key pattern, case): why accepting it is right. Anything accepted that is not here fails the test.
 ACCEPTED = {
@@ -94,6 +97,47 @@ ACCEPTED = {
 }
 
 
+# null: every key that takes it, and why (a key left out here refuses null naming itself).
+ACCEPTED.update({(key, "null"): why for key, why in {
+    "resume": "null: start at step 0 (documented)",
+    "trainer.max_epochs": "null: the run is given in steps",
+    "trainer.cpu_threads": "null: torch's default",
+    "trainer.heartbeat_s": "null: no heartbeat lines",
+    "trainer.early_stopping.metric": "null: early stopping off",
+    "trainer.checkpoint.best_by": "null: the optimized metric",
+    "trainer.export": "null: no export",
+    "amp.policy": "null: no mixed precision",
+    "amp.loss_scale": "null: the policy's default",
+    "amp.loss_scale.min_scale": "null: no floor", "amp.loss_scale.max_scale": "null: no ceiling",
+    "accumulate.accumulator_dtype": "null: the gradients' dtype",
+    "parallel.dp": "null: the default (the key before degrees)",
+    **{f"parallel.{d}": "null: the degree is 1 (ParallelDims.of)" for d in ("pp", "dp_replicate", "dp_shard", "ep", "tp")},
+    "debug.name": "null: a custom debug run", "debug.shortened": "null: nothing shortened", "debug.limit_*": "null: the whole split",
+    "optim.chain.*.momentum": "null: no momentum (sgd)",
+    "trainer.eval_hooks": "null: no hooks",
+    "logger.*.run_name": "null: the run directory", "logger.*.tracking_uri": "null: <run dir>/mlflow.db",
+    "logger.*.name": "null: the run directory", "logger.*.settings": "null: wandb's defaults",
+}.items()})
+ACCEPTED.update({
+    ("logger.*.run_name", "wrong_type"): "a name (the fuzz's wrong type for a null default is a string)",
+    ("logger.*.run_name", "empty"): "'' is the run directory, as null",
+    ("logger.*.name", "wrong_type"): "a name (the fuzz's wrong type for a null default is a string)",
+    ("logger.*.name", "empty"): "'' is the run directory, as null",
+    ("logger.*.tracking_uri", "empty"): "'' is <run dir>/mlflow.db, as null",
+})
+ACCEPTED.update({
+    ("optim.chain.reduce_on_plateau.patience", "zero"): "reduce at the first evaluation without improvement (>= 0)",
+    ("optim.chain.reduce_on_plateau.patience", "huge"): "never reduces: a choice",
+    ("optim.chain.reduce_on_plateau.cooldown", "zero"): "no cooldown",
+    ("optim.chain.reduce_on_plateau.cooldown", "huge"): "one reduction at most: a choice",
+    ("optim.chain.reduce_on_plateau.atol", "zero"): "relative tolerance only",
+    ("optim.chain.reduce_on_plateau.atol", "huge"): "no upper bound",
+    ("optim.chain.reduce_on_plateau.min_scale", "zero"): "no floor",
+    ("optim.chain.reduce_on_plateau.accumulation_size", "huge"): "one decision per that many updates: never, a choice",
+})
+# one: 1 where a boolean goes (every boolean refuses it: 1 == True in Python), fuzzed on boolean keys only.
+
+
 def _leaves(node: DictConfig, prefix: str = "") -> list[tuple[str, object]]:
     out = []
     for k in node:
@@ -114,6 +158,10 @@ def _value(case: str, original: object) -> object:
         return True if isinstance(original, str) and not str(original).startswith("${") else "abc"
     if case == "empty":
         return [] if as_list else ""
+    if case == "null":
+        return None
+    if case == "one":
+        return 1
     return [number] if as_list else number
 
 
@@ -132,7 +180,7 @@ def _names(key: str, message: str) -> bool:
 def _fuzz(base: list[str], skip: dict | None = None) -> dict[str, list]:
     """Every case of every leaf of ``cfg_of(*base)`` (those with the same value in ``skip`` left out)."""
     cfg = cfg_of(*base)
-    validate.check(cfg)  # the base config itself is fine
+    runner.check(cfg)  # the base config itself is fine (max_steps of a run given in epochs settled)
     out: dict[str, list] = {"refused": [], "accepted": [], "tracebacks": [], "silent": [], "unnamed": []}
     for key, original in _leaves(cfg):
         if skip is not None and key in skip and repr(skip[key]) == repr(original):
@@ -140,6 +188,8 @@ def _fuzz(base: list[str], skip: dict | None = None) -> dict[str, list]:
         parent_key, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
         for case in CASES:
+            if case == "one" and not isinstance(original, bool):
+                continue
             where = f"{key}x" if case == "unknown" else key
             # In place and put back (a deep copy per case would take most of the time).
             with open_dict(parent):
@@ -168,6 +218,41 @@ def _fuzz(base: list[str], skip: dict | None = None) -> dict[str, list]:
     return out
 
 
+def _takes_learning_rate(option: pathlib.Path) -> bool:
+    node = OmegaConf.load(option)
+    spec = next(iter(node.values())) if "_target_" not in node else node
+    return "learning_rate" in inspect.signature(build.locate(OmegaConf.to_container(spec), option.stem)).parameters
+
+
+@functools.lru_cache(maxsize=None)
+def _preset_bases() -> dict[str, list[str]]:
+    """Every option of every config group of conf/ (hydra's and hparams_search's aside): a preset added there is
+    fuzzed the day it is added. Each is composed as the command line picks it (a transform with an optimizer
+    after it when it is none itself, so that the chain descends); one that only validates beside other choices
+    (model=transformer needs text data) takes the first experiment under which the option validates."""
+    conf = runner.CONF_DIR
+    out = {}
+    for option in sorted(conf.rglob("*.yaml")):
+        group = option.parent.relative_to(conf).as_posix()
+        if group == "." or group.split("/")[0] in ("hydra", "hparams_search") or option.stem.startswith("_"):
+            continue
+        if group == "optim/transform":
+            chain = option.stem if _takes_learning_rate(option) else f"{option.stem},sgd"
+            choice = f"optim/transform@optim.chain=[{chain}]"
+        else:
+            choice = f"logger=[{option.stem}]" if group == "logger" else f"{group}={option.stem}"
+        for context in [[], *([f"experiment={e.stem}"] for e in sorted((conf / "experiment").glob("*.yaml")))]:
+            try:
+                validate.check(cfg_of(*context, choice))
+            except build.ConfigError:
+                continue
+            out[f"{group}/{option.stem}"] = [*context, choice]
+            break
+        else:
+            out[f"{group}/{option.stem}"] = [choice]  # fails in the test, naming the option that validates nowhere
+    return out
+
+
 @pytest.fixture
 def parse_once(monkeypatch):
     """OmegaConf parses an interpolation string at every resolution (ANTLR, about 1 ms): the fuzz resolves the
@@ -191,3 +276,15 @@ def test_every_setting_is_refused_naming_its_key_or_legitimately_accepted(name):
     assert not found["silent"], found["silent"]
     assert not found["unnamed"], found["unnamed"][:10]
     assert total > (400 if name in ("default", "tiny_lm") else 20)
+
+
+
+@pytest.mark.parametrize("name", sorted(_preset_bases()))
+@pytest.mark.usefixtures("parse_once")
+def test_every_key_of_every_preset_is_refused_naming_it_or_legitimately_accepted(name):
+    """The config tree as the generator: each option's own keys (those the default config lacks or sets
+    otherwise), every case, validation only."""
+    found = _fuzz(_preset_bases()[name], dict(_leaves(cfg_of())))
+    assert not found["tracebacks"], found["tracebacks"][:10]
+    assert not found["silent"], found["silent"]
+    assert not found["unnamed"], found["unnamed"][:10]

@@ -59,17 +59,31 @@ class VmapLauncher(Launcher):
 
     def __init__(self, max_group_size: int | None = None, executor: Any = None, compile: bool = False) -> None:  # noqa: A002
         super().__init__()
-        if max_group_size is not None and (not isinstance(max_group_size, int) or max_group_size < 1):
-            raise ValueError(f"hydra.launcher.max_group_size: expected a positive integer or null, got {max_group_size!r}")
+        self.check_settings(max_group_size, executor, compile)
         self.max_group_size = max_group_size
-        if compile not in (True, False):
-            raise ValueError(f"hydra.launcher.compile: expected true or false, got {compile!r}")
         self.compile = compile
         self.executor = _executor_spec(executor)
         self.config: DictConfig | None = None
         self.task_function: TaskFunction | None = None
         self.hydra_context: HydraContext | None = None
         self.unbatchable: str | None = None  # why no job of this launch can be vmapped (None: they can)
+
+    @staticmethod
+    def check_settings(max_group_size: int | None = None, executor: Any = None, compile: bool = False) -> None:  # noqa: A002
+        """Raises ``ValueError("hydra.launcher.<key>=<value>: ...")`` for a setting this launcher cannot take (the keys under
+        ``hydra.launcher``); :func:`fxtrain.validate.check_launcher` calls it before anything is launched.
+
+        >>> VmapLauncher.check_settings(compile=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: hydra.launcher.compile=1: expected true or false
+        """
+        if max_group_size is not None and (isinstance(max_group_size, bool) or not isinstance(max_group_size, int)
+                                           or max_group_size < 1):
+            raise ValueError(f"hydra.launcher.max_group_size={max_group_size!r}: expected a positive whole number or null (no limit)")
+        if not isinstance(compile, bool):  # 1 == True: `compile not in (True, False)` took 1 for true
+            raise ValueError(f"hydra.launcher.compile={compile!r}: expected true or false")
+        _executor_spec(executor)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
@@ -208,16 +222,20 @@ def _executor_spec(executor: Any) -> dict[str, Any] | None:
     """``hydra.launcher.executor`` as a plain dict (``None`` stays ``None``), checked before anything runs."""
     if executor is None:
         return None
+    if not (OmegaConf.is_dict(executor) or isinstance(executor, dict)):
+        raise ValueError(f"hydra.launcher.executor={executor!r}: expected null (every group in this process) or submitit's "
+                         "settings (hydra/launcher=vmap_submitit_local or vmap_submitit_slurm)")
     spec = OmegaConf.to_container(executor, resolve=True) if OmegaConf.is_config(executor) else dict(executor)
     if spec.get("cluster") not in ("local", "slurm", "debug"):
-        raise ValueError(f"hydra.launcher.executor.cluster: expected local, slurm or debug (submitit's executors), "
-                         f"got {spec.get('cluster')!r}")
-    if not spec.get("folder"):
-        raise ValueError("hydra.launcher.executor.folder: where submitit keeps its logs, e.g. "
+        raise ValueError(f"hydra.launcher.executor.cluster={spec.get('cluster')!r}: expected local, slurm or debug (submitit's "
+                         "executors)")
+    if not (isinstance(spec.get("folder"), str) and spec["folder"]):
+        raise ValueError(f"hydra.launcher.executor.folder={spec.get('folder')!r}: expected where submitit keeps its logs, e.g. "
                          "${hydra.sweep.dir}/.submitit/%j")
-    if spec.get("tasks_per_node") not in (None, 1) or spec.get("nodes") not in (None, 1):
-        raise ValueError(f"hydra.launcher.executor: tasks_per_node={spec.get('tasks_per_node')}, "
-                         f"nodes={spec.get('nodes')}: a vmapped group trains in one process; leave both at 1")
+    for key in ("tasks_per_node", "nodes"):
+        if spec.get(key) is not None and (type(spec[key]) is not int or spec[key] != 1):
+            raise ValueError(f"hydra.launcher.executor.{key}={spec[key]!r}: a vmapped group trains in one process; leave "
+                             "nodes and tasks_per_node at 1")
     return spec
 
 
