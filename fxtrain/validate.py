@@ -23,7 +23,7 @@
   evaluation.
 * The chain must descend: the product of the signs of its scaling entries is -1 (each optimizer negates the
   gradient once, a ``scale`` multiplies by its ``step_size``, the ``schedule`` is probed from step 0 to the
-  last step). A chain without an optimizer (``[clip_by_global_norm]``, ``[add_decayed_weights]``), two
+  last step; a wrapper's transforms count: ``apply_if_finite``'s ``inner`` optimizer descends). A chain without an optimizer (``[clip_by_global_norm]``, ``[add_decayed_weights]``), two
   optimizers, a negative ``scale`` or a zero learning rate would move the params along the gradient or
   not at all; such a chain runs only with ``trainer.allow_no_descent=true``.
 * :func:`one_line_errors` is how ``python -m fxtrain.train`` reports them: a :class:`~fxtrain.errors.ConfigError`
