@@ -232,6 +232,14 @@ def test_half_params_are_taken_where_the_step_reads_the_cast_tree(layout, world)
     build.parallel_dims(cfg_of("experiment=smoke", f"parallel={layout}", "amp=pure_bf16"), world)
 
 
+def test_a_layout_the_model_cannot_take_is_named_once():
+    # outside a Hydra run there is no model option to name (it read "model=?"); the layout is named once
+    cfg = cfg_of("experiment=smoke", "parallel=tp")
+    with pytest.raises(build.ConfigError) as e:
+        runner.build_run(cfg, torch.device("cpu"), runner.distributed.ParallelDims.of(world=2, tp=2))
+    assert str(e.value).startswith("parallel tp=2: MLP has no tensor-parallel plan (tp_plan); use model=transformer")
+
+
 def test_parallel_sizes_resolve_the_rest_of_the_world():
     dims = build.parallel_dims(cfg_of("experiment=smoke", "parallel=fsdp_tp"), 4)
     assert (dims.mesh_dims, dims.data_world) == (("dp_shard", "tp"), 2)
