@@ -531,6 +531,7 @@ def parallel_dims(cfg: DictConfig, world: int) -> distributed.ParallelDims:
             raise ConfigError(f"{given} needs several processes: launch with torchrun (torchrun --nproc_per_node=2 "
                               "-m fxtrain.train ...), or use parallel=none") from None
         raise ConfigError(f"{given or 'parallel=none'}: {e}") from None
+    _half_params(cfg, dims)
     batch = cfg.data.get("batch_size")
     if isinstance(batch, int) and batch % dims.data_world:
         raise ConfigError(f"data.batch_size={batch} does not split evenly over the {dims.data_world} ranks that read "
@@ -558,6 +559,20 @@ def single_process_note(cfg: DictConfig, dims: distributed.ParallelDims) -> str 
         return None
     return (f"1 process: parallel.{free[0]}=-1 takes the rest of a world of 1, so nothing is split ({free[0]}=1); "
             f"launch with torchrun --nproc_per_node=N for {free[0]}=N")
+
+
+def _half_params(cfg: DictConfig, dims: distributed.ParallelDims) -> None:
+    """Refuses half-precision params (``amp=pure_bf16``, ``pure_fp16``) where the step computes with the model's
+    own float32 tensors (pipeline stages, FSDP's sharded modules), which :func:`cast_params`' copies would miss."""
+    policy = cfg.amp.get("policy")
+    if policy is None or not (dims.enabled("pp") or fsdp_casts(dims)):
+        return
+    p = _call(_wrapper("Policy", "amp.policy").parse, "amp.policy", policy).param_dtype
+    if p in (torch.bfloat16, torch.float16):
+        where = "pipeline stages" if dims.enabled("pp") else "FSDP's sharded modules"
+        raise ConfigError(f"amp.policy={policy}: {_short(p)} params are not supported under {dims.describe()} "
+                          f"({where} keep float32 params); use amp=bf16 (float32 params, bf16 compute), or a layout "
+                          "without pp or dp_shard (parallel=dp, tp, ep_fsdp)")
 
 
 def _shard_elementwise(txs: list, names: list[str], shard_over: str | None) -> list:

@@ -274,7 +274,10 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
         placed = parallel.parallelize(model, tx, dims, task=task, pipeline=_pipeline_options(cfg),
                                         mp_policy=build.mixed_precision(cfg, dims))
     except ValueError as e:
-        raise ConfigError(f"{dims.describe()} model={choice('model')}: {e}") from None
+        # the layout once (parallelize's own checks start with it), the model's option where a Hydra run has one
+        layout, shown, text = dims.describe(), choice("model", ""), str(e)
+        text = text[len(layout) + 2:] if text.startswith(layout + ": ") else text
+        raise ConfigError(f"{layout}{f' model={shown}' if shown else ''}: {text}") from None
     params = build.cast_params(cfg, placed.params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
     return Built(data, model, placed.apply, params, placed.buffers, tx, tx.init(params), placed.step, placed.evaluate,
                  task)

@@ -23,7 +23,7 @@
   evaluation.
 * The chain must descend: the product of the signs of its scaling entries is -1 (each optimizer negates the
   gradient once, a ``scale`` multiplies by its ``step_size``, the ``schedule`` is probed from step 0 to the
-  last step). A chain without an optimizer (``[clip_by_global_norm]``, ``[add_decayed_weights]``), two
+  last step; a wrapper's transforms count: ``apply_if_finite``'s ``inner`` optimizer descends). A chain without an optimizer (``[clip_by_global_norm]``, ``[add_decayed_weights]``), two
   optimizers, a negative ``scale`` or a zero learning rate would move the params along the gradient or
   not at all; such a chain runs only with ``trainer.allow_no_descent=true``.
 * :func:`one_line_errors` is how ``python -m fxtrain.train`` reports them: a :class:`~fxtrain.errors.ConfigError`
@@ -894,9 +894,7 @@ def _descent(cfg: DictConfig) -> None:
                               f"({_settings(cfg, 'schedule')})")
     moves = any(m > 0 for _, m in multiples)
     sign, flips, lr_entries = 1, [], []
-    for name in names:
-        key = f"optim.chain.{name}"
-        factory, kwargs = build.target(chain[name], key)
+    for key, factory, kwargs in (e for name in names for e in _entries(f"optim.chain.{name}", chain[name])):
         if "learning_rate" in _arguments(factory):
             lr = kwargs["learning_rate"]
             lr_entries.append(f"{key}.learning_rate={_show(lr)}")
@@ -929,6 +927,18 @@ def _descent(cfg: DictConfig) -> None:
     raise ConfigError(f"{culprits[0]}: the chain [{listed}] would {would} "
                       f"(its entries' signs: {' '.join([*lr_entries, *flips])}; each optimizer negates the gradient "
                       "once); keep one optimizer and positive scales, or pass trainer.allow_no_descent=true")
+
+
+def _entries(key: str, node: Any) -> Iterator[tuple[str, Callable, dict]]:
+    """``(key, factory, kwargs)`` of a chain entry, then of the transforms it wraps, depth first
+    (``optim.chain.apply_if_finite.inner``: the optimizer inside the wrapper)."""
+    factory, kwargs = build.target(node, key)
+    yield key, factory, kwargs
+    for name, value in build.resolve(node, key).items():
+        many = isinstance(value, list)
+        for i, sub in enumerate(value if many else [value]):
+            if isinstance(sub, Mapping) and "_target_" in sub:
+                yield from _entries(f"{key}.{name}" + (f".{i}" if many else ""), sub)
 
 
 def _settings(cfg: DictConfig, key: str) -> str:

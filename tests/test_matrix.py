@@ -14,11 +14,9 @@ before training.
   ``adam``, ``adamw``, ``sgd``) or ``unfused`` (``adagrad``, ``lion``, ``rmsprop``); the first by name stands for
   its kind. Kind ``wrapper``: the first public ``fx`` factory (by name) that wraps a transform (first parameter
   ``inner: GradientTransformation``, every other one with a default or an ``int``, given 1) and leaves the forward
-  pass alone (``amp_cast`` is the ``amp`` axis): ``apply_if_finite``, around the default chain's optimizer (with
-  ``trainer.allow_no_descent=true``: the runner's descent check reads only the chain's top-level entries and
-  refuses a wrapped optimizer). Each chain keeps the default chain's other entries (``clip_by_global_norm``
-  first); the runner wraps every top-level optimizer in ``inject_hyperparams`` (the schedule), so that wrapper is
-  in every other cell.
+  pass alone (``amp_cast`` is the ``amp`` axis): ``apply_if_finite``, around the default chain's optimizer. Each
+  chain keeps the default chain's other entries (``clip_by_global_norm`` first); the runner wraps every top-level
+  optimizer in ``inject_hyperparams`` (the schedule), so that wrapper is in every other cell.
 * ``resume``: ``whole`` (uninterrupted), ``killed`` (the uninterrupted run's directory cut back to its checkpoint at
   :data:`MID`, a step inside every accumulation window, and continued by ``resume=auto``; its log must equal the
   uninterrupted run's bit for bit, same layout and kernels, and one process's within the tolerance) and
@@ -182,9 +180,7 @@ def optimizers() -> dict[str, tuple[str, ...]]:
         if args is None or fx.traits(getattr(fx, name)(fx.sgd(0.1), **args)).wrap_loss is not None:
             continue
         node = {"_target_": f"fxtrain.{name}", **args, "inner": inner}
-        # validate's descent check reads the chain's top-level entries only: the wrapped optimizer is not seen
-        # (the refusal "no entry takes a learning_rate"), so the wrapper's cells say that they mean it
-        kinds["wrapper"] = (base, f"+optim.chain.{name}={_hydra_value(node)}", "trainer.allow_no_descent=true")
+        kinds["wrapper"] = (base, f"+optim.chain.{name}={_hydra_value(node)}")
         break
     return kinds
 
@@ -525,19 +521,11 @@ _worlds.tests(__file__, CASES, timeout_s=WORLD_TIMEOUT_S)
 
 PIPELINES = ["pp", "pp_tp", "pp_fsdp", "3d"]
 KNOWN_DEFECTS: list[tuple[dict, str]] = [  # (the values of the cells it fails, why): the first match is the cell's
-    # found by this matrix: each the first error of its cells, so listed before the issue's
-    ({"parallel": PIPELINES, "amp": ["pure_bf16", "pure_fp16"]},
-     "matrix: half-precision params under a pipeline fail at the first step with a ValueError traceback ('... is "
-     "not a parameter of the schedule's stage module(s)'), not a one-line refusal before training"),
-    ({"parallel": PIPELINES, "optimizer": ["wrapper"], "amp": ["off", "bf16"]},  # fp16: refused before
-     "matrix: apply_if_finite under a pipeline fails at the first step with a ValueError traceback (it 'reports "
-     "total_notfinite differently on the stages of the pp group': it takes no groups=), not a one-line refusal "
-     "before training"),
     # found by this matrix
-    ({"parallel": ["fsdp", "fsdp_tp", "hsdp"], "amp": ["pure_bf16", "pure_fp16"]},
-     "matrix: half-precision params under FSDP fail at the first step with a ValueError traceback ('fully_sharded"
-     "(TransformerLM) step: params[...] is torch.bfloat16 but TransformerLM's parameter is torch.float32'), not a "
-     "one-line refusal before training"),
+    ({"parallel": ["pp_tp"], "optimizer": ["wrapper"], "amp": ["off", "bf16"]},
+     "matrix: apply_if_finite(adamw) under pp_tp (its groups= now span the stages: pp, pp_fsdp and 3d hold) fails at "
+     "the first update with a RuntimeError traceback ('aten._foreach_lerp_.Scalar got mixed torch.Tensor and "
+     "DTensor'): the inner adamw's foreach path gets plain and DTensor leaves"),
     ({"parallel": ["hsdp"], "amp": ["fp16"]},
      "matrix: fp16's dynamic loss scale overflows under hsdp (grad_norm inf, the update skipped) where one "
      "process's gradients are finite; the losses part from there. Each of the 4 data ranks runs FSDP's float16 "

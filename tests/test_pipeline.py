@@ -322,6 +322,27 @@ def case_refuses_a_stack_that_sees_one_stage(world):
 
 
 @case(2)
+def case_apply_if_finite_decides_over_its_groups(world):
+    """apply_if_finite's skip decision over the pp group (groups=): without it each stage decides alone (the probe,
+    inf on stage 0 only, sees total_notfinite 1 and 0: refused); with it both skip together, then train."""
+    import fxtrain as fx
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    pp = pp_mesh(world)["pp"]
+    module, schedule = build(ScheduleGPipe, world)
+    params = dict(module.named_parameters())
+    before = {k: v.detach().clone() for k, v in params.items()}
+    tx = fx.apply_if_finite(stack(groups=(pp,)), max_consecutive_errors=1)
+    with pytest.raises(ValueError, match=r"reports 'total_notfinite' differently on the stages of the pp group"):
+        fx.parallel.pipeline_step(schedule, tx, pp_group=pp)(params, tx.init(params), batches(1)[0])
+    assert all(torch.equal(v, before[k]) for k, v in params.items())
+    tx = fx.apply_if_finite(stack(groups=(pp,)), max_consecutive_errors=1, groups=(pp,))
+    step, state = fx.parallel.pipeline_step(schedule, tx, pp_group=pp), tx.init(params)
+    params, state, m = step(params, state, batches(1)[0])
+    assert int(state.total_notfinite) == 0 and not all(torch.equal(v, before[k]) for k, v in params.items())
+
+
+@case(2)
 def case_amp_cast_bf16_computes_like_one_process(world):
     """amp_cast(bf16) on the pipeline: the stage modules compute with amp_cast's bf16 casts of their params, as
     one process's train_step does with the whole model (issue 25: pp refused the bf16 preset), and the stack sees

@@ -214,6 +214,32 @@ def test_parallel_sizes_are_checked_against_the_world(overrides, world, message)
         build.parallel_dims(cfg_of("experiment=smoke", *overrides), world)
 
 
+@pytest.mark.parametrize("layout,world", [("pp", 2), ("pp_tp", 4), ("pp_fsdp", 4), ("3d", 8), ("fsdp", 2),
+                                          ("fsdp_tp", 4), ("hsdp", 4)])
+@pytest.mark.parametrize("amp", ["pure_bf16", "pure_fp16"])
+def test_half_params_are_refused_where_the_modules_keep_float32(layout, world, amp):
+    # matrix: the step computed with the modules' float32 tensors, not the cast copies, and raised at step 1
+    with pytest.raises(build.ConfigError) as e:
+        build.parallel_dims(cfg_of("experiment=smoke", f"parallel={layout}", f"amp={amp}"), world)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("amp.policy=p=") and "use amp=bf16" in message
+    assert message.count(f"params are not supported under parallel ") == 1
+
+
+@pytest.mark.parametrize("layout,world", [("ep_fsdp", 4), ("dp", 2), ("tp", 2)])
+def test_half_params_are_taken_where_the_step_reads_the_cast_tree(layout, world):
+    # ep_fsdp, dp, tp: the functional step computes with the params tree it is given (cast_params' copies)
+    build.parallel_dims(cfg_of("experiment=smoke", f"parallel={layout}", "amp=pure_bf16"), world)
+
+
+def test_a_layout_the_model_cannot_take_is_named_once():
+    # outside a Hydra run there is no model option to name (it read "model=?"); the layout is named once
+    cfg = cfg_of("experiment=smoke", "parallel=tp")
+    with pytest.raises(build.ConfigError) as e:
+        runner.build_run(cfg, torch.device("cpu"), runner.distributed.ParallelDims.of(world=2, tp=2))
+    assert str(e.value).startswith("parallel tp=2: MLP has no tensor-parallel plan (tp_plan); use model=transformer")
+
+
 def test_parallel_sizes_resolve_the_rest_of_the_world():
     dims = build.parallel_dims(cfg_of("experiment=smoke", "parallel=fsdp_tp"), 4)
     assert (dims.mesh_dims, dims.data_world) == (("dp_shard", "tp"), 2)

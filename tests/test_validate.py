@@ -197,6 +197,18 @@ def test_a_chain_without_descent_is_refused(chain):
         f"optim.chain=[{chain}]: no entry takes a learning_rate, so nothing steps against the gradient")
 
 
+def test_an_optimizer_inside_a_wrapper_descends():
+    # the descent check reads the wrapped transforms too (apply_if_finite's inner): no opt-in needed
+    wrapped = "+optim.chain.apply_if_finite={_target_:fxtrain.apply_if_finite,max_consecutive_errors:1," \
+              "inner:{_target_:fxtrain.adamw,learning_rate:0.01}}"
+    validate.check(cfg_of(*CHAIN, "optim/transform@optim.chain=[clip_by_global_norm]", wrapped))
+    assert refused("optim/transform@optim.chain=[clip_by_global_norm,sgd]", wrapped.replace("0.01", "0"),
+                   base=CHAIN).startswith("optim.chain.apply_if_finite.inner.learning_rate=0: the params would not")
+    assert refused("optim/transform@optim.chain=[clip_by_global_norm,sgd]", wrapped, base=CHAIN).startswith(
+        "optim.chain.apply_if_finite.inner.learning_rate=0.01: the chain [clip_by_global_norm,sgd,apply_if_finite] "
+        "would climb the loss")
+
+
 def test_a_chain_without_descent_runs_with_the_opt_in(tmp_path):
     cfg = cfg_of(*CHAIN, "optim/transform@optim.chain=[clip_by_global_norm]", "trainer.allow_no_descent=true")
     validate.check(cfg)

@@ -44,7 +44,8 @@ class ApplyIfFiniteState(NamedTuple):
 
 
 @transform(elementwise=False)
-def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, *,
+                    groups: Sequence[Any] = ()) -> GradientTransformation:
     r"""Skips updates holding an Inf or NaN, unless too many came in a row (Optax's ``apply_if_finite``).
 
     With :math:`n` the number of consecutive non-finite updates including this one, the inner transform's
@@ -64,6 +65,9 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     Args:
       inner: the transform to protect.
       max_consecutive_errors: how many non-finite updates in a row to skip before accepting one, >= 0.
+      groups: process groups (or 1-D meshes) whose ranks hold disjoint parameters, such as pipeline
+        stages: the decision is taken over all of them (one ``all_reduce`` of one flag per group), so every
+        stage skips together, as one process holding all the params would.
 
     Returns:
       A transform with an :class:`ApplyIfFiniteState`; it passes extra arguments (``value=``...) to
@@ -92,6 +96,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     def update_fn(updates, state, params=None, **extra_args):
         raw = tree.leaves(updates)
         finite = _all_finite(raw).to(state.last_finite.device)
+        if groups:  # every stage takes the same branch (fxtrain.distributed.global_count: a flag, no host sync)
+            finite = distributed.global_count((~finite).to(torch.float32), [], groups=groups) == 0
         notfinite = tree.scale_([safe_increment_(state.notfinite_count)], ~finite)[0]  # reset by a finite update
         accept = finite | (notfinite > max_consecutive_errors)
         fed_zeros = False
