@@ -237,7 +237,7 @@ def relayout_pairs(world: int, root: pathlib.Path, hub: str | None = None, one_p
                 _train(root / model / name, *_args(*layouts[name], f"model={model}"))
                 built[model, name] = True
             except ConfigError as e:  # this model on this layout (the MoE has no tensor-parallel plan)
-                assert f"model={model}" in str(e) or "model=?" in str(e), str(e)
+                assert str(e).startswith("parallel "), str(e)  # the layout's own refusal (outside Hydra: no model=)
                 torch.distributed.barrier()
                 built[model, name] = False
         return built[model, name]
