@@ -404,7 +404,13 @@ def add_(xs: list[torch.Tensor], ys: Any, alpha: Any = 1.0) -> list[torch.Tensor
     if not isinstance(ys, list):
         if is_functional():
             return [_kept(x + _num(ys, x), x) for x in xs]
-        torch._foreach_add_(xs, ys)
+        # alpha= selects the Tensor overload for a 0-dim tensor: without it Python's argument parser takes
+        # the Scalar one (declared first, one argument fewer) and reads the tensor with .item(), a host sync
+        # (tests/test_no_host_sync.py).
+        if isinstance(ys, torch.Tensor):
+            torch._foreach_add_(xs, ys, alpha=1)
+        else:
+            torch._foreach_add_(xs, ys)
         return xs
     if isinstance(alpha, torch.Tensor):  # alpha= takes a number only: fold a tensor into ys
         ys, alpha = scale_(list(ys), alpha) if is_functional() else torch._foreach_mul(ys, alpha), 1.0

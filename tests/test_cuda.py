@@ -210,22 +210,41 @@ def _clip_lion():  # no fused torch kernel computes it: compile=True compiles it
     return fx.chain(fx.clip_by_global_norm(0.5), fx.lion(LION_LR, weight_decay=0.1))
 
 
-@pytest.mark.parametrize("make", [_fp16_accumulated, _clip_lion], ids=["accumulate-fp16-clip-injected-adamw", "clip-lion"])
-def test_compiled_step_equals_eager_on_cuda(make):
+def test_compiled_step_equals_eager_on_cuda_fp16_accumulated():
     batches = _batches(10)
-    eager = _fx_run(make(), batches)[:2]
+    eager = _fx_run(_fp16_accumulated(), batches)[:2]
     torch._dynamo.reset()
-    compiled = _fx_run(make(), batches, compile=True)[:2]
-    # Inductor's GPU code fuses the foreach passes and may reassociate float32 arithmetic: a few roundings
-    # per step, 10 steps. Lion steps by lr * sign(c): a rounding of a near-zero c flips an element's step, 2 lr
-    # (seen on an H200: one element of a 32-vector over 10 steps), so its params allow two elements a leaf to
-    # differ by two such flips; its state and every other stack the roundings alone.
-    if make is _clip_lion:
-        for x, y in zip(fx.tree.leaves(compiled[0]), fx.tree.leaves(eager[0])):
+    compiled = _fx_run(_fp16_accumulated(), batches, compile=True)[:2]
+    # Inductor computes an fp16 chain of ops in float32 and rounds once at the store; eager rounds after every
+    # op: gradients one fp16 rounding apart (2**-10 relative, seen: 3e-3 relative on a near-zero element of an
+    # H200's run). Adam normalizes, so a step moves a param by at most lr * that: 10 steps of lr <= 1e-2 stay
+    # within 1e-4; the moments within two fp16 roundings of their size.
+    assert_trees_close(compiled[0], eager[0], rtol=0, atol=1e-4)
+    assert_trees_close(compiled[1], eager[1], rtol=2 ** -9, atol=1e-6)
+
+
+def test_compiled_step_equals_eager_on_cuda_clip_lion():
+    # In lockstep: every step starts both from the compiled run's params and state, so a flipped sign does
+    # not move the later gradients (10 steps apart, one flip became 20 elements on an H200).
+    torch._dynamo.reset()
+    compiled = fx.train_step(_loss, _clip_lion(), donate=False, compile=True)
+    eager = fx.train_step(_loss, _clip_lion(), donate=False)
+    params = _params()
+    state = _clip_lion().init(params)
+    flips = 0
+    for batch in _batches(10):
+        p_c, s_c, _ = compiled(params, state, batch)
+        p_e, s_e, _ = eager(params, state, batch)
+        # Lion's momentum is a float32 EMA of the clipped gradient: a few roundings apart.
+        assert_trees_close(s_c, s_e, rtol=1e-5, atol=1e-7)
+        # Its step is lr * sign(c): a rounding of a near-zero c flips one element's step by 2 lr, nothing else.
+        for x, y in zip(fx.tree.leaves(p_c), fx.tree.leaves(p_e)):
             diff = (x - y).abs()
-            assert int((diff > 1e-5).sum()) <= 2 and float(diff.max()) <= 2 * 2 * LION_LR * 1.01
-        compiled, eager = compiled[1], eager[1]
-    assert_trees_close(compiled, eager, rtol=1e-5, atol=1e-6)
+            moved = diff > 1e-6
+            flips += int(moved.sum())
+            assert float(diff.max()) <= 2 * LION_LR * 1.01
+        params, state = p_c, s_c
+    assert flips <= 4, flips  # of 10 steps x every element
 
 
 def test_compiled_step_on_cuda_has_no_graph_breaks_and_no_recompiles_after_warmup():

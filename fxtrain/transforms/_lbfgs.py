@@ -113,8 +113,9 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
         du_mem, du = _push(du_mem, du, prev, newest, keep)
         old = state.weights_memory
         weights = old.index_put((prev.reshape(1),), weight.to(old.dtype).reshape(1))
-        weights = weights.index_put((newest.reshape(1),), torch.where(keep, old[prev], old[newest]).reshape(1))
-        weights = weights.index_put((prev.reshape(1),), torch.where(keep, old[newest], weight.to(old.dtype)).reshape(1))
+        at_prev, at_newest = _read_row(old, prev), _read_row(old, newest)  # not old[prev]: .item(), a host sync
+        weights = weights.index_put((newest.reshape(1),), torch.where(keep, at_prev, at_newest).reshape(1))
+        weights = weights.index_put((prev.reshape(1),), torch.where(keep, at_newest, weight.to(old.dtype)).reshape(1))
         # 2. The scale of the initial inverse Hessian, from the newest pair.
         gamma = torch.ones((), dtype=weights.dtype, device=weights.device)
         if scale_init_precond:
@@ -164,12 +165,12 @@ def _two_loop(u, dw_mem, du_mem, rho, gamma, idx, m) -> list[torch.Tensor]:
         q = list(u)
         for j in reversed(range(m)):
             dw = [_read_row(x, order[j]) for x in dw_mem]
-            alphas[j] = rho[order[j]] * vdot(dw, q)
+            alphas[j] = _read_row(rho, order[j]) * vdot(dw, q)
             q = tree.add_(q, [_read_row(x, order[j]) for x in du_mem], -alphas[j])
         q = tree.scale_(q, gamma)
         for j in range(m):
             du = [_read_row(x, order[j]) for x in du_mem]
-            beta = rho[order[j]] * vdot(du, q)
+            beta = _read_row(rho, order[j]) * vdot(du, q)
             q = tree.add_(q, [_read_row(x, order[j]) for x in dw_mem], alphas[j] - beta)
     return q
 
