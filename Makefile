@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PIP     := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: train test studies matrix bench bench-suite gpu-check setup clean
+.PHONY: train test test-all studies matrix bench bench-suite gpu-check setup clean
 
 # Reinstall when the project metadata or pins change; otherwise reuse the venv.
 $(STAMP): pyproject.toml constraints.txt
@@ -24,8 +24,15 @@ train: $(STAMP)
 # runs everything in one process (a debugger, -x on the first failure in file order).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
 
+# `make test` is the fast suite (under 10 minutes on 2 cores): every behaviour, with the widest products cut to a
+# cover. `make test-all` adds the tests marked slow (each beyond a cheaper test of the same behaviour).
+PYTEST := $(BIN)/python -m pytest fxtrain tests -n $(TEST_WORKERS) --dist loadfile --durations=15
+
 test: $(STAMP)
-	$(BIN)/python -m pytest fxtrain tests -n $(TEST_WORKERS) --dist loadfile --durations=15 $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
+
+test-all: $(STAMP)
+	$(PYTEST) $(ARGS)
 
 # The committed studies (lr_sweep, jax_parity) rerun into a fresh directory and compared with their results.md
 # (experiments/studies.py: tolerance, how to renew them). About 2 minutes on 2 cores.

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import gzip
+import importlib.util
 import itertools
 import pathlib
 import sysconfig
@@ -574,17 +576,29 @@ def digits(batch_size: int = 64, test_fraction: float = 0.25, split_seed: int = 
       seed: seed of the batch order.
       input_shape, num_classes: facts of the dataset (checked), for model configs to interpolate.
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise ImportError("data=digits needs scikit-learn: pip install 'fxtrain[data]'") from None
     _check("digits", "input_shape", input_shape, [1, 8, 8])
     _check("digits", "num_classes", num_classes, 10)
-    raw = load_digits()
-    x = torch.tensor(raw.data, dtype=torch.float32).div_(16.0).view(-1, 1, 8, 8)
-    y = torch.tensor(raw.target, dtype=torch.long)
+    pixels, labels = _digits_arrays()
+    x = torch.tensor(pixels, dtype=torch.float32).div_(16.0).view(-1, 1, 8, 8)
+    y = torch.tensor(labels, dtype=torch.long)
     tr, va, te = _split(len(x), test_fraction, split_seed, "digits", val_fraction)
     return Dataset("digits", ShuffledBatches(x[tr], y[tr], batch_size, seed), (x[te], y[te]), _rows(x, y, va))
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """``load_digits(return_X_y=True)``: the ``digits.csv.gz`` scikit-learn ships, read as it reads it
+    (``np.loadtxt``, the last column the label) without importing scikit-learn, whose import (``sklearn.utils``
+    pulls in scipy.stats) took 1.5-2.5 s of every digits run's start-up before its first line."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("data=digits needs scikit-learn: pip install 'fxtrain[data]'")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():  # a scikit-learn that keeps it elsewhere: ask it
+        from sklearn.datasets import load_digits
+        return load_digits(return_X_y=True)
+    with gzip.open(path, mode="rt", encoding="utf-8") as f:
+        data = np.loadtxt(f, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(int)
 
 
 def synthetic(batch_size: int = 32, num_examples: int = 512, input_shape: Sequence[int] = (1, 8, 8),

@@ -139,7 +139,7 @@ def tests(script: str, cases: dict, timeout_s: float) -> Callable:
         for world in sizes:
             _FILES.setdefault(world, {})[script] = (cases, timeout_s)
 
-    @pytest.mark.slow
+    @pytest.mark.multiprocess
     @pytest.mark.parametrize("world,name", [(w, n) for n, (_, ws) in cases.items() for w in ws])
     def test_case(tmp_path_factory, world, name):
         shared = shared_results(world, tmp_path_factory)

@@ -372,13 +372,13 @@ def world2(tmp_path_factory):
     return root, _worlds.results(__file__, 2, root, TIMEOUT_S)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CASES))
 def test_dtensor_case(world2, name):
     _worlds.check(world2[1], 2, name)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_rank_dtensor_checkpoint_loads_on_one_rank(world2):
     root, results = world2
     assert all(r.get("resume_on_two_ranks_is_bit_exact") == "ok" for r in results)

@@ -42,6 +42,22 @@ def test_windows_are_next_token_pairs_and_seeded():
     assert not torch.equal(b[5][0], b[6][0])
 
 
+def test_digits_reads_scikit_learns_file_as_load_digits_does_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from fxtrain.data import _digits_arrays
+    pixels, labels = _digits_arrays()
+    want_pixels, want_labels = load_digits(return_X_y=True)
+    assert np.array_equal(pixels, want_pixels) and np.array_equal(labels, want_labels)
+    assert pixels.dtype == want_pixels.dtype and labels.dtype == want_labels.dtype
+    code = "import sys; from fxtrain.data import digits; digits(); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
 def test_digits():
     data = digits(batch_size=32, test_fraction=0.25, seed=0)
     x, y = data.train[0]

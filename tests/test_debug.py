@@ -195,7 +195,7 @@ def test_fast_runs_a_shortened_experiment_and_says_so(tmp_path, caplog):
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_fast_runs_every_shipped_experiment(tmp_path):
     """`-m 'experiment=glob(*)' debug=fast`, as the issue ran it (measured: 11 jobs, 12.5 s of CPU)."""
     assert run_main("-m", "experiment=glob(*)", "debug=fast", f"hydra.sweep.dir={tmp_path}") == 0

@@ -101,7 +101,7 @@ def test_tiny_lm_config():
     assert cfg.optimized_metric == "val_loss" and cfg.model._target_ == "fxtrain.models.TransformerLM"
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_tiny_lm_one_rank_and_two_ranks(tmp_path):
     # Both README commands (1 process; torchrun with 2 ranks), 8 batches on a small corpus, then the report.
     run = study("tiny_lm/run.py")
@@ -125,7 +125,7 @@ def test_clip_parallel_truth_is_the_one_process_norm_and_the_clip_is_active():
     assert min(ref["true_norm"]) > ranks.CLIP  # every step clipped: a wrong norm would change the update
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_clip_parallel_scale_study_pipeline_layout(tmp_path):
     # The README's command cut to one layout (2 torchrun ranks) and 3 steps, then its table and figure.
     scale = study("clip_parallel/scale.py")

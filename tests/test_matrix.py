@@ -578,7 +578,7 @@ def _base(tmp_path_factory) -> pathlib.Path:
 
 def _param(cell: dict):
     reason = known(cell)
-    marks = [pytest.mark.slow] + ([pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
+    marks = [pytest.mark.multiprocess] + ([pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
     return pytest.param(cell, id=cell_id(cell), marks=marks)
 
 

@@ -148,7 +148,7 @@ def one_launcher(tmp_path_factory):
     return run
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_nodes_equal_one_launcher(tmp_path, one_launcher, layout):
     overrides, nproc = LAYOUTS[layout]
@@ -162,7 +162,7 @@ def test_two_nodes_equal_one_launcher(tmp_path, one_launcher, layout):
     assert_same_run(run, one_launcher(layout), [*overrides, *TINY])
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_killed_rank_restarts_the_group_and_resumes(tmp_path, one_launcher):
     overrides, _ = LAYOUTS["dp"]
     env, argv = readme_command("--max-restarts=1")

@@ -56,7 +56,7 @@ def _run(project: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_own_model_data_and_task_train_through_config_dir_with_three_loggers(project):
     run = _run(project, "--config-dir", "conf", "model=mine", "data=mine", "task=regression",
                "logger=[jsonl,tensorboard,csv]", "trainer.max_steps=60", "trainer.log_every=2",
@@ -82,7 +82,7 @@ def test_own_model_data_and_task_train_through_config_dir_with_three_loggers(pro
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, rel=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_sweep_over_own_and_builtin_options_through_hydra_searchpath(project):
     # hydra.searchpath instead of --config-dir, the user's task, and a sweep over their model and fxtrain's mlp,
     # with fxtrain's vmap launcher (found by Hydra's plugin scan from outside the checkout): each model's two

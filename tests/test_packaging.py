@@ -28,7 +28,7 @@ def wheel(tmp_path_factory) -> pathlib.Path:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_wheel_ships_the_configs_and_the_launcher(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     configs = {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
@@ -39,7 +39,7 @@ def test_the_wheel_ships_the_configs_and_the_launcher(wheel):
     assert "Requires-Dist: scikit-learn" in requires  # the default experiment's data needs it at run time
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_installed_wheel_trains_from_an_unrelated_directory(wheel, tmp_path):
     target, elsewhere = tmp_path / "site", tmp_path / "elsewhere"
     elsewhere.mkdir()

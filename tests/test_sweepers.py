@@ -41,7 +41,7 @@ def summaries(sweep):
 
 # --- optuna ---------------------------------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_digits_optuna_search_runs_and_reports_its_best_trial(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # fxtrain as installed, not from the checkout
     proc = subprocess.run(
@@ -65,7 +65,7 @@ def test_digits_optuna_search_runs_and_reports_its_best_trial(tmp_path):
 
 # --- Hydra's submitit launcher --------------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_submitit_local_launches_a_multirun():
     code = run_main("-m", "seed=0,1", "hydra/launcher=submitit_local", *FAST, "trainer.max_steps=10", *LOCAL,
                     "hydra.sweep.dir=sweep")
@@ -83,7 +83,7 @@ def records(job):
     return [{k: v for k, v in r.items() if k != "time_s"} for r in read_jsonl(pathlib.Path(job) / "metrics.jsonl")]
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_vmap_submitit_local_runs_each_group_as_one_submitit_job(monkeypatch, capsys):
     # Jobs 0-3 (lr x seed) are one vmapped group; jobs 4-7 use a model with dropout, which vmap refuses: that group
     # runs job by job inside its own submitit job. The first group must give what hydra/launcher=vmap gives.

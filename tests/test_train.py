@@ -349,7 +349,7 @@ def test_multirun_failing_job_is_reported_and_the_others_finish(capsys):
 
 # --- torchrun -------------------------------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_torchrun_two_ranks_data_parallel(tmp_path):
     args = ["experiment=smoke", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=6"]
     stdout, run = torchrun_train(tmp_path, "parallel=dp", *args)    # one summary.json: one run directory
@@ -367,7 +367,7 @@ def test_torchrun_two_ranks_data_parallel(tmp_path):
         assert dp[k] == pytest.approx(ref[k], rel=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_torchrun_data_parallel_on_a_users_data_and_task(tmp_path):
     # Any data source (here scikit-learn's make_regression: numpy (X, y)) is split and batched by the runner and
     # each rank takes its half of every global batch: the same numbers as one process, for task=regression.
@@ -391,7 +391,7 @@ def state_bytes_line(stdout):
     return int(line.split()[1].replace(",", ""))
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_torchrun_sharded_optimizer_state_matches_plain_dp_with_half_the_state(tmp_path):
     args = ["experiment=smoke", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=6", "parallel=dp"]
     plain_out, plain = torchrun_train(tmp_path / "plain", *args)

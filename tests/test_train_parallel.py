@@ -50,7 +50,7 @@ def close(got: dict, ref: dict, rel: float, keys=("loss", "test_loss")) -> None:
         assert got[k] == pytest.approx(ref[k], rel=rel), (k, got[k], ref[k])
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("preset,layout", [
     ("fsdp", "dp_shard=2"),
     ("tp", "tp=2"),
@@ -64,14 +64,14 @@ def test_preset_matches_one_process(tmp_path, single, preset, layout):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best", "step_0000004", "step_0000008"]
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_expert_parallel_trains_the_moe_model(tmp_path):
     stdout, run = torchrun_train(tmp_path, "parallel=ep", "model=moe", *EXACT)
     first, last = (r["loss"] for r in (read_jsonl(run / "metrics.jsonl")[0], summary(run)))
     assert "model  TransformerLM" in stdout and last < first
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_amp_and_accumulate_compose_with_fsdp(tmp_path, single):
     # tiny_lm's own stack: bf16 amp_cast and accumulate(every=4). FSDP casts through its MixedPrecisionPolicy
     # and amp_cast keeps the loss scaling (the other strategies cast in amp_cast, as one process does).
@@ -80,7 +80,7 @@ def test_amp_and_accumulate_compose_with_fsdp(tmp_path, single):
     close(summary(run), single["default"], rel=2e-2)  # bf16 forward passes: rounding, not an error
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_resume_on_the_same_layout_is_bit_exact(tmp_path):
     # A run killed after step 4's checkpoint: resume=auto goes on from there and ends where the uninterrupted
     # run ended, bit for bit (FSDP's sharded params and optimizer state through torch.distributed.checkpoint).

@@ -297,7 +297,7 @@ def case_relayout_every_pair(world):
     _train(root / "transformer" / "pp_bf16", *_args("parallel=pp", "amp=bf16"))
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_relayout_into_one_process(tmp_path_factory, tmp_path):
     """Every layout's checkpoint of case_relayout_every_pair continued in one process (resume_relayout=true),
     from a window's end and from inside one, like the uninterrupted run; pp under bf16 from inside a window

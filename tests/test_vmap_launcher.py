@@ -189,7 +189,7 @@ COMPILED = ["seed=0,1", "optim.chain.adamw.learning_rate=1e-2,3e-2", "hydra.laun
             "trainer.log_every=7"]
 
 
-@pytest.mark.slow  # inductor compiles two graphs: about a minute on two cores
+@pytest.mark.multiprocess  # inductor compiles two graphs: about a minute on two cores
 def test_the_compiled_group_step_matches_eager_and_compiles_once(capsys):
     eager = sweep_of("vmap", *COMPILED)
     torch._dynamo.reset()
