@@ -25,14 +25,15 @@ train: $(STAMP)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
 
 # `make test` is the fast suite (under 10 minutes on 2 cores): every behaviour, with the widest products cut to a
-# cover. `make test-all` adds the tests marked slow (each beyond a cheaper test of the same behaviour).
+# cover. `make test-all` adds the tests marked slow (each beyond a cheaper test of the same behaviour) and runs
+# tests/test_matrix.py's all-pairs cover instead of its every-value one.
 PYTEST := $(BIN)/python -m pytest fxtrain tests -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test: $(STAMP)
 	$(PYTEST) -m "not slow" $(ARGS)
 
 test-all: $(STAMP)
-	$(PYTEST) $(ARGS)
+	FXTRAIN_MATRIX=pairwise $(PYTEST) $(ARGS)
 
 # The committed studies (lr_sweep, jax_parity) rerun into a fresh directory and compared with their results.md
 # (experiments/studies.py: tolerance, how to renew them). About 2 minutes on 2 cores.

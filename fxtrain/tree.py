@@ -326,6 +326,19 @@ def _num(s: Any, x: torch.Tensor) -> Any:
     return torch.tensor(s, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
 
 
+def _additive_pieces(xs: list) -> list | None:
+    """The tensors to add one 0-dim tensor to without reading it on the host: ``xs`` themselves when plain, their
+    local pieces when every DTensor among them is Shard or Replicate (a number added to each piece is the number
+    added to the whole; DTensor's own dispatch of the Tensor overload refuses a scalar on another mesh); ``None``
+    when a piece is ``Partial`` (the number belongs to one piece of the sum: DTensor's Scalar overload places it,
+    reading it on the host)."""
+    if not any(isinstance(x, DTensor) for x in xs):
+        return xs
+    if any(p.is_partial() for x in xs if isinstance(x, DTensor) for p in x.placements):
+        return None
+    return [local(x) for x in xs]
+
+
 def _linear_pieces(xs: list, s: Any) -> tuple[list, Any]:
     """``(xs, s)`` to run an in-place product on: for DTensor ``xs`` and one scalar or one 0-dim scalar per leaf
     (a per-leaf norm), their local pieces and the scalars' full values (linear: right for every placement,
@@ -407,8 +420,9 @@ def add_(xs: list[torch.Tensor], ys: Any, alpha: Any = 1.0) -> list[torch.Tensor
         # alpha= selects the Tensor overload for a 0-dim tensor: without it Python's argument parser takes
         # the Scalar one (declared first, one argument fewer) and reads the tensor with .item(), a host sync
         # (tests/test_no_host_sync.py).
-        if isinstance(ys, torch.Tensor):
-            torch._foreach_add_(xs, ys, alpha=1)
+        pieces = _additive_pieces(xs) if isinstance(ys, torch.Tensor) else None
+        if pieces is not None:
+            torch._foreach_add_(pieces, full(ys), alpha=1)
         else:
             torch._foreach_add_(xs, ys)
         return xs

@@ -102,6 +102,7 @@ def test_tiny_lm_config():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # fast suite: the tiny LM under every layout preset in tests/test_matrix.py's each-value cover
 def test_tiny_lm_one_rank_and_two_ranks(tmp_path):
     # Both README commands (1 process; torchrun with 2 ranks), 8 batches on a small corpus, then the report.
     run = study("tiny_lm/run.py")

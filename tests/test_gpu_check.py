@@ -94,6 +94,7 @@ def test_the_cpu_fallback_runs_the_cuda_tests_which_all_skip():
     assert outcome["failures"] == []
 
 
+@pytest.mark.slow  # the vmapped group vs the basic launcher: tests/test_vmap_launcher.py in the fast suite
 def test_the_cpu_fallback_times_both_launchers_of_the_sweep():
     check = check_module()
     sweep = check.sweep_rows("cpu", check.sizes(cpu_fallback=True))

@@ -149,7 +149,8 @@ def one_launcher(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", LAYOUTS)
+# dp in the fast suite; hsdp (a node per replica, 4 ranks) in make test-all: the same launcher path, twice the ranks
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=[pytest.mark.slow] if n != "dp" else []) for n in LAYOUTS])
 def test_two_nodes_equal_one_launcher(tmp_path, one_launcher, layout):
     overrides, nproc = LAYOUTS[layout]
     env, argv = readme_command("--nnodes=2")

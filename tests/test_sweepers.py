@@ -84,6 +84,7 @@ def records(job):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # fast suite: submitit_local's multirun (below) and the vmap launcher (test_vmap_launcher.py)
 def test_vmap_submitit_local_runs_each_group_as_one_submitit_job(monkeypatch, capsys):
     # Jobs 0-3 (lr x seed) are one vmapped group; jobs 4-7 use a model with dropout, which vmap refuses: that group
     # runs job by job inside its own submitit job. The first group must give what hydra/launcher=vmap gives.

@@ -81,6 +81,7 @@ def test_amp_and_accumulate_compose_with_fsdp(tmp_path, single):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # fast suite: tests/test_matrix.py's killed cells (resume=auto bit-exact on their layout)
 def test_resume_on_the_same_layout_is_bit_exact(tmp_path):
     # A run killed after step 4's checkpoint: resume=auto goes on from there and ends where the uninterrupted
     # run ended, bit for bit (FSDP's sharded params and optimizer state through torch.distributed.checkpoint).

@@ -3,7 +3,7 @@ cell, judged as the test judges it, into experiments/matrix/results.md.
 
     .venv/bin/python experiments/matrix/run.py --write                         # the whole product (`make matrix`)
     .venv/bin/python experiments/matrix/run.py --only 'parallel=pp,pp_tp;amp=bf16'   # a slice, printed
-    .venv/bin/python experiments/matrix/run.py --pairwise                      # the fast suite's covering subset
+    .venv/bin/python experiments/matrix/run.py --pairwise                      # make test-all's all-pairs cover
 
 The axes are the registries' (tests/test_matrix.py's module doc). Each world size runs its groups in one gloo
 world (tests/_worlds.py, the ranks import tests/test_matrix.py with FXTRAIN_MATRIX=full); the one-process
@@ -32,7 +32,7 @@ RESULTS = ROOT / "experiments" / "matrix" / "results.md"
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="cells whose values match, e.g. 'parallel=dp,fsdp;amp=bf16'")
-    ap.add_argument("--pairwise", action="store_true", help="the fast suite's covering subset, not the product")
+    ap.add_argument("--pairwise", action="store_true", help="make test-all's all-pairs cover, not the product")
     ap.add_argument("--out", default=None, help="where the runs go (default: a fresh temporary directory); the "
                     "groups a call with the same --out ran already are not run again")
     ap.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
