@@ -90,6 +90,37 @@ def test_killed_run_resumed_with_auto_ends_like_the_uninterrupted_run(tmp_path):
     assert f"start  from {run / 'checkpoints' / 'step_0000010'} (step 10)" in (run / "train.log").read_text()
 
 
+def test_a_kill_between_an_improvement_and_the_next_checkpoint_loses_it_on_disk_and_the_resume_finds_it_again(tmp_path):
+    """checkpoints/best is written with the next regular checkpoint, not at the improvement (issue 36, item 5;
+    fxtrain/selection.py says what a kill loses): killed at step 13, the run's best of steps 11-13 is not on
+    disk, which holds the best of steps 1-10 (that of step 10's checkpoint); the resume from step 10 redoes
+    11-13, finds the same improvements and ends with the uninterrupted run's checkpoints/best."""
+    every_eval = [*RUN, "trainer.eval_every=1", "trainer.checkpoint.best_by=val_loss"]
+    cfg = cfg_of(*every_eval)
+    runner.train(cfg, tmp_path / "whole")
+    lines = records(tmp_path / "whole")
+    best_up_to = {n: min((r for r in lines if r["step"] <= n), key=lambda r: (r["val_loss"], r["step"]))
+                  for n in (10, 13)}
+    assert best_up_to[13]["step"] > 10                                    # a premise: an improvement after step 10
+
+    args = [*every_eval, "hydra.run.dir=run", "resume=auto"]
+    proc = subprocess.run([sys.executable, "-c", KILLED_AT_13, *args], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    run = tmp_path / "run"
+    assert step_checkpoints(run) == ["step_0000005", "step_0000010"]
+    on_disk = best_record(run)                                            # what the kill lost: steps 11-13's best
+    assert (on_disk["step"], on_disk["value"]) == (best_up_to[10]["step"], best_up_to[10]["val_loss"])
+
+    runner.main(args)                                                     # resumed from step 10
+
+    assert best_record(run) == best_record(tmp_path / "whole")
+    assert_same_final_state(load_checkpoint(run / "checkpoints" / "best", cfg),
+                            load_checkpoint(tmp_path / "whole" / "checkpoints" / "best", cfg))
+    summary, whole = (json.loads((d / "summary.json").read_text()) for d in (run, tmp_path / "whole"))
+    assert summary["best_step"] == whole["best_step"] and summary["metrics"] == whole["metrics"]
+
+
 def test_resume_auto_on_a_finished_run_changes_nothing(tmp_path):
     cfg = cfg_of(*RUN, "trainer.max_steps=6", "resume=auto")
     value = runner.train(cfg, tmp_path)
