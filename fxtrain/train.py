@@ -668,14 +668,16 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
                         alive.remove(j)
                         if members[j].error is None:  # its state now: a group's stacked params go on for the others
                             members[j].last, members[j].final = steps.state(i, j), _final(members[j], start, ends[j])
-                losses = [members[j].train_metrics["loss"] for j in alive if "loss" in members[j].train_metrics]
                 said = [m.train_metrics["loss"] for m in members if m.error is None and "loss" in m.train_metrics]
                 beat(i, min(said) if said else None)  # a group: its lowest
-                if len(members) == 1:
+                if quiet:  # no bar to show it on (formatting it anyway cost ~1% of a small CNN's step)
+                    pass
+                elif len(members) == 1:
                     bar.set_postfix({k: f"{members[0].record[k]:.4g}" for k in ("loss", "learning_rate",
                                                                                "val_accuracy")
                                      if k in members[0].record})
                 elif alive and (i % lead.cadence.log_every == 0 or i == max_steps):
+                    losses = [members[j].train_metrics["loss"] for j in alive if "loss" in members[j].train_metrics]
                     bar.set_postfix({"loss": f"{min(losses, default=math.inf):.4g}", "jobs": len(alive)})
             profiler.after(i, last=True)  # a run that stopped early
     except BaseException:
