@@ -24,9 +24,14 @@ and ``metrics.jsonl``). Epochs 2 .. N-1 count: the first warms up, the last one'
 runner's final checkpoint and test pass). Wall clock and this process's CPU time (one thread: waiting for a core
 that others hold is not counted). Rounds interleave the three (one whole run of each per round, the order rotating),
 and each round gives each variant's median epoch; the ratios are per round (same minutes), then their median.
+Besides the epochs, ``in the step`` sums the time inside the training step's calls (the rest of an epoch is
+``beyond`` it: batches, log lines, evaluation, the runner's loop and files).
 
 Usage:
-    python experiments/bench/mnist_port.py [--rounds 5] [--epochs 14] [--no-write] [--profile]
+    python experiments/bench/mnist_port.py [--rounds 7] [--epochs 14] [--step-rounds 300] [--no-write] [--profile]
+
+Then a table of the training step alone, one layer added per row from the torch loop's step to the runner's, in
+interleaved rounds of single calls (CPU time): what the epochs' ``CPU in the step`` is made of.
 """
 
 from __future__ import annotations
@@ -224,6 +229,64 @@ def variants(data, epochs: int, seed: int, where: Path) -> dict[str, Callable[[]
             BEFORE: lambda: runner_run(epochs, seed, where, save_at_improvement=True)}
 
 
+def step_variants(data, epochs: int, seed: int) -> dict[str, Callable[[], None]]:
+    """One training step each, from the torch loop's to the runner's, each adding one layer: what the epochs'
+    ``CPU in the step`` is made of."""
+    cfg = compose(epochs, seed)
+    runner.settle_max_steps(cfg)
+    built = runner.build_run(cfg, torch.device("cpu"), data=data)
+    batches = [data.train[k] for k in range(len(data.train) * 4)]
+    at = [0]
+
+    def batch():
+        at[0] = (at[0] + 1) % len(batches)
+        return batches[at[0]]
+
+    torch.manual_seed(seed)
+    model = ConvNet(tuple(batches[0][0].shape[1:]))
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+
+    def torch_step():
+        x, y = batch()
+        optimizer.zero_grad()
+        F.nll_loss(model(x), y).backward()
+        optimizer.step()
+
+    def library(tx):
+        torch.manual_seed(seed)
+        apply, params, buffers = fx.functional(ConvNet(tuple(batches[0][0].shape[1:])))
+
+        def loss_fn(params, b):
+            return F.nll_loss(apply(params, buffers, b[0], train=True)[0], b[1])
+
+        state, step = [params, tx.init(params)], fx.train_step(loss_fn, tx)
+
+        def call():
+            state[0], state[1], _ = step(state[0], state[1], batch())
+        return call
+
+    trees = [built.params, built.opt_state, built.buffers]
+
+    def runner_step():
+        trees[0], trees[1], trees[2], _ = built.step(*trees, batch())
+
+    schedule = fx.exponential_decay(1.0, len(data.train), 0.7, staircase=True)
+    return {"torch loop: zero_grad, forward, backward, Adadelta.step": torch_step,
+            "fx.train_step, fx.adadelta(1.0)": library(fx.adadelta(1.0)),
+            "fx.train_step, fx.adadelta(schedule) (the library loop's)": library(fx.adadelta(schedule)),
+            "fx.train_step, the runner's stack (inject_hyperparams(adadelta), schedule)": library(built.tx),
+            "the runner's built step (+ the task's loss and accuracy, buffers, its wrapper)": runner_step}
+
+
+def step_table(data, epochs: int, seed: int, rounds: int) -> str:
+    """The step variants, ``rounds`` interleaved rounds, CPU time: median ms and x the torch loop's step."""
+    times = _common.interleaved(step_variants(data, epochs, seed), rounds=rounds, clock=time.process_time)
+    stats = {name: _common.summary(t) for name, t in times.items()}
+    ref = next(iter(stats.values()))["median"]
+    rows = [[name, s["median"], f"{s['q1']:.2f}-{s['q3']:.2f}", s["median"] / ref] for name, s in stats.items()]
+    return _common.table(["one training step (CPU time)", "median ms", "IQR ms", "x torch loop"], rows)
+
+
 def profile_runner(epochs: int, seed: int, where: Path) -> str:
     """cProfile of one runner run (after a warm-up run): the 25 functions with most cumulative time."""
     runner_run(epochs, seed, where)
@@ -238,9 +301,10 @@ def profile_runner(epochs: int, seed: int, where: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each runs every variant once)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each runs every variant once)")
     ap.add_argument("--epochs", type=int, default=14, help="epochs per run (the example's 14)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-rounds", type=int, default=300, help="interleaved rounds of the steps-alone table")
     ap.add_argument("--profile", action="store_true", help="cProfile one runner run instead of timing")
     ap.add_argument("--no-write", action="store_true", help="print only; leave results/mnist_port.md alone")
     args = ap.parse_args()
@@ -270,15 +334,16 @@ def main() -> None:
                 walls[name] += columns[0]
                 per_round[name].append([statistics.median(c) for c in columns])
         elapsed = time.perf_counter() - t0
+        steps = step_table(data, args.epochs, args.seed, args.step_rounds)
     finally:
         shutil.rmtree(where, ignore_errors=True)
-    text = report(args, data, per_round, walls, load0, elapsed)
+    text = report(args, data, per_round, walls, load0, elapsed, steps)
     print(text)
     if not args.no_write:
         print(f"written: {_common.write_result('mnist_port', text)}")
 
 
-def report(args, data, per_round, walls, load0: str, elapsed: float) -> str:
+def report(args, data, per_round, walls, load0: str, elapsed: float, steps: str) -> str:
     ref = per_round["torch loop"]
     ratio = {n: [a[0] / b[0] for a, b in zip(rows, ref)] for n, rows in per_round.items()}
     cpu_ratio = {n: [a[1] / b[1] for a, b in zip(rows, ref)] for n, rows in per_round.items()}
@@ -305,8 +370,8 @@ def report(args, data, per_round, walls, load0: str, elapsed: float) -> str:
     per_epoch = len(data.train)
     return "\n\n".join([
         "# The runner's own cost: pytorch/examples' MNIST on digits, three ways (issue 36, item 5)",
-        f"Command: `python experiments/bench/mnist_port.py {' '.join(sys.argv[1:])}`".replace(" `", "`")
-        + f" ({elapsed:.0f} s of timed rounds); load average at the start: {load0}.",
+        f"Command: `{' '.join(['python experiments/bench/mnist_port.py', *sys.argv[1:]])}` ({elapsed:.0f} s of timed "
+        f"rounds); load average at the start: {load0}.",
         f"`fxtrain.models.ConvNet` (pytorch/examples' `Net`, 53,002 params on 1x8x8), Adadelta(lr=1.0), StepLR(gamma=0.7) "
         f"per epoch, batch 64 ({per_epoch} batches an epoch), validation after each epoch ({len(data.validation[0])} "
         f"digits, batches of 1000); {args.epochs} epochs a run, epochs 2..{args.epochs - 1} timed; "
@@ -317,7 +382,10 @@ def report(args, data, per_round, walls, load0: str, elapsed: float) -> str:
         _common.table(["variant", "wall ms", "wall IQR ms (all epochs)", "CPU ms", "CPU in the step", "CPU beyond",
                        "wall x torch loop", "CPU x torch loop", "wall ratio per round", "CPU ratio per round"], rows),
         "\n".join(verdicts),
-        "The ratios are the claim: each round runs the three one after another, so a busy spell of the shared machine "
+        f"The training step alone, from the torch loop's to the runner's, one layer added per row ({args.step_rounds} "
+        "interleaved rounds, CPU time of one call, same batches):",
+        steps,
+        "The ratios are the claim: each round runs the four one after another, so a busy spell of the shared machine "
         "(2 cores, 5 engineers) moves all three; the absolute milliseconds move with the load, the CPU times much "
         "less (one thread: time spent waiting for a core is not counted, an fsync's wait neither).",
         _common.environment(),
