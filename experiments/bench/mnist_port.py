@@ -310,7 +310,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.epochs < 4:
         ap.error(f"--epochs {args.epochs}: at least 4 (epochs 2 .. N-1 are timed)")
-    torch.set_num_threads(1)  # the runner's trainer.cpu_threads=1, for all three
+    torch.set_num_threads(1)  # the runner's trainer.cpu_threads=1, for all of them
     where = Path(tempfile.mkdtemp(prefix="mnist_port-"))
     try:
         if args.profile:
@@ -386,7 +386,7 @@ def report(args, data, per_round, walls, load0: str, elapsed: float, steps: str)
         "interleaved rounds, CPU time of one call, same batches):",
         steps,
         "The ratios are the claim: each round runs the four one after another, so a busy spell of the shared machine "
-        "(2 cores, 5 engineers) moves all three; the absolute milliseconds move with the load, the CPU times much "
+        "(2 cores, 5 engineers) moves all four; the absolute milliseconds move with the load, the CPU times much "
         "less (one thread: time spent waiting for a core is not counted, an fsync's wait neither).",
         _common.environment(),
     ])
