@@ -12,15 +12,17 @@ survives a restart; a best from after the resumed step is of a timeline that is 
 (:meth:`Best.keep`) and written by :meth:`Best.write`, which the runner calls just before each regular checkpoint
 (``step_<N>``, every ``trainer.checkpoint_every`` steps, the last step's, an early stop's) and when a run fails on
 a non-finite loss or metric. A synchronous save at every improvement cost about 17 ms each, 14% of a small CNN's
-training loop (issue 36), and bought nothing for a resume: ``resume=auto`` goes on from the last regular
+training loop (issue 36; experiments/bench/mnist_port.py), and bought nothing for a resume: ``resume=auto`` goes on from the last regular
 checkpoint and drops any best from after it. What a kill between an improvement and the next regular checkpoint
 loses: the improvements since that checkpoint are not on disk, so ``checkpoints/best`` of the killed run holds the
 best of the steps up to its last regular checkpoint (or is absent if that checkpoint had none). A resumed run
 loses nothing: it redoes those steps bit for bit, finds the same improvements, and ends with the
-``checkpoints/best`` (same bytes of state, same manifest) that the uninterrupted run writes. The file is never
-ahead of the step checkpoints: it is written before them, so a kill between the two leaves a best from after the
-last step checkpoint, which the resume drops as before. The price is memory: the pending best holds a copy of the
-whole train state (params, optimizer state, buffers) until it is written, as the synchronous save read it.
+``checkpoints/best`` (same bytes of state, same manifest) that the uninterrupted run writes. It is written before
+the step checkpoint, never after: a kill between the two leaves a best newer than the last complete step
+checkpoint, which the resume drops (as any best from after its start) and finds again; written after, a kill in
+between would leave the step checkpoint beside an older best, and the improvement would be lost for good. The price
+is memory: the pending best holds a copy of the whole train state (params, optimizer state, buffers) until it is
+written, as the synchronous save read it.
 
 The **test** split is evaluated once, when training ends, on the checkpoint ``trainer.test_ckpt`` names:
 ``best`` (default) or ``last`` (:func:`state_to_test`); ``test_loss``, ``test_<metric>`` go into ``summary.json``
@@ -119,6 +121,15 @@ class Best:
         Raises:
           fxtrain.CheckpointError: the save failed (a full disk); the previous ``checkpoints/best`` is intact and
             this best stays pending.
+
+        Example:
+            >>> import tempfile, torch
+            >>> best, out = Best("val_loss"), pathlib.Path(tempfile.mkdtemp())
+            >>> best.update({"val_loss": 0.5}, 3)
+            True
+            >>> best.keep(fx.TrainState(3, {"w": torch.ones(2)}, None), out, rank=0)
+            >>> (out / BEST).exists(), best.write(), (out / BEST).exists(), best.write()
+            (False, True, True, False)
         """
         if self.pending is None:
             return False
