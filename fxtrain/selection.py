@@ -10,15 +10,15 @@ survives a restart; a best from after the resumed step is of a timeline that is 
 
 **When ``checkpoints/best`` is written.** Not at each improvement: the improvement's state is copied in memory
 (:meth:`Best.keep`) and written by :meth:`Best.write`, which the runner calls just before each regular checkpoint
-(``step_<N>``, every ``trainer.checkpoint_every`` steps, the last step's, an early stop's) and when a run fails on
-a non-finite loss or metric. A synchronous save at every improvement cost about 17 ms each, 14% of a small CNN's
-training loop (issue 36; experiments/bench/mnist_port.py), and bought nothing for a resume: ``resume=auto`` goes on from the last regular
-checkpoint and drops any best from after it. What a kill between an improvement and the next regular checkpoint
-loses: the improvements since that checkpoint are not on disk, so ``checkpoints/best`` of the killed run holds the
-best of the steps up to its last regular checkpoint (or is absent if that checkpoint had none). A resumed run
-loses nothing: it redoes those steps bit for bit, finds the same improvements, and ends with the
-``checkpoints/best`` (same bytes of state, same manifest) that the uninterrupted run writes. It is written before
-the step checkpoint, never after: a kill between the two leaves a best newer than the last complete step
+(``step_<N>``, every ``trainer.checkpoint_every`` steps, the last step's, an early stop's) and when a run fails on a
+non-finite loss or metric. A synchronous save at every improvement cost about 17 ms each, 14% of a small CNN's
+training loop (issue 36; ``experiments/bench/mnist_port.py``), and bought nothing for a resume: ``resume=auto`` goes
+on from the last regular checkpoint and drops any best from after it. What a kill between an improvement and the
+next regular checkpoint loses: the improvements since that checkpoint are not on disk, so ``checkpoints/best`` of
+the killed run holds the best of the steps up to its last regular checkpoint (or is absent if that checkpoint had
+none). A resumed run loses nothing: it redoes those steps bit for bit, finds the same improvements, and ends with
+the ``checkpoints/best`` (the same state bytes, leaves and meta) that the uninterrupted run writes. It is written
+before the step checkpoint, never after: a kill between the two leaves a best newer than the last complete step
 checkpoint, which the resume drops (as any best from after its start) and finds again; written after, a kill in
 between would leave the step checkpoint beside an older best, and the improvement would be lost for good. The price
 is memory: the pending best holds a copy of the whole train state (params, optimizer state, buffers) until it is
