@@ -166,9 +166,9 @@ def test_unknown_override_key_fails_at_start(capsys):
 
 @pytest.mark.parametrize("arg, listed", [
     ("optim/transform@optim.chain=[clip_by_global_norm,adamz]",
-     "no transform 'adamz' in optim/transform (did you mean adam?); available: adagrad, adam, adamw, "
+     "no transform 'adamz' in optim/transform (did you mean adam?); available: adadelta, adagrad, adam, adamw, "
      "add_decayed_weights, clip, clip_by_global_norm, lion, rmsprop, sgd, trace (pkg://fxtrain.conf)"),
-    ("model=mlpp", "no option 'mlpp' in model (did you mean mlp?); available: mlp, moe, resnet, transformer "
+    ("model=mlpp", "no option 'mlpp' in model (did you mean mlp?); available: convnet, mlp, moe, resnet, transformer "
      "(pkg://fxtrain.conf)"),
 ])
 def test_unknown_group_option_lists_the_available_ones(arg, listed):
