@@ -772,7 +772,7 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
     >>> check_overrides(["-m", "model=mlp,resnett"])
     Traceback (most recent call last):
     ...
-    fxtrain.errors.ConfigError: model=mlp,resnett: no option 'resnett' in model (did you mean resnet?); available: mlp, moe, resnet, transformer (pkg://fxtrain.conf)
+    fxtrain.errors.ConfigError: model=mlp,resnett: no option 'resnett' in model (did you mean resnet?); available: convnet, mlp, moe, resnet, transformer (pkg://fxtrain.conf)
     """
     from hydra.core.object_type import ObjectType
 

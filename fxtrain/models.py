@@ -1,4 +1,5 @@
-"""Built-in models for experiments: an MLP, a small ResNet with BatchNorm, a causal transformer LM.
+"""Built-in models for experiments: an MLP, pytorch/examples' MNIST CNN, a small ResNet with BatchNorm, a causal
+transformer LM.
 
 Plain ``nn.Module`` classes, built by the Hydra ``model`` group (``_target_: fxtrain.models.MLP``) and
 turned into pure functions with :func:`fxtrain.functional`. Every model maps inputs to logits: ``(B,
@@ -7,8 +8,10 @@ Construction is seeded by the caller (``torch.manual_seed`` before building).
 
 Example:
     >>> import torch
-    >>> from fxtrain.models import MLP, ResNet, TransformerLM
+    >>> from fxtrain.models import MLP, ConvNet, ResNet, TransformerLM
     >>> MLP(input_shape=(1, 8, 8), hidden=(32,), num_classes=10)(torch.zeros(2, 1, 8, 8)).shape
+    torch.Size([2, 10])
+    >>> ConvNet(input_shape=(1, 8, 8), num_classes=10)(torch.zeros(2, 1, 8, 8)).shape
     torch.Size([2, 10])
     >>> ResNet(input_shape=(1, 8, 8), num_classes=10, width=8)(torch.zeros(2, 1, 8, 8)).shape
     torch.Size([2, 10])
@@ -31,7 +34,7 @@ from torch import nn
 
 from fxtrain import tree
 
-__all__ = ["MLP", "MoE", "ResNet", "TransformerLM", "count_params"]
+__all__ = ["ConvNet", "MLP", "MoE", "ResNet", "TransformerLM", "count_params"]
 
 _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
 
@@ -79,6 +82,47 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class ConvNet(nn.Module):
+    """pytorch/examples' MNIST ``Net`` (``mnist/main.py``), sized by ``input_shape``.
+
+    ``conv 3x3 (32) -> ReLU -> conv 3x3 (64) -> ReLU -> max-pool 2 -> dropout 0.25 -> Linear (width) -> ReLU ->
+    dropout 0.5 -> Linear (classes) -> log_softmax``. On 28x28 MNIST the first Linear reads 9216 features, as in
+    the example; on 8x8 digits 256 (64 channels of 2x2), 53,002 parameters. The outputs are log-probabilities,
+    which cross-entropy reads as logits with the same result (``log_softmax`` of log-probabilities is themselves),
+    so the ``classification`` task trains it as it trains the others.
+
+    Args:
+      input_shape: ``(channels, height, width)`` of one input; height and width at least 6.
+      num_classes: number of outputs.
+      width: outputs of the hidden Linear layer (128 in the example).
+
+    Example:
+        >>> import fxtrain as fx
+        >>> _, params, _ = fx.functional(ConvNet((1, 8, 8)))
+        >>> count_params(params), params["fc1.weight"].shape
+        (53002, torch.Size([128, 256]))
+    """
+
+    def __init__(self, input_shape: Sequence[int] = (1, 28, 28), num_classes: int = 10, width: int = 128):
+        super().__init__()
+        if len(input_shape) != 3 or min(input_shape[1:]) < 6:
+            raise ValueError(f"ConvNet: input_shape must be (channels, height, width) with height and width at "
+                             f"least 6 (two 3x3 convs and a 2x2 pool), got {list(input_shape)}")
+        channels, height, columns = input_shape
+        self.conv1 = nn.Conv2d(channels, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(64 * ((height - 4) // 2) * ((columns - 4) // 2), width)
+        self.fc2 = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = self.dropout1(F.max_pool2d(x, 2)).flatten(1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return F.log_softmax(self.fc2(x), dim=1)
 
 
 class _Block(nn.Module):

@@ -8,6 +8,22 @@ follows ``trainer.checkpoint.best_by`` (default: the optimized metric, in the di
 which ``trainer.keep_last`` never deletes and a resumed run reads back (:meth:`Best.resume`: the best so far
 survives a restart; a best from after the resumed step is of a timeline that is being redone, and is dropped).
 
+**When ``checkpoints/best`` is written.** Not at each improvement: the improvement's state is copied in memory
+(:meth:`Best.keep`) and written by :meth:`Best.write`, which the runner calls just before each regular checkpoint
+(``step_<N>``, every ``trainer.checkpoint_every`` steps, the last step's, an early stop's) and when a run fails on a
+non-finite loss or metric. A synchronous save at every improvement cost about 17 ms each, 14% of a small CNN's
+training loop (issue 36; ``experiments/bench/mnist_port.py``), and bought nothing for a resume: ``resume=auto`` goes
+on from the last regular checkpoint and drops any best from after it. What a kill between an improvement and the
+next regular checkpoint loses: the improvements since that checkpoint are not on disk, so ``checkpoints/best`` of
+the killed run holds the best of the steps up to its last regular checkpoint (or is absent if that checkpoint had
+none). A resumed run loses nothing: it redoes those steps bit for bit, finds the same improvements, and ends with
+the ``checkpoints/best`` (the same state bytes, leaves and meta) that the uninterrupted run writes. It is written
+before the step checkpoint, never after: a kill between the two leaves a best newer than the last complete step
+checkpoint, which the resume drops (as any best from after its start) and finds again; written after, a kill in
+between would leave the step checkpoint beside an older best, and the improvement would be lost for good. The price
+is memory: the pending best holds a copy of the whole train state (params, optimizer state, buffers) until it is
+written, as the synchronous save read it.
+
 The **test** split is evaluated once, when training ends, on the checkpoint ``trainer.test_ckpt`` names:
 ``best`` (default) or ``last`` (:func:`state_to_test`); ``test_loss``, ``test_<metric>`` go into ``summary.json``
 beside the best step's ``val_*`` metrics, ``best_step`` and ``tested``: which checkpoint was tested and why
@@ -72,6 +88,7 @@ class Best:
         self.value: float | None = None
         self.metrics: dict[str, float] = {}  # the best step's logged metrics
         self.state: fx.TrainState | None = None  # a copy of the best step's state
+        self.pending: tuple[pathlib.Path, dict[str, Any]] | None = None  # where write() puts self.state, its meta
         self.dropped: str | None = None  # why a resume did not take the best so far (checkpoints/best), if it did not
 
     def update(self, record: dict[str, float], step: int) -> bool:
@@ -86,12 +103,42 @@ class Best:
 
     def keep(self, state: fx.TrainState, ckpt_dir: pathlib.Path | None, rank: int,
              meta: dict[str, Any] | None = None) -> None:
-        """Keeps ``state`` (the new best step's) as a copy, and as ``ckpt_dir/best`` when there is a run directory."""
-        self.state = fx.TrainState(state.step, _copy(state.params), None, None, _copy(state.buffers))
-        if ckpt_dir is not None:
-            record = {"step": self.step, "metric": self.metric, "value": self.value, "metrics": self.metrics}
-            rundir.save(ckpt_dir / BEST, state, {**(meta or {}), "best": record},
-                        "the previous best checkpoint is intact")  # a full disk: one line, a failed summary
+        """Keeps ``state`` (the new best step's) as a copy; with a run directory, the whole state (optimizer state
+        and RNG too) until :meth:`write` writes it as ``ckpt_dir/best``. Writes nothing."""
+        del rank  # every rank keeps its own part, and writes it in write()
+        if ckpt_dir is None:
+            self.state, self.pending = fx.TrainState(state.step, _copy(state.params), None, None,
+                                                     _copy(state.buffers)), None
+            return
+        self.state = _copy(state)
+        record = {"step": self.step, "metric": self.metric, "value": self.value, "metrics": self.metrics}
+        self.pending = (ckpt_dir / BEST, {**(meta or {}), "best": record})
+
+    def write(self) -> bool:
+        """Writes the best kept since the last write as ``checkpoints/best`` (:func:`fxtrain.save`, atomic); whether
+        there was one. Every rank calls it, at the same step (the runner: before each regular checkpoint).
+
+        Raises:
+          fxtrain.CheckpointError: the save failed (a full disk); the previous ``checkpoints/best`` is intact and
+            this best stays pending.
+
+        Example:
+            >>> import tempfile, torch
+            >>> best, out = Best("val_loss"), pathlib.Path(tempfile.mkdtemp())
+            >>> best.update({"val_loss": 0.5}, 3)
+            True
+            >>> best.keep(fx.TrainState(3, {"w": torch.ones(2)}, None), out, rank=0)
+            >>> (out / BEST).exists(), best.write(), (out / BEST).exists(), best.write()
+            (False, True, True, False)
+        """
+        if self.pending is None:
+            return False
+        target, meta = self.pending
+        rundir.save(target, self.state, meta, "the previous best checkpoint is intact")  # a full disk: one line
+        self.pending = None
+        # Written: the test reads params and buffers alone; the optimizer state's copy is let go.
+        self.state = fx.TrainState(self.state.step, self.state.params, None, None, self.state.buffers)
+        return True
 
     def resume(self, ckpt_dir: pathlib.Path | None, start: int, like: fx.TrainState, rank: int) -> None:
         """The best so far of the run a resume continues: ``ckpt_dir/best`` if it is from step ``start`` or before

@@ -663,18 +663,21 @@ def loop(steps: Steps, members: list[Member], start: int, trainer: DictConfig, t
                         done = _member_step(steps, members[j], j, i, metrics, t0) or i == ends[j]
                     except FloatingPointError as e:
                         members[j].error, done = e, True
+                        _write_best_of_failed(members[j])
                     if done:
                         alive.remove(j)
                         if members[j].error is None:  # its state now: a group's stacked params go on for the others
                             members[j].last, members[j].final = steps.state(i, j), _final(members[j], start, ends[j])
-                losses = [members[j].train_metrics["loss"] for j in alive if "loss" in members[j].train_metrics]
                 said = [m.train_metrics["loss"] for m in members if m.error is None and "loss" in m.train_metrics]
                 beat(i, min(said) if said else None)  # a group: its lowest
-                if len(members) == 1:
+                if quiet:  # no bar to show it on (formatting it anyway cost ~1% of a small CNN's step)
+                    pass
+                elif len(members) == 1:
                     bar.set_postfix({k: f"{members[0].record[k]:.4g}" for k in ("loss", "learning_rate",
                                                                                "val_accuracy")
                                      if k in members[0].record})
                 elif alive and (i % lead.cadence.log_every == 0 or i == max_steps):
+                    losses = [members[j].train_metrics["loss"] for j in alive if "loss" in members[j].train_metrics]
                     bar.set_postfix({"loss": f"{min(losses, default=math.inf):.4g}", "jobs": len(alive)})
             profiler.after(i, last=True)  # a run that stopped early
     except BaseException:
@@ -732,7 +735,7 @@ def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any
             if i % cadence.eval_every:  # the summary's test metrics are those of the params it stops with
                 m.eval_metrics = steps.evaluate(i, j, m.hooks)
                 record.update(m.eval_metrics)
-        if m.best is not None and m.best.update(record, i):
+        if m.best is not None and m.best.update(record, i):  # kept in memory, written with the next checkpoint
             m.best.keep(steps.state(i, j), m.run.ckpt_dir, m.run.rank, m.run.meta)
         record["time_s"] = round(time.perf_counter() - t0, 3)
         if m.logger is not None:
@@ -740,9 +743,24 @@ def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any
         m.record = record
     if m.run.ckpt_dir is not None and ((cadence.checkpoint_every and i % cadence.checkpoint_every == 0)
                                        or i == max_steps or m.stopped):
+        if m.best is not None:  # checkpoints/best first, never behind step_<N> (see fxtrain/selection.py)
+            m.best.write()
         m.last_checkpoint = (i, save_checkpoint(m.run.ckpt_dir, steps.state(i, j), m.cfg.trainer.keep_last,
                                                 m.last_checkpoint, m.run.rank, m.run.meta))
     return bool(m.stopped)
+
+
+def _write_best_of_failed(m: Member) -> None:
+    """A member that failed on a non-finite loss or metric: the best it kept since its last checkpoint written as
+    ``checkpoints/best`` (the run's best finite state; its summary says it failed). Every rank fails at the same
+    step there (the record is averaged over ranks before the check), so every rank writes. A failing write is
+    a warning: the run's error is the non-finite value."""
+    if m.best is None:
+        return
+    try:
+        m.best.write()
+    except checkpoint.CheckpointError as e:
+        log.warning(f"{e} (while stopping on a non-finite value)")
 
 
 def _final(m: Member, start: int, max_steps: int) -> dict[str, Any]:

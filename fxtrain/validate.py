@@ -658,14 +658,14 @@ _MULTIPLE = _real(0)  # a schedule's multiple of the learning rate
 ARG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     # transforms and optimizers; the sign of learning_rate and step_size is the descent check's
     "learning_rate": _real(), "step_size": _real(),
-    "b1": _MOMENT, "b2": _MOMENT, "decay": _MOMENT, "momentum": _optional(_MOMENT),
+    "b1": _MOMENT, "b2": _MOMENT, "decay": _MOMENT, "momentum": _optional(_MOMENT), "rho": _MOMENT,
     "eps": _real(0), "eps_root": _real(0), "weight_decay": _real(0), "initial_accumulator_value": _real(0),
     "max_norm": _real(0, lo_open=True), "max_delta": _real(0, lo_open=True),
     "nesterov": _FLAG, "centered": _FLAG, "flip_sign": _FLAG,
     # schedules: multiples of the optimizer's learning_rate
     "value": _MULTIPLE, "init_value": _MULTIPLE, "peak_value": _MULTIPLE, "end_value": _MULTIPLE,
     "alpha": _real(0, 1), "exponent": _real(0, lo_open=True), "power": _real(0, lo_open=True),
-    "warmup_steps": _count(0), "decay_steps": _count(1), "transition_steps": _count(1),
+    "warmup_steps": _count(0), "decay_steps": _count(1), "transition_steps": _count(1), "decay_rate": _real(0),
     # models
     "input_shape": _counts(1, empty=False), "hidden": _counts(1, empty=True), "blocks": _counts(1, empty=False),
     "num_classes": _count(1), "width": _count(1), "vocab_size": _count(1), "context": _count(1),
@@ -682,8 +682,9 @@ ARG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 FLAGS = frozenset(n for n, rule in ARG_RULES.items() if rule is _FLAG)
 NUMBERS = frozenset(("learning_rate", "step_size", "b1", "b2", "decay", "momentum", "eps", "eps_root", "weight_decay",
-                     "initial_accumulator_value", "max_norm", "max_delta", "value", "init_value", "peak_value",
-                     "end_value", "alpha", "exponent", "power", "warmup_steps", "decay_steps", "transition_steps"))
+                     "rho", "initial_accumulator_value", "max_norm", "max_delta", "value", "init_value", "peak_value",
+                     "end_value", "alpha", "exponent", "power", "warmup_steps", "decay_steps", "transition_steps",
+                     "decay_rate"))
 OPTIONAL_NUMBERS = frozenset(("momentum",))
 
 

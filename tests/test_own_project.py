@@ -164,8 +164,8 @@ def test_unknown_options_list_every_search_path_entry(project):
     with pytest.raises(build.ConfigError) as e:
         build.check_overrides(["--config-dir", str(project / "conf"), "-m", "model=mine,widedeep"])
     # In search-path order: the user's entries first (their options shadow fxtrain's of the same name).
-    assert str(e.value) == (f"model=mine,widedeep: no option 'widedeep' in model; available: mine ({conf}); mlp, moe, "
-                            f"resnet, transformer (pkg://fxtrain.conf)")
+    assert str(e.value) == (f"model=mine,widedeep: no option 'widedeep' in model; available: mine ({conf}); convnet, mlp, "
+                            f"moe, resnet, transformer (pkg://fxtrain.conf)")
     with pytest.raises(build.ConfigError, match=r"^task=hubr: no option 'hubr' in task \(did you mean huber\?\); "
                        r"available: huber \(file://.*\); classification, lm, regression \(pkg://fxtrain.conf\)$"):
         build.check_overrides([f"hydra.searchpath=[{conf}]", "task=hubr"])

@@ -166,9 +166,9 @@ def test_unknown_override_key_fails_at_start(capsys):
 
 @pytest.mark.parametrize("arg, listed", [
     ("optim/transform@optim.chain=[clip_by_global_norm,adamz]",
-     "no transform 'adamz' in optim/transform (did you mean adam?); available: adagrad, adam, adamw, "
+     "no transform 'adamz' in optim/transform (did you mean adam?); available: adadelta, adagrad, adam, adamw, "
      "add_decayed_weights, clip, clip_by_global_norm, lion, rmsprop, sgd, trace (pkg://fxtrain.conf)"),
-    ("model=mlpp", "no option 'mlpp' in model (did you mean mlp?); available: mlp, moe, resnet, transformer "
+    ("model=mlpp", "no option 'mlpp' in model (did you mean mlp?); available: convnet, mlp, moe, resnet, transformer "
      "(pkg://fxtrain.conf)"),
 ])
 def test_unknown_group_option_lists_the_available_ones(arg, listed):
@@ -414,3 +414,14 @@ def test_torchrun_sharded_optimizer_state_matches_plain_dp_with_half_the_state(t
     mu = state.opt_state[1].inner_state[0].mu       # chain(clip_by_global_norm, inject_hyperparams(adamw))
     assert {k: v.shape for k, v in mu.items()} == {k: v.shape for k, v in state.params.items()}
     assert all(bool((v != 0).any()) for v in mu.values())     # both halves of every row range were saved
+
+
+def test_a_run_without_a_progress_bar_formats_no_postfix_for_it(tmp_path, monkeypatch):
+    # The loop formatted the bar's postfix (loss, learning rate) after every step even with the bar disabled:
+    # about 1% of a small CNN's step (experiments/bench/mnist_port.py, issue 36 item 5).
+    import tqdm.std
+
+    calls = []
+    monkeypatch.setattr(tqdm.std.tqdm, "set_postfix", lambda self, *args, **kwargs: calls.append(args))
+    runner.train(cfg_of("experiment=smoke", "trainer.max_steps=4", "trainer.progress=false"), tmp_path)
+    assert calls == []

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fxtrain as fx
-from fxtrain import build, train as runner
+from fxtrain import build, loggers, train as runner
 from fxtrain.report import read_jsonl
 from tests._runner import cfg_of, isolate, load_checkpoint  # noqa: F401 - isolate: autouse
 
@@ -88,6 +88,50 @@ def test_killed_run_resumed_with_auto_ends_like_the_uninterrupted_run(tmp_path):
                             load_checkpoint(tmp_path / "whole" / "checkpoints" / "best", cfg))
     assert step_checkpoints(run) == ["step_0000015", "step_0000020"]     # keep_last=2; best is never pruned
     assert f"start  from {run / 'checkpoints' / 'step_0000010'} (step 10)" in (run / "train.log").read_text()
+
+
+class Killed(BaseException):
+    """Ends a run in this process as a kill does: no handler of the runner catches it, nothing runs after it."""
+
+
+def test_a_kill_between_an_improvement_and_the_next_checkpoint_loses_it_on_disk_and_the_resume_finds_it_again(
+        tmp_path, monkeypatch):
+    """checkpoints/best is written with the next regular checkpoint, not at the improvement (issue 36, item 5;
+    fxtrain/selection.py says what a kill loses): killed after step 7's line, the run's best of steps 5-7 is not on
+    disk, which holds the best of steps 1-4 (written with step 4's checkpoint); the resume from step 4 redoes 5-7,
+    finds the same improvements and ends with the uninterrupted run's checkpoints/best. (The SIGKILL itself, and
+    what it leaves, is test_killed_run_resumed_with_auto_ends_like_the_uninterrupted_run's.)"""
+    args = [*RUN, "trainer.max_steps=12", "trainer.eval_every=1", "trainer.checkpoint_every=4",
+            "trainer.checkpoint.best_by=val_loss"]
+    cfg = cfg_of(*args)
+    runner.train(cfg, tmp_path / "whole")
+    lines = records(tmp_path / "whole")
+    best_up_to = {n: min((r for r in lines if r["step"] <= n), key=lambda r: (r["val_loss"], r["step"])) for n in (4, 7)}
+    assert best_up_to[7]["step"] > 4                                      # a premise: an improvement after step 4
+
+    log = loggers.JsonlLogger.log
+
+    def killed_after_7(self, step, metrics):
+        log(self, step, metrics)
+        if step == 7:
+            raise Killed
+
+    monkeypatch.setattr(loggers.JsonlLogger, "log", killed_after_7)
+    run = tmp_path / "run"
+    with pytest.raises(Killed):
+        runner.train(cfg_of(*args), run)
+    monkeypatch.setattr(loggers.JsonlLogger, "log", log)
+    assert [r["step"] for r in records(run)] == list(range(1, 8)) and step_checkpoints(run) == ["step_0000004"]
+    on_disk = best_record(run)                                            # what the kill lost: steps 5-7's best
+    assert (on_disk["step"], on_disk["value"]) == (best_up_to[4]["step"], best_up_to[4]["val_loss"])
+
+    runner.train(cfg_of(*args, "resume=auto"), run)                       # from step 4
+
+    assert best_record(run) == best_record(tmp_path / "whole")
+    assert_same_final_state(load_checkpoint(run / "checkpoints" / "best", cfg),
+                            load_checkpoint(tmp_path / "whole" / "checkpoints" / "best", cfg))
+    summary, whole = (json.loads((d / "summary.json").read_text()) for d in (run, tmp_path / "whole"))
+    assert summary["best_step"] == whole["best_step"] and summary["metrics"] == whole["metrics"]
 
 
 def test_resume_auto_on_a_finished_run_changes_nothing(tmp_path):
