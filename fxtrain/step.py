@@ -123,6 +123,7 @@ emissions) leave their params untouched: a donated step then writes nothing into
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from typing import Any, Callable
@@ -295,19 +296,88 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
     """
     fused = _fused.spec(tx) is not None
     extra, constants = _extra_args(tx), traits(tx).constant_reports
+    hyper_grad = _holds_grad(tx)  # a hyperparameter tensor that requires grad (or one we cannot see)
 
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
         grads, loss, aux = _pure_grad(wrap_loss(tx, canonical, opt_state), params, batch, tx)
-        if fused and not (torch.is_grad_enabled() or tree.transformed()) \
-                and _fused.applies(tx, grads, opt_state, params):
-            params, opt_state = tree.clone(params), tree.clone(opt_state)
-            _fused.step_(tx, grads, opt_state, params)  # grads are this step's own
-        else:
+        if tree.transformed() or hyper_grad or (torch.is_grad_enabled() and _requires_grad(params, opt_state, batch)):
             updates, opt_state = tx.update(sync(grads, params), opt_state, params, **extra(loss))
-            params = apply_updates(params, updates)  # keeps each DTensor param's placements
+            return apply_updates(params, updates), opt_state, _metrics(loss, aux, opt_state, has_aux, constants)
+        # Nothing can differentiate or batch the update: the donated kernels on this step's own gradient
+        # buffers and a copy of the state, then a copy of the params; the new trees are the only
+        # parameter-sized allocations (out of place, every op of every transform allocated its result).
+        with torch.no_grad():
+            grads, opt_state = _owned(grads), tree.clone(opt_state)
+            if fused and _fused.applies(tx, grads, opt_state, params):
+                params = tree.clone(params)
+                _fused.step_(tx, grads, opt_state, params)
+            else:
+                updates, opt_state = update_(tx, sync(grads, params), opt_state, params, **extra(loss))
+                del grads  # the updates live in these buffers now
+                params = apply_updates(params, updates)  # copies; None updates (a held micro-step) keep the param
         return params, opt_state, _metrics(loss, aux, opt_state, has_aux, constants)
 
     return step
+
+
+def _requires_grad(*trees: Any) -> bool:
+    """Whether a tensor leaf of ``trees`` requires grad (metadata only)."""
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree.leaves(trees))
+
+
+def _holds_grad(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` may compute with a tensor that requires grad which its inputs do not show: a hyperparameter
+    tensor (``fx.sgd(lr)``), one a schedule closes over, or a module-level tensor a function reads. Checked once,
+    when a pure step is built, by walking the kernels' closures (and, for functions outside fxtrain, the globals
+    they name); something it cannot look into (a callable object) counts as holding one."""
+    seen: set[int] = set()
+
+    def walk(x: Any) -> bool:
+        if id(x) in seen or x is None or isinstance(x, (bool, int, float, complex, str, bytes, type)):
+            return False
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            return x.requires_grad
+        if isinstance(x, GradientTransformation):
+            return walk(kernel(x)) or walk(x.init)
+        if isinstance(x, functools.partial):
+            return walk(x.func) or any(map(walk, x.args)) or any(map(walk, x.keywords.values()))
+        if inspect.ismethod(x):
+            return walk(x.__func__) or walk(x.__self__)
+        if inspect.isfunction(x):
+            cells = [c.cell_contents for c in x.__closure__ or () if _filled(c)]
+            if not (x.__module__ or "").startswith("fxtrain"):  # a user's function may read a global tensor
+                g = x.__globals__
+                cells += [g[n] for n in _names(x.__code__) if n in g and not inspect.ismodule(g[n])]
+            return any(map(walk, cells + list(x.__defaults__ or ()) + list((x.__kwdefaults__ or {}).values())))
+        if isinstance(x, (list, tuple, dict, set, frozenset)):  # NamedTuples (states, hyperparams) included
+            return any(map(walk, x.values() if isinstance(x, dict) else x))
+        if inspect.isbuiltin(x) or inspect.ismodule(x) or isinstance(x, (torch.dtype, torch.device)):
+            return False
+        fields = [getattr(x, k) for k in getattr(type(x), "__slots__", ()) if hasattr(x, k)]
+        fields += list(vars(x).values()) if hasattr(x, "__dict__") else []
+        if fields:
+            return any(map(walk, fields))
+        return callable(x) and not (type(x).__module__ or "").startswith(("fxtrain", "torch"))
+
+    return walk(tx)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not assigned yet
+        return False
+    return True
+
+
+def _names(code: Any) -> list[str]:
+    """The global names ``code`` and the functions nested in it read."""
+    names = list(code.co_names)
+    for c in code.co_consts:
+        if inspect.iscode(c):
+            names += _names(c)
+    return names
 
 
 def pure_gradients(loss_fn: Callable, tx: GradientTransformation, *,
