@@ -631,9 +631,11 @@ def compile_cache(where: str | os.PathLike | None = None) -> pathlib.Path:
     emptied at reboots and is per node on a cluster). ``hydra.launcher.cache_dir`` sets it for a vmapped sweep.
 
     >>> import os, tempfile
+    >>> before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     >>> where = compile_cache(tempfile.mkdtemp())
     >>> os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(where), where.is_dir()
     (True, True)
+    >>> _ = os.environ.pop("TORCHINDUCTOR_CACHE_DIR") if before is None else os.environ.update(TORCHINDUCTOR_CACHE_DIR=before)
     """
     if where is None:
         where = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or pathlib.Path(

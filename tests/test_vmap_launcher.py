@@ -208,12 +208,12 @@ def test_the_compiled_group_step_matches_eager_and_compiles_once(capsys):
     assert_same_sweep(eager, pathlib.Path("compiled"), 4)
 
 
-def test_a_failed_compilation_runs_the_group_eagerly_with_one_line(monkeypatch, capsys):
+def test_a_failed_compilation_runs_the_group_eagerly_with_one_line(monkeypatch, capsys, tmp_path):
     def refuse(*args):
         raise RuntimeError("no compiler here\nsecond line")
 
     monkeypatch.setattr(sweep, "_trace", refuse)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # restored after: the launcher points it at cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))  # restored after: the launcher sets it
     grid = ["optim.chain.adamw.learning_rate=1e-2,3e-2", "trainer.max_steps=10", "trainer.eval_every=5"]
     eager = sweep_of("vmap", *grid)
     assert run_main("-m", "hydra/launcher=vmap", *SWEEP, *grid, "hydra.launcher.compile=true",
