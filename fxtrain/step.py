@@ -301,11 +301,17 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
     """
     fused = _fused.spec(tx) is not None
     extra, constants = _extra_args(tx), traits(tx).constant_reports
-    hyper_grad = _holds_grad(tx)  # a hyperparameter tensor that requires grad (or one we cannot see)
+    held = []  # [whether the stack closes over a tensor that requires grad], found on the first call that asks
+
+    def hyper_grad() -> bool:
+        if not held:
+            held.append(_holds_grad(tx))
+        return held[0]
 
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
         fn = wrap_loss(tx, canonical, opt_state)
-        if tree.transformed() or hyper_grad or (torch.is_grad_enabled() and _requires_grad(params, opt_state, batch)):
+        # Under a torch.func transform (a vmapped sweep builds a step per call) the stack is never walked.
+        if tree.transformed() or hyper_grad() or (torch.is_grad_enabled() and _requires_grad(params, opt_state, batch)):
             grads, loss, aux = _pure_grad(fn, params, batch, tx)
             updates, opt_state = tx.update(sync(grads, params), opt_state, params, **extra(loss))
             return apply_updates(params, updates), opt_state, _metrics(loss, aux, opt_state, has_aux, constants)
