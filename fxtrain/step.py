@@ -31,9 +31,12 @@ under ``torch.func.grad``, ``jvp``, ``jacrev`` or plain autograd of anything com
 built with). Its gradients come from ``torch.func.grad`` (DTensor params: ``torch.autograd.grad``, with
 ``create_graph`` when params or batch require grad), and wherever autograd records or a transform is
 active the update runs out of place (``tx.update``, :func:`fxtrain.apply_updates`): the returned params
-and state are differentiable and batchable, ``metrics`` are detached. Under ``torch.no_grad()`` nothing
-can differentiate it, so the pure step runs the donated kernels on copies instead: the same bits as
-``donate=True`` (out of place the numbers agree to float32 rounding). A donated or compiled step refuses
+and state are differentiable and batchable, ``metrics`` are detached. Where nothing can differentiate or
+batch it (no ``torch.func`` transform, and under ``torch.no_grad()`` or with nothing that requires grad among
+params, state, batch and the tensors the stack closes over: a training loop), the pure step runs the donated
+step's gradients and kernels on its own gradient buffers and copies of the state and params instead: the same
+bits as ``donate=True`` (out of place the numbers agree to float32 rounding), and no parameter-sized
+allocation beyond the gradients and the new trees (experiments/bench/results/memory.md). A donated or compiled step refuses
 to run under a ``torch.func`` transform, and refuses params that carry autograd history, rather than
 return a detached gradient.
 
@@ -107,8 +110,8 @@ param leaves (``p.detach().requires_grad_()``: same storage, no copy). This one 
 always builds its backward with ``create_graph=True``; ``experiments/bench/step.py`` keeps both floors in
 its table so the choice can be re-checked). ``loss_fn`` sees those views; params it does not use get zero gradients,
 as in ``jax.grad``; when *no* leaf gets one (``loss_fn`` computes with a module's own parameters instead
-of ``params``), the step raises rather than apply zeros. A pure step takes ``torch.func.grad`` instead (see
-**Composability**).
+of ``params``), the step raises rather than apply zeros. A pure step that something may differentiate or batch takes
+``torch.func.grad`` instead (see **Composability**).
 
 **Gradients meet their params' placements.** With replicated DTensor params and a batch sharded on dim 0,
 autograd returns ``Partial`` gradients (each rank's unreduced sum); torch's parallel modules also hand
@@ -123,6 +126,7 @@ emissions) leave their params untouched: a donated step then writes nothing into
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from typing import Any, Callable
@@ -288,26 +292,106 @@ def check_owned(params: Params, opt_state: State) -> None:
 def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, sync: Callable) -> Step:
     """The composable step: differentiable and batchable where the caller records or transforms.
 
-    Where autograd records or a ``torch.func`` transform is active (the per-call test is two flags),
-    the update runs out of place (``tx.update``, ``apply_updates``), so ``vmap`` batches it and ``grad`` /
-    ``backward`` see it. Under ``torch.no_grad`` nothing can differentiate it: the donated kernels run on
-    copies (the fused one where it applies), the same bits as ``donate=True``.
+    Where a ``torch.func`` transform is active, or autograd records and something requires grad (an input's
+    leaf, per call; a tensor the stack closes over, seen once by :func:`_holds_grad`), gradients come from
+    ``torch.func.grad`` and the update runs out of place (``tx.update``, ``apply_updates``), so ``vmap`` batches
+    it and ``grad`` / ``backward`` see it. Otherwise nothing can differentiate it: the donated step's gradients
+    and kernels run on this step's own buffers and copies (the fused kernel where it applies), the same bits
+    as ``donate=True``.
     """
     fused = _fused.spec(tx) is not None
     extra, constants = _extra_args(tx), traits(tx).constant_reports
+    held = []  # [whether the stack closes over a tensor that requires grad], found on the first call that asks
+
+    def hyper_grad() -> bool:
+        if not held:
+            held.append(_holds_grad(tx))
+        return held[0]
 
     def step(params: Params, opt_state: State, batch: Batch) -> tuple[Params, State, Metrics]:
-        grads, loss, aux = _pure_grad(wrap_loss(tx, canonical, opt_state), params, batch, tx)
-        if fused and not (torch.is_grad_enabled() or tree.transformed()) \
-                and _fused.applies(tx, grads, opt_state, params):
-            params, opt_state = tree.clone(params), tree.clone(opt_state)
-            _fused.step_(tx, grads, opt_state, params)  # grads are this step's own
-        else:
+        fn = wrap_loss(tx, canonical, opt_state)
+        # Under a torch.func transform (a vmapped sweep builds a step per call) the stack is never walked.
+        if tree.transformed() or hyper_grad() or (torch.is_grad_enabled() and _requires_grad(params, opt_state, batch)):
+            grads, loss, aux = _pure_grad(fn, params, batch, tx)
             updates, opt_state = tx.update(sync(grads, params), opt_state, params, **extra(loss))
-            params = apply_updates(params, updates)  # keeps each DTensor param's placements
+            return apply_updates(params, updates), opt_state, _metrics(loss, aux, opt_state, has_aux, constants)
+        # Nothing can differentiate or batch the step: the donated step's gradients (autograd over detached views,
+        # which writes nothing) and its kernels on this step's own gradient buffers and a copy of the state, then
+        # a copy of the params; the new trees are the only parameter-sized allocations (out of place, every op of
+        # every transform allocated its result).
+        grads, loss, aux = _grad(fn, params, batch, tx, donated=False)
+        with torch.no_grad():
+            grads, opt_state = _owned(grads), tree.clone(opt_state)
+            if fused and _fused.applies(tx, grads, opt_state, params):
+                params = tree.clone(params)
+                _fused.step_(tx, grads, opt_state, params)
+            else:
+                updates, opt_state = update_(tx, sync(grads, params), opt_state, params, **extra(loss))
+                del grads  # the updates live in these buffers now
+                params = apply_updates(params, updates)  # copies; None updates (a held micro-step) keep the param
         return params, opt_state, _metrics(loss, aux, opt_state, has_aux, constants)
 
     return step
+
+
+def _requires_grad(*trees: Any) -> bool:
+    """Whether a tensor leaf of ``trees`` requires grad (metadata only)."""
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree.leaves(trees))
+
+
+def _holds_grad(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` may compute with a tensor that requires grad which its inputs do not show: a hyperparameter
+    tensor (``fx.sgd(lr)``), one a schedule closes over, or a module-level tensor a function reads. Checked once,
+    when a pure step is built, by walking the kernels' closures (and, for functions outside fxtrain, the globals
+    they name); something it cannot look into (a callable object) counts as holding one."""
+    seen: set[int] = set()
+
+    def walk(x: Any) -> bool:
+        if id(x) in seen or x is None or isinstance(x, (bool, int, float, complex, str, bytes, type)):
+            return False
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            return x.requires_grad
+        if isinstance(x, GradientTransformation):
+            return walk(kernel(x)) or walk(x.init)
+        if isinstance(x, functools.partial):
+            return walk(x.func) or any(map(walk, x.args)) or any(map(walk, x.keywords.values()))
+        if inspect.ismethod(x):
+            return walk(x.__func__) or walk(x.__self__)
+        if inspect.isfunction(x):
+            cells = [c.cell_contents for c in x.__closure__ or () if _filled(c)]
+            if not (x.__module__ or "").startswith("fxtrain"):  # a user's function may read a global tensor
+                g = x.__globals__
+                cells += [g[n] for n in _names(x.__code__) if n in g and not inspect.ismodule(g[n])]
+            return any(map(walk, cells + list(x.__defaults__ or ()) + list((x.__kwdefaults__ or {}).values())))
+        if isinstance(x, (list, tuple, dict, set, frozenset)):  # NamedTuples (states, hyperparams) included
+            return any(map(walk, x.values() if isinstance(x, dict) else x))
+        if inspect.isbuiltin(x) or inspect.ismodule(x) or isinstance(x, (torch.dtype, torch.device)):
+            return False
+        fields = [getattr(x, k) for k in getattr(type(x), "__slots__", ()) if hasattr(x, k)]
+        fields += list(vars(x).values()) if hasattr(x, "__dict__") else []
+        if fields:
+            return any(map(walk, fields))
+        return callable(x) and not (type(x).__module__ or "").startswith(("fxtrain", "torch"))
+
+    return walk(tx)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not assigned yet
+        return False
+    return True
+
+
+def _names(code: Any) -> list[str]:
+    """The global names ``code`` and the functions nested in it read."""
+    names = list(code.co_names)
+    for c in code.co_consts:
+        if inspect.iscode(c):
+            names += _names(c)
+    return names
 
 
 def pure_gradients(loss_fn: Callable, tx: GradientTransformation, *,
@@ -450,15 +534,16 @@ def _canonical(loss_fn: Callable, has_aux: bool) -> Callable:
     return fn
 
 
-def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation):
+def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation, donated: bool = True):
     """The donated step's gradients: ``torch.autograd.grad`` over detached views of the param leaves.
 
-    Returns the gradients (a tree like ``params``) and ``fn``'s (loss, aux), detached.
+    Returns the gradients (a tree like ``params``) and ``fn``'s (loss, aux), detached. ``donated=False`` (a pure
+    step where nothing records) takes params with autograd history too: nothing is written into them.
     """
     # none_is_leaf=False: None leaves (frozen/absent) are not differentiated and come back as None.
     leaves, spec = optree.tree_flatten(params, none_is_leaf=False, namespace="fxtrain")
     try:
-        xs = [_detached_view(p) for p in leaves]
+        xs = [_detached_view(p) if donated else p.detach().requires_grad_() for p in leaves]
     except (AttributeError, RuntimeError):
         raise TypeError(f"train_step: params must hold floating-point tensors or None; {_bad_leaf(params)}") from None
     if not xs:

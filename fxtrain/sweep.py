@@ -80,7 +80,8 @@ stack is built from its config during the trace, the hyperparameters, params and
 and compiled by ``torch.compile`` (inductor fuses the pure update's per-leaf ops; CUDA graphs on a GPU); the steps
 between two events run that one-step graph in a Python loop, so no chunk length, step or later group of the same
 config and shapes compiles again (:class:`Compiled`). Where tracing or compiling fails, the group runs eagerly and
-one line says why. Off by default: on a 2-core CPU compiling takes longer than the sweeps it speeds up
+one line says why. Compiled code is kept on disk (:func:`compile_cache`, ``hydra.launcher.cache_dir``): a later
+sweep of the same config and shapes, in a new process, loads it instead of compiling. Off by default: on a 2-core CPU compiling takes longer than the sweeps it speeds up
 (experiments/bench/results/sweep.md).
 
 **Numbers.** A job's numbers equal its own run's to float32 rounding: batched matmuls sum in another order
@@ -108,6 +109,7 @@ import dataclasses
 import itertools
 import logging
 import operator
+import os
 import pathlib
 import time
 import types
@@ -614,6 +616,34 @@ def vmapped_steps(cfg: DictConfig, apply: Callable, batch_per_job: bool, task: A
         return params, opt_state, buffers, metrics
 
     return stepwise
+
+
+def compile_cache(where: str | os.PathLike | None = None) -> pathlib.Path:
+    """Points ``torch.compile``'s on-disk caches at ``where`` for this process and returns the directory (created).
+
+    Inductor's FX graph cache and AOTAutograd's cache (both on by default in torch 2.13) keep what a compilation
+    produced under this directory, keyed by torch on the traced graph, its inputs' shapes and dtypes, torch's
+    version and its configuration: the graph a group's step traces to is the same for the same config and shapes
+    (:class:`Compiled`: the hyperparameters and states are inputs), so a later sweep, in another process or on
+    another machine that shares the directory, loads the compiled code instead of compiling it again. ``None``:
+    ``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/fxtrain/compile`` (``~/.cache/fxtrain/compile``):
+    a directory that outlives the machine's ``/tmp`` (torch's own default, ``/tmp/torchinductor_<user>``, is
+    emptied at reboots and is per node on a cluster). ``hydra.launcher.cache_dir`` sets it for a vmapped sweep.
+
+    >>> import os, tempfile
+    >>> before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    >>> where = compile_cache(tempfile.mkdtemp())
+    >>> os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(where), where.is_dir()
+    (True, True)
+    >>> _ = os.environ.pop("TORCHINDUCTOR_CACHE_DIR") if before is None else os.environ.update(TORCHINDUCTOR_CACHE_DIR=before)
+    """
+    if where is None:
+        where = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or pathlib.Path(
+            os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache", "fxtrain", "compile")
+    path = pathlib.Path(where).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)  # read by torch at each lookup and write
+    return path
 
 
 def _graph_key(cfg: DictConfig, batched: Sequence[str]) -> str:

@@ -1,7 +1,8 @@
 """Test utilities shared by fxtrain's tests and by users testing their own transforms.
 
 :func:`check_transform` runs a transform through every way fxtrain runs it (pure, donated, ``no_grad``,
-``vmap``, ``grad``) and checks the traits it declares; :func:`assert_trees_close` compares trees by path.
+``vmap``, ``grad``) and checks the traits it declares; :func:`assert_trees_close` compares trees by path;
+:class:`TensorMemory` counts the bytes of tensors a block allocates (a deterministic peak-memory probe).
 
 Example:
     >>> import torch
@@ -11,11 +12,13 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import optree
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, apply_updates, traits, update_
@@ -380,3 +383,55 @@ def nested_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
         return torch.randn(shape, generator=g).to(dtype)
 
     return {"dense": {"w": r(4, 3), "b": r(3)}, "blocks": [r(2, 2, 2), (r(5), r(1))], "scalar": r()}
+
+
+class TensorMemory(TorchDispatchMode):
+    """Counts the bytes of the tensor storages that torch ops create inside the block: ``live`` (still
+    referenced), ``peak`` (the most live at once) and ``total`` (all ever created), deterministically.
+
+    A dispatch mode sees every op's outputs; an output whose storage is none of the op's inputs' and was not
+    seen before is new (views and in-place results are not), and counts until that storage is freed. What
+    kernels allocate for themselves without a torch op (scratch space inside a fused kernel, the caching
+    allocator's rounding) is not seen: it measures the tensors a computation keeps alive, the same on every
+    machine and every run, where RSS and wall clock are not. Storages that existed before the block
+    (params, state) count as ``0``: ``peak`` is the growth above them.
+
+    Example:
+        >>> import torch
+        >>> from fxtrain.testing import TensorMemory
+        >>> x = torch.ones(1000)
+        >>> with TensorMemory() as mem:
+        ...     y = x * 2            # 4000 bytes, kept
+        ...     z = (y + 1).sum()    # y + 1: 4000 bytes, freed after the sum (4 bytes) is made
+        ...     _ = x.mul_(2)        # in place: nothing new
+        >>> mem.peak, mem.live, mem.total
+        (8004, 4004, 8004)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = self.total = 0
+        self._seen: set[int] = set()  # ids of the storages counted and still alive
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(x.untyped_storage()) for x in optree.tree_leaves((args, kwargs))
+                  if type(x) is torch.Tensor and x.device.type != "meta"}
+        for x in optree.tree_leaves(out):
+            if type(x) is not torch.Tensor or x.device.type == "meta" or x.is_sparse:
+                continue
+            storage = x.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self._seen:
+                continue
+            size = storage.nbytes()
+            self._seen.add(key)
+            self.live += size
+            self.total += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, size)
+        return out
+
+    def _free(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size

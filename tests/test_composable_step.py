@@ -51,14 +51,16 @@ def test_vmapped_step_equals_separate_steps(batch_dim):
     states = torch.func.vmap(tx.init)(params)
     batches = _batches(5, lead=() if batch_dim is None else (N,))
     singles = [(_model(params, i), tx.init(_model(params, i))) for i in range(N)]
+    # The single steps run the fused kernel on copies (nothing differentiates them), the vmapped one out of
+    # place: float32 rounding apart (the conformance tests' rtol between the two paths).
     for batch in batches:
         params, states, metrics = vstep(params, states, batch)
         for i, (p, s) in enumerate(singles):
             p, s, m = step(p, s, batch if batch_dim is None else _model(batch, i))
             singles[i] = (p, s)
-            assert_trees_close(_model(metrics, i), m, rtol=1e-6, atol=1e-6)
-    assert_trees_close(params, _stacked([p for p, _ in singles]), rtol=1e-6, atol=1e-6)
-    assert_trees_close(states, _stacked([s for _, s in singles]), rtol=1e-6, atol=1e-6)
+            assert_trees_close(_model(metrics, i), m, rtol=1e-5, atol=1e-6)
+    assert_trees_close(params, _stacked([p for p, _ in singles]), rtol=1e-5, atol=1e-6)
+    assert_trees_close(states, _stacked([s for _, s in singles]), rtol=1e-5, atol=1e-6)
     assert set(metrics) == {"loss", "grad_norm"} and metrics["loss"].shape == (N,)
 
 

@@ -355,9 +355,14 @@ def test_default_stack_fused_step_equals_its_pure_unfused_step():
     tx, steps = default_stack(), 20
     p_fused, s_fused, lr_fused, calls = _train(tx, _params(), tx.init(_params()), _batches(steps))
     assert calls == [True] * steps  # the kernel ran on every step
-    # The pure step where autograd records: tx.update out of place, the foreach math.
-    p_pure, s_pure, lr_pure, calls = _train(tx, _params(), tx.init(_params()), _batches(steps), donate=False)
+    # The pure step where autograd records (params that require grad): tx.update out of place, the foreach math.
+    recorded = fx.tree.map(lambda p: p.requires_grad_(), _params())
+    p_pure, s_pure, lr_pure, calls = _train(tx, recorded, tx.init(_params()), _batches(steps), donate=False)
     assert calls == []
+    # Where nothing records, the pure step runs the kernel on copies: the donated step's bits.
+    p_copy, s_copy, lr_copy, calls = _train(tx, _params(), tx.init(_params()), _batches(steps), donate=False)
+    assert calls == [True] * steps
+    assert all(map(torch.equal, fx.tree.leaves((p_copy, s_copy)), fx.tree.leaves((p_fused, s_fused))))
     # The schedule is read at the same counts by the same function: the same learning rates, bit for bit, and
     # they change every step (warmup from 0, then cosine decay).
     assert torch.equal(lr_fused, lr_pure) and bool((lr_fused[1:] != lr_fused[:-1]).all())

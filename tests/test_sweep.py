@@ -7,7 +7,11 @@ tests/test_vmap_launcher.py.
 
 import copy
 import itertools
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -174,3 +178,58 @@ def test_groups_that_run_one_by_one_say_why():
     groups, _ = sweep.plan(grid("parallel=none,dp", "seed=0,1"))
     assert groups[1].header().startswith("jobs 2,3 one by one: parallel.dp_replicate=-1 (the vmap launcher batches")
     assert groups[1].reasons[0].startswith("apart by parallel: dp here, none in group 1: the parallel layout")
+
+
+# --- the compile cache across processes (hydra.launcher.cache_dir) ---------------------------------
+
+def test_compile_cache_directory_given_then_environment_then_user_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert sweep.compile_cache() == tmp_path / "xdg" / "fxtrain" / "compile"  # not torch's /tmp default
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "env"))
+    assert sweep.compile_cache() == tmp_path / "env"  # the user's own setting wins over the default
+    given = sweep.compile_cache(tmp_path / "given")
+    assert given == tmp_path / "given" and given.is_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(given)  # what torch reads at each lookup
+
+
+def test_a_bad_cache_dir_is_refused_in_one_line():
+    from fxtrain import validate
+    from fxtrain.errors import ConfigError
+
+    target = "hydra_plugins.fxtrain_vmap_launcher.vmap_launcher.VmapLauncher"
+    with pytest.raises(ConfigError, match=r"^hydra.launcher.cache_dir=3: expected a string, or null$"):
+        validate.check_launcher({"_target_": target, "compile": True, "cache_dir": 3})
+    with pytest.raises(ConfigError, match=r"^hydra.launcher.cache_dir=' ': expected a directory path or null "):
+        validate.check_launcher({"_target_": target, "compile": True, "cache_dir": " "})
+    validate.check_launcher({"_target_": target, "compile": True, "cache_dir": "~/.cache/mine"})
+
+
+_COMPILE_ONCE = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from fxtrain import sweep
+sweep.compile_cache(sys.argv[1])
+sweep.Compiled(lambda t: {"y": (t["x"] * 2 + 1).sin()}, "cache test", "a tiny graph")({"x": torch.ones(4)})
+print(json.dumps({k: v for g in ("inductor", "aot_autograd") for k, v in counters[g].items()}))
+"""
+
+
+@pytest.mark.slow  # two processes that import inductor; the first compiles C++ (about 20 s on a quiet 2-core machine)
+def test_a_second_process_loads_the_compiled_graph_from_the_cache(tmp_path):
+    """What makes the second sweep of the same shapes compile in seconds: a new process finds inductor's compiled
+    graph (FX graph cache) and AOTAutograd's artifact in the directory the first one filled; nothing compiles."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pathlib.Path(__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", _COMPILE_ONCE, str(tmp_path / "cache")], env=env,
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first.get("fxgraph_cache_miss") == 1 and first.get("autograd_cache_miss") == 1
+    assert any((tmp_path / "cache").rglob("*"))
+    assert second.get("fxgraph_cache_hit") == 1 and second.get("autograd_cache_hit") == 1
+    assert "fxgraph_cache_miss" not in second and "autograd_cache_miss" not in second

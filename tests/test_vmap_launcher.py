@@ -12,6 +12,7 @@ learning rate, another batch, a skipped step) moves these numbers by far more th
 import csv
 import json
 import math
+import os
 import pathlib
 
 import pytest
@@ -207,16 +208,21 @@ def test_the_compiled_group_step_matches_eager_and_compiles_once(capsys):
     assert_same_sweep(eager, pathlib.Path("compiled"), 4)
 
 
-def test_a_failed_compilation_runs_the_group_eagerly_with_one_line(monkeypatch, capsys):
+def test_a_failed_compilation_runs_the_group_eagerly_with_one_line(monkeypatch, capsys, tmp_path):
     def refuse(*args):
         raise RuntimeError("no compiler here\nsecond line")
 
     monkeypatch.setattr(sweep, "_trace", refuse)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))  # restored after: the launcher sets it
     grid = ["optim.chain.adamw.learning_rate=1e-2,3e-2", "trainer.max_steps=10", "trainer.eval_every=5"]
     eager = sweep_of("vmap", *grid)
     assert run_main("-m", "hydra/launcher=vmap", *SWEEP, *grid, "hydra.launcher.compile=true",
-                    "hydra.sweep.dir=fallback") == 0
+                    "hydra.sweep.dir=fallback", "hydra.launcher.cache_dir=compiled_code") == 0
     out = capsys.readouterr()
+    # The compiled code's directory (torch's caches across processes) is the one the config names.
+    cache = pathlib.Path("compiled_code").resolve()
+    assert f"[vmap] compiled code cached in {cache}" in out.out + out.err and cache.is_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
     lines = [ln for ln in (out.out + out.err).splitlines() if "runs eagerly" in ln]
     assert [ln.split("vmap   ", 1)[1] for ln in lines] == [
         "the vmapped step runs eagerly: torch.compile failed (RuntimeError: no compiler here)",

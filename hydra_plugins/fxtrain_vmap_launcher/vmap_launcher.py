@@ -55,13 +55,18 @@ class VmapLauncher(Launcher):
         shapes, see :func:`fxtrain.sweep.vmapped_steps`); ``False`` (the default) runs them eagerly, which
         measured faster end to end on a 2-core CPU, where compiling costs more than the steps it speeds up
         (experiments/bench/results/sweep.md).
+      cache_dir: with ``compile``, where torch.compile keeps compiled code across processes, so a later sweep of
+        the same config and shapes loads it instead of compiling (:func:`fxtrain.sweep.compile_cache`); ``None``:
+        ``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``~/.cache/fxtrain/compile``.
     """
 
-    def __init__(self, max_group_size: int | None = None, executor: Any = None, compile: bool = False) -> None:  # noqa: A002
+    def __init__(self, max_group_size: int | None = None, executor: Any = None, compile: bool = False,  # noqa: A002
+                 cache_dir: str | None = None) -> None:
         super().__init__()
-        self.check_settings(max_group_size, executor, compile)
+        self.check_settings(max_group_size, executor, compile, cache_dir)
         self.max_group_size = max_group_size
         self.compile = compile
+        self.cache_dir = cache_dir
         self.executor = _executor_spec(executor)
         self.config: DictConfig | None = None
         self.task_function: TaskFunction | None = None
@@ -69,7 +74,8 @@ class VmapLauncher(Launcher):
         self.unbatchable: str | None = None  # why no job of this launch can be vmapped (None: they can)
 
     @staticmethod
-    def check_settings(max_group_size: int | None = None, executor: Any = None, compile: bool = False) -> None:  # noqa: A002
+    def check_settings(max_group_size: int | None = None, executor: Any = None, compile: bool = False,  # noqa: A002
+                       cache_dir: str | None = None) -> None:
         """Raises ``ValueError("hydra.launcher.<key>=<value>: ...")`` for a setting this launcher cannot take (the keys under
         ``hydra.launcher``); :func:`fxtrain.validate.check_launcher` calls it before anything is launched.
 
@@ -83,6 +89,9 @@ class VmapLauncher(Launcher):
             raise ValueError(f"hydra.launcher.max_group_size={max_group_size!r}: expected a positive whole number or null (no limit)")
         if not isinstance(compile, bool):  # 1 == True: `compile not in (True, False)` took 1 for true
             raise ValueError(f"hydra.launcher.compile={compile!r}: expected true or false")
+        if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir.strip()):
+            raise ValueError(f"hydra.launcher.cache_dir={cache_dir!r}: expected a directory path or null "
+                             "($TORCHINDUCTOR_CACHE_DIR, else ~/.cache/fxtrain/compile)")
         _executor_spec(executor)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -179,6 +188,8 @@ class VmapLauncher(Launcher):
         assert self.task_function is not None
         by_num = {int(c.hydra.job.num): c for c in configs}
         returns: dict[int, JobReturn] = {}
+        if self.compile and any(group.sequential is None for group in groups):
+            log.info(f"[vmap] compiled code cached in {sweep.compile_cache(self.cache_dir)}")
         for group in groups:
             if group.sequential is None:
                 try:
