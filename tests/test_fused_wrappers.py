@@ -192,3 +192,27 @@ def test_overflow_skips_inside_the_kernel_as_the_foreach_path_skips(acc, monkeyp
     counts_ref = [x for x in fx.tree.leaves(s_ref) if x.ndim == 0 and not x.is_floating_point()]
     assert [int(x) for x in counts] == [int(x) for x in counts_ref]
     assert_trees_close(p_fused, p_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_pure_step_runs_the_wrapped_kernel_on_copies_bit_exactly(monkeypatch):
+    # donate=False under no_grad runs the donated kernels on copies (fxtrain/step.py): the same bits as
+    # donate=True, the caller's params and state untouched, the kernel called on each emitting call.
+    cfg = cfg_of(*overrides("fp16", "k4", "adamw", "clip"))
+    calls = KernelCalls(monkeypatch)
+    p_don, s_don, _ = train(build.stack(cfg), cfg)
+    assert len(calls.calls) == STEPS // 4
+    tx = build.stack(cfg)
+    params = init_params()
+    state = tx.init(params)
+    before = fx.tree.clone((params, state))
+    step = fx.train_step(loss_fn, tx, donate=False)
+    g = torch.Generator().manual_seed(1)
+    p, s = params, state
+    with torch.no_grad():
+        for _ in range(STEPS):
+            p, s, _ = step(p, s, (torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)))
+    assert len(calls.calls) == 2 * (STEPS // 4)
+    assert_trees_close((params, state), before, rtol=0, atol=0)
+    assert_trees_close(p, p_don, rtol=0, atol=0)
+    acc = lambda t: t._replace(acc=None)  # noqa: E731 - between windows the accumulator holds no meaningful values
+    assert_trees_close(acc(s), acc(s_don), rtol=0, atol=0)

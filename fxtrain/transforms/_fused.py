@@ -1,5 +1,5 @@
 """torch's fused optimizer kernels as a kernel choice of the donated step: ``adam``, ``adamw``, ``sgd``,
-alone or after ``clip_by_global_norm``.
+alone or after ``clip_by_global_norm``, inside ``amp_cast``, ``accumulate``, ``inject_hyperparams`` and chains.
 
 ``fx.adamw(...)`` is a chain (``scale_by_adam``, ``add_decayed_weights``, ``scale_by_learning_rate``)
 whose foreach kernels make several passes over memory, then ``apply_updates_`` makes one more. torch
@@ -30,6 +30,20 @@ the host's copies of the state's values (read once where the host has not seen a
 A value the kernel does not cover (a schedule for ``b1``, ``eps_root`` written into the state, a tensor
 that is not 0-dim) takes the foreach path, which refuses what it refuses. The state and its bookkeeping
 (count, values used) are the foreach path's.
+
+**Wrappers.** The recommended stack wraps the chain: ``accumulate(amp_cast(chain(clip, adamw)), every=k)``. A
+wrapper whose update does its own work around its child's declares the child's kernel with
+:func:`fxtrain._base.fused_around` and does that work around the kernel call, in place, with the foreach path's
+numbers: a chain of one (``optim.chain=[adam]``) passes its child's state; ``amp_cast`` with a loss scale
+unscales the placed gradients with GradScaler's kernel, takes the foreach path's overflow decision (summed over
+every rank) and hands it to the kernel as ``found_inf`` (torch's kernels then leave params and moments as they
+were), puts back the 0-dim state its kernel's caller wrote (counts, injected hyperparameters; not the reported
+``grad_norm``) on overflow, and adjusts the scale; without a loss scale it is its child. Pure half-precision
+policies (``p=bf16``, ``p=f16``) keep the foreach path: torch's kernels compute in float32 and round once,
+the foreach path rounds every op in the params' dtype, a float16 SGD step apart. ``accumulate`` runs the
+kernel on the emitting call only, on the window's sum (reduced once over data-parallel ranks, as its foreach
+update does); its held calls are its own foreach update (one add, no kernel to run). ``sharded_apply`` without
+``shard_over`` is its child (same state, placed like the params).
 
 The state is the chain's own (``ScaleByAdamState``, ``TraceState``...), so a run can switch between the
 fused and foreach kernels at any step, and checkpoints do not know which one ran. The numerics agree
@@ -85,6 +99,15 @@ Example:
     >>> state = tx.init(params)
     >>> _fused.step_(tx, {"w": torch.tensor([3.0, -4.0])}, state, params), float(state[0].grad_norm)
     (True, 5.0)
+
+    The recommended stack's wrappers too: a float16 loss scale whose overflow decision is the kernel's ``found_inf``:
+
+    >>> tx = fx.amp_cast(fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(0.1)), "fp16")
+    >>> state, before = tx.init(params), params["w"].clone()
+    >>> _fused.step_(tx, {"w": torch.tensor([float("inf"), 1.0])}, state, params), int(state.skipped)
+    (True, 1)
+    >>> torch.equal(params["w"], before), int(state.inner_state[1][0].count), float(state.loss_scale.scale)
+    (True, 0, 32768.0)
 
     And the runner's, with a scheduled learning rate kept in the state:
 
