@@ -216,3 +216,12 @@ def test_pure_step_runs_the_wrapped_kernel_on_copies_bit_exactly(monkeypatch):
     assert_trees_close(p, p_don, rtol=0, atol=0)
     acc = lambda t: t._replace(acc=None)  # noqa: E731 - between windows the accumulator holds no meaningful values
     assert_trees_close(acc(s), acc(s_don), rtol=0, atol=0)
+
+
+def test_a_chain_with_a_transform_after_the_optimizer_keeps_the_foreach_path():
+    # experiment=mnist_port: optim.chain=[adam, reduce_on_plateau]. The plateau's factor scales Adam's update
+    # after the kernel would have applied it (and reads the loss, value=): no kernel computes the pair, so the
+    # chain declares none (folding the factor into the kernel's tensor learning rate is not done).
+    tx = build.stack(cfg_of("experiment=mnist_port"))
+    assert fx.traits(tx).fused is None, tx
+    assert fx.traits(build.stack(cfg_of("experiment=mnist_port", "~optim.chain.reduce_on_plateau"))).fused.name == "adam"
