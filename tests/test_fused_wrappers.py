@@ -225,3 +225,21 @@ def test_a_chain_with_a_transform_after_the_optimizer_keeps_the_foreach_path():
     tx = build.stack(cfg_of("experiment=mnist_port"))
     assert fx.traits(tx).fused is None, tx
     assert fx.traits(build.stack(cfg_of("experiment=mnist_port", "~optim.chain.reduce_on_plateau"))).fused.name == "adam"
+
+
+@pytest.mark.parametrize("mean", [True, False])
+def test_accumulator_dtype_and_sum_windows_take_the_kernel_with_the_foreach_numbers(mean, monkeypatch):
+    # A float64 running sum (conf/accumulate's accumulator_dtype) is rounded once into the gradients, which the
+    # kernel then reads; mean=False hands it the sum.
+    cfg = cfg_of(*overrides("off", "k4", "adamw", "clip"))
+
+    def make():
+        return fx.accumulate(fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(1e-2, weight_decay=0.1)), every=4,
+                             mean=mean, accumulator_dtype=torch.float64)
+
+    calls = KernelCalls(monkeypatch)
+    p_fused, s_fused, _ = train(make(), cfg)
+    assert len(calls.calls) == STEPS // 4
+    p_ref, s_ref, _ = train(fx.with_traits(make(), fused=None), cfg)
+    assert_trees_close(p_fused, p_ref, rtol=1e-4, atol=1e-6)
+    assert s_fused.acc["l1"]["w"].dtype == torch.float64
