@@ -62,6 +62,10 @@ class FusedSpec(NamedTuple):
     the inner optimizer's, declared for the state's current numbers; ``record()``, called only when the
     kernel runs, does the transform's own bookkeeping in place (its count, the values used) and returns
     the hyperparameters the kernel reads as tensors (``learning_rate``: torch's ``tensor_lr`` overloads).
+
+    A wrapper whose update does its own work around its child's (``amp_cast``'s unscaling and overflow skip,
+    ``accumulate``'s window, a chain of one) sets ``around`` and ``inner`` (the child's spec; ``name`` and
+    ``hyperparams`` are the kernel's, for reading): see :func:`fused_around`.
     """
 
     name: str
@@ -70,6 +74,32 @@ class FusedSpec(NamedTuple):
     states_of: Callable[[Any], Sequence[Any]] | None = None
     groups: tuple = ()
     from_state: Callable[[Any, Any], tuple[FusedSpec, Any, Callable[[], dict]] | None] | None = None
+    inner: FusedSpec | None = None
+    around: Callable[..., Callable[[], None] | None] | None = None
+
+
+def fused_around(inner: GradientTransformation, around: Callable[..., Callable[[], None] | None]) -> FusedSpec | None:
+    """The :class:`FusedSpec` of a wrapper of ``inner`` that runs ``inner``'s fused kernel inside its own update,
+    or ``None`` when ``inner`` declares no kernel (pass it to :func:`with_traits` as ``fused=``).
+
+    ``around(grads, state, params, bind_inner)`` is called when a step asks for the kernel (metadata checks
+    only, nothing written) and returns a thunk that does the wrapper's whole update *and* the apply in place,
+    or ``None`` where it does not apply this call (the step then runs the wrapper's foreach update). It gets
+    the child's kernel through ``bind_inner(grads, inner_state, params, pre=None)``, which gives a thunk or
+    ``None`` (:func:`fxtrain.transforms._fused.bind`'s rules). ``pre(local_grads, placed_grads)``, when given, runs
+    inside the child's thunk once the gradients are placed like their params (data parallel's reduced) and
+    before the clip's norm: it may rewrite the local pieces in place and returns ``found_inf`` for the
+    kernel (a 0-dim float32 tensor, exactly 1.0 to skip the update) or ``None``.
+
+    >>> import torch, fxtrain as fx
+    >>> spec = fused_around(fx.adam(0.1), lambda g, s, p, bind_inner: bind_inner(g, s, p))
+    >>> spec.name, spec.inner.name, fused_around(fx.scale(2.0), lambda *a: None)
+    ('adam', 'adam', None)
+    """
+    spec = traits(inner).fused
+    if spec is None:
+        return None
+    return FusedSpec(spec.name, spec.hyperparams, inner=spec, around=around)
 
 
 class Traits(NamedTuple):
@@ -347,16 +377,23 @@ def merge_traits(children: Sequence[GradientTransformation], states_of: Callable
 def _fused_in_sequence(specs: Sequence[FusedSpec | None], states_of: Callable | None) -> FusedSpec | None:
     """The :class:`FusedSpec` of children run in sequence on the same updates, or ``None``.
 
-    Covered: ``[clip_by_global_norm(max_norm), optimizer]`` with both declared, which becomes the optimizer's
+    Covered: a chain of one child with a kernel (its kernel, on its state), and
+    ``[clip_by_global_norm(max_norm), optimizer]`` with both declared, which becomes the optimizer's
     kernel with the clip in its ``grad_scale`` (:mod:`fxtrain.transforms._fused` runs it). ``states_of`` (the
     combinator's state -> its children's states, in order) is needed to find both states; combinators
     without one get ``None``.
     """
-    if states_of is None or len(specs) != 2:
+    if states_of is None:
+        return None
+    if len(specs) == 1 and specs[0] is not None and specs[0].name in FUSED_KERNELS:
+        # A chain of one (the runner's ``optim.chain=[adam]``): the child's kernel on the child's state.
+        return FusedSpec(specs[0].name, specs[0].hyperparams, inner=specs[0],
+                         around=lambda g, s, p, bind_inner: bind_inner(g, states_of(s)[0], p))
+    if len(specs) != 2:
         return None
     clip, opt = specs
     if (clip is None or opt is None or clip.name not in FUSED_PREFIXES or opt.name not in FUSED_KERNELS
-            or opt.max_norm is not None):
+            or opt.max_norm is not None or opt.around is not None):  # a wrapper after the clip: its own update
         return None
     return opt._replace(max_norm=clip.hyperparams["max_norm"], states_of=states_of, groups=clip.groups)
 

@@ -66,8 +66,8 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from fxtrain import distributed, tree
-from fxtrain._base import (forwarded, GradientTransformation, call_, public_factory, report, transform, with_traits,
-                           wrap_loss)
+from fxtrain._base import (forwarded, fused_around, GradientTransformation, call_, public_factory, report, transform,
+                           with_traits, wrap_loss)
 from fxtrain.transforms._conditionality import seen_grad_norm, select, skip_where_
 from fxtrain.transforms._hyperparams import param_device
 
@@ -574,7 +574,57 @@ def _factory(inner: GradientTransformation, policy: Policy, loss_scale: LossScal
 
         return amp_loss
 
-    return with_traits(GradientTransformation(init_fn, update_fn), wrap_loss=wrap, **forwarded(inner))
+    def fused(grads, state, params, bind_inner):
+        """The inner stack's fused kernel (:mod:`fxtrain.transforms._fused`) with this update around it: the
+        foreach path's unscale and overflow decision on the placed gradients, the decision as the kernel's
+        ``found_inf`` (torch's kernels then leave params and moments as they were), the small state the
+        kernel's caller writes (counts, injected hyperparameters) put back on overflow, the scale adjusted."""
+        if policy.param_dtype in _HALF:
+            # Pure half precision (apex O3): torch's kernels compute in float32 and round once to the params'
+            # dtype, the foreach path rounds every op's result in it: other numbers (float16 SGD steps of the
+            # whole update size apart), so these policies keep the foreach path.
+            return None
+        if not scaler.scaled:  # bf16, f32: the inner update on the gradients as they are
+            return bind_inner(grads, state.inner_state, params)
+        flags = []
+
+        def pre(local, placed):
+            found = _unscale_(local, state.loss_scale.scale)
+            overflow = distributed.global_count(found, placed, groups=groups).to(found.device) > 0
+            flags.append(overflow)
+            return overflow.to(torch.float32)  # the kernels skip on exactly 1.0
+
+        plan = bind_inner(grads, state.inner_state, params, pre=pre)
+        if plan is None:
+            return None
+
+        def run():
+            kept = _small(state.inner_state)
+            before = [(x, x._version, x.clone()) for x in kept]
+            plan()
+            overflow = flags.pop() if flags else torch.zeros((), dtype=torch.bool, device=state.skipped.device)
+            for x, (y, version, old) in zip(_small(state.inner_state), before):
+                if x is not y or x._version != version:  # written or replaced by this update: restored on overflow
+                    x.copy_(torch.where(overflow.to(x.device), old, x))
+            scaler.adjust_(state.loss_scale, overflow)
+            state.skipped.copy_(overflow)
+
+        return run
+
+    return with_traits(GradientTransformation(init_fn, update_fn), wrap_loss=wrap, fused=fused_around(inner, fused),
+                       **forwarded(inner))
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _small(state: Any) -> list[torch.Tensor]:
+    """The 0-dim tensors (local pieces) of an inner state a fused kernel's caller writes outside the kernel: counts,
+    injected hyperparameters; not the ``grad_norm`` it reports (on overflow, the norm of what was skipped)."""
+    norm = report(state).get("grad_norm")
+    norm = None if norm is None else tree.local(norm)
+    return [x for x in map(tree.local, tree.leaves(state))
+            if isinstance(x, torch.Tensor) and x.ndim == 0 and x is not norm]
 
 
 _factory.__name__ = _factory.__qualname__ = "amp_cast"  # the name the decorator prints

@@ -52,7 +52,8 @@ return a detached gradient.
 **Kernel choice.** Where the step owns the params (compiled or not), a stack that declares a fused
 torch kernel (``fx.adam``, ``fx.adamw``, ``fx.sgd`` with plain-number arguments, or inside
 ``fx.inject_hyperparams`` with a scheduled learning rate, alone or after ``clip_by_global_norm``, whose
-coefficient rides in the kernel's ``grad_scale``; see
+coefficient rides in the kernel's ``grad_scale``, and inside ``amp_cast`` and ``accumulate``: the recommended
+stack, the kernel on the emitting call; see
 :mod:`fxtrain.transforms._fused`) runs its update and ``apply_updates_`` as that one kernel when the leaves
 allow it (floating tensors on one device; DTensor params on their local pieces, their gradients placed
 first: every parallel layout); ``compile=True`` then compiles only the stacks that have no such kernel.

@@ -210,6 +210,26 @@ def _clip_lion():  # no fused torch kernel computes it: compile=True compiles it
     return fx.chain(fx.clip_by_global_norm(0.5), fx.lion(LION_LR, weight_decay=0.1))
 
 
+@pytest.mark.parametrize("make", [_amp_accumulated, _fp16_accumulated], ids=["bf16", "fp16"])
+def test_the_recommended_stack_runs_the_cuda_kernel_on_each_emitting_call(make, monkeypatch):
+    # accumulate(amp_cast(clip + inject_hyperparams(adamw)), every=2): one _fused_adamw_ per window, fp16's
+    # overflow decision as its found_inf (a CUDA tensor the kernel reads on the device), the foreach path's numbers
+    # (tests/test_fused_wrappers.py on the CPU) and its skip decisions.
+    batches = _batches(10, inf_at=(5,) if make is _fp16_accumulated else ())  # bf16 does not skip: NaN both ways
+    found = []
+    real = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, found_inf=None, **k: found.append(found_inf) or
+                        real(*a, found_inf=found_inf, **k))
+    fused, _, history = _fx_run(make(), batches)
+    monkeypatch.undo()
+    assert len(found) == 5
+    if make is _fp16_accumulated:
+        assert all(f.device.type == "cuda" and f.dtype == torch.float32 for f in found)
+    ref, _, ref_history = _fx_run(fx.with_traits(make(), fused=None), batches)
+    assert [int(m.get("skipped", 0)) for m in history] == [int(m.get("skipped", 0)) for m in ref_history]
+    assert_trees_close(fused, ref, rtol=1e-4, atol=1e-6)
+
+
 def test_compiled_step_equals_eager_on_cuda_fp16_accumulated():
     batches = _batches(10)
     eager = _fx_run(_fp16_accumulated(), batches)[:2]

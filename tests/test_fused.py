@@ -38,6 +38,10 @@ PAIRS = {
                                                  ("sgd", fx.sgd(0.1, momentum=0.9))),
                           lambda: fx.named_chain(("clip", fx.clip_by_global_norm(1.0)), ("sgd", fx.chain(
                               fx.trace(0.9), fx.scale_by_learning_rate(0.1))))),
+    # A chain of one optimizer (the runner's optim.chain=[adam], mnist_port's): the optimizer's kernel.
+    "chain-of-adamw": (lambda: fx.chain(fx.adamw(1e-2, weight_decay=0.1)),
+                       lambda: fx.chain(fx.chain(fx.scale_by_adam(), fx.add_decayed_weights(0.1),
+                                                 fx.scale_by_learning_rate(1e-2)))),
     "clip-sgd": (lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.sgd(0.1)),
                  lambda: fx.chain(fx.clip_by_global_norm(1.0),
                                   fx.chain(fx.identity(), fx.scale_by_learning_rate(0.1)))),
@@ -181,7 +185,6 @@ def _clipped_adamw(learning_rate):
     lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.clip_by_global_norm(2.0), fx.adamw(1e-2)),
     lambda: fx.chain(fx.clip_by_global_norm(1.0), fx.chain(fx.clip_by_global_norm(2.0), fx.adamw(1e-2))),
     lambda: fx.chain(fx.clip(1.0), fx.adamw(1e-2)),
-    lambda: fx.chain(fx.adamw(1e-2)),
     lambda: fx.masked(fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(1e-2)), {"l1": True, "l2": False}),
     lambda: fx.clip_by_global_norm(1.0),  # a prefix: no kernel of its own
 ])

@@ -31,8 +31,8 @@ READ = torch.ops.aten._local_scalar_dense.default
 
 # Reads that are not device syncs on any device, by the function that makes them (fxtrain's innermost frame).
 ON_THE_HOST = {
-    "update_fn@transforms/_accumulation.py": "accumulate (host=True) reads its mini_step/emitted counters, which "
-                                             "live on the CPU on every device",
+    "counters@transforms/_accumulation.py": "accumulate (host=True) reads its mini_step/emitted counters, which "
+                                            "live on the CPU on every device",
     "_rounded@transforms/_moments.py": "rounds a Python number through a CPU tensor made on the host (cached)",
     "search@transforms/_linesearch.py": "the zoom linesearch stops early on the host, one read a trial, "
                                      "documented (branchless=True decides on the device)",

@@ -68,11 +68,12 @@ import optree
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import forwarded, GradientTransformation, describe, call_, kernel, transform, with_traits
+from fxtrain._base import (forwarded, fused_around, GradientTransformation, describe, call_, kernel,
+                           transform, with_traits)
 from fxtrain.transforms._hyperparams import safe_increment_
 from fxtrain.transforms._moments import as_dtype, param_device
 
-__all__ = ["AccumulateState", "accumulate", "split_backward", "microbatch", "Accumulator", "AccumulationType",
+__all__ = ["AccumulateState", "accumulate", "counters", "split_backward", "microbatch", "Accumulator", "AccumulationType",
            "skip_not_finite", "skip_large_updates"]
 
 _NS = "fxtrain"
@@ -220,7 +221,7 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
                                          skip=skip, skip_state=skip_state)
         # Host reads of CPU counters (no device sync): the decision that lets held calls skip the inner tx.
         try:
-            m, n = int(state.mini_step), int(state.emitted)
+            m, n = counters(state)
         except (RuntimeError, ValueError):  # batched (vmap over tx.init's state) or traced: decided on device
             if state.mini_step.ndim or state.emitted.ndim:  # a stacked state outside vmap, say
                 raise ValueError(f"accumulate: the counters mini_step and emitted must be 0-dim (per model), got "
@@ -253,15 +254,61 @@ def accumulate(tx: GradientTransformation, every: int | Callable, *, mean: bool 
     def wrap_loss(loss_fn, state):  # the inner transform's forward-pass wrapper sees its own state
         return tx.wrap_loss(loss_fn, state.inner_state)
 
+    def fused(grads, state, params, bind_inner):
+        """The inner stack's fused kernel (:mod:`fxtrain.transforms._fused`) on the emitting call, on the window's
+        sum (reduced once, as on the foreach path); held calls take the foreach path (no kernel to run)."""
+        try:
+            m, n = counters(state)
+        except (RuntimeError, ValueError, AttributeError):
+            return None
+        if m + 1 < window(n):
+            return None
+        # The tree the window's sum will be in (below): the kernel must take it. Placements change (Partial
+        # to Replicate), which it takes either way.
+        summed = grads
+        if m > 0 and dtype is None:
+            summed = state.acc if not _has_none(grads) else tree.map(lambda g, a: a, grads, state.acc)
+        if bind_inner(summed, state.inner_state, params) is None:
+            return None
+
+        def run():
+            if counters(state) != (m, n):  # a plan bound once and called again
+                raise RuntimeError(f"{describe(tx)}: accumulate's fused update was bound at mini_step={m} and "
+                                   "called at another: bind it again each call")
+            updates = grads
+            if m > 0:
+                # The sum in the accumulator (or rounded into the gradients), which stays the accumulator: its
+                # values are not read again before the next window's first call replaces it.
+                updates, _ = _window_sum(state.acc, grads, m + 1 if mean else 1, same_dtype=dtype is None)
+            updates = distributed.reduce_partials(updates)
+            bind_inner(updates, state.inner_state, params)()  # checked above on the same tree
+            state.mini_step.zero_()
+            safe_increment_(state.emitted)
+
+        return run
+
     _WINDOWS[update_fn] = window  # for window_position: a gradient engine that must know before the backward
     # partial_grads: train_step leaves Partial gradients unreduced for this kernel (see fxtrain/step.py), unless
     # a skip test must see the reduced gradients.
     return with_traits(GradientTransformation(init_fn, update_fn), partial_grads=should_skip_update_fn is None,
                        host=True,
-                       wrap_loss=None if tx.wrap_loss is None else wrap_loss, **forwarded(tx))
+                       wrap_loss=None if tx.wrap_loss is None else wrap_loss,
+                       fused=None if should_skip_update_fn is not None else fused_around(tx, fused), **forwarded(tx))
 
 
 _WINDOWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # accumulate's kernel -> its window length
+
+
+def counters(state: AccumulateState) -> tuple[int, int]:
+    """``(mini_step, emitted)`` of an :func:`accumulate` state as Python ints: reads of CPU tensors, never a device
+    sync (they live on the CPU whatever the params' device). Raises ``RuntimeError``/``ValueError`` where they have
+    no host value (batched by ``vmap`` or traced).
+
+    >>> import torch, fxtrain as fx
+    >>> counters(fx.accumulate(fx.sgd(1.0), every=2).init({"w": torch.zeros(1)}))
+    (0, 0)
+    """
+    return int(state.mini_step), int(state.emitted)
 
 
 def window_position(tx: GradientTransformation, state: Any) -> tuple[int, int] | None:
@@ -280,7 +327,7 @@ def window_position(tx: GradientTransformation, state: Any) -> tuple[int, int] |
     if window is None or not isinstance(state, AccumulateState):
         return None
     try:
-        m, n = int(state.mini_step), int(state.emitted)
+        m, n = counters(state)
     except (RuntimeError, ValueError):
         return None
     return m, window(n)

@@ -1,5 +1,5 @@
 """torch's fused optimizer kernels as a kernel choice of the donated step: ``adam``, ``adamw``, ``sgd``,
-alone or after ``clip_by_global_norm``.
+alone or after ``clip_by_global_norm``, inside ``amp_cast``, ``accumulate``, ``inject_hyperparams`` and chains.
 
 ``fx.adamw(...)`` is a chain (``scale_by_adam``, ``add_decayed_weights``, ``scale_by_learning_rate``)
 whose foreach kernels make several passes over memory, then ``apply_updates_`` makes one more. torch
@@ -30,6 +30,20 @@ the host's copies of the state's values (read once where the host has not seen a
 A value the kernel does not cover (a schedule for ``b1``, ``eps_root`` written into the state, a tensor
 that is not 0-dim) takes the foreach path, which refuses what it refuses. The state and its bookkeeping
 (count, values used) are the foreach path's.
+
+**Wrappers.** The recommended stack wraps the chain: ``accumulate(amp_cast(chain(clip, adamw)), every=k)``. A
+wrapper whose update does its own work around its child's declares the child's kernel with
+:func:`fxtrain._base.fused_around` and does that work around the kernel call, in place, with the foreach path's
+numbers: a chain of one (``optim.chain=[adam]``) passes its child's state; ``amp_cast`` with a loss scale
+unscales the placed gradients with GradScaler's kernel, takes the foreach path's overflow decision (summed over
+every rank) and hands it to the kernel as ``found_inf`` (torch's kernels then leave params and moments as they
+were), puts back the 0-dim state its kernel's caller wrote (counts, injected hyperparameters; not the reported
+``grad_norm``) on overflow, and adjusts the scale; without a loss scale it is its child. Pure half-precision
+policies (``p=bf16``, ``p=f16``) keep the foreach path: torch's kernels compute in float32 and round once,
+the foreach path rounds every op in the params' dtype, a float16 SGD step apart. ``accumulate`` runs the
+kernel on the emitting call only, on the window's sum (reduced once over data-parallel ranks, as its foreach
+update does); its held calls are its own foreach update (one add, no kernel to run). ``sharded_apply`` without
+``shard_over`` is its child (same state, placed like the params).
 
 The state is the chain's own (``ScaleByAdamState``, ``TraceState``...), so a run can switch between the
 fused and foreach kernels at any step, and checkpoints do not know which one ran. The numerics agree
@@ -85,6 +99,15 @@ Example:
     >>> state = tx.init(params)
     >>> _fused.step_(tx, {"w": torch.tensor([3.0, -4.0])}, state, params), float(state[0].grad_norm)
     (True, 5.0)
+
+    The recommended stack's wrappers too: a float16 loss scale whose overflow decision is the kernel's ``found_inf``:
+
+    >>> tx = fx.amp_cast(fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(0.1)), "fp16")
+    >>> state, before = tx.init(params), params["w"].clone()
+    >>> _fused.step_(tx, {"w": torch.tensor([float("inf"), 1.0])}, state, params), int(state.skipped)
+    (True, 1)
+    >>> torch.equal(params["w"], before), int(state.inner_state[1][0].count), float(state.loss_scale.scale)
+    (True, 0, 32768.0)
 
     And the runner's, with a scheduled learning rate kept in the state:
 
@@ -162,9 +185,18 @@ def bind(tx: GradientTransformation, grads: Any, state: Any, params: Any) -> Cal
         >>> update(); update(); params["w"].tolist()
         [-1.0, -1.0]
     """
-    s = spec(tx)
+    return _bind(spec(tx), grads, state, params)
+
+
+def _bind(s: FusedSpec | None, grads: Any, state: Any, params: Any,
+          pre: Callable | None = None) -> Callable[[], None] | None:
+    """:func:`bind` for a spec; ``pre`` (a wrapper's, see :func:`fxtrain._base.fused_around`) runs on the placed
+    gradients before the clip and gives the kernel's ``found_inf``."""
     if s is None or s.name not in FUSED_KERNELS:
         return None
+    if s.around is not None:  # a wrapper (amp_cast, accumulate, a chain of one): its update around its child's kernel
+        return s.around(grads, state, params,
+                        lambda g, st, p, pre=pre: _bind(s.inner, g, st, p, pre))
     clip_state = None
     if s.states_of is not None:
         try:
@@ -191,11 +223,11 @@ def bind(tx: GradientTransformation, grads: Any, state: Any, params: Any) -> Cal
             hp = {**s.hyperparams, **record()}
             count.add_(1)
             if p:
-                lg, scale = _grads(g, p, s, clip_state)
+                lg, scale, found_inf = _grads(g, p, s, clip_state, pre)
                 steps = [count.to(torch.float32)] * len(p)  # read, not written, by the kernel
                 fused(_locals(p), lg, _locals(mu), _locals(nu), [], steps, lr=_lr(hp, p), beta1=hp["b1"],
                       beta2=hp["b2"], weight_decay=hp.get("weight_decay", 0.0), eps=hp["eps"], amsgrad=False,
-                      maximize=False, grad_scale=scale)
+                      maximize=False, grad_scale=scale, found_inf=found_inf)
         return run
     if isinstance(state[0], TraceState):  # sgd with momentum (never 0: sgd declares no kernel then)
         g, p, bufs = tree.align(grads, params, state[0].trace, what="params")
@@ -209,10 +241,10 @@ def bind(tx: GradientTransformation, grads: Any, state: Any, params: Any) -> Cal
     def run():
         hp = {**s.hyperparams, **record()}
         if p:
-            lg, scale = _grads(g, p, s, clip_state)
+            lg, scale, found_inf = _grads(g, p, s, clip_state, pre)
             torch._fused_sgd_(_locals(p), lg, _locals(bufs), weight_decay=0.0, momentum=hp["momentum"],
                               lr=_lr(hp, p), dampening=0.0, nesterov=hp["nesterov"], maximize=False,
-                              is_first_step=False, grad_scale=scale)
+                              is_first_step=False, grad_scale=scale, found_inf=found_inf)
     return run
 
 
@@ -225,19 +257,34 @@ def _lr(hp: dict, p: list) -> float | torch.Tensor:
     return lr
 
 
-def _grads(g: list, p: list, s: FusedSpec, clip_state: Any) -> tuple[list, torch.Tensor | None]:
-    """The kernel's gradients (local pieces, placed like their params) and ``grad_scale``.
+def _grads(g: list, p: list, s: FusedSpec, clip_state: Any,
+           pre: Callable | None = None) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
+    """The kernel's gradients (local pieces, placed like their params), ``grad_scale`` and ``found_inf``.
 
     DTensor gradients are first brought to their params' placements (:func:`fxtrain.distributed.match_placements`:
     ``Partial`` ones reduced in one bucketed collective per process group; FSDP's ``Shard(0)`` ones are already
     there), so each rank's kernel updates its own piece of every param exactly once, with the gradient of the
     whole batch: elementwise math on local pieces is the math on the whole tensor. The clip's norm is taken
-    of the placed DTensors, so it sums every shard over its mesh and every mesh once.
+    of the placed DTensors, so it sums every shard over its mesh and every mesh once. A wrapper's ``pre``
+    (``amp_cast``: unscale, overflow) runs on the placed gradients first, as its foreach update runs after the
+    step's reduction; its ``found_inf`` makes the kernel skip the update.
     """
     if any(isinstance(x, DTensor) for x in g):
         g = distributed.match_placements(g, p)
     local = [x if x.is_contiguous() else x.contiguous() for x in _locals(g)]  # a Shard(1) slice is strided
-    return local, _grad_scale(g, s, clip_state)
+    if pre is None:
+        return local, _grad_scale(g, s, clip_state), None
+    # Contiguous copies (of strided slices) are what the kernel reads: pre writes those, the clip reads them.
+    g = [_relocal(x, y) if isinstance(x, DTensor) and x._local_tensor is not y else (x if isinstance(x, DTensor) else y)
+         for x, y in zip(g, local)]
+    found_inf = pre(local, g)
+    return local, _grad_scale(g, s, clip_state), found_inf
+
+
+def _relocal(x: Any, local: torch.Tensor) -> Any:
+    """The DTensor ``x`` around another local piece (its contiguous copy), for a norm that must read the copy."""
+    return DTensor.from_local(local, x.device_mesh, x.placements, shape=x.shape, stride=x.stride(),
+                              run_check=False)
 
 
 def _locals(xs: list) -> list:

@@ -235,7 +235,8 @@ def _fused_spec(inner_factory: Callable, other: dict, numeric: dict, schedules: 
                 spec = traits(inner_factory(**other, **host, **placeholder)).fused
             except (TypeError, ValueError):  # the foreach path raises it, with inject_hyperparams' name
                 spec = None
-            plain = spec is not None and spec.states_of is None and spec.from_state is None and spec.max_norm is None
+            plain = spec is not None and spec.states_of is None and spec.from_state is None \
+                and spec.max_norm is None and spec.around is None
             specs[key] = spec if plain else None
         return specs[key]
 
