@@ -44,7 +44,7 @@ Example:
     >>> check(cfg)
     Traceback (most recent call last):
     ...
-    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, max_epochs, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, checkpoint, test_ckpt, device, cpu_threads, progress, heartbeat_s, allow_no_descent, early_stopping, eval_hooks, export, orbax_naming
+    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, max_epochs, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, checkpoint, test_ckpt, device, compile, cpu_threads, progress, heartbeat_s, allow_no_descent, early_stopping, eval_hooks, export, orbax_naming
 """
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ SCHEMA: dict[str, tuple[str, ...]] = {
          "schedule", "amp", "accumulate", "parallel", "trainer", "logger", "debug"),
     "optim": ("chain",),
     "trainer": ("max_steps", "max_epochs", "log_every", "eval_every", "eval_batch_size", "checkpoint_every", "keep_last",
-                "checkpoint", "test_ckpt", "device", "cpu_threads", "progress", "heartbeat_s", "allow_no_descent",
-                "early_stopping", "eval_hooks", "export", "orbax_naming"),
+                "checkpoint", "test_ckpt", "device", "compile", "cpu_threads", "progress", "heartbeat_s",
+                "allow_no_descent", "early_stopping", "eval_hooks", "export", "orbax_naming"),
     "trainer.early_stopping": ("metric", "patience", "mode", "min_delta"),
     "trainer.checkpoint": ("best_by",),
     "debug": ("name", "checkpoints", "limit_train", "limit_val", "limit_test", "overfit_batches", "profile_steps",

@@ -42,7 +42,8 @@ from fxtrain.parallel._tensor_parallel import tensor_parallel
 __all__ = [
     "data_parallel", "expert_parallel", "tensor_parallel", "fully_sharded", "fully_sharded_step", "pipeline_step",
     # per-block wrappers
-    "AC_MODES", "blocks_of", "checkpoint_blocks", "checkpointed_blocks", "compile_blocks", "compile_refusal", "wrapped_note",
+    "AC_MODES", "blocks_of", "checkpoint_blocks", "checkpointed_blocks", "compile_blocks", "compile_refusal",
+    "wrapped_note",
     # the runner's layouts
     "Parallel", "parallelize", "evaluate", "forward", "loss_function",
 ]

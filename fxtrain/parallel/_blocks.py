@@ -33,7 +33,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["AC_MODES", "blocks_of", "checkpoint_blocks", "checkpointed_blocks", "compile_blocks", "compile_refusal", "wrapped_note"]
+__all__ = ["AC_MODES", "blocks_of", "checkpoint_blocks", "checkpointed_blocks", "compile_blocks", "compile_refusal",
+           "wrapped_note"]
 
 #: ``model.activation_checkpoint``'s values: what each keeps for the backward pass
 AC_MODES = {
@@ -116,7 +117,8 @@ def compile_blocks(model: nn.Module, **options: Any) -> int:
     as torchtitan: a graph break is an error, not a silent slow path).
 
     The first call of each new input shape, grad mode or dtype compiles (seconds on a CPU); the blocks share the
-    compiled code. Apply it after :func:`checkpoint_blocks` (the checkpoint is kept outside the compiled region).
+    compiled code. Apply it after :func:`checkpoint_blocks`: a checkpointed block is compiled with its checkpoint
+    inside the graph (torch's compiled activation checkpointing, as torchtitan's AC then compile).
 
     >>> import torch
     >>> from fxtrain.models import MLP
@@ -134,6 +136,22 @@ def compile_blocks(model: nn.Module, **options: Any) -> int:
     return len(targets)
 
 
+def _checkpointed_original(module: nn.Module) -> Callable:
+    """A checkpointed block's own forward, checkpointed inside what is compiled: dynamo traces
+    ``torch.utils.checkpoint`` as one region whose backward recomputes from the graph's inputs (the tensors the
+    forward ran with), so the eager re-run with them put back is not needed; it also keeps torch from handing the
+    eager checkpoint a compiled DTensor block's saved ``DeviceMesh``, which it cannot hold (tensor parallel,
+    torch 2.13: an AssertionError in AOT autograd)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.__dict__["_fx_forward"]
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed
+
+
 def compile_refusal(model: nn.Module) -> str | None:
     """Why :func:`compile_blocks` refuses ``model`` (one line naming the layer), or ``None``: a submodule whose class
     declares a ``compile_refusal`` (:class:`fxtrain.models.MoE`'s host read of its token counts).
@@ -141,8 +159,8 @@ def compile_refusal(model: nn.Module) -> str | None:
     >>> from fxtrain.models import TransformerLM
     >>> compile_refusal(TransformerLM(vocab_size=16, context=8, d_model=8, n_layers=1, n_heads=2)) is None
     True
-    >>> compile_refusal(TransformerLM(vocab_size=16, context=8, d_model=8, n_layers=1, n_heads=2, experts=2))[:60]
-    'trainer.compile=true: TransformerLM\'s blocks.0.mlp (MoE): each'
+    >>> print(compile_refusal(TransformerLM(vocab_size=16, context=8, d_model=8, n_layers=1, n_heads=2, experts=2)))
+    trainer.compile=true: TransformerLM's blocks.0.mlp (MoE): each call reads its per-expert token counts on the host ...; use trainer.compile=false
     """
     for name, module in model.named_modules():
         why = getattr(type(module), "compile_refusal", None)
@@ -178,10 +196,11 @@ def _wrap(module: nn.Module, what: str, wrapper: Callable[[nn.Module, Callable],
     done = module.__dict__.setdefault("_fx_wrapped", [])
     if what in done:
         raise ValueError(f"{type(module).__name__}: {what} is applied to this module already")
-    inner = module.forward
-    if "compile" in done and what != "compile":
-        # Checkpointing stays outside the compiled region: dynamo would trace the re-parametrization below.
+    if "compile" in done:
         raise ValueError(f"{type(module).__name__}: apply {what} before compile")
+    module.__dict__.setdefault("_fx_forward", module.forward)  # the module's own forward, before any wrapper
+    # Compiling a checkpointed block compiles the checkpoint with it (_checkpointed_original), not the eager one.
+    inner = _checkpointed_original(module) if what == "compile" and "activation_checkpoint" in done else module.forward
     module.forward = wrapper(module, inner)
     done.append(what)
 
