@@ -6,8 +6,11 @@ uncheckpointed run's bit for bit (one process: the functional layout, amp's cast
 block runs inductor's kernels, which sum in another order than eager's: after 2 AdamW steps of the tiny LM the
 params agree to 1e-5 absolute (measured 2e-6), the losses to 1e-5 relative.
 
-Fast cells: one process (each behaviour once, a 1-block LM, 2 steps). The product (every preset of conf/parallel x
-compile x checkpointing, in gloo worlds) is ``slow``; its cells are generated from the presets.
+Fast cells: one process (each behaviour once, a 2-block LM, 2 steps). The product (every preset of conf/parallel x
+compile x checkpointing, in gloo worlds of 2 or 4 ranks) is ``slow``; its cells are generated from the presets: in
+each, checkpointing equals none bit for bit and compiled equals eager to 1e-4 relative (the losses of 2 steps);
+under tensor parallel compile and checkpointing together are refused in one line (torch cannot compile a
+checkpointed DTensor block, torch 2.13).
 """
 
 from __future__ import annotations
@@ -211,23 +214,28 @@ def test_runner_compiled_matches_eager(tmp_path):
 # --- every layout of conf/parallel, in gloo worlds (slow) ----------------------------------------------
 
 CASES, case = _worlds.registry(worlds=(2, 4))
+WORLD_BATCH = ["data.batch_size=16"]  # 4 micro-batches of the pipeline's per-rank batch under pp x dp_shard
 
 
 def _presets() -> dict[str, tuple[int, list[str]]]:
     """Every preset of conf/parallel that trains the dense LM (the ep ones need MoE, which compile refuses), with the
-    smallest world of 2 or 4 ranks it fits and its overrides."""
+    smallest world of 2 or 4 ranks in which every degree it sets is on (3d needs 8: left to the benchmark's
+    machines), and its overrides."""
+    from omegaconf import OmegaConf
+
     out = {}
     for path in sorted((runner.CONF_DIR / "parallel").glob("*.yaml")):
         name = path.stem
         if name.startswith("_") or name == "none":
             continue
+        named = [d for d in OmegaConf.load(path) if d in ("dp_replicate", "dp_shard", "tp", "pp", "ep")]
         for world in (2, 4):
             try:
-                dims = build.parallel_dims(cfg_of(*SMALL, f"parallel={name}"), world)
+                dims = build.parallel_dims(cfg_of(*SMALL, f"parallel={name}", *WORLD_BATCH), world)
             except build.ConfigError:
                 continue
-            if dims.enabled("ep"):
-                break
+            if dims.enabled("ep") or not all(dims.enabled(d) for d in named):
+                continue
             out[name] = (world, [f"parallel={name}"])
             break
     return out
@@ -237,11 +245,11 @@ def _layout_case(name: str, world: int, overrides: list[str]):
     def run(w):
         if w != world:
             return
-        cfg = cfg_of(*SMALL, *overrides, "data.batch_size=8")
+        cfg = cfg_of(*SMALL, *overrides, *WORLD_BATCH)
         dims = build.parallel_dims(cfg, w).build("cpu")
 
         def losses(*extra):
-            c = cfg_of(*SMALL, *overrides, "data.batch_size=8", *extra)
+            c = cfg_of(*SMALL, *overrides, *WORLD_BATCH, *extra)
             built = runner.build_run(c, torch.device("cpu"), dims, task=runner.check(c).task)
             params, state, buffers, out = built.params, built.opt_state, built.buffers, []
             for i in range(2):
@@ -252,7 +260,13 @@ def _layout_case(name: str, world: int, overrides: list[str]):
 
         eager = losses()
         assert losses("model.activation_checkpoint=full") == eager
-        assert losses("trainer.compile=true", "model.activation_checkpoint=selective") == pytest.approx(eager, rel=1e-4)
+        if dims.enabled("tp"):  # compile and checkpointing each alone; together refused (parallelize says why)
+            assert losses("trainer.compile=true") == pytest.approx(eager, rel=1e-4)
+            with pytest.raises(build.ConfigError, match="torch cannot compile a checkpointed tensor-parallel block"):
+                losses("trainer.compile=true", "model.activation_checkpoint=selective")
+        else:
+            compiled = losses("trainer.compile=true", "model.activation_checkpoint=selective")
+            assert compiled == pytest.approx(eager, rel=1e-4)
 
     run.__name__ = f"case_{name}"
     return run
@@ -261,7 +275,7 @@ def _layout_case(name: str, world: int, overrides: list[str]):
 for _name, (_world, _overrides) in _presets().items():
     case(_world)(_layout_case(_name, _world, _overrides))
 
-test_case = _worlds.tests(__file__, CASES, timeout_s=900)
+test_case = _worlds.tests(__file__, CASES, timeout_s=1800)
 
 if __name__ == "__main__":
     _worlds.worker(CASES, *sys.argv[1:])

@@ -93,6 +93,14 @@ def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims
     refused = compile_refusal(model) if compile else None
     if refused:
         raise ValueError(refused)
+    if compile and activation_checkpoint != "none" and dims.enabled("tp"):
+        # Measured on torch 2.13 (CPU, gloo), the checkpoint eager around the compiled block or traced inside it:
+        # AOT autograd's forward saves a DeviceMesh beside the tensors, which the checkpoint's saved-tensor
+        # bookkeeping asserts on ("expected all tensors_saved_with_vc_check to be Tensors"). Each alone works.
+        raise ValueError(f"{dims.describe()}: trainer.compile=true with model.activation_checkpoint="
+                         f"{activation_checkpoint}: torch cannot compile a checkpointed tensor-parallel block (its "
+                         "compiled forward saves a DeviceMesh that the checkpoint cannot hold, torch 2.13); use one "
+                         "of the two: trainer.compile=false or model.activation_checkpoint=none")
     if dims.enabled("pp"):
         return _pipelined(model, tx, dims, task, pipeline or {}, mp_policy, blocks)
     if dims.enabled("ep"):
