@@ -174,3 +174,15 @@ def test_groups_that_run_one_by_one_say_why():
     groups, _ = sweep.plan(grid("parallel=none,dp", "seed=0,1"))
     assert groups[1].header().startswith("jobs 2,3 one by one: parallel.dp_replicate=-1 (the vmap launcher batches")
     assert groups[1].reasons[0].startswith("apart by parallel: dp here, none in group 1: the parallel layout")
+
+
+@pytest.mark.parametrize("setting, why", [
+    ("trainer.compile=true", "trainer.compile=true (the per-block compiled forward does not run under vmap"),
+    ("model.activation_checkpoint=full", "model.activation_checkpoint=full (a checkpointed block does not run under"),
+])
+def test_compiled_or_checkpointed_jobs_run_one_by_one_saying_why(setting, why):
+    """The runner's per-block wrappers (fxtrain/parallel/_blocks.py) do not run under vmap: such jobs are not batched,
+    and the group says so rather than fail at its first vmapped step."""
+    model = ["experiment=tiny_lm"] if "checkpoint" in setting else []  # a model with blocks
+    groups, _ = sweep.plan(grid(*model, setting, "seed=0,1"))
+    assert len(groups) == 1 and groups[0].sequential.startswith(why), groups[0].sequential
