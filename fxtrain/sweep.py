@@ -502,10 +502,10 @@ def _sequential_reason(group: Group, world: int) -> str | None:
     if any(v != 1 for v in layout.values()):
         shown = " ".join(f"parallel.{d}={v}" for d, v in layout.items() if v != 1)
         return f"{shown} (the vmap launcher batches jobs of parallel=none only)"
-    if cfg.trainer.get("compile"):
+    if OmegaConf.select(cfg, "trainer.compile", default=False):
         return ("trainer.compile=true (the per-block compiled forward does not run under vmap; "
                 "hydra.launcher.compile=true compiles a vmapped group's step)")
-    mode = cfg.model.get("activation_checkpoint", "none")
+    mode = OmegaConf.select(cfg, "model.activation_checkpoint", default="none")
     if mode != "none":
         return f"model.activation_checkpoint={mode} (a checkpointed block does not run under vmap)"
     return None
