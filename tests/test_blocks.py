@@ -15,6 +15,7 @@ checkpointed DTensor block, torch 2.13).
 
 from __future__ import annotations
 
+import datetime
 import sys
 
 import pytest
@@ -258,18 +259,30 @@ def _layout_case(name: str, world: int, overrides: list[str]):
                 out.append(float(m["loss"]))
             return out
 
-        eager = losses()
-        assert losses("model.activation_checkpoint=full") == eager
-        if dims.enabled("tp"):  # compile and checkpointing each alone; together refused (parallelize says why)
-            assert losses("trainer.compile=true") == pytest.approx(eager, rel=1e-4)
-            with pytest.raises(build.ConfigError, match="torch cannot compile a checkpointed tensor-parallel block"):
-                losses("trainer.compile=true", "model.activation_checkpoint=selective")
-        else:
-            compiled = losses("trainer.compile=true", "model.activation_checkpoint=selective")
-            assert compiled == pytest.approx(eager, rel=1e-4)
+        _patient(dims)  # a rank compiling a block for a minute leaves its peers waiting in a collective
+        try:
+            eager = losses()
+            assert losses("model.activation_checkpoint=full") == eager
+            if dims.enabled("tp"):  # compile and checkpointing each alone; together refused (parallelize says why)
+                assert losses("trainer.compile=true") == pytest.approx(eager, rel=1e-4)
+                with pytest.raises(build.ConfigError, match="torch cannot compile a checkpointed tensor-parallel"):
+                    losses("trainer.compile=true", "model.activation_checkpoint=selective")
+            else:
+                compiled = losses("trainer.compile=true", "model.activation_checkpoint=selective")
+                assert compiled == pytest.approx(eager, rel=1e-4)
+        finally:  # tests/_worlds.py's own timeout for the files after this one
+            torch.distributed.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=60))
 
     run.__name__ = f"case_{name}"
     return run
+
+
+def _patient(dims) -> None:
+    """Collective timeouts of 15 minutes on the world's groups (tests/_worlds.py gives the default group 60 s, which
+    4 ranks compiling on 2 loaded cores outlast while a peer waits in its first all-gather or pipeline recv)."""
+    mesh = dims.mesh
+    for group in [None, *(mesh.get_group(i) for i in range(mesh.ndim))]:
+        torch.distributed.distributed_c10d._set_pg_timeout(datetime.timedelta(minutes=15), group)
 
 
 for _name, (_world, _overrides) in _presets().items():
