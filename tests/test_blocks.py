@@ -204,6 +204,30 @@ def _same_metrics(a, b) -> bool:
     return strip(read_jsonl(a / "metrics.jsonl")) == strip(read_jsonl(b / "metrics.jsonl")) != []
 
 
+def _preset_names() -> list[str]:
+    return sorted(p.stem for p in (runner.CONF_DIR / "parallel").glob("*.yaml") if not p.stem.startswith("_"))
+
+
+@pytest.mark.parametrize("preset", _preset_names())
+def test_every_preset_takes_both_keys_or_refuses_in_one_line(preset):
+    """Generated from conf/parallel: a preset of the dense LM validates with both keys (its training is a world cell
+    below, slow), an expert-parallel one (model=moe) refuses trainer.compile in one line naming the MoE layer and
+    takes activation checkpointing."""
+    from omegaconf import OmegaConf
+
+    expert = OmegaConf.load(runner.CONF_DIR / "parallel" / f"{preset}.yaml").get("ep", 1) != 1
+    model = ["model=moe"] if expert else []
+    runner.check(cfg_of(*SMALL, f"parallel={preset}", *model, "model.activation_checkpoint=full"))
+    both = cfg_of(*SMALL, f"parallel={preset}", *model, "trainer.compile=true", "model.activation_checkpoint=selective")
+    if not expert:
+        runner.check(both)
+        assert preset in _presets() or preset in ("none", "3d")  # 3d needs 8 ranks: not a test world
+        return
+    with pytest.raises(build.ConfigError, match=r"^trainer.compile=true: TransformerLM's blocks.0.mlp \(MoE\): "
+                                                r"[^\n]*use trainer.compile=false$"):
+        runner.check(both)
+
+
 @pytest.mark.slow
 @DYNAMO_GRAD_READ
 def test_runner_compiled_matches_eager(tmp_path):

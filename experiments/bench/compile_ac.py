@@ -52,7 +52,10 @@ COMPILE_RUN = ["experiment=tiny_lm", "amp=off", "accumulate=off", "data.max_byte
 AC_RUN = ["experiment=tiny_lm", "amp=off", "accumulate=off", "data.max_bytes=400000", "data.eval_windows=16",
           "model.d_model=128", "model.n_heads=4", "model.n_layers=8", "data.context=256", "data.batch_size=8",
           "trainer.max_steps=1000", "trainer.checkpoint_every=0"]
-LAYOUT_WORLD = {"none": 1, "dp": 2, "fsdp": 2, "tp": 2, "pp": 2}
+LAYOUT_WORLD = {"none": 1, "dp": 2, "fsdp": 2, "tp": 2, "pp": 2, "none+lion": 1}
+# Rows beyond the layouts: a stack without a fused kernel, where trainer.compile also compiles the update half.
+ROW_OVERRIDES = {"none+lion": ["parallel=none", "optim/transform@optim.chain=[clip_by_global_norm,lion]",
+                               "~optim.chain.adamw"]}
 
 
 class Storages(TorchDispatchMode):
@@ -115,7 +118,7 @@ def compile_row(layout: str, rounds: int, warmup: int, dims=None) -> dict:
     """Eager and compiled step of ``layout`` in this process (a rank of its world, or one process)."""
     steps, first = {}, {}
     for name, extra in (("eager", []), ("compiled", ["trainer.compile=true"])):
-        _, built = _built([*COMPILE_RUN, f"parallel={layout}", *extra], dims)
+        _, built = _built([*COMPILE_RUN, *ROW_OVERRIDES.get(layout, [f"parallel={layout}"]), *extra], dims)
         steps[name] = Stepper(built, dims)
         t0 = time.perf_counter()
         for _ in range(2):  # the compiled one compiles here (the second call sees the caches the first filled)
@@ -210,7 +213,9 @@ def render(compile_rows: list[dict], ac: list[dict], argv: list[str], load: tupl
         out += ["## Eager vs compiled step, per layout", "",
                 f"`{' '.join(COMPILE_RUN)}` (+ `parallel=<layout>`), gloo ranks with one thread each. Median of "
                 "interleaved rounds, milliseconds per step (rank 0); *first two steps*: the compiled run's first two "
-                "calls (compilation), eager's beside it.", ""]
+                "calls (compilation), eager's beside it. The stack is tiny_lm's (clip + AdamW: torch's fused kernel, "
+                "which the compiled update half does not replace); `none+lion`: a stack without a fused kernel "
+                "(`optim.chain=[clip_by_global_norm,lion]`), whose update half runs compiled.", ""]
         rows = []
         for r in compile_rows:
             if "error" in r:
