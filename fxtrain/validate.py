@@ -747,6 +747,10 @@ def _model(cfg: DictConfig) -> None:
         raise ConfigError(f"model.activation_checkpoint={_show(mode)}: expected none, full (recompute every block in "
                           "the backward pass) or selective (every other block); e.g. model.activation_checkpoint=full")
     spec = build.model_node(build.resolve(node, "model"))
+    for name in spec:  # model.activation_checkpointing=full: the runner's key, not an argument the model lacks
+        close = difflib.get_close_matches(str(name), build.MODEL_SETTINGS, n=1, cutoff=0.8)
+        if close and name != "_target_":
+            raise ConfigError(f"model.{name}: not a setting fxtrain reads (did you mean model.{close[0]}?)")
     build.target(spec, "model")  # its keys against the target's signature
     _target_values("model", spec)
     data = _value(cfg, "data")

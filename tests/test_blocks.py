@@ -174,6 +174,8 @@ def test_moe_compile_is_refused_naming_the_layer():
      r"^model.activation_checkpoint=selective: ResNet has no blocks"),
     (["experiment=tiny_lm", "model=moe", "trainer.compile=true"], r"^trainer.compile=true: TransformerLM's blocks.0.mlp"),
     (["trainer.compile=1"], r"^trainer.compile=1: expected true or false$"),
+    (["experiment=tiny_lm", "+model.activation_checkpointing=full"],
+     r"^model.activation_checkpointing: not a setting fxtrain reads \(did you mean model.activation_checkpoint\?\)$"),
 ])
 def test_bad_settings_are_refused_in_one_line_before_anything_is_written(tmp_path, overrides, message):
     with pytest.raises(build.ConfigError, match=message) as e:
