@@ -16,6 +16,7 @@ checkpointed DTensor block, torch 2.13).
 from __future__ import annotations
 
 import datetime
+import functools
 import sys
 
 import pytest
@@ -246,6 +247,7 @@ CASES, case = _worlds.registry(worlds=(2, 4))
 WORLD_BATCH = ["data.batch_size=16"]  # 4 micro-batches of the pipeline's per-rank batch under pp x dp_shard
 
 
+@functools.lru_cache(maxsize=None)
 def _presets() -> dict[str, tuple[int, list[str]]]:
     """Every preset of conf/parallel that trains the dense LM (the ep ones need MoE, which compile refuses), with the
     smallest world of 2 or 4 ranks in which every degree it sets is on (3d needs 8: left to the benchmark's
