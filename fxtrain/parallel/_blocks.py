@@ -186,7 +186,8 @@ def wrapped_note(model: nn.Module) -> str:
     if counts["activation_checkpoint"]:
         said.append(f"{counts['activation_checkpoint']} of {len(units)} blocks checkpointed")
     if counts["compile"]:
-        said.append(f"{counts['compile']} {'blocks' if units[0] is not model else 'forward'} compiled")
+        n = counts["compile"]
+        said.append(f"{n} {'forward' if units[0] is model else 'block' if n == 1 else 'blocks'} compiled")
     return "".join(f", {x}" for x in said)
 
 
