@@ -42,7 +42,7 @@ from fxtrain import data, distributed, extras, tasks
 from fxtrain._moved import moved_names
 from fxtrain.errors import ConfigError
 
-__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "parallel_dims", "single_process_note", "mixed_precision", "cast_params",
+__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "MODEL_SETTINGS", "model_node", "model", "parallel_dims", "single_process_note", "mixed_precision", "cast_params",
            "check_overrides", "search_path", "dataset", "data_keys", "floats_where_expected", "DATA_KEYS", "task",
            "eval_hooks", "early_stopping", "ScaledSchedule", "user_search_path", "user_configs_first",
            "settle_optimized_metric"]
@@ -88,6 +88,26 @@ def instantiate(node: DictConfig | dict, key: str, **given: Any) -> Any:
       given: extra keyword arguments.
     """
     return _build(resolve(node, key), key, given)
+
+
+# Keys of the model node that the runner reads, not arguments of the model's _target_ (conf/train.yaml gives them
+# their defaults): what fxtrain.parallel.parallelize does to the built model.
+MODEL_SETTINGS = ("activation_checkpoint",)
+
+
+def model_node(node: DictConfig | dict) -> dict:
+    """The model node without :data:`MODEL_SETTINGS`: the ``_target_`` node that builds the model.
+
+    >>> model_node({"_target_": "fxtrain.models.MLP", "activation_checkpoint": "none", "input_shape": [4]})
+    {'_target_': 'fxtrain.models.MLP', 'input_shape': [4]}
+    """
+    spec = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else dict(node)
+    return {k: v for k, v in spec.items() if k not in MODEL_SETTINGS}
+
+
+def model(cfg: DictConfig) -> torch.nn.Module:
+    """The model ``cfg.model`` describes (its :data:`MODEL_SETTINGS` left to the runner), built with checked keys."""
+    return _build(model_node(resolve(cfg.model, "model")), "model", {})
 
 
 def target(node: DictConfig | dict, key: str) -> tuple[Callable, dict]:

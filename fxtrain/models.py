@@ -246,6 +246,9 @@ class MoE(nn.Module):
 
     #: the stacked params, expert index first: what expert parallelism shards
     expert_params = ("w_in", "b_in", "w_out", "b_out")
+    #: why ``torch.compile`` cannot take this layer into one graph (:func:`fxtrain.parallel.compile_blocks` refuses it)
+    compile_refusal = ("each call reads its per-expert token counts on the host (torch.bincount(...).tolist(): "
+                       "data-dependent sizes), which torch.compile cannot trace into one graph")
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, top_k: int = 2):
         super().__init__()

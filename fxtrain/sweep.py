@@ -92,7 +92,8 @@ that over hundreds of steps as any rounding change would. Under ``amp`` the comp
 applies (bf16: about 1e-3 relative at step 1).
 
 **When a group runs one job at a time instead** (a one-line note names the reason): a group of one,
-``parallel`` other than ``none`` or several ranks, ``hydra.launcher.max_group_size`` (the rest of a class
+``parallel`` other than ``none`` or several ranks, ``trainer.compile=true`` or ``model.activation_checkpoint``
+other than ``none``, ``hydra.launcher.max_group_size`` (the rest of a class
 goes to the next group, said in both), jobs resuming from different steps, or a step that
 raises under vmap (:class:`NotBatchable`: checked by running the vmapped part of the group's first update before
 anything is written; e.g. a transform without a batching rule, or a model that draws random numbers in training, which vmap refuses rather than
@@ -503,6 +504,12 @@ def _sequential_reason(group: Group, world: int) -> str | None:
     if any(v != 1 for v in layout.values()):
         shown = " ".join(f"parallel.{d}={v}" for d, v in layout.items() if v != 1)
         return f"{shown} (the vmap launcher batches jobs of parallel=none only)"
+    if OmegaConf.select(cfg, "trainer.compile", default=False):
+        return ("trainer.compile=true (the per-block compiled forward does not run under vmap; "
+                "hydra.launcher.compile=true compiles a vmapped group's step)")
+    mode = OmegaConf.select(cfg, "model.activation_checkpoint", default="none")
+    if mode != "none":
+        return f"model.activation_checkpoint={mode} (a checkpointed block does not run under vmap)"
     return None
 
 

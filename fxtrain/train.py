@@ -267,12 +267,14 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order): the same on every rank
     data = build.dataset(cfg.data, choice("data", "data")).to(device) if data is None else data
     data = debug_data(cfg, data)  # debug.limit_*, debug.overfit_batches
-    model = build.instantiate(cfg.model, "model").to(device)
+    model = build.model(cfg).to(device)
     task = build.task(cfg) if task is None else task
     tx = build.stack(cfg, dims)
     try:
         placed = parallel.parallelize(model, tx, dims, task=task, pipeline=_pipeline_options(cfg),
-                                        mp_policy=build.mixed_precision(cfg, dims))
+                                        mp_policy=build.mixed_precision(cfg, dims),
+                                        activation_checkpoint=cfg.model.get("activation_checkpoint", "none"),
+                                        compile=bool(cfg.trainer.get("compile", False)))
     except ValueError as e:
         # the layout once (parallelize's own checks start with it), the model's option where a Hydra run has one
         layout, shown, text = dims.describe(), choice("model", ""), str(e)
@@ -881,7 +883,7 @@ def describe_run(data: Any, model: torch.nn.Module, params: Any, tx: fx.Gradient
     """The ``data``, ``model``, ``task``, ``stack`` and ``state`` lines a run prints at its start (and its
     train.log holds)."""
     return [f"data   {data}" + (NO_VALIDATION if getattr(data, "val", False) is None else ""),
-            f"model  {type(model).__name__}: {count_params(params):,} params on {device}",
+            f"model  {type(model).__name__}: {count_params(params):,} params on {device}{parallel.wrapped_note(model)}",
             *([f"task   {task!r}"] if task is not None else []),
             f"stack  {tx!r}",
             f"state  {state_bytes(opt_state):,} bytes of optimizer state per rank" +

@@ -44,7 +44,7 @@ Example:
     >>> check(cfg)
     Traceback (most recent call last):
     ...
-    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, max_epochs, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, checkpoint, test_ckpt, device, cpu_threads, progress, heartbeat_s, allow_no_descent, early_stopping, eval_hooks, export, orbax_naming
+    fxtrain.errors.ConfigError: trainer.max_step: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, max_epochs, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, checkpoint, test_ckpt, device, compile, cpu_threads, progress, heartbeat_s, allow_no_descent, early_stopping, eval_hooks, export, orbax_naming
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
-from fxtrain import _base, build, checkpoint, distributed, tasks
+from fxtrain import _base, build, checkpoint, distributed, parallel, tasks
 from fxtrain import data as fxdata
 from fxtrain.errors import ConfigError
 from fxtrain.interop import run_hooks as orbax_hooks
@@ -199,8 +199,8 @@ SCHEMA: dict[str, tuple[str, ...]] = {
          "schedule", "amp", "accumulate", "parallel", "trainer", "logger", "debug"),
     "optim": ("chain",),
     "trainer": ("max_steps", "max_epochs", "log_every", "eval_every", "eval_batch_size", "checkpoint_every", "keep_last",
-                "checkpoint", "test_ckpt", "device", "cpu_threads", "progress", "heartbeat_s", "allow_no_descent",
-                "early_stopping", "eval_hooks", "export", "orbax_naming"),
+                "checkpoint", "test_ckpt", "device", "compile", "cpu_threads", "progress", "heartbeat_s",
+                "allow_no_descent", "early_stopping", "eval_hooks", "export", "orbax_naming"),
     "trainer.early_stopping": ("metric", "patience", "mode", "min_delta"),
     "trainer.checkpoint": ("best_by",),
     "debug": ("name", "checkpoints", "limit_train", "limit_val", "limit_test", "overfit_batches", "profile_steps",
@@ -743,8 +743,16 @@ def _model(cfg: DictConfig) -> None:
     node = _value(cfg, "model")
     if not isinstance(node, Mapping):
         raise ConfigError(f"model={_show(node)}: expected a model config; pick one with model=mlp (conf/model)")
-    spec = build.resolve(node, "model")
-    build.target(node, "model")  # its keys against the target's signature
+    mode = node.get("activation_checkpoint", "none")
+    if mode not in parallel.AC_MODES:
+        raise ConfigError(f"model.activation_checkpoint={_show(mode)}: expected none, full (recompute every block in "
+                          "the backward pass) or selective (every other block); e.g. model.activation_checkpoint=full")
+    spec = build.model_node(build.resolve(node, "model"))
+    for name in spec:  # model.activation_checkpointing=full: the runner's key, not an argument the model lacks
+        close = difflib.get_close_matches(str(name), build.MODEL_SETTINGS, n=1, cutoff=0.8)
+        if close and name != "_target_":
+            raise ConfigError(f"model.{name}: not a setting fxtrain reads (did you mean model.{close[0]}?)")
+    build.target(spec, "model")  # its keys against the target's signature
     _target_values("model", spec)
     data = _value(cfg, "data")
     if _is_fxtrain(spec) and isinstance(data, Mapping):  # the data's facts, which the model's defaults follow
@@ -763,11 +771,18 @@ def _model(cfg: DictConfig) -> None:
                 raise ConfigError(f"model.{name}={_show(spec[name])}: the data has data.{name}={_show(data[name])}; "
                                   f"the model's must be {need} it (its default, ${{data.{name}}}, follows the data)")
     if _is_fxtrain(spec):
-        def meta() -> bool:
+        def meta() -> str | None:
             with torch.device("meta"):
-                build.instantiate(spec, "model")
-            return True
-        _memo(("model", repr(spec)), meta)
+                model = build.instantiate(spec, "model")
+            try:
+                parallel.checkpointed_blocks(model, mode)  # a model with blocks to checkpoint, no buffers in them
+            except ValueError as e:
+                return str(e)
+            return parallel.compile_refusal(model) if compiled else None  # a layer torch cannot compile
+        compiled = _value(cfg, "trainer.compile", default=False) is True
+        refused = _memo(("model", repr(spec), mode, compiled), meta)
+        if refused:
+            raise ConfigError(refused)
 
 
 def _optim(cfg: DictConfig) -> None:

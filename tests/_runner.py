@@ -54,7 +54,7 @@ def torchrun_train(cwd, *args: str, timeout: float = 240, nproc: int = 2) -> tup
 
 def load_checkpoint(path, cfg) -> fx.TrainState:
     """The runner's checkpoint at ``path`` as an fx.TrainState (like: the model and stack ``cfg`` builds)."""
-    _, params, buffers = fx.functional(build.instantiate(cfg.model, "model"))
+    _, params, buffers = fx.functional(build.model(cfg))
     like = fx.TrainState(0, params, build.stack(cfg).init(params), fx.rng_state(), buffers)
     return fx.load(path, like=like)
 

@@ -149,7 +149,7 @@ def test_mnist_port_config_is_the_templates_mnist_example():
     stack = repr(build.stack(cfg))
     assert stack.startswith("chain(inject_hyperparams(adam)(learning_rate=0.001*constant_schedule(value=1.0)")
     assert stack.endswith("reduce_on_plateau(patience=11.0, accumulation_size=11.0))"), stack  # factor 0.1: default
-    model = build.instantiate(cfg.model, "model")
+    model = build.model(cfg)
     assert [type(m).__name__ for m in model.net] == ["Flatten"] + ["Linear", "BatchNorm1d", "ReLU"] * 3 + ["Linear"]
     assert [m.out_features for m in model.net if isinstance(m, torch.nn.Linear)] == [64, 128, 64, 10]
     # 10 epochs of 11 batches of 128 (1,412 training digits), one evaluation and one plateau decision per epoch
@@ -172,7 +172,7 @@ def test_mnist_port_tests_the_best_checkpoint_by_val_accuracy_with_its_batchnorm
     assert state.step == best["step"]
     counts = {int(v) for k, v in state.buffers.items() if k.endswith("num_batches_tracked")}
     assert counts == {best["step"]} and all(v.abs().sum() > 0 for k, v in state.buffers.items() if "running_mean" in k)
-    apply, _, _ = fx.functional(build.instantiate(cfg.model, "model"))
+    apply, _, _ = fx.functional(build.model(cfg))
     x, y = build.dataset(cfg.data, "data").test
     with torch.no_grad():
         logits, buffers = apply(state.params, state.buffers, x, train=False)

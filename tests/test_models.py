@@ -174,7 +174,7 @@ def test_moe_config_composes_and_builds_the_tiny_lm():
     from tests._runner import cfg_of
 
     cfg = cfg_of("experiment=tiny_lm", "model=moe")  # the command line's model=moe beats the experiment's
-    lm = build.instantiate(cfg.model, "model")
+    lm = build.model(cfg)
     assert isinstance(lm, TransformerLM) and lm.n_heads == cfg.model.n_heads == 4
     assert all(isinstance(b.mlp, MoE) and b.mlp.num_experts == 4 and b.mlp.top_k == 2 for b in lm.blocks)
     assert lm(torch.zeros(2, cfg.data.context, dtype=torch.long)).shape == (2, cfg.data.context, cfg.data.vocab_size)

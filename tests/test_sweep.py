@@ -233,3 +233,15 @@ def test_a_second_process_loads_the_compiled_graph_from_the_cache(tmp_path):
     assert any((tmp_path / "cache").rglob("*"))
     assert second.get("fxgraph_cache_hit") == 1 and second.get("autograd_cache_hit") == 1
     assert "fxgraph_cache_miss" not in second and "autograd_cache_miss" not in second
+
+
+@pytest.mark.parametrize("setting, why", [
+    ("trainer.compile=true", "trainer.compile=true (the per-block compiled forward does not run under vmap"),
+    ("model.activation_checkpoint=full", "model.activation_checkpoint=full (a checkpointed block does not run under"),
+])
+def test_compiled_or_checkpointed_jobs_run_one_by_one_saying_why(setting, why):
+    """The runner's per-block wrappers (fxtrain/parallel/_blocks.py) do not run under vmap: such jobs are not batched,
+    and the group says so rather than fail at its first vmapped step."""
+    model = ["experiment=tiny_lm"] if "checkpoint" in setting else []  # a model with blocks
+    groups, _ = sweep.plan(grid(*model, setting, "seed=0,1"))
+    assert len(groups) == 1 and groups[0].sequential.startswith(why), groups[0].sequential

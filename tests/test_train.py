@@ -47,7 +47,7 @@ def test_every_group_option_composes_and_builds(group, option, tmp_path):
     cfg = cfg_of(*overrides)
 
     data = build.instantiate(cfg.data, "data")
-    model = build.instantiate(cfg.model, "model")
+    model = build.model(cfg)
     logits = model(data.train[0][0])
     assert logits.shape[-1] == cfg.data.get("num_classes", cfg.data.get("vocab_size"))
     from fxtrain.loggers import open_loggers
@@ -70,7 +70,7 @@ def test_hydra_settings():
 def test_every_experiment_composes_and_builds(experiment):
     cfg = cfg_of(f"experiment={experiment}")
     runner.settle_max_steps(cfg)  # an experiment given in epochs (mnist_port) gets its step count, as a run does
-    model = build.instantiate(cfg.model, "model")
+    model = build.model(cfg)
     tx = build.stack(cfg)
     _, params, _ = fx.functional(model)
     tx.init(params)
@@ -128,7 +128,7 @@ def test_a_key_the_target_does_not_take_names_key_and_transform():
                        r"fxtrain\.adamw \(did you mean learning_rate\?\); it takes learning_rate, b1, b2"):
         build.stack(cfg)
     with pytest.raises(build.ConfigError, match=r"^model: depth is not an argument of fxtrain.models.MLP"):
-        build.instantiate(cfg_of("+model.depth=3").model, "model")
+        build.model(cfg_of("+model.depth=3"))
 
 
 def test_unknown_target_lists_what_exists():

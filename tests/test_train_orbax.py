@@ -60,7 +60,7 @@ def test_export_then_resume_continues_as_the_run_that_never_stopped(tmp_path, ca
     assert lines[0][-1].split('"time_s"')[0] == lines[1][-1].split('"time_s"')[0]  # the last logged metrics
 
     # JAX restores the export into Flax names and Optax's own init of the same stack, value for value.
-    model = build.instantiate(cfg_of(*FAST).model, "model")
+    model = build.model(cfg_of(*FAST))
     first = final_state(tmp_path / "first", 3)
     params = to_linen(first.params, model)["params"]
     target = {"params": params, "opt_state": optax_counterpart().init(params)}

@@ -46,7 +46,7 @@ def accumulation_check(iterations: int = 9, param: str = "head.weight") -> str:
         cfg = compose("train", overrides=["experiment=resnet_accumulate", "trainer.device=cpu"])
     torch.manual_seed(cfg.seed)
     data = build.instantiate(cfg.data, "data")
-    apply, params, buffers = fx.functional(build.instantiate(cfg.model, "model"))
+    apply, params, buffers = fx.functional(build.model(cfg))
     tx = build.stack(cfg)
     opt_state = tx.init(params)
 

@@ -137,7 +137,8 @@ def fully_sharded(module: nn.Module) -> tuple[Callable, Params, Buffers]:
     return apply_fn, dict(owner.tree), {n: b.detach() for n, b in module.named_buffers()}
 
 
-def fully_sharded_step(loss_fn: Callable, tx: Any, module: nn.Module, *, has_aux: bool = False) -> Callable:
+def fully_sharded_step(loss_fn: Callable, tx: Any, module: nn.Module, *, has_aux: bool = False,
+                       compile: bool = False) -> Callable:  # noqa: A002 - train_step's argument name
     """``train_step(loss_fn, tx, donate=True)`` for a ``fully_shard``-ed module: FSDP's backward, fxtrain's stack.
 
     Each call runs ``tx.wrap_loss(loss_fn)`` (amp_cast's loss scale) and ``objective.backward()``, so FSDP's
@@ -158,6 +159,8 @@ def fully_sharded_step(loss_fn: Callable, tx: Any, module: nn.Module, *, has_aux
       tx: the gradient transformation, e.g. ``chain(clip_by_global_norm(1.0), sharded_apply(adamw(1e-3)))``.
       module: the ``fully_shard``-ed module ``loss_fn`` runs.
       has_aux: as :func:`fxtrain.train_step`: ``loss_fn`` returns ``(loss, aux)``; ``metrics["aux"]``.
+      compile: as :func:`fxtrain.train_step`: the update half under ``torch.compile`` (stacks without a fused
+        kernel).
 
     Returns:
       ``step(params, opt_state, batch) -> (params, opt_state, metrics)``, donated: ``params`` is the tree
@@ -177,7 +180,7 @@ def fully_sharded_step(loss_fn: Callable, tx: Any, module: nn.Module, *, has_aux
         params, opt_state, metrics = step(params, tx.init(params), batch)
     """
     engine = _Engine(_owner(module))
-    inner = donated_step(loss_fn, tx, has_aux=has_aux, grads=engine)
+    inner = donated_step(loss_fn, tx, has_aux=has_aux, compile=compile, grads=engine)
 
     def step(params: Params, opt_state: Any, batch: Any) -> tuple[Params, Any, dict]:
         # Before the forward pass: whether FSDP's backward must reduce-scatter (read on the host from

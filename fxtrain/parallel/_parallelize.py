@@ -15,7 +15,10 @@ on and composes torch's own machinery in torchtitan's order, each on its sub-mes
    ``fx.parallel.tensor_parallel``'s dp x tp bridge), gradients reduced by ``fx.train_step``.
 4. ``ep``: ``fx.parallel.expert_parallel``, the MoE layers' experts ``Shard(0)`` over ep.
 
-With none on, the model is ``fx.functional``'s and the step ``fx.train_step``.
+With none on, the model is ``fx.functional``'s and the step ``fx.train_step``. Activation checkpointing and
+``torch.compile`` of the blocks (:mod:`fxtrain.parallel._blocks`; ``activation_checkpoint=``, ``compile=``) come
+after tensor parallel and before FSDP, as in torchtitan; ``compile=True`` also compiles the step's update half
+where the stack has no fused kernel (``fx.train_step(compile=True)``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from fxtrain._deferred import DTensor
 from fxtrain.amp import Uncast
 from fxtrain.distributed import ParallelDims
 from fxtrain.functional import functional
+from fxtrain.parallel._blocks import checkpoint_blocks, checkpointed_blocks, compile_blocks, compile_refusal
 from fxtrain.parallel._data_parallel import data_parallel
 from fxtrain.parallel._expert_parallel import expert_parallel
 from fxtrain.parallel._fully_sharded import fully_sharded, fully_sharded_step
@@ -54,7 +58,8 @@ class Parallel(NamedTuple):
 
 
 def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims, *,
-                task: tasks.Task | None = None, pipeline: dict | None = None, mp_policy: Any = None) -> Parallel:
+                task: tasks.Task | None = None, pipeline: dict | None = None, mp_policy: Any = None,
+                activation_checkpoint: str = "none", compile: bool = False) -> Parallel:  # noqa: A002
     """``model`` on ``dims.mesh`` as its degrees say, and its step with ``tx`` (see the module docstring).
 
     Args:
@@ -65,6 +70,10 @@ def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims
       pipeline: under ``pp``: ``{"schedule": "gpipe" | "1f1b", "microbatches": int}``.
       mp_policy: under ``dp_shard`` (whole models and pipeline stages): FSDP's ``MixedPrecisionPolicy`` (the amp
         group's compute dtype; :func:`fxtrain.build.mixed_precision`).
+      activation_checkpoint: ``none``, ``full`` or ``selective``: the model's (or stage's) blocks checkpointed
+        (:func:`fxtrain.parallel.checkpoint_blocks`).
+      compile: each block ``torch.compile``-d (:func:`fxtrain.parallel.compile_blocks`), and the step's update
+        half where the stack has no fused kernel.
 
     Raises:
       ValueError: the model cannot take a degree (no TP plan, no pipeline split, no MoE layer), naming the
@@ -79,16 +88,30 @@ def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims
     """
     task = task or tasks.classification()
     _check(model, dims)
+    blocks = _Blocks(activation_checkpoint, compile)
+    checkpointed_blocks(model, activation_checkpoint)  # refused before any engine touches the model
+    refused = compile_refusal(model) if compile else None
+    if refused:
+        raise ValueError(refused)
+    if compile and activation_checkpoint != "none" and dims.enabled("tp"):
+        # Measured on torch 2.13 (CPU, gloo), the checkpoint eager around the compiled block or traced inside it:
+        # AOT autograd's forward saves a DeviceMesh beside the tensors, which the checkpoint's saved-tensor
+        # bookkeeping asserts on ("expected all tensors_saved_with_vc_check to be Tensors"). Each alone works.
+        raise ValueError(f"{dims.describe()}: trainer.compile=true with model.activation_checkpoint="
+                         f"{activation_checkpoint}: torch cannot compile a checkpointed tensor-parallel block (its "
+                         "compiled forward saves a DeviceMesh that the checkpoint cannot hold, torch 2.13); use one "
+                         "of the two: trainer.compile=false or model.activation_checkpoint=none")
     if dims.enabled("pp"):
-        return _pipelined(model, tx, dims, task, pipeline or {}, mp_policy)
+        return _pipelined(model, tx, dims, task, pipeline or {}, mp_policy, blocks)
     if dims.enabled("ep"):
         # Experts over ep; the dense params replicated over the data ranks, or sharded (FSDP's layout) with dp_shard.
+        blocks(model)
         apply, params, buffers = expert_parallel(model, dims.mesh, ep="ep", shard_dense=dims.params_sharded)
-        return _autograd(apply, params, buffers, tx, task)
+        return _autograd(apply, params, buffers, tx, task, compile)
     if dims.params_sharded:
         twin = _twin(model)
-        _placed(model, dims, model.tp_plan() if dims.enabled("tp") else None, mp_policy)
-        return _fully_sharded(model, tx, task, twin)
+        _placed(model, dims, model.tp_plan() if dims.enabled("tp") else None, mp_policy, blocks)
+        return _fully_sharded(model, tx, task, twin, compile)
     if dims.enabled("tp"):
         mesh = dims.submesh(*(d for d in ("dp_replicate", "tp") if dims.enabled(d)))
         apply, params, buffers = tensor_parallel(model, model.tp_plan(), mesh, dp="dp_replicate")
@@ -96,7 +119,20 @@ def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims
         apply, params, buffers = data_parallel(model, dims.submesh("dp_replicate"))
     else:
         apply, params, buffers = functional(model)
-    return _autograd(apply, params, buffers, tx, task)
+    blocks(model)  # after tensor parallel's parallelize_module (its hooks stay outside the compiled forward)
+    return _autograd(apply, params, buffers, tx, task, compile)
+
+
+class _Blocks(NamedTuple):
+    """The per-block wrappers of a run, applied to the model (or a pipeline stage) in torchtitan's order."""
+
+    activation_checkpoint: str = "none"
+    compile: bool = False
+
+    def __call__(self, module: nn.Module) -> None:
+        checkpoint_blocks(module, self.activation_checkpoint)
+        if self.compile:
+            compile_blocks(module)
 
 
 def _check(model: nn.Module, dims: ParallelDims) -> None:
@@ -114,13 +150,17 @@ def _check(model: nn.Module, dims: ParallelDims) -> None:
                          "(parallel.dp_replicate with dp_shard > 1 is HSDP per stage)")
 
 
-def _placed(module: nn.Module, dims: ParallelDims, plan: dict | None, mp_policy: Any = None) -> None:
+def _placed(module: nn.Module, dims: ParallelDims, plan: dict | None, mp_policy: Any = None,
+            blocks: Callable[[nn.Module], None] | None = None) -> None:
     """``module`` (the model, or its pipeline stage) through torch's engines in torchtitan's order:
-    ``parallelize_module`` with ``plan`` on tp, then ``fully_shard`` on dp_shard (HSDP's 2-D mesh with dp_replicate)."""
+    ``parallelize_module`` with ``plan`` on tp, the per-block wrappers (``blocks``: checkpointing, compile), then
+    ``fully_shard`` on dp_shard (HSDP's 2-D mesh with dp_replicate)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if dims.enabled("tp"):
         parallelize_module(module, dims.submesh("tp"), plan)
+    if blocks is not None:
+        blocks(module)
     if dims.params_sharded:
         _fully_shard(module, dims.fsdp_mesh, mp_policy)
 
@@ -132,8 +172,8 @@ def _stage_plan(model: nn.Module) -> dict:
     return {k: v for k, v in model.tp_plan(sequence_parallel=False).items() if k.startswith("blocks.")}
 
 
-def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: dict, mp_policy: Any = None
-               ) -> Parallel:
+def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: dict, mp_policy: Any = None,
+               blocks: _Blocks = _Blocks()) -> Parallel:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -144,13 +184,13 @@ def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipel
     n, stage_index = pp.size(), pp.get_local_rank()
     plan = _stage_plan(model) if dims.enabled("tp") else None
     module = model.pipeline_stage(stage_index, n)
-    _placed(module, dims, plan, mp_policy)
+    _placed(module, dims, plan, mp_policy, blocks)
     device = next(module.parameters()).device
     stage = PipelineStage(module, stage_index, n, device, group=pp.get_group())
     microbatches = int(pipeline.get("microbatches", 4))
     schedule = schedules[name](stage, n_microbatches=microbatches, loss_fn=lambda out, y: task.compute(out, y)[0])
     apply, params, buffers = fully_sharded(module) if dims.params_sharded else functional(module)
-    train = pipeline_step(schedule, tx, pp_group=pp)
+    train = pipeline_step(schedule, tx, pp_group=pp, compile=blocks.compile)
     first, last = stage_index == 0, stage_index == n - 1
     seen: list[int] = []  # the per-rank batch size: a stage's buffers are shaped by its first micro-batches
 
@@ -186,15 +226,15 @@ def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipel
 
 # --- shared pieces -----------------------------------------------------------------------------------
 
-def _autograd(apply: Callable, params: Any, buffers: Any, tx, task: tasks.Task) -> Parallel:
+def _autograd(apply: Callable, params: Any, buffers: Any, tx, task: tasks.Task, compile: bool = False) -> Parallel:  # noqa: A002
     """The layouts whose params are a pure function's (plain tensors or DTensors): ``fx.train_step``."""
-    train = train_step(loss_function(apply, task), tx, has_aux=True)
+    train = train_step(loss_function(apply, task), tx, has_aux=True, compile=compile)
     return Parallel(apply, params, buffers, _with_buffers(train), _evaluator(apply, task))
 
 
-def _fully_sharded(model: nn.Module, tx, task: tasks.Task, twin: nn.Module) -> Parallel:
+def _fully_sharded(model: nn.Module, tx, task: tasks.Task, twin: nn.Module, compile: bool = False) -> Parallel:  # noqa: A002
     apply, params, buffers = fully_sharded(model)
-    train = fully_sharded_step(loss_function(apply, task), tx, model, has_aux=True)
+    train = fully_sharded_step(loss_function(apply, task), tx, model, has_aux=True, compile=compile)
     twin_apply = functional(twin)[0]
 
     def evaluate_full(params, buffers, test, batch_size):

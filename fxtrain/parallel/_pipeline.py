@@ -70,7 +70,8 @@ Step = Callable[[Any, Any, Any], tuple[Any, Any, dict]]
 _MAX_PROBE_CALLS = 1024
 
 
-def pipeline_step(schedule: Any, tx: GradientTransformation, *, pp_group: Any) -> Step:
+def pipeline_step(schedule: Any, tx: GradientTransformation, *, pp_group: Any,
+                  compile: bool = False) -> Step:  # noqa: A002 - train_step's argument name
     """Builds ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` around a pipeline schedule.
 
     One call runs ``schedule.step`` (forward and backward of every micro-batch, gradients into the stage
@@ -84,6 +85,8 @@ def pipeline_step(schedule: Any, tx: GradientTransformation, *, pp_group: Any) -
         sum over the pp group: ``clip_by_global_norm(max_norm, groups=(pp_group,))``.
       pp_group: the process group (or 1-D ``DeviceMesh``) of the pipeline's stages, the one the stages were
         built with (torch's default: the whole world).
+      compile: as :func:`fxtrain.train_step`: the update half under ``torch.compile`` (stacks without a fused
+        kernel).
 
     Returns:
       ``step``. ``params`` are this rank's stage parameters (any tree whose leaves are, or alias, every
@@ -129,7 +132,7 @@ def pipeline_step(schedule: Any, tx: GradientTransformation, *, pp_group: Any) -
                          "with fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)) and "
                          "amp_cast(policy='p=f32,c=f32,o=f32'), as the runner does")
     engine = _Engine(schedule, stages, group, tx if casts else None)
-    update = donated_step(engine.forward, tx, grads=engine)
+    update = donated_step(engine.forward, tx, compile=compile, grads=engine)
 
     def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict]:
         engine.check(params, opt_state, tx)
