@@ -33,7 +33,7 @@ test: $(STAMP)
 	$(PYTEST) -m "not slow" $(ARGS)
 
 test-all: $(STAMP)
-	FXTRAIN_MATRIX=pairwise $(PYTEST) $(ARGS)
+	FXTRAIN_MATRIX=pairwise FXTRAIN_SLOW=1 $(PYTEST) $(ARGS)
 
 # The committed studies (lr_sweep, jax_parity) rerun into a fresh directory and compared with their results.md
 # (experiments/studies.py: tolerance, how to renew them). About 2 minutes on 2 cores.
