@@ -1060,7 +1060,7 @@ def launcher_schema() -> dict[str, dict[str, list[Any]]]:
     checks a ``hydra.launcher`` node against, so that a key added there is checked the day it is added.
 
     >>> sorted(launcher_schema()["hydra_plugins.fxtrain_vmap_launcher.vmap_launcher.VmapLauncher"])[:4]
-    ['_target_', 'compile', 'executor', 'executor.cluster']
+    ['_target_', 'cache_dir', 'compile', 'executor']
     """
     return _option_schema("hydra/launcher")
 
