@@ -31,6 +31,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Callable
@@ -80,12 +81,14 @@ def _run_cases(cases: dict, world: int, label: str = "") -> dict:
             continue
         torch.manual_seed(0)
         print(f"case {label}{name}", flush=True)  # the log of a crashed or hung rank names its last case
+        start = time.perf_counter()
         try:
             fn(world)
             out[name] = "ok"
         except Exception:  # noqa: BLE001 - reported by the pytest side, per case
             out[name] = traceback.format_exc()
         dist.barrier()
+        print(f"  {time.perf_counter() - start:.1f} s", flush=True)  # where a world's time goes (the suite's budget)
     return out
 
 
