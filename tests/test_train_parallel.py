@@ -51,11 +51,13 @@ def close(got: dict, ref: dict, rel: float, keys=("loss", "test_loss")) -> None:
         assert got[k] == pytest.approx(ref[k], rel=rel), (k, got[k], ref[k])
 
 
+# make test: fsdp's under torchrun (the command line's path); tp's and pp's against one process in float32 run in
+# make test-all, and under bf16 in the fast suite (test_train_resume_layouts' bf16_layouts_match_one_process)
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("preset,layout", [
     ("fsdp", "dp_shard=2"),
-    ("tp", "tp=2"),
-    ("pp", "pp=2"),
+    pytest.param("tp", "tp=2", marks=pytest.mark.slow),
+    pytest.param("pp", "pp=2", marks=pytest.mark.slow),
 ])
 def test_preset_matches_one_process(tmp_path, single, preset, layout):
     stdout, run = torchrun_train(tmp_path, f"parallel={preset}", *EXACT)
