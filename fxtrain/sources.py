@@ -472,7 +472,8 @@ def _builder(data_files: Any) -> str:
 
 def shard_urls(spec: str | os.PathLike | Sequence[str], owner: str = "webdataset") -> list[str]:
     """The shard URLs of ``spec``: a local directory (its ``*.tar``, sorted), a brace pattern
-    (``s3://bucket/train-{000000..000099}.tar``, ``pipe:aws s3 cp ... -``), or a list of them.
+    (``gs://bucket/train-{000000..000099}.tar``, ``pipe:aws s3 cp s3://bucket/train-{000000..000099}.tar -``),
+    or a list of them; URLs open as webdataset opens them (``https``, ``gs``, ``pipe:`` commands).
 
     >>> shard_urls("gs://bucket/train-{000..002}.tar")
     ['gs://bucket/train-000.tar', 'gs://bucket/train-001.tar', 'gs://bucket/train-002.tar']
@@ -632,8 +633,8 @@ def webdataset(train: Any, test: Any, val: Any = None, input: str = "x.npy", tar
     the first ``eval_examples`` samples of the ``test`` (and ``val``) shards.
 
     Args:
-      train, test, val: shards: a local directory, a brace pattern, object-storage URLs (``s3://``, ``gs://``,
-        ``pipe:`` commands, as webdataset opens them), or a list.
+      train, test, val: shards: a local directory, a brace pattern, object-storage URLs (``https://``, ``gs://``,
+        ``pipe:aws s3 cp s3://... -``, as webdataset opens them), or a list.
       input, target: the fields of a sample that are the pair (the file name after the sample's key).
       batch_size: samples per global batch.
       seed: seed of each epoch's shard order.

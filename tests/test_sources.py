@@ -265,7 +265,16 @@ def test_shard_fields_and_missing_shards_are_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no .tar shards in"):
         sources.shard_urls(tmp_path / "empty")
-    assert sources.shard_urls("s3://b/x-{0..1}.tar") == ["s3://b/x-0.tar", "s3://b/x-1.tar"]   # not opened here
+    assert sources.shard_urls("gs://b/x-{0..1}.tar") == ["gs://b/x-0.tar", "gs://b/x-1.tar"]   # not opened here
+
+
+def test_shards_stream_from_urls_as_from_files(tmp_path):
+    """Object storage in real life: a URL opened by webdataset (here a pipe: command, as `pipe:aws s3 cp ... -`)."""
+    d = _formats.shards(tmp_path, count=2, per_shard=3)
+    local = take(iter(sources.ShardStream(sources.shard_urls(d), batch_size=2, seed=1)), 4)
+    piped = take(iter(sources.ShardStream(sources.shard_urls(f"pipe:cat {d}/shard-{{000..001}}.tar"), 2, 1)), 4)
+    for a, b in zip(local, piped):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 # --- data=grain -------------------------------------------------------------------------------------------------
