@@ -17,7 +17,7 @@ from fxtrain import sources, train as runner
 from fxtrain.errors import ConfigError
 from fxtrain.report import read_jsonl
 from tests import _formats
-from tests._runner import cfg_of, isolate, run_main  # noqa: F401 - isolate: autouse (cwd, Hydra's state, logging)
+from tests._runner import cfg_of, isolate, run_main, torchrun_train  # noqa: F401 - isolate: autouse (cwd, Hydra's state, logging)
 
 
 class Counted:
@@ -353,6 +353,21 @@ def test_each_format_trains_with_the_runner_and_resumes_like_the_uninterrupted_r
     ckpt = tmp_path / "whole" / "checkpoints" / "step_0000002"
     runner.train(cfg_of(*overrides, f"resume={ckpt}"), tmp_path / "resumed")
     assert records(tmp_path / "resumed") == [r for r in whole if r["step"] > 2]   # the same batches, bit for bit
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("option", ["tokens", pytest.param("grain", marks=pytest.mark.slow)])  # the same stream kind
+def test_two_data_parallel_ranks_train_a_stream_as_one_process_does(option, tmp_path):
+    """The global batch of a step is the same on 2 ranks as in one process (each rank reads its share where the
+    runner asks the stream to shard, the whole batch and its slice where it does not): the same losses, to float32
+    summation order (1e-5 relative)."""
+    overrides = [*_formats.FORMATS[option](tmp_path / "fixture"), *RUN]
+    runner.train(cfg_of(*overrides), tmp_path / "one")
+    _, run = torchrun_train(tmp_path / "two", *overrides, "parallel=dp")
+    one, two = records(tmp_path / "one"), records(run)
+    assert [r["step"] for r in two] == [r["step"] for r in one]
+    for a, b in zip(one, two):
+        assert b == pytest.approx(a, rel=1e-5), a["step"]
 
 
 @pytest.mark.parametrize("option", sorted(_formats.EXTRAS))
