@@ -32,7 +32,8 @@ import itertools
 import os
 import pathlib
 import tarfile
-from typing import Any, Iterator, Sequence
+import typing
+from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 import torch
@@ -46,7 +47,9 @@ __all__ = ["GrainStream", "HFItems", "ItemStream", "ShardStream", "TokenWindows"
            "webdataset"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-ORDERS = ("random", "shuffle", "sequential")
+Order = Literal["random", "shuffle", "sequential"]
+ORDERS = typing.get_args(Order)
+TokenType = Literal["uint8", "uint16", "uint32"]   # nanoGPT writes uint16; vocabularies over 65,536 need uint32
 
 
 def _tensor(value: Any) -> torch.Tensor:
@@ -94,7 +97,7 @@ class TokenWindows(TorchDataset):
     Args:
       path: the ``.bin`` file.
       context: tokens per window.
-      dtype: ``uint16`` or ``uint32`` (any numpy integer type).
+      dtype: ``uint16`` or ``uint32`` (``uint8``: bytes; in code, any numpy integer type).
       stride: tokens between window starts: 1 (every offset: the random windows nanoGPT draws) or ``context``
         (windows side by side, each token once).
 
@@ -115,7 +118,7 @@ class TokenWindows(TorchDataset):
     ValueError: tokens: ... holds 202 bytes, not a whole number of uint32 tokens (4 bytes each); is it uint16? set dtype
     """
 
-    def __init__(self, path: str | os.PathLike, context: int, dtype: str = "uint16", stride: int = 1):
+    def __init__(self, path: str, context: int, dtype: TokenType = "uint16", stride: int = 1):
         self.path, self.context, self.stride = str(path), int(context), int(stride)
         try:
             self.dtype = np.dtype(dtype)
@@ -339,20 +342,20 @@ def _local(path: str | os.PathLike | None, root: str | os.PathLike | None) -> st
     return str(pathlib.Path(root or ".", path)) if root is not None else str(path)
 
 
-def tokens(dir: str | os.PathLike | None = None, train: str = "train.bin", val: str | None = "val.bin",
-           test: str | None = None, context: int = 128, dtype: str = "uint16", order: str = "random",
+def tokens(dir: str | None = None, train_file: str = "train.bin", val_file: str | None = "val.bin",
+           test_file: str | None = None, context: int = 128, dtype: TokenType = "uint16", order: Order = "random",
            batch_size: int = 32, seed: int = 0, eval_windows: int = 64, vocab_size: int | None = None) -> Dataset:
     """Memory-mapped token files (nanoGPT's ``train.bin`` / ``val.bin``): ``data=tokens``.
 
-    Training windows of ``context + 1`` tokens come from ``train`` in ``order`` (:class:`ItemStream`: ``random``
+    Training windows of ``context + 1`` tokens come from ``train_file`` in ``order`` (:class:`ItemStream`: ``random``
     offsets drawn per step from ``(seed, step)``, or ``sequential``, side by side in file order); the validation
-    and test splits are ``eval_windows`` non-overlapping windows spread evenly over ``val`` and ``test``. Without
-    a ``test`` file (nanoGPT writes none) the ``val`` file is the test split and the run validates on it (and says
-    so).
+    and test splits are ``eval_windows`` non-overlapping windows spread evenly over ``val_file`` and ``test_file``.
+    Without a test file (nanoGPT writes none) the validation file is the test split and the run validates on it
+    (and says so).
 
     Args:
       dir: the directory of the files (``None``: paths as given).
-      train, val, test: file names in ``dir`` (``val``, ``test``: ``None`` for none).
+      train_file, val_file, test_file: file names in ``dir`` (``val_file``, ``test_file``: ``None`` for none).
       context: tokens per window.
       dtype: ``uint16`` (nanoGPT, vocabularies up to 65,536) or ``uint32``.
       order: ``random`` or ``sequential`` (``shuffle``: a permutation of every window each epoch).
@@ -370,10 +373,11 @@ def tokens(dir: str | os.PathLike | None = None, train: str = "train.bin", val: 
     (torch.Size([4, 16]), True, torch.Size([8, 16]), True)
     """
     held = {split: TokenWindows(_local(f, dir), context, dtype, stride=context)
-            for split, f in (("val", val), ("test", test)) if f is not None}
+            for split, f in (("val", val_file), ("test", test_file)) if f is not None}
     if not held:
-        raise ValueError("tokens: val=null and test=null: give at least one held-out file (val: val.bin)")
-    windows = TokenWindows(_local(train, dir), context, dtype, stride=context if order == "sequential" else 1)
+        raise ValueError("tokens: val_file=null and test_file=null: give at least one held-out file "
+                         "(val_file=val.bin)")
+    windows = TokenWindows(_local(train_file, dir), context, dtype, stride=context if order == "sequential" else 1)
     stream = ItemStream(windows, batch_size, seed, order, "tokens")
     splits = {k: _held_out(w, eval_windows, f"tokens: {w.path}") for k, w in held.items()}
     test_split, val_split = (splits["test"], splits.get("val")) if "test" in splits else (splits["val"], None)
@@ -384,18 +388,19 @@ def tokens(dir: str | os.PathLike | None = None, train: str = "train.bin", val: 
 
 # --- Hugging Face datasets ---------------------------------------------------------------------------------------
 
+Builder = Literal["parquet", "json", "csv", "arrow", "text"]
 _BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow",
              ".txt": "text"}
 
 
-def hf(path: str | os.PathLike | None = None, data_files: Any = None, builder: str | None = None,
-       input: str | Sequence[str] = "input_ids", target: str | None = "label", split: str = "train",
+def hf(from_disk: str | None = None, data_files: Any = None, builder: Builder | None = None,
+       input: str | list[str] = "input_ids", target: str | None = "label", split: str = "train",
        test_split: str | None = None, val_split: str | None = None, batch_size: int = 32, seed: int = 0,
        eval_examples: int = 1024, vocab_size: int | None = None, context: int | None = None,
        cache_dir: str | None = None) -> Any:
     """A Hugging Face ``datasets`` dataset from local files: ``data=hf``.
 
-    ``path`` a directory written by ``save_to_disk`` (``load_from_disk``), or ``data_files`` (a file, a glob, a
+    ``from_disk`` a directory written by ``save_to_disk`` (``load_from_disk``), or ``data_files`` (a file, a glob, a
     list, or ``{split: files}``) read by ``load_dataset(builder, data_files=...)``, ``builder`` (``parquet``,
     ``json``, ``csv``, ``arrow``) found from the files' suffix when not given. Items come from the column map
     ``input`` / ``target`` (:class:`HFItems`).
@@ -406,7 +411,7 @@ def hf(path: str | os.PathLike | None = None, data_files: Any = None, builder: s
     spread evenly) and ``split`` trains through an :class:`ItemStream` (shuffled per epoch, each rank its share).
 
     Args:
-      path, data_files, builder: where the data is (one of ``path`` and ``data_files``).
+      from_disk, data_files, builder: where the data is (one of ``from_disk`` and ``data_files``).
       input, target: the column map (``target=None``: next-token prediction on the ``input`` column).
       split, test_split, val_split: the splits' names.
       batch_size, seed: the global batch and the order's seed (held-out splits given).
@@ -423,13 +428,14 @@ def hf(path: str | os.PathLike | None = None, data_files: Any = None, builder: s
     (20, [3.0, 1.0])
     """
     datasets = require("datasets", "data=hf", "datasets", "hf")
-    if (path is None) == (data_files is None):
-        raise ValueError("hf: give path (a save_to_disk directory) or data_files (files to load_dataset), not "
-                         f"{'both' if path is not None else 'neither'}")
-    if path is not None:
-        if not pathlib.Path(path).exists():
-            raise FileNotFoundError(f"hf: path={path} does not exist; give a directory written by save_to_disk")
-        loaded = datasets.load_from_disk(str(path))
+    if (from_disk is None) == (data_files is None):
+        raise ValueError("hf: give from_disk (a save_to_disk directory) or data_files (files to load_dataset), not "
+                         f"{'both' if from_disk is not None else 'neither'}")
+    if from_disk is not None:
+        if not pathlib.Path(from_disk).exists():
+            raise FileNotFoundError(f"hf: from_disk={from_disk} does not exist; give a directory written by "
+                                    "save_to_disk")
+        loaded = datasets.load_from_disk(str(from_disk))
     else:
         loaded = datasets.load_dataset(builder or _builder(data_files), data_files=_files(data_files),
                                        cache_dir=None if cache_dir is None else str(cache_dir))
@@ -626,14 +632,15 @@ def _held_out_samples(urls: Sequence[str], stream: ShardStream, count: int) -> B
     return _collate(pairs, f"{stream.name}: a held-out sample")
 
 
-def webdataset(train: Any, test: Any, val: Any = None, input: str = "x.npy", target: str = "cls",
-               batch_size: int = 32, seed: int = 0, eval_examples: int = 1024) -> Dataset:
-    """WebDataset ``.tar`` shards: ``data=webdataset``. Training batches stream from the ``train`` shards
+def webdataset(train_shards: str | list[str], test_shards: str | list[str], val_shards: str | list[str] | None = None,
+               input: str = "x.npy", target: str = "cls", batch_size: int = 32, seed: int = 0,
+               eval_examples: int = 1024) -> Dataset:
+    """WebDataset ``.tar`` shards: ``data=webdataset``. Training batches stream from ``train_shards``
     (:class:`ShardStream`: each rank its own shards, resumable at a shard and offset); the held-out splits are
-    the first ``eval_examples`` samples of the ``test`` (and ``val``) shards.
+    the first ``eval_examples`` samples of ``test_shards`` (and ``val_shards``).
 
     Args:
-      train, test, val: shards: a local directory, a brace pattern, object-storage URLs (``https://``, ``gs://``,
+      train_shards, test_shards, val_shards: a local directory, a brace pattern, object-storage URLs (``https://``, ``gs://``,
         ``pipe:aws s3 cp s3://... -``, as webdataset opens them), or a list.
       input, target: the fields of a sample that are the pair (the file name after the sample's key).
       batch_size: samples per global batch.
@@ -646,14 +653,14 @@ def webdataset(train: Any, test: Any, val: Any = None, input: str = "x.npy", tar
     ...     os.makedirs(os.path.join(d, split))
     ...     with wds.TarWriter(os.path.join(d, split, "000.tar")) as w:
     ...         for i in range(8): _ = w.write({"__key__": str(i), "x.npy": np.ones(3, np.float32), "cls": i % 2})
-    >>> data = webdataset(os.path.join(d, "train"), os.path.join(d, "test"), batch_size=4)
+    >>> data = webdataset(os.path.join(d, "train"), os.path.join(d, "test"), batch_size=4)   # train, test shards
     >>> next(iter(data.train))[0].shape, data.test[1].tolist()
     (torch.Size([4, 3]), [0, 1, 0, 1, 0, 1, 0, 1])
     """
     require("webdataset", "data=webdataset", "webdataset", "webdataset")
-    stream = ShardStream(shard_urls(train), batch_size, seed, input, target)
-    held = {k: _held_out_samples(shard_urls(v), stream, eval_examples) for k, v in (("test", test), ("val", val))
-            if v is not None}
+    stream = ShardStream(shard_urls(train_shards), batch_size, seed, input, target)
+    held = {k: _held_out_samples(shard_urls(v), stream, eval_examples)
+            for k, v in (("test", test_shards), ("val", val_shards)) if v is not None}
     return Dataset("webdataset", stream, held["test"], held.get("val"))
 
 

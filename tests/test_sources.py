@@ -95,13 +95,13 @@ def test_tokens_random_windows_are_seeded_and_sequential_ones_are_the_file_in_or
 
 def test_tokens_with_val_and_test_files_and_the_facts(tmp_path):
     d = _formats.token_files(tmp_path, splits=("train", "val", "test"))
-    data = sources.tokens(d, test="test.bin", context=16, batch_size=4, eval_windows=4, vocab_size=64)
+    data = sources.tokens(d, test_file="test.bin", context=16, batch_size=4, eval_windows=4, vocab_size=64)
     test = np.fromfile(d / "test.bin", dtype=np.uint16)
     assert data.val is not None and data.test[0][0].tolist() == test[:16].tolist()
     with pytest.raises(ValueError, match=r"^tokens: vocab_size=10 is too small: the tokens go up to 6\d; set "):
         sources.tokens(d, context=16, batch_size=4, vocab_size=10)
-    with pytest.raises(ValueError, match="tokens: val=null and test=null"):
-        sources.tokens(d, val=None, context=16, batch_size=4)
+    with pytest.raises(ValueError, match="tokens: val_file=null and test_file=null"):
+        sources.tokens(d, val_file=None, context=16, batch_size=4)
     with pytest.raises(ValueError, match="order='shuffled'; expected one of random, shuffle, sequential"):
         sources.tokens(d, order="shuffled", context=16, batch_size=4)
 
@@ -159,10 +159,10 @@ def test_hf_reads_each_local_format_as_the_dataset_holds_it(tmp_path, kind):
         table = datasets.Dataset.from_dict({"f0": [r[0] for r in table["features"]], "f1": [r[1] for r in
                                                                                              table["features"]],
                                             "label": table["label"]})
-    where = {"path": str(tmp_path / "disk")} if kind == "save_to_disk" else {
+    where = {"from_disk": str(tmp_path / "disk")} if kind == "save_to_disk" else {
         "data_files": str(tmp_path / f"rows.{'jsonl' if kind == 'json' else kind}"), "cache_dir": str(tmp_path / "c")}
     if kind == "save_to_disk":
-        table.save_to_disk(where["path"])
+        table.save_to_disk(where["from_disk"])
     else:
         getattr(table, f"to_{kind}")(where["data_files"])
     columns = ["f0", "f1"] if kind == "csv" else "features"
@@ -186,7 +186,7 @@ def test_hf_held_out_splits_come_from_their_files_and_train_streams(tmp_path):
     with pytest.raises(ValueError, match=r"^hf: split 'validation' is not in the data; its splits are train, test$"):
         sources.hf(data_files={"train": str(train), "test": str(test)}, input="features", test_split="test",
                    val_split="validation", cache_dir=str(tmp_path / "c"))
-    with pytest.raises(ValueError, match="hf: give path .* or data_files .*, not neither"):
+    with pytest.raises(ValueError, match="hf: give from_disk .* or data_files .*, not neither"):
         sources.hf(input="features")
     with pytest.raises(ValueError, match=r"cannot tell the format of .*rows.dat from its suffix; set builder"):
         sources.hf(data_files=str(tmp_path / "rows.dat"), input="features")
