@@ -27,7 +27,7 @@ one line naming the extra that installs it (:mod:`fxtrain.extras`).
 
 from __future__ import annotations
 
-import io
+import glob
 import itertools
 import os
 import pathlib
@@ -43,10 +43,16 @@ from torch.utils.data import default_collate
 from fxtrain.data import Dataset
 from fxtrain.extras import require
 
-__all__ = ["GrainStream", "HFItems", "ItemStream", "ShardStream", "TokenWindows", "grain", "hf", "tokens",
+__all__ = ["GrainStream", "HFItems", "ItemStream", "MissingData", "ShardStream", "TokenWindows", "grain", "hf", "tokens",
            "webdataset"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class MissingData(FileNotFoundError, ValueError):
+    """A file, directory or shard that the data config names does not exist. A ``FileNotFoundError``, and a
+    ``ValueError`` so that the runner reports it in one line, as every bad value of a data config."""
+
 Order = Literal["random", "shuffle", "sequential"]
 ORDERS = typing.get_args(Order)
 TokenType = Literal["uint8", "uint16", "uint32"]   # nanoGPT writes uint16; vocabularies over 65,536 need uint32
@@ -127,7 +133,7 @@ class TokenWindows(TorchDataset):
         if self.dtype.kind not in "ui":
             raise ValueError(f"tokens: dtype={dtype} is not an integer type; use uint16 or uint32")
         if not os.path.isfile(self.path):
-            raise FileNotFoundError(f"tokens: {self.path} does not exist; point the data config at a .bin token file "
+            raise MissingData(f"tokens: {self.path} does not exist; point the data config at a .bin token file "
                                     "(nanoGPT's prepare.py writes train.bin and val.bin)")
         size = os.path.getsize(self.path)
         if size % self.dtype.itemsize:
@@ -433,12 +439,17 @@ def hf(from_disk: str | None = None, data_files: Any = None, builder: Builder | 
                          f"{'both' if from_disk is not None else 'neither'}")
     if from_disk is not None:
         if not pathlib.Path(from_disk).exists():
-            raise FileNotFoundError(f"hf: from_disk={from_disk} does not exist; give a directory written by "
+            raise MissingData(f"hf: from_disk={from_disk} does not exist; give a directory written by "
                                     "save_to_disk")
         loaded = datasets.load_from_disk(str(from_disk))
     else:
-        loaded = datasets.load_dataset(builder or _builder(data_files), data_files=_files(data_files),
-                                       cache_dir=None if cache_dir is None else str(cache_dir))
+        _check_files(data_files)
+        try:
+            loaded = datasets.load_dataset(builder or _builder(data_files), data_files=_files(data_files),
+                                           cache_dir=None if cache_dir is None else str(cache_dir))
+        except FileNotFoundError as e:   # datasets' own words name the file or pattern
+            raise MissingData(f"hf: {e}; data_files names the files load_dataset reads (a path, a glob, a list, "
+                              "or {split: files})") from None
     splits = loaded if isinstance(loaded, datasets.DatasetDict) else {split: loaded}
     for name in (split, test_split, val_split):
         if name is not None and name not in splits:
@@ -460,6 +471,20 @@ def _files(data_files: Any) -> Any:
     if isinstance(data_files, (list, tuple)):
         return [str(f) for f in data_files]
     return str(data_files)
+
+
+def _check_files(data_files: Any) -> None:
+    """Each local file or glob of ``data_files`` names something (``load_dataset`` says less, or the wrong thing:
+    a split whose glob matches nothing "corresponds to no data")."""
+    if isinstance(data_files, dict):
+        for split, files in data_files.items():
+            _check_files(files)
+        return
+    for f in [data_files] if isinstance(data_files, (str, os.PathLike)) else data_files:
+        f = str(f)
+        if "://" not in f and not glob.glob(f):
+            raise MissingData(f"hf: data_files: {f} {'matches no file' if glob.has_magic(f) else 'does not exist'}; "
+                              "give files that load_dataset reads (a path, a glob, a list, or {split: files})")
 
 
 def _builder(data_files: Any) -> str:
@@ -490,14 +515,14 @@ def shard_urls(spec: str | os.PathLike | Sequence[str], owner: str = "webdataset
     if os.path.isdir(spec):
         urls = sorted(str(p) for p in pathlib.Path(spec).glob("*.tar"))
         if not urls:
-            raise FileNotFoundError(f"{owner}: no .tar shards in {spec}")
+            raise MissingData(f"{owner}: no .tar shards in {spec}")
         return urls
     braceexpand = require("braceexpand", f"data={owner}", "webdataset", "webdataset")
     urls = list(braceexpand.braceexpand(spec))
     local = [u for u in urls if "://" not in u and not u.startswith("pipe:")]
     missing = [u for u in local if not os.path.isfile(u)]
     if missing:
-        raise FileNotFoundError(f"{owner}: shard {missing[0]} does not exist ({len(missing)} of {len(urls)} missing); "
+        raise MissingData(f"{owner}: shard {missing[0]} does not exist ({len(missing)} of {len(urls)} missing); "
                                 "give a directory of .tar shards, a brace pattern or URLs")
     return urls
 

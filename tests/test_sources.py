@@ -188,8 +188,13 @@ def test_hf_held_out_splits_come_from_their_files_and_train_streams(tmp_path):
                    val_split="validation", cache_dir=str(tmp_path / "c"))
     with pytest.raises(ValueError, match="hf: give from_disk .* or data_files .*, not neither"):
         sources.hf(input="features")
+    (tmp_path / "rows.dat").write_text("1,2")
     with pytest.raises(ValueError, match=r"cannot tell the format of .*rows.dat from its suffix; set builder"):
         sources.hf(data_files=str(tmp_path / "rows.dat"), input="features")
+    for missing in (str(tmp_path / "nope.parquet"), {"train": str(train), "test": str(tmp_path / "no-*.parquet")}):
+        with pytest.raises(sources.MissingData, match=r"^hf: .*nope.parquet|^hf: .*no-\*.parquet") as e:
+            sources.hf(data_files=missing, input="features", cache_dir=str(tmp_path / "c"))
+        assert "\n" not in str(e.value) and isinstance(e.value, ValueError)   # one line, as the runner reports it
 
 
 # --- data=webdataset --------------------------------------------------------------------------------------------
