@@ -375,6 +375,18 @@ def test_two_data_parallel_ranks_train_a_stream_as_one_process_does(option, tmp_
         assert b == pytest.approx(a, rel=1e-5), a["step"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_stream_their_own_shards_and_resume_each_from_its_position(tmp_path):
+    """WebDataset on 2 data-parallel ranks: each rank's position (its shard and offset) is checkpointed and
+    restored on its rank, so the resumed run logs the uninterrupted 2-rank run's records."""
+    overrides = [*_formats.FORMATS["webdataset"](tmp_path / "fixture"), *RUN, "parallel=dp"]
+    _, whole = torchrun_train(tmp_path / "whole", *overrides)
+    ckpt = whole / "checkpoints" / "step_0000002"
+    _, resumed = torchrun_train(tmp_path / "resumed", *overrides, f"resume={ckpt}")
+    assert records(resumed) == [r for r in records(whole) if r["step"] > 2]
+
+
 @pytest.mark.parametrize("option", sorted(_formats.EXTRAS))
 def test_a_missing_extra_is_one_line_naming_it(option, monkeypatch, tmp_path, capsys):
     module, package, extra = _formats.EXTRAS[option]
