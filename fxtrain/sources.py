@@ -43,8 +43,8 @@ from torch.utils.data import default_collate
 from fxtrain.data import Dataset
 from fxtrain.extras import require
 
-__all__ = ["GrainStream", "HFItems", "ItemStream", "MissingData", "ShardStream", "TokenWindows", "grain", "hf", "tokens",
-           "webdataset"]
+__all__ = ["ORDERS", "GrainIterator", "GrainStream", "HFItems", "ItemStream", "MissingData", "ShardIterator",
+           "ShardStream", "StepIterator", "TokenWindows", "grain", "hf", "shard_urls", "tokens", "webdataset"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -52,6 +52,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class MissingData(FileNotFoundError, ValueError):
     """A file, directory or shard that the data config names does not exist. A ``FileNotFoundError``, and a
     ``ValueError`` so that the runner reports it in one line, as every bad value of a data config."""
+
 
 Order = Literal["random", "shuffle", "sequential"]
 ORDERS = typing.get_args(Order)
@@ -142,7 +143,8 @@ class TokenWindows(TorchDataset):
                              f"({self.dtype.itemsize} bytes each); is it {other}? set dtype")
         self.num_tokens = size // self.dtype.itemsize
         if self.num_tokens <= self.context:
-            raise ValueError(f"tokens: {self.path} holds {self.num_tokens} tokens, not more than context={self.context}; "
+            raise ValueError(f"tokens: {self.path} holds {self.num_tokens} tokens, not more than "
+                             f"context={self.context}; "
                              "lower context or give a longer file")
         if self.stride < 1:
             raise ValueError(f"tokens: stride={stride} must be at least 1")
@@ -364,7 +366,8 @@ def tokens(dir: str | None = None, train_file: str = "train.bin", val_file: str 
       train_file, val_file, test_file: file names in ``dir`` (``val_file``, ``test_file``: ``None`` for none).
       context: tokens per window.
       dtype: ``uint16`` (nanoGPT, vocabularies up to 65,536) or ``uint32``.
-      order: ``random`` or ``sequential`` (``shuffle``: a permutation of every window each epoch).
+      order: ``random`` or ``sequential`` (``shuffle``: a permutation of every window each epoch, 8 bytes a
+        window held in memory: for small files only).
       batch_size: windows per global batch.
       seed: seed of the random windows.
       eval_windows: windows per held-out split.
@@ -563,7 +566,8 @@ class ShardStream:
     >>> d = tempfile.mkdtemp()
     >>> for s in range(2):
     ...     with wds.TarWriter(os.path.join(d, f"train-{s}.tar")) as w:
-    ...         for i in range(4): _ = w.write({"__key__": f"{s}{i}", "x.npy": np.full(2, 4 * s + i, np.float32), "cls": i})
+    ...         for i in range(4):
+    ...             _ = w.write({"__key__": f"{s}{i}", "x.npy": np.full(2, 4 * s + i, np.float32), "cls": i})
     >>> it = iter(ShardStream(shard_urls(d), batch_size=3, seed=0))
     >>> [next(it)[0][:, 0].tolist() for _ in range(2)]
     [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
@@ -642,9 +646,9 @@ class ShardIterator:
     def load_state_dict(self, state: dict) -> None:
         s = self.stream
         if (state["rank"], state["world"]) != (s.rank, s.world):
-            raise ValueError(f"{s.name}: the checkpoint's stream position is rank {state['rank']} of {state['world']}'s "
-                             f"shards, and this is rank {s.rank} of {s.world}; resume on {state['world']} "
-                             "data-parallel ranks")
+            raise ValueError(f"{s.name}: the checkpoint's stream position is rank {state['rank']} of "
+                             f"{state['world']}'s shards, and this is rank {s.rank} of {s.world}; resume on "
+                             f"{state['world']} data-parallel ranks")
         self.epoch, self.shard, self.offset = int(state["epoch"]), int(state["shard"]), int(state["offset"])
         self._samples = None
 
@@ -665,8 +669,8 @@ def webdataset(train_shards: str | list[str], test_shards: str | list[str], val_
     the first ``eval_examples`` samples of ``test_shards`` (and ``val_shards``).
 
     Args:
-      train_shards, test_shards, val_shards: a local directory, a brace pattern, object-storage URLs (``https://``, ``gs://``,
-        ``pipe:aws s3 cp s3://... -``, as webdataset opens them), or a list.
+      train_shards, test_shards, val_shards: a local directory, a brace pattern, object-storage URLs
+        (``https://``, ``gs://``, ``pipe:aws s3 cp s3://... -``, as webdataset opens them), or a list.
       input, target: the fields of a sample that are the pair (the file name after the sample's key).
       batch_size: samples per global batch.
       seed: seed of each epoch's shard order.
@@ -768,7 +772,8 @@ class GrainIterator:
         s = self.stream
         batch = next(self._it)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise TypeError(f"{s.name}: the pipeline gave a {type(batch).__name__}; fxtrain reads (input, target) items")
+            raise TypeError(f"{s.name}: the pipeline gave a {type(batch).__name__}; fxtrain reads (input, target) "
+                            "items")
         x, y = _tensor(batch[0]), _tensor(batch[1])
         if s.whole() and s.world > 1:
             x, y = x[s.rank * s.local:(s.rank + 1) * s.local], y[s.rank * s.local:(s.rank + 1) * s.local]

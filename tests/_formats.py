@@ -69,7 +69,8 @@ def hf(folder: pathlib.Path) -> list[str]:
 
 def webdataset(folder: pathlib.Path) -> list[str]:
     train, test = shards(folder / "wds" / "train"), shards(folder / "wds" / "test", count=1, seed=1)
-    return ["data=webdataset", f"data.train_shards={train}", f"data.test_shards={test}", "data.batch_size=8", *CLASSIFIER]
+    return ["data=webdataset", f"data.train_shards={train}", f"data.test_shards={test}", "data.batch_size=8",
+            *CLASSIFIER]
 
 
 def grain(folder: pathlib.Path) -> list[str]:

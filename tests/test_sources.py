@@ -17,7 +17,7 @@ from fxtrain import sources, train as runner
 from fxtrain.errors import ConfigError
 from fxtrain.report import read_jsonl
 from tests import _formats
-from tests._runner import cfg_of, isolate, run_main, torchrun_train  # noqa: F401 - isolate: autouse (cwd, Hydra's state, logging)
+from tests._runner import cfg_of, isolate, run_main, torchrun_train  # noqa: F401 - isolate: autouse
 
 
 class Counted:
