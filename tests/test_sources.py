@@ -331,6 +331,21 @@ def test_grain_iter_datasets_and_random_access_sources(tmp_path):
     windows = sources.TokenWindows(d / "train.bin", context=8)
     x, y = next(iter(sources.GrainStream(windows, batch_size=4)))   # any len() + [i] source
     assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])
+    # a grain.DataLoader that batches: its iterator's state (JSON bytes) resumes it; every rank reads it whole
+    loader = lambda: grain.DataLoader(  # noqa: E731
+        data_source=windows, operations=[grain.transforms.Batch(4, drop_remainder=True)], worker_count=0,
+        sampler=grain.samplers.IndexSampler(num_records=len(windows), shuffle=True, seed=0, num_epochs=None,
+                                            shard_options=grain.sharding.NoSharding()))
+    it = iter(sources.GrainStream(loader(), batch_size=4))
+    next(it)
+    state = it.state_dict()
+    resumed = iter(sources.GrainStream(loader(), batch_size=4))
+    resumed.load_state_dict(state)
+    after = next(it)
+    assert isinstance(state["grain"], bytes) and torch.equal(next(resumed)[0], after[0])
+    share = iter(sources.GrainStream(loader(), batch_size=4).shard(1, 2))
+    share.load_state_dict(state)
+    assert torch.equal(next(share)[0], after[0][2:])
     with pytest.raises(TypeError, match="the pipeline is a int; give a grain.MapDataset, IterDataset, DataLoader"):
         sources.GrainStream(3, batch_size=4)
     assert isinstance(stream.pipeline, grain.IterDataset)
