@@ -392,6 +392,23 @@ def test_two_data_parallel_ranks_train_a_stream_as_one_process_does(option, tmp_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("option", ["tokens", "grain"])
+def test_a_stream_checkpointed_on_two_ranks_resumes_in_one_process_on_the_same_batches(option, tmp_path):
+    """Elastic: the state of these streams is the step (the same on every rank), so resume_relayout from 2
+    data-parallel ranks to one process continues the global batches of the one-process run."""
+    overrides = [*_formats.FORMATS[option](tmp_path / "fixture"), *RUN]
+    runner.train(cfg_of(*overrides), tmp_path / "one")
+    _, two = torchrun_train(tmp_path / "two", *overrides, "parallel=dp")
+    ckpt = two / "checkpoints" / "step_0000002"
+    runner.train(cfg_of(*overrides, f"resume={ckpt}", "resume_relayout=true"), tmp_path / "back")
+    back, one = records(tmp_path / "back"), [r for r in records(tmp_path / "one") if r["step"] > 2]
+    assert [r["step"] for r in back] == [r["step"] for r in one]
+    for a, b in zip(one, back):
+        assert b == pytest.approx(a, rel=1e-5), a["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_ranks_stream_their_own_shards_and_resume_each_from_its_position(tmp_path):
     """WebDataset on 2 data-parallel ranks: each rank's position (its shard and offset) is checkpointed and
     restored on its rank, so the resumed run logs the uninterrupted 2-rank run's records."""
