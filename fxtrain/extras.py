@@ -1,10 +1,10 @@
 """The optional extras: which package each optional choice needs, and the one line that installs it.
 
-Every optional launcher, sweeper and logger, selected without its package, stops before the run with the same
+Every optional launcher, sweeper, logger and data format, selected without its package, stops before the run with the same
 kind of line, ``<choice> needs <package>: pip install 'fxtrain[<extra>]'``: :func:`check_choice` for a choice on
 the command line (called by :func:`fxtrain.build.check_overrides` before Hydra composes anything, so Hydra's
 "Could not find" and a launcher's traceback never show), :func:`require` where a choice made in a config file
-is built (the loggers).
+is built (the loggers, the data formats of :mod:`fxtrain.sources`).
 
 Example:
     >>> from fxtrain.extras import check_choice, require
@@ -42,6 +42,9 @@ OPTIONAL: dict[tuple[str, str | None], tuple[str, str, str]] = {
     ("logger", "tensorboard"): ("tensorboard", "tensorboard", "tensorboard"),
     ("logger", "wandb"): ("wandb", "wandb", "wandb"),
     ("logger", "mlflow"): ("mlflow", "mlflow", "mlflow"),
+    ("data", "hf"): ("datasets", "datasets", "hf"),
+    ("data", "webdataset"): ("webdataset", "webdataset", "webdataset"),
+    ("data", "grain"): ("grain", "grain", "grain"),
 }
 
 

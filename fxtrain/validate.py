@@ -652,6 +652,14 @@ def _choice(*options: str):
 
 _FLAG = ((lambda v: isinstance(v, bool)), "true or false")
 _NAME = ((lambda v: isinstance(v, str) and bool(v.strip())), "a non-empty name")
+_PATH = ((lambda v: isinstance(v, str) and bool(v.strip())), "a non-empty path")
+_NAMES = ((lambda v: _NAME[0](v) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_NAME[0](x) for x in v))),
+          "a non-empty name or list of names")
+_PATHS = ((lambda v: _PATH[0](v) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_PATH[0](x) for x in v))),
+          "a non-empty path, pattern or URL, or a list of them")
+_FILES = ((lambda v: _PATHS[0](v) or (isinstance(v, Mapping) and len(v) > 0 and all(_PATHS[0](x) for x in v.values()))),
+          "a path, a glob, a list of them, or {split: files}")
+_NODE = ((lambda v: isinstance(v, Mapping) and "_target_" in v), "a _target_ node (your function returning it)")
 _MOMENT = _real(0, 1, hi_open=True)
 _MULTIPLE = _real(0)  # a schedule's multiple of the learning rate
 
@@ -675,6 +683,13 @@ ARG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "batch_size": _count(1), "num_examples": _count(2), "max_bytes": _count(1), "eval_windows": _count(1),
     "test_batches": _count(1), "test_fraction": _real(0, 1, lo_open=True, hi_open=True), "noise": _real(0),
     "val_fraction": _real(0, 1, hi_open=True),
+    # data formats (fxtrain/sources.py); their Literal choices (order, dtype, builder) are the annotations'
+    "dir": _PATH, "path": _PATH, "train_file": _PATH, "val_file": _optional(_PATH), "test_file": _optional(_PATH),
+    "from_disk": _optional(_PATH), "data_files": _optional(_FILES), "cache_dir": _optional(_PATH),
+    "input": _NAMES, "target": _optional(_NAME), "split": _NAME, "test_split": _optional(_NAME),
+    "val_split": _optional(_NAME), "train_shards": _PATHS, "test_shards": _PATHS, "val_shards": _optional(_PATHS),
+    "train": _NODE, "test": _NODE, "val": _optional(_NODE), "stride": _count(1), "eval_examples": _count(1),
+    "read_threads": _count(0),
     "split_seed": ((lambda v: _is_whole(v) and 0 <= v < 2**64), "a whole number from 0 to 2**64-1"),
     "seed": ((lambda v: _is_whole(v) and 0 <= v < 2**64), "a whole number from 0 to 2**64-1"),
     # tasks and loggers
@@ -725,6 +740,11 @@ def _data(cfg: DictConfig) -> None:
     spec = build.resolve(node, "data")
     build.data_keys(spec)
     _target_values("data", spec)
+    for name, value in spec.items():  # a nested _target_ (data=grain's pipelines): its keys and values, unbuilt
+        if isinstance(value, Mapping) and "_target_" in value:
+            fn = build.locate(value, f"data.{name}")
+            build.check_args(fn, {k: v for k, v in value.items() if k != "_target_"}, f"data.{name}", value["_target_"])
+            _target_values(f"data.{name}", value)
 
 
 def _val_fraction(cfg: DictConfig, node: Mapping) -> None:

@@ -1,4 +1,4 @@
-"""fxtrain.extras: every optional launcher, sweeper and logger, selected without its package, stops before the
+"""fxtrain.extras: every optional launcher, sweeper, logger and data format, selected without its package, stops before the
 run with the one line that installs it (one kind of message, where Hydra said "Could not find" for
 submitit_local and the vmap submitit launcher gave a traceback)."""
 
@@ -21,6 +21,9 @@ CASES = [  # what the user writes, then (the module that is missing, the package
     (("logger=[jsonl,tensorboard]",), ("tensorboard", "tensorboard", "tensorboard")),
     (("logger=[jsonl,wandb]",), ("wandb", "wandb", "wandb")),
     (("logger=[jsonl,mlflow]",), ("mlflow", "mlflow", "mlflow")),
+    (("data=hf",), ("datasets", "datasets", "hf")),
+    (("data=webdataset",), ("webdataset", "webdataset", "webdataset")),
+    (("data=grain",), ("grain", "grain", "grain")),
 ]
 
 
@@ -28,7 +31,7 @@ CASES = [  # what the user writes, then (the module that is missing, the package
 def test_a_missing_extra_stops_the_launch_with_the_line_that_installs_it(argv, need, monkeypatch, tmp_path, capsys):
     module, package, extra = need
     monkeypatch.setitem(sys.modules, module, None)  # what `import module` meets when it is not installed
-    arg = next(a for a in argv if a.startswith(("hydra/", "hparams", "logger")))
+    arg = next(a for a in argv if a.startswith(("hydra/", "hparams", "logger", "data")))
     code = run_main(*argv, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep")
     assert code == f"Error: {arg} needs {package}: pip install 'fxtrain[{extra}]'"
     assert "Traceback" not in capsys.readouterr().err

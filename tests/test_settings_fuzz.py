@@ -119,7 +119,28 @@ ACCEPTED.update({(key, "null"): why for key, why in {
     "trainer.eval_hooks": "null: no hooks",
     "logger.*.run_name": "null: the run directory", "logger.*.tracking_uri": "null: <run dir>/mlflow.db",
     "logger.*.name": "null: the run directory", "logger.*.settings": "null: wandb's defaults",
+    # data formats (fxtrain/sources.py)
+    "data.val_file": "null: no validation file (validation reads the test split, and the run says so)",
+    "data.test_file": "null: the validation file is the test split (nanoGPT writes no test.bin)",
+    "data.val_shards": "null: no validation shards (validation reads the test split, and the run says so)",
+    "data.val": "null: no validation pipeline (validation reads the test split, and the run says so)",
+    "data.from_disk": "null: data_files names the data (one of the two; both null is refused where it is built)",
+    "data.data_files": "null: from_disk names the data (one of the two; both null is refused where it is built)",
+    "data.builder": "null: the builder follows the files' suffix (an unknown suffix is refused where it is built)",
+    "data.target": "null: the next token of the input column (a language model)",
+    "data.test_split": "null: the runner holds out test_fraction of the training split",
+    "data.val_split": "null: no validation split of the files' own",
+    "data.cache_dir": "null: Hugging Face's own cache",
 }.items()})
+ACCEPTED[("data.read_threads", "zero")] = "Grain reads in the training thread (documented)"
+ACCEPTED.update({(key, "wrong_type"): f"{what} (the fuzz's wrong type for a null default is a string); {where}"
+                 for key, what, where in (
+    ("data.from_disk", "a path", "a missing directory is refused where it is built"),
+    ("data.cache_dir", "a path", "Hugging Face makes it"),
+    ("data.test_file", "a file name", "a missing file is refused where it is built"),
+    ("data.val_shards", "a shard pattern", "a missing shard is refused where it is built"),
+    ("data.test_split", "a split name", "one the data lacks is refused where it is built, naming its splits"),
+    ("data.val_split", "a split name", "one the data lacks is refused where it is built, naming its splits"))})
 ACCEPTED.update({
     ("logger.*.run_name", "wrong_type"): "a name (the fuzz's wrong type for a null default is a string)",
     ("logger.*.run_name", "empty"): "'' is the run directory, as null",
@@ -231,7 +252,7 @@ def _preset_bases() -> dict[str, list[str]]:
     """Every option of every config group of conf/ (hydra's and hparams_search's aside): a preset added there is
     fuzzed the day it is added. Each is composed as the command line picks it (a transform with an optimizer
     after it when it is none itself, so that the chain descends); one that only validates beside other choices
-    (model=transformer needs text data) takes the first experiment under which the option validates."""
+    (model=transformer needs text data) takes the first experiment under which the option validates (token files: model=transformer task=lm)."""
     conf = runner.CONF_DIR
     out = {}
     for option in sorted(conf.rglob("*.yaml")):
@@ -243,7 +264,8 @@ def _preset_bases() -> dict[str, list[str]]:
             choice = f"optim/transform@optim.chain=[{chain}]"
         else:
             choice = f"logger=[{option.stem}]" if group == "logger" else f"{group}={option.stem}"
-        for context in [[], *([f"experiment={e.stem}"] for e in sorted((conf / "experiment").glob("*.yaml")))]:
+        experiments = [[f"experiment={e.stem}"] for e in sorted((conf / "experiment").glob("*.yaml"))]
+        for context in [[], *experiments, ["model=transformer", "task=lm"]]:  # the last: token data's own model
             try:
                 validate.check(cfg_of(*context, choice))
             except build.ConfigError:

@@ -14,6 +14,7 @@ import fxtrain.models
 from fxtrain import build, train as runner
 from fxtrain.models import MLP
 from fxtrain.report import read_jsonl
+from tests import _formats
 from tests._runner import CONF, cfg_of, isolate, load_checkpoint, run_main, torchrun_train  # noqa: F401 - isolate: autouse
 
 FAST = ["trainer.progress=false", "trainer.device=cpu", "trainer.cpu_threads=null"]
@@ -44,11 +45,13 @@ def test_every_group_option_composes_and_builds(group, option, tmp_path):
         overrides = [f"{group}={option}"]
     if (group, option) in (("model", "transformer"), ("model", "moe"), ("data", "stdlib_text")):
         overrides = [f"model={option if group == 'model' else 'transformer'}", "data=stdlib_text", "data.max_bytes=20000"]
+    if group == "data" and option in _formats.FORMATS:  # files in a format of fxtrain/sources.py: a generated fixture
+        overrides = [*_formats.FORMATS[option](tmp_path / "fixture"), *[o for o in overrides if o != f"data={option}"]]
     cfg = cfg_of(*overrides)
 
-    data = build.instantiate(cfg.data, "data")
+    data = build.dataset(cfg.data) if group == "data" and option in _formats.FORMATS else build.instantiate(cfg.data, "data")
     model = build.model(cfg)
-    logits = model(data.train[0][0])
+    logits = model(data.test[0][:4] if group == "data" and option in _formats.FORMATS else data.train[0][0])
     assert logits.shape[-1] == cfg.data.get("num_classes", cfg.data.get("vocab_size"))
     from fxtrain.loggers import open_loggers
     open_loggers(cfg.logger, tmp_path).close()  # every logger of the group builds (fxtrain/loggers.py)

@@ -177,10 +177,12 @@ def rounds_to_none(preset: str) -> list[str]:
 
 
 @pytest.mark.parametrize("preset, override", [(p, o) for p in presets() for o in rounds_to_none(p)])
-def test_a_split_fraction_that_rounds_to_no_rows_is_refused_in_one_line(preset, override):
+def test_a_split_fraction_that_rounds_to_no_rows_is_refused_in_one_line(preset, override, tmp_path):
     from fxtrain import build
+    from tests import _formats
 
-    cfg = cfg_of(f"data={preset}", override)
+    files = _formats.FORMATS[preset](tmp_path) if preset in _formats.FORMATS else []  # a format's generated fixture
+    cfg = cfg_of(f"data={preset}", *files, override)
     key = override.split("=")[0].removeprefix("data.")
     with pytest.raises(ConfigError) as info:
         build.dataset(cfg.data)
