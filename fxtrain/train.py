@@ -600,9 +600,9 @@ class RunSteps:
         return metrics
 
     def data_line(self) -> str:
-        """How much of the training loop waited for batches (the run's ``data`` line at its end)."""
+        """How much of the training loop waited for batches (the run's ``loader`` line at its end)."""
         share = self.waited / self.stepped if self.stepped else 0.0
-        return (f"data   waited {share:.1%} of the training steps' time for batches ({self.waited:.2f} s of "
+        return (f"loader waited {share:.1%} of the training steps' time for batches ({self.waited:.2f} s of "
                 f"{self.stepped:.2f} s)")
 
     def data_state(self) -> dict[str, Any] | None:

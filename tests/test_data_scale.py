@@ -171,6 +171,8 @@ def test_real_ranks_read_the_global_batch_once_per_step(tmp_path):
     data = from_source(_data_sources.gaussians(num_examples=96), name="g", batch_size=8, test_fraction=0.25)
     train = {i for k in range(9) for i in data.train.items(k)}
     per_rank = [[int(i) for i in (reads / f"rank{r}.txt").read_text().split() if int(i) in train] for r in (0, 1)]
+    assert all(r[:8] == data.train.items(0) for r in per_rank)   # at the start, the num_classes check's batch 0
+    per_rank = [r[8:] for r in per_rank]
     assert [len(r) for r in per_rank] == [8 * 4, 8 * 4]   # 8 steps, 4 items a step on each rank
     assert sorted(per_rank[0] + per_rank[1]) == sorted(i for k in range(8) for i in data.train.items(k))
 
