@@ -197,3 +197,31 @@ def test_relayout_from_4_ranks_to_2_and_to_1_continues_the_same_global_batches(t
         assert [r["step"] for r in got] == [r["step"] for r in ref]
         for g, r in zip(got, ref):
             assert abs(g["loss"] - r["loss"]) <= 1e-5 * abs(r["loss"]), (nproc, g, r)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11 on torch 2.13
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torchdatas_stateful_dataloader_resumes_from_its_state_in_the_checkpoint_json(workers):
+    """A torchdata StatefulDataLoader (shuffled, seeded, with and without workers) as a Dataset's train: the state
+    recorded after 5 batches (JSON, as the checkpoint's manifest holds it) put into a fresh loader continues with
+    batches 5, 6, 7 of the uninterrupted stream, and the fresh loader reads only those."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def stream(source):
+        loader = StatefulDataLoader(source, batch_size=4, shuffle=True, num_workers=workers,
+                                    generator=torch.Generator().manual_seed(3))
+        return from_source(fxdata.Dataset("sdl", loader, (torch.zeros(4, 1), torch.zeros(4, dtype=torch.long))),
+                           name="sdl")
+
+    first = stream(Counted(40))
+    whole = [first.train[k][0] for k in range(5)]
+    state = json.loads(json.dumps(fxdata.stream_state(first)))   # as the checkpoint's manifest holds it
+    whole += [first.train[k][0] for k in range(5, 8)]
+    source = Counted(40)
+    resumed = stream(source)
+    before = source.reads.value   # the check's first batch
+    fxdata.load_stream_state(resumed, state)
+    for k in (5, 6, 7):
+        assert torch.equal(resumed.train[k][0], whole[k])
+    if workers == 0:   # (workers read in their own processes, ahead)
+        assert source.reads.value - before == 3 * 4   # batches 5-7 only: nothing replayed
