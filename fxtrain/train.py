@@ -340,14 +340,14 @@ def _resume_data(run: Run, data: Any, start: int) -> None:
         raise ConfigError(f"resume: the checkpoint {run.source} records no position of {data.name}'s training stream "
                           "(written before streams recorded one); start afresh (resume=null)")
     states = recorded["states"]
-    if len(states) == run.dims.world:
+    if run.note is None and len(states) == run.dims.world:  # the same layout: each rank its own position
         state = states[run.rank]
-    elif all(s == states[0] for s in states):  # another world size: every rank was at the same position
+    elif all(s == states[0] for s in states):  # another layout: every rank was at the same position
         state = states[0]
     else:
         raise ConfigError(f"resume: the checkpoint {run.source} holds {len(states)} ranks' positions in "
-                          f"{data.name}'s training stream, each its own share; they do not carry over to "
-                          f"{run.dims.world} ranks: resume on {len(states)} ranks, or start afresh (resume=null)")
+                          f"{data.name}'s training stream, each its own share, which do not carry over to another "
+                          "layout: resume on the checkpoint's layout, or start afresh (resume=null)")
     fxdata.load_stream_state(data, state)
 
 

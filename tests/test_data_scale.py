@@ -225,3 +225,40 @@ def test_torchdatas_stateful_dataloader_resumes_from_its_state_in_the_checkpoint
         assert torch.equal(resumed.train[k][0], whole[k])
     if workers == 0:   # (workers read in their own processes, ahead)
         assert source.reads.value - before == 3 * 4   # batches 5-7 only: nothing replayed
+
+
+class Rows:
+    """A stream of global batches of 8 rows drawn from ``(seed, step)``, that splits itself: ``shard(rank, world)``
+    yields each step's rows ``rank*8/world ..`` only (the contract of CONTRACT.md); ``made`` counts rows made."""
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world, self.made = rank, world, 0
+
+    def shard(self, rank: int, world: int) -> "Rows":
+        return Rows(rank, world)
+
+    def __iter__(self):
+        step = 0
+        while True:
+            rows = torch.Generator().manual_seed(step)
+            x = torch.randn((8, 2), generator=rows)
+            share = 8 // self.world
+            self.made += share
+            yield x[self.rank * share:(self.rank + 1) * share], torch.zeros(share, dtype=torch.long)
+            step += 1
+
+
+def test_a_stream_that_splits_itself_gives_each_rank_its_share():
+    """A returned Dataset's iterable with shard(rank, world): each rank reads its share only (rows made per step
+    across the ranks: the global batch), the shares in rank order are the one-process batch; a bare iterable's
+    shard is not used (its held-out batches must be every rank's), so every rank reads and slices the whole."""
+    whole = from_source(fxdata.Dataset("rows", Rows(), (torch.zeros(2, 2), torch.zeros(2, dtype=torch.long))),
+                        name="rows")
+    ranks = [for_rank(whole, r, 2) for r in range(2)]
+    assert all(sharded for _, sharded in ranks)
+    for step in range(4):
+        shares = [data.train[step][0] for data, _ in ranks]
+        assert torch.equal(torch.cat(shares), whole.train[step][0])
+    assert [data.train.source.made for data, _ in ranks] == [4 * 4, 4 * 4]   # 4 steps x 4 rows, each rank
+    bare = from_source(Rows(), name="rows", test_batches=1)
+    assert for_rank(bare, 0, 2) == (bare, False)
