@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps of each real run (the waited share)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    torch.set_num_threads(1)   # the runner's trainer.cpu_threads default: the training process's items run on one
     load_start = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     sets = {"latency (0.5 ms an item)": Latency(), "decode (CPU-bound)": Decode()}
     variants = {"in the training process (before)": 0, "4 workers": 4}
