@@ -70,8 +70,8 @@ import torch
 from torch.utils.data import IterableDataset, default_collate
 from torch.utils.data import Dataset as TorchDataset
 
-__all__ = ["Dataset", "ExampleBatches", "ShuffledBatches", "StreamBatches", "WindowBatches", "digits", "from_source",
-           "stdlib_text", "synthetic"]
+__all__ = ["Dataset", "ExampleBatches", "Loader", "ShuffledBatches", "StreamBatches", "WindowBatches", "digits",
+           "for_rank", "from_source", "stdlib_text", "synthetic"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 _END = object()   # an iterator's end, for next(it, _END)
@@ -1077,8 +1077,8 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
 
     Numpy arrays and numbers become tensors (float64 as float32). Targets may be float (regression) or
     integer (classes) of any trailing shape, inputs of any shape. Batches are global: under data parallelism
-    the runner gives each rank its slice of every batch (``ParallelDims.local_batch``), so ``batch_size`` is
-    the global batch.
+    the runner has each rank read only its share of every batch (:func:`for_rank`), so ``batch_size`` is the
+    global batch.
 
     Args:
       source: the data, in one of the forms above.
