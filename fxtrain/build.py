@@ -231,7 +231,7 @@ def omegaconf_message(e: OmegaConfBaseException) -> str:
 
 # What the runner makes of any data source (fxtrain.data.from_source); a target that takes one of them gets it.
 DATA_KEYS = ("batch_size", "test_fraction", "val_fraction", "split_seed", "seed", "test_batches", "input_shape",
-             "num_classes")
+             "num_classes", *data.LOADER_KEYS)
 
 
 def dataset(node: DictConfig | dict, name: str = "data") -> Any:
@@ -239,8 +239,8 @@ def dataset(node: DictConfig | dict, name: str = "data") -> Any:
 
     The target gets the keys its signature takes (all of them with ``**kwargs``); the runner's keys
     (:data:`DATA_KEYS`: ``batch_size``,
-    ``test_fraction``, ``val_fraction``, ``split_seed``, ``seed``, ``test_batches`` and the facts ``input_shape``,
-    ``num_classes``) go to :func:`fxtrain.data.from_source`, which splits, shuffles and checks what the
+    ``test_fraction``, ``val_fraction``, ``split_seed``, ``seed``, ``test_batches``, the facts ``input_shape``,
+    ``num_classes`` and the loader's ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``persistent_workers``) go to :func:`fxtrain.data.from_source`, which splits, shuffles and checks what the
     target returned: a ``Dataset``, tensors ``(x, y)``, a map-style dataset or an iterable of batches.
     Any other key is an error naming it.
 
@@ -251,7 +251,7 @@ def dataset(node: DictConfig | dict, name: str = "data") -> Any:
     >>> dataset({**node, "batch_sise": 8}, "mine")
     Traceback (most recent call last):
     ...
-    fxtrain.errors.ConfigError: data: batch_sise is not an argument of sklearn.datasets.make_regression nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, val_fraction, split_seed, seed, test_batches, input_shape, num_classes
+    fxtrain.errors.ConfigError: data: batch_sise is not an argument of sklearn.datasets.make_regression nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, val_fraction, split_seed, seed, test_batches, input_shape, num_classes, num_workers, prefetch_factor, pin_memory, persistent_workers
     """
     spec = resolve(node, "data")
     fn, takes = data_keys(spec)
@@ -272,7 +272,7 @@ def data_keys(spec: dict) -> tuple[Callable, set[str] | None]:
     >>> data_keys({"_target_": "fxtrain.data.digits", "batch_sise": 8})
     Traceback (most recent call last):
     ...
-    fxtrain.errors.ConfigError: data: batch_sise is not an argument of fxtrain.data.digits nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, val_fraction, split_seed, seed, test_batches, input_shape, num_classes
+    fxtrain.errors.ConfigError: data: batch_sise is not an argument of fxtrain.data.digits nor a runner key (did you mean batch_size?); the runner's keys are batch_size, test_fraction, val_fraction, split_seed, seed, test_batches, input_shape, num_classes, num_workers, prefetch_factor, pin_memory, persistent_workers
     """
     fn = locate(spec, "data")
     takes = _arguments(fn)

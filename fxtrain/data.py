@@ -12,7 +12,28 @@ same as indexing 0, 1, 2, ...
 Your own data: a data config's ``_target_`` may return tensors ``(x, y)``, a map-style
 ``torch.utils.data.Dataset`` or an iterable of batches; :func:`from_source` turns any of them into a
 :class:`Dataset` (split, batches addressed by step, a description that needs no knowledge of the class).
-Batches are global: under data parallelism every rank reads the whole batch and keeps its slice.
+
+**At scale** (the contract a data source keeps; CONTRACT.md). Batch ``k`` is always the *global* batch of step
+``k``, a function of the seed and ``k`` only, never of the world size or the number of workers, so a run
+resumed on another layout (``resume_relayout=true``) continues the same sequence. The runner hands each
+data-parallel rank (``ParallelDims.data_rank`` of ``data_world``) its share through :func:`for_rank`:
+
+* tensors, a map-style dataset and token windows: rank ``r`` of ``n`` reads only rows ``r*B/n .. (r+1)*B/n`` of
+  every global batch of ``B`` (the rows ``ParallelDims.local_batch`` keeps), so the items read per step across
+  the data-parallel ranks are the global batch. tp and pp peers (the same data rank) read the same share
+  themselves: the same items, read identically, not broadcast.
+* a map-style dataset (``len()`` and ``[i]``) is loaded by ``torch.utils.data.DataLoader`` workers (``num_workers``,
+  ``prefetch_factor``, ``pin_memory`` on CUDA, ``persistent_workers``: :class:`Loader`) that read the steps in
+  order from the one asked for; its position is the step, so a resume restarts the workers at the checkpoint's
+  step and reads nothing before it (O(1)). Items must be functions of their index.
+* an iterable is read in its own order. An iterable that is a returned :class:`Dataset`'s ``train`` may define
+  ``shard(rank, world) -> iterable``: the runner calls it once on every rank (``(0, 1)`` in one process) and
+  reads what it returns, each batch this rank's share (``batch_size // world`` examples; the global batch is the
+  ranks' shares in rank order). Without it every rank reads the whole batch and keeps its slice. A stream
+  resumes through its own state: the iterator's ``state_dict()``/``load_state_dict()`` (torchdata's
+  ``Stateful``), else the source's (torchdata's ``StatefulDataLoader``), recorded in the checkpoint after its
+  step (:func:`stream_state`); a list or tuple of batches resumes by index; any other stream's resume is
+  refused in one line (:func:`resume_refusal`), never replayed.
 
 Every builder takes the shapes its model reads (``input_shape``, ``num_classes``, ``vocab_size``,
 ``context``) so that model configs can interpolate them (``${data.num_classes}``); for a real dataset
@@ -31,7 +52,12 @@ Example:
 from __future__ import annotations
 
 import collections.abc
+import copy
 import dataclasses
+import functools
+import json
+import os
+import base64
 import gzip
 import importlib.util
 import itertools
@@ -44,8 +70,8 @@ import torch
 from torch.utils.data import IterableDataset, default_collate
 from torch.utils.data import Dataset as TorchDataset
 
-__all__ = ["Dataset", "ExampleBatches", "ShuffledBatches", "StreamBatches", "WindowBatches", "digits", "from_source",
-           "stdlib_text", "synthetic"]
+__all__ = ["Dataset", "ExampleBatches", "Loader", "ShuffledBatches", "StreamBatches", "WindowBatches", "digits",
+           "for_rank", "from_source", "stdlib_text", "synthetic"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 _END = object()   # an iterator's end, for next(it, _END)
@@ -105,6 +131,8 @@ class _OnDevice(_Batches):
 class _Epochs(_Batches):
     """Steps over ``n`` rows: epoch ``k // len(self)`` is a fresh permutation drawn from ``(seed, epoch)``."""
 
+    rank, world = 0, 1   # this rank's share of every global batch (shard)
+
     def __init__(self, n: int, batch_size: int, seed: int, device: torch.device | str):
         if not 0 < batch_size <= n:
             raise ValueError(f"batch_size={batch_size} must be between 1 and the {n} training examples")
@@ -117,11 +145,23 @@ class _Epochs(_Batches):
         return self._n // self.batch_size
 
     def _rows(self, step: int) -> torch.Tensor:
+        """This rank's rows of the global batch ``step`` (all of them for one rank): contiguous, as
+        ``ParallelDims.local_batch`` slices a global batch."""
         epoch, i = divmod(step, len(self))
         if self._perm is None or self._perm[0] != epoch:
             perm = np.random.default_rng([self.seed, epoch]).permutation(self._n)
             self._perm = (epoch, _to_device(torch.from_numpy(perm), self._device))
-        return self._perm[1][i * self.batch_size:(i + 1) * self.batch_size]
+        share = self.batch_size // self.world
+        first = i * self.batch_size + self.rank * share
+        return self._perm[1][first:first + share]
+
+    def shard(self, rank: int, world: int) -> "_Epochs":
+        """These batches as data-parallel rank ``rank`` of ``world`` reads them: its contiguous share of every
+        global batch (``batch_size // world`` rows), and only those rows are read."""
+        _check_share(self.batch_size, rank, world)
+        out = copy.copy(self)
+        out.rank, out.world, out._perm = rank, world, None
+        return out
 
 
 class ShuffledBatches(_Epochs):
@@ -145,10 +185,75 @@ class ShuffledBatches(_Epochs):
         return self.x[idx], self.y[idx]
 
     def to(self, device: torch.device | str) -> "ShuffledBatches":
-        return ShuffledBatches(self.x.to(device), self.y.to(device), self.batch_size, self.seed)
+        return ShuffledBatches(self.x.to(device), self.y.to(device), self.batch_size, self.seed).shard(self.rank,
+                                                                                                    self.world)
 
     def describe(self, test: Batch) -> str:
         return f"{len(self.x):,} train examples, {len(test[0]):,} test, batch {self.batch_size}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Loader:
+    """How a map-style source's items are loaded (the data config's ``num_workers``, ``prefetch_factor``,
+    ``pin_memory``, ``persistent_workers``): by ``torch.utils.data.DataLoader`` worker processes, in step order.
+
+    ``num_workers``: worker processes (0: items read in the training process; ``None``: :meth:`workers` picks
+    one per core this rank has, at most 4). ``prefetch_factor``: batches each worker loads ahead.
+    ``pin_memory``: batches in pinned memory for a CUDA device (``None``: on a CUDA device; never on a CPU one).
+    ``persistent_workers``: the workers outlive a jump to another step (a resume, a debug limit's epochs).
+
+    >>> Loader(num_workers=0).workers(), Loader(num_workers=3).workers()
+    (0, 3)
+    >>> Loader(num_workers=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: num_workers=-1: expected a whole number of worker processes >= 0 (0: items read in the training process) or null (auto: one per core, at most 4)
+    """
+
+    num_workers: int | None = None
+    prefetch_factor: int = 2
+    pin_memory: bool | None = None
+    persistent_workers: bool = True
+
+    def __post_init__(self) -> None:
+        check_loader(self.num_workers, self.prefetch_factor, self.pin_memory, self.persistent_workers)
+
+    def workers(self) -> int:
+        """The worker processes: ``num_workers``, or for ``None`` the cores this process may use, shared by the
+        ranks on this machine (``LOCAL_WORLD_SIZE``), at most 4 (enough to hide a read's latency)."""
+        if self.num_workers is not None:
+            return self.num_workers
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(4, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+
+
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def check_loader(num_workers: Any = None, prefetch_factor: Any = 2, pin_memory: Any = None,
+                 persistent_workers: Any = True, prefix: str = "") -> None:
+    """Raises ``ValueError`` (one line naming the setting, ``prefix`` before its name) for a :class:`Loader`
+    setting of the wrong kind.
+
+    >>> check_loader(prefetch_factor=0, prefix="data.")
+    Traceback (most recent call last):
+    ...
+    ValueError: data.prefetch_factor=0: expected a whole number of batches >= 1 that each worker loads ahead (2)
+    """
+    if num_workers is not None and not _whole(num_workers, 0):
+        raise ValueError(f"{prefix}num_workers={num_workers}: expected a whole number of worker processes >= 0 (0: "
+                         "items read in the training process) or null (auto: one per core, at most 4)")
+    if not _whole(prefetch_factor, 1):
+        raise ValueError(f"{prefix}prefetch_factor={prefetch_factor}: expected a whole number of batches >= 1 that "
+                         "each worker loads ahead (2)")
+    for name, value, what in (("pin_memory", pin_memory, "true, false or null (auto: on a CUDA device)"),
+                              ("persistent_workers", persistent_workers, "true or false")):
+        if not (isinstance(value, bool) or (value is None and name == "pin_memory")):
+            raise ValueError(f"{prefix}{name}={value}: expected {what}")
+
+
+LOADER_KEYS = ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers")
 
 
 class ExampleBatches(_Epochs):
@@ -156,7 +261,12 @@ class ExampleBatches(_Epochs):
     permutation each epoch (as :class:`ShuffledBatches`), collated by ``torch.utils.data.default_collate``.
 
     Items are ``(input, target)`` pairs of tensors, numpy arrays or numbers (arrays and numbers become
-    tensors, float64 as float32). Items are read in the training process, ``batch_size`` per step.
+    tensors, float64 as float32). ``loader`` says how they are read: in the training process
+    (``num_workers=0``, the default here), or by ``torch.utils.data.DataLoader`` workers that load the steps
+    ahead, in order, from the step asked for (a jump to another step, a resume, restarts them there: no step
+    before it is read). :meth:`shard` reads only a data-parallel rank's share of each batch. Items must be
+    functions of ``i`` alone (a random transform: seed it from ``i``), since a worker's RNG depends on the
+    number of workers.
 
     >>> import torch
     >>> squares = [(torch.tensor([float(i)]), i * i) for i in range(10)]    # any len() + [i] object
@@ -164,18 +274,97 @@ class ExampleBatches(_Epochs):
     >>> x, y = b[1]
     >>> x.shape, y.dtype, bool((y == x[:, 0].long() ** 2).all())
     (torch.Size([4, 1]), torch.int64, True)
+    >>> bool((b.shard(1, 2)[1][1] == y[2:]).all())   # rank 1 of 2 reads the second half of the global batch
+    True
     """
 
-    def __init__(self, dataset: Any, indices: Sequence[int], batch_size: int, seed: int):
+    def __init__(self, dataset: Any, indices: Sequence[int], batch_size: int, seed: int,
+                 loader: Loader = Loader(num_workers=0)):
         self.dataset, self.indices = dataset, torch.as_tensor(np.asarray(indices, dtype=np.int64))
         super().__init__(len(self.indices), batch_size, seed, "cpu")
+        self.loader, self.pin = loader, False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._loading: tuple[Any, "_FromStep"] | None = None   # the DataLoader and its batch sampler, once started
+        self._it: Iterator[Batch] | None = None
+        self._next, self._last = 0, None
+
+    def items(self, step: int) -> list[int]:
+        """The dataset indices this rank reads for step ``step``."""
+        return self.indices[self._rows(step)].tolist()
 
     def __getitem__(self, step: int) -> Batch:
-        return _collate(self.dataset, self.indices[self._rows(step)].tolist())
+        if self._last is not None and self._last[0] == step:
+            return self._last[1]
+        if self.loader.workers() == 0:
+            batch = _collate(self.dataset, self.items(step))
+        else:
+            if self._it is None or step != self._next:
+                self._it = self._start(step)
+            batch = next(self._it)
+        self._next, self._last = step + 1, (step, batch)
+        return batch
+
+    def _start(self, step: int) -> Iterator[Batch]:
+        """The workers' batches from step ``step`` on (O(1): the sampler starts there)."""
+        if self._loading is None:
+            from torch.utils.data import DataLoader
+
+            sampler = _FromStep(self)
+            workers = self.loader.workers()
+            loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=workers,
+                                collate_fn=functools.partial(_collate_items, type(self.dataset).__name__),
+                                prefetch_factor=self.loader.prefetch_factor, pin_memory=self.pin,
+                                persistent_workers=self.loader.persistent_workers,
+                                # the workers' seeds from the data's seed, not from torch's global RNG (which
+                                # DataLoader would draw from: the training's dropout would depend on num_workers)
+                                generator=torch.Generator().manual_seed(self.seed))
+            self._loading = (loader, sampler)
+        loader, sampler = self._loading
+        sampler.start = step
+        return iter(loader)
+
+    def shard(self, rank: int, world: int) -> "ExampleBatches":
+        out = super().shard(rank, world)
+        out._reset()
+        return out
+
+    def to(self, device: torch.device | str) -> "_Batches":
+        """Batches moved to ``device`` as they come; to a CUDA device the workers pin them (``pin_memory``)."""
+        out = copy.copy(self)
+        out._reset()
+        out.pin = torch.device(device).type == "cuda" and self.loader.pin_memory is not False and out.loader.workers() > 0
+        return _OnDevice(out, device)
 
     def describe(self, test: Batch) -> str:
+        workers = self.loader.workers()
         return (f"{len(self.indices):,} train examples, {len(test[0]):,} test, batch {self.batch_size} "
-                f"({type(self.dataset).__name__}, map-style)")
+                f"({type(self.dataset).__name__}, map-style, "
+                + (f"{workers} worker{'s' if workers > 1 else ''})" if workers else "read in the training process)"))
+
+
+class _FromStep:
+    """An :class:`ExampleBatches`' batch sampler: the indices each step from ``start`` on reads, without end."""
+
+    def __init__(self, batches: ExampleBatches):
+        self.batches, self.start = batches, 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return map(self.batches.items, itertools.count(self.start))
+
+
+def _collate_items(name: str, items: list) -> Batch:
+    """A worker's batch of items ``(input, target)``, collated as :func:`_collate` does."""
+    x, y = default_collate([_pair(item, f"an item of {name}") for item in items])
+    return x, y
+
+
+def _check_share(batch_size: int, rank: int, world: int) -> None:
+    if not (_whole(world, 1) and _whole(rank, 0) and rank < world):
+        raise ValueError(f"shard(rank={rank}, world={world}): expected 0 <= rank < world")
+    if batch_size % world:
+        raise ValueError(f"a batch of {batch_size} does not split evenly over {world} data-parallel ranks")
 
 
 class StreamBatches(_Batches):
@@ -184,9 +373,9 @@ class StreamBatches(_Batches):
     passes repeat.
 
     ``batches[k]`` is the k-th training batch. Going forward costs one ``next`` per step (the position is
-    kept); going back starts a new pass and skips to step ``k``. A resumed run builds the source afresh and
-    skips forward to its step, so it sees the batches the uninterrupted run saw when every pass of a fresh
-    source yields the same sequence (a list; a DataLoader without shuffling, or with a seeded generator).
+    kept); going back starts a new pass and skips to step ``k``; a list or tuple is read by index. A resumed
+    run does not skip forward: it restores the position its checkpoint recorded (:meth:`state_dict`, with the
+    source's own ``state_dict()``), or the runner refuses the resume (:func:`resume_refusal`).
     A one-shot iterator (a generator: ``iter(source) is source``) only goes forward: a second pass or an
     earlier step raises. Every training batch must hold ``batch_size`` examples (``None``: the first one's).
     The held-out batches are each pass's first ones: an iterable that reshuffles every pass would train on
@@ -220,15 +409,18 @@ class StreamBatches(_Batches):
     def __getitem__(self, step: int) -> Batch:
         if self._last is not None and self._last[0] == step:
             return self._last[1]
-        if step < self._next:
-            if self.one_shot:
-                raise ValueError(f"{self.owner}: step {step} comes before the position of {self._kind} (step "
-                                 f"{self._next - 1}) and a one-shot iterator cannot go back; return a re-iterable "
-                                 "(a list, a Dataset or a class with __iter__)")
-            self._it, self._in_pass, self._next = self._new_pass(), 0, 0
-        while self._next <= step:
-            raw = self._pull()
-            self._next += 1
+        if self._indexed():   # a list or tuple of batches: by index, O(1) at any step
+            raw, self._next = self.source[self.held_out + step % (len(self.source) - self.held_out)], step + 1
+        else:
+            if step < self._next:
+                if self.one_shot:
+                    raise ValueError(f"{self.owner}: step {step} comes before the position of {self._kind} (step "
+                                     f"{self._next - 1}) and a one-shot iterator cannot go back; return a re-iterable "
+                                     "(a list, a Dataset or a class with __iter__)")
+                self._it, self._in_pass, self._next = self._new_pass(), 0, 0
+            while self._next <= step:
+                raw = self._pull()
+                self._next += 1
         x, y = _pair(raw, f"{self.owner}: training batch {step} from {self._kind}")
         if self.batch_size is not None and len(x) != self.batch_size:
             raise ValueError(f"{self.owner}: training batch {step} from {self._kind} has {len(x)} examples, not "
@@ -236,6 +428,9 @@ class StreamBatches(_Batches):
                              "(a DataLoader: drop_last=True)")
         self._last = (step, (x, y))
         return x, y
+
+    def _indexed(self) -> bool:
+        return isinstance(self.source, (list, tuple)) and len(self.source) > self.held_out
 
     def _pull(self) -> Any:
         """The next raw training batch, starting a new pass when this one ends."""
@@ -258,6 +453,50 @@ class StreamBatches(_Batches):
         for _ in itertools.islice(it, self.held_out):   # this pass's test batches
             pass
         return it
+
+    # --- resume through the source's own state; a data-parallel rank's share -------------------------------
+
+    def stateful(self) -> Any:
+        """What holds this stream's position: the current iterator when it has ``state_dict()`` and
+        ``load_state_dict()`` (torchdata's ``Stateful``), else the source when it has them (torchdata's
+        ``StatefulDataLoader``), else ``None``. A list or tuple of batches needs none: it is read by index."""
+        for holder in (self._it, self.source):
+            if callable(getattr(holder, "state_dict", None)) and callable(getattr(holder, "load_state_dict", None)):
+                return holder
+        return None
+
+    def resumable(self) -> bool:
+        """Whether a resume can continue this stream without replaying it: a list or tuple, or :meth:`stateful`."""
+        return self._indexed() or self.stateful() is not None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch taken: the step, the pass's batches so far and the source's state
+        (``None`` for a list or tuple). Taken right after a checkpoint's step, before the next batch."""
+        holder = self.stateful()
+        return {"next": self._next, "in_pass": self._in_pass,
+                "source": None if holder is None else holder.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues from ``state`` (:meth:`state_dict`'s): the next batch is that of step ``state["next"]``,
+        read by index (a list or tuple) or by the source restored from its own state; nothing is replayed."""
+        if state["source"] is not None:
+            holder = self.stateful()
+            if holder is self.source:   # a loader: its next iter() continues from the state
+                self.source.load_state_dict(state["source"])
+                self._it = iter(self.source)
+            else:   # the iterator's: a fresh one, moved to the state
+                self._it = iter(self.source)
+                self._it.load_state_dict(state["source"])
+        self._next, self._in_pass, self._last = state["next"], state["in_pass"], None
+
+    def shard(self, rank: int, world: int) -> "StreamBatches | None":
+        """Data-parallel rank ``rank`` of ``world``'s share of each batch, read by the source's own
+        ``shard(rank, world)`` (see the module doc), or ``None``: the source cannot split itself (no ``shard``, or
+        its test batches are its own first ones, which every rank must hold alike)."""
+        if self.held_out or not callable(getattr(self.source, "shard", None)):
+            return None
+        _check_share(self.batch_size, rank, world)
+        return StreamBatches(self.source.shard(rank, world), 0, self.batch_size // world, self.owner)
 
     def describe(self, test: Batch) -> str:
         held = (f"{self.held_out} test batch{'es' if self.held_out > 1 else ''} ({len(test[0]):,} examples)"
@@ -282,13 +521,25 @@ class WindowBatches(_Batches):
         self.tokens, self.batch_size, self.context, self.seed = tokens, batch_size, context, seed
         self._window = torch.arange(context + 1, device=tokens.device)
 
+    rank, world = 0, 1   # this rank's share of every global batch (shard)
+
     def __getitem__(self, step: int) -> Batch:
         starts = np.random.default_rng([self.seed, step]).integers(0, len(self.tokens) - self.context, self.batch_size)
+        share = self.batch_size // self.world
+        starts = starts[self.rank * share:(self.rank + 1) * share]   # the global batch's offsets, this rank's share
         rows = self.tokens[_to_device(torch.from_numpy(starts), self.tokens.device)[:, None] + self._window]
         return rows[:, :-1], rows[:, 1:]
 
+    def shard(self, rank: int, world: int) -> "WindowBatches":
+        """As :meth:`ShuffledBatches.shard`: rank ``rank`` of ``world`` cuts only its share of the windows."""
+        _check_share(self.batch_size, rank, world)
+        out = copy.copy(self)
+        out.rank, out.world = rank, world
+        return out
+
     def to(self, device: torch.device | str) -> "WindowBatches":
-        return WindowBatches(self.tokens.to(device), self.batch_size, self.context, self.seed)
+        return WindowBatches(self.tokens.to(device), self.batch_size, self.context, self.seed).shard(self.rank,
+                                                                                                  self.world)
 
     def describe(self, test: Batch) -> str:
         return (f"{len(self.tokens):,} train tokens, {len(test[0]):,} test windows of {self.context}, "
@@ -342,6 +593,138 @@ def batches_per_epoch(data: Dataset) -> int | None:
     if isinstance(train, (_Epochs, _FirstOfEpoch, _Repeated)):
         return len(train)
     return None
+
+
+# --- each rank's share, and a stream's position in a checkpoint ---------------------------------------------
+
+def for_rank(data: Dataset, rank: int, world: int) -> tuple[Dataset, bool]:
+    """``(data, sharded)``: ``data`` whose training batches are data-parallel rank ``rank`` of ``world``'s share
+    of each global batch, only that share read (``sharded=True``), or ``data`` as it is when its source cannot
+    split itself (``False``: every rank reads the whole batch and keeps its slice, ``ParallelDims.local_batch``).
+
+    Tensors, map-style datasets and token windows split by rows (rank ``r`` reads rows ``r*B/n .. (r+1)*B/n`` of
+    the global batch, the rows ``local_batch`` keeps: the same values); an iterable that is a returned
+    :class:`Dataset`'s ``train`` with a ``shard(rank, world)`` method splits itself; debug runs' repeated
+    batches (``overfit``) are held in memory already and not split.
+
+    >>> data = synthetic(batch_size=8, num_examples=64)
+    >>> half, sharded = for_rank(data, 1, 2)
+    >>> sharded, bool((half.train[3][0] == data.train[3][0][4:]).all())
+    (True, True)
+    """
+    train = _sharded(data.train, rank, world)
+    return (data, False) if train is None else (dataclasses.replace(data, train=train), True)
+
+
+def _sharded(train: Any, rank: int, world: int) -> Any:
+    if isinstance(train, _OnDevice):
+        inner = _sharded(train.batches, rank, world)
+        return None if inner is None else _OnDevice(inner, train.device)
+    if isinstance(train, _FirstOfEpoch):
+        inner = _sharded(train.batches, rank, world)
+        return None if inner is None else _FirstOfEpoch(inner, train.n, train.per_epoch)
+    if isinstance(train, (_Epochs, WindowBatches, StreamBatches)):
+        return train.shard(rank, world)
+    return None
+
+
+def _stream(train: Any) -> StreamBatches | None:
+    """The :class:`StreamBatches` under ``train``'s wrappers, or ``None`` (batches addressed by step)."""
+    while isinstance(train, (_OnDevice, _FirstOfEpoch)):
+        train = train.batches
+    return train if isinstance(train, StreamBatches) else None
+
+
+def stream_state(data: Dataset) -> dict[str, Any] | None:
+    """The position of ``data``'s training stream as plain JSON (what a checkpoint records), or ``None`` when its
+    batches are addressed by step (tensors, map-style, windows: the step is the position) or it has no state.
+
+    >>> class Counting:   # an iterable with torchdata's Stateful protocol
+    ...     def __init__(self): self.at = 0
+    ...     def __iter__(self): return self
+    ...     def __next__(self):
+    ...         self.at += 1
+    ...         return torch.full((2, 1), float(self.at)), torch.zeros(2)
+    ...     def state_dict(self): return {"at": self.at}
+    ...     def load_state_dict(self, state): self.at = state["at"]
+    >>> data = Dataset("counting", Counting(), (torch.zeros(2, 1), torch.zeros(2)))
+    >>> data = from_source(data, name="counting")
+    >>> [float(data.train[k][0][0]) for k in range(3)], stream_state(data)["source"]
+    ([1.0, 2.0, 3.0], {'at': 3})
+    """
+    stream = _stream(data.train)
+    if stream is None or not stream.resumable():
+        return None
+    return _jsonable(stream.state_dict())
+
+
+def load_stream_state(data: Dataset, state: dict[str, Any]) -> None:
+    """Puts ``data``'s training stream at ``state`` (:func:`stream_state`'s): its next batch is the one after the
+    checkpoint's step, and nothing before it is read."""
+    stream = _stream(data.train)
+    stream.load_state_dict(_from_jsonable(state))
+
+
+def resume_refusal(data: Dataset, step: int) -> str | None:
+    """Why ``data``'s training batches cannot resume at ``step`` without replaying them (one line), or ``None``."""
+    stream = _stream(data.train)
+    if step == 0 or stream is None or stream.resumable():
+        return None
+    return (f"{data.name}'s training batches come from {stream._kind}, which has no state_dict()/load_state_dict() "
+            f"to continue from at step {step:,}, and fxtrain does not replay {step:,} batches of a stream: give the "
+            "source (or its iterator) those two methods (torchdata's StatefulDataLoader has them), return a "
+            "map-style dataset (len() and [i]) or a list of batches, or start afresh (resume=null)")
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` (dicts, lists, tuples, numbers, strings, bytes, tensors, numpy arrays) as JSON data, tagged so
+    that :func:`_from_jsonable` gives it back exactly (a checkpoint's manifest holds only JSON: nothing pickled).
+
+    >>> state = {"seen": 3, 0: (b"ab", torch.tensor([1, 2])), "g": np.arange(2, dtype=np.uint8)}
+    >>> back = _from_jsonable(json.loads(json.dumps(_jsonable(state))))
+    >>> back["seen"], back[0][0], back[0][1].tolist(), back["g"].dtype
+    (3, b'ab', [1, 2], dtype('uint8'))
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _jsonable(v) for k, v in value.items()}
+        return {"__dict__": [[_jsonable(k), _jsonable(v)] for k, v in value.items()]}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_jsonable(v) for v in value]}
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": _jsonable(value.detach().cpu().numpy())}
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": base64.b64encode(np.ascontiguousarray(value).tobytes()).decode(),
+                "dtype": value.dtype.str, "shape": list(value.shape)}
+    raise TypeError(f"a stream's state_dict() holds a {type(value).__name__}; a checkpoint records dicts, lists, "
+                    "tuples, numbers, strings, bytes, tensors and numpy arrays")
+
+
+def _from_jsonable(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_jsonable(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__dict__" in value:
+        return {_from_jsonable(k): _from_jsonable(v) for k, v in value["__dict__"]}
+    if "__tuple__" in value:
+        return tuple(_from_jsonable(v) for v in value["__tuple__"])
+    if "__bytes__" in value:
+        return base64.b64decode(value["__bytes__"])
+    if "__tensor__" in value:
+        return torch.from_numpy(_from_jsonable(value["__tensor__"]).copy())
+    if "__ndarray__" in value:
+        raw = base64.b64decode(value["__ndarray__"])
+        return np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
+    return {k: _from_jsonable(v) for k, v in value.items()}
 
 
 # --- debug runs (the runner's debug.limit_* and debug.overfit_batches) ---------------------------------------
@@ -672,7 +1055,8 @@ def _windows(held: torch.Tensor, count: int, context: int) -> Batch:
 def from_source(source: Any, *, name: str, batch_size: int | None = None, test_fraction: float = 0.2,
                 split_seed: int = 0, seed: int = 0, test_batches: int | None = None,
                 input_shape: Sequence[int] | None = None, num_classes: int | None = None,
-                val_fraction: float = 0.0) -> Dataset:
+                val_fraction: float = 0.0, num_workers: int | None = None, prefetch_factor: int = 2,
+                pin_memory: bool | None = None, persistent_workers: bool = True) -> Dataset:
     """A :class:`Dataset` from whatever a data config's ``_target_`` returned, whatever its class.
 
     ``source`` may be:
@@ -684,7 +1068,8 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
       training rows reshuffled each epoch with ``seed`` (:class:`ShuffledBatches`);
     * a map-style dataset of ``(input, target)`` items (a ``torch.utils.data.Dataset``, or any object with
       ``len()`` and ``[i]`` and no ``__iter__``): indices split with ``split_seed``, batches of indices
-      reshuffled each epoch with ``seed`` and collated (:class:`ExampleBatches`); the test split collated once;
+      reshuffled each epoch with ``seed`` and collated (:class:`ExampleBatches`), by ``DataLoader`` worker
+      processes (``num_workers``, :class:`Loader`); the test split collated once, in this process;
     * an iterable of ``(inputs, targets)`` batches (an ``IterableDataset``, a ``DataLoader``, a list of batches,
       a class with ``__iter__``, a generator): the first ``test_batches`` batches of each pass are the test
       split, the rest the training batches in the iterable's own order, fxtrain does not shuffle them; a new
@@ -692,8 +1077,8 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
 
     Numpy arrays and numbers become tensors (float64 as float32). Targets may be float (regression) or
     integer (classes) of any trailing shape, inputs of any shape. Batches are global: under data parallelism
-    the runner gives each rank its slice of every batch (``ParallelDims.local_batch``), so ``batch_size`` is
-    the global batch.
+    the runner has each rank read only its share of every batch (:func:`for_rank`), so ``batch_size`` is the
+    global batch.
 
     Args:
       source: the data, in one of the forms above.
@@ -713,6 +1098,8 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
       val_fraction: share of the examples held out for validation (tensors, map-style; taken from the
         training rows, so the test split does not change with it); 0: no validation split (an iterable has
         none: return a :class:`Dataset` with ``val`` for one).
+      num_workers, prefetch_factor, pin_memory, persistent_workers: how a map-style dataset's items are loaded
+        (:class:`Loader`; ``num_workers=None``: one worker per core, at most 4; 0: in this process).
 
     Examples:
         >>> import torch
@@ -721,8 +1108,8 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
         >>> data, data.train[7][0].shape
         (mine: 400 train examples, 100 test, batch 32, torch.Size([32, 4]))
         >>> from torch.utils.data import TensorDataset
-        >>> from_source(TensorDataset(x, y), name="mine", batch_size=32, val_fraction=0.1)
-        mine: 350 train examples, 100 test, batch 32 (TensorDataset, map-style), 50 validation
+        >>> from_source(TensorDataset(x, y), name="mine", batch_size=32, val_fraction=0.1, num_workers=2)
+        mine: 350 train examples, 100 test, batch 32 (TensorDataset, map-style, 2 workers), 50 validation
         >>> batches = [(x[i:i + 50], y[i:i + 50]) for i in range(0, 500, 50)]
         >>> from_source(batches, name="mine", batch_size=50, test_batches=2)
         mine: batches from list (iterable, order as given), 2 test batches (100 examples), batch 50
@@ -732,6 +1119,7 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
         ValueError: mine: num_classes=2 is too few: the targets go up to 2, so num_classes is at least 3
     """
     targets = None   # all the targets, where they are at hand
+    loader = Loader(num_workers, prefetch_factor, pin_memory, persistent_workers)
     if isinstance(source, Dataset):
         data = source
         if not hasattr(data.train, "__getitem__"):   # only iterates: its batches in order, its test its own
@@ -754,8 +1142,11 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
         targets = [y]
     elif _is_map_style(source):
         train, val, test = _split_rows(name, len(source), test_fraction, split_seed, batch_size, val_fraction)
-        data = Dataset(name, ExampleBatches(source, train, batch_size, seed), _collate(source, test.tolist()),
+        batches = ExampleBatches(source, train, batch_size, seed, loader)
+        data = Dataset(name, batches, _collate(source, test.tolist()),
                        _collate(source, val.tolist()) if len(val) else None)
+        if num_classes is not None:   # the first batch read here, no worker started for a check
+            targets = [data.test[1], _collate(source, batches.items(0))[1]]
     elif _is_iterable(source):
         if test_batches is not None and test_batches < 1:
             raise ValueError(f"{name}: test_batches={test_batches} must be at least 1 (the test split)")

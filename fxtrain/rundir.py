@@ -73,7 +73,9 @@ METRICS = "metrics.jsonl"
 # Keys (or whole nodes) that do not change what a run computes, only how it is launched or recorded: a relaunch
 # may change them.
 UNHASHED = ("resume", "resume_force", "resume_relayout", "trainer.progress", "trainer.cpu_threads", "trainer.keep_last", "trainer.eval_batch_size",
-            "trainer.export", "trainer.orbax_naming", "logger")
+            "trainer.export", "trainer.orbax_naming", "logger",
+            # how a map-style source's items are loaded, not which: the batches of a step are the same
+            "data.num_workers", "data.prefetch_factor", "data.pin_memory", "data.persistent_workers")
 _STEP = re.compile(r"^step_(\d+)$")
 
 

@@ -181,6 +181,7 @@ def _train(cfg: DictConfig, out_dir: str | pathlib.Path | None, checked: validat
     loop(steps, [member], state.step, cfg.trainer, t0)
     if member.error is not None:
         raise member.error
+    run.say(steps.data_line())
     return close_run(cfg, run, built, steps.state(cfg.trainer.max_steps, 0), member.final, time.perf_counter() - t0,
                      member.best, member.logger)
 
@@ -249,6 +250,7 @@ class Built(NamedTuple):
     step: Callable  #: ``step(params, opt_state, buffers, batch) -> (params, opt_state, buffers, metrics)``
     evaluate: Callable  #: ``evaluate(params, buffers, test, batch_size) -> metrics``
     task: tasks.Task  #: the loss and metrics (``task`` group)
+    sharded: bool = False  #: ``data.train[k]`` is this rank's share already (:func:`fxtrain.data.for_rank`)
 
 
 def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelDims | None = None,
@@ -267,6 +269,8 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     torch.manual_seed(cfg.seed)  # params init (the data has its own seeded order): the same on every rank
     data = build.dataset(cfg.data, choice("data", "data")).to(device) if data is None else data
     data = debug_data(cfg, data)  # debug.limit_*, debug.overfit_batches
+    # each data-parallel rank reads only its share of every global batch (where the source can split itself)
+    data, sharded = fxdata.for_rank(data, dims.data_rank, dims.data_world)
     model = build.model(cfg).to(device)
     task = build.task(cfg) if task is None else task
     tx = build.stack(cfg, dims)
@@ -282,7 +286,7 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
         raise ConfigError(f"{layout}{f' model={shown}' if shown else ''}: {text}") from None
     params = build.cast_params(cfg, placed.params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
     return Built(data, model, placed.apply, params, placed.buffers, tx, tx.init(params), placed.step, placed.evaluate,
-                 task)
+                 task, sharded)
 
 
 def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, str]:
@@ -311,6 +315,7 @@ def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, 
         start, opt_state = state.step, state.opt_state
         if relayout:
             _check_held_relayout(cfg, run, start)
+        _resume_data(run, built.data, start)
         fx.set_rng_state(state.rng)
         if start > cfg.trainer.max_steps:
             raise ConfigError(f"resume: the checkpoint {run.source} is at step {start}, beyond "
@@ -319,6 +324,31 @@ def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, 
     elif cfg.get("resume") == "auto":
         resumed = f"from step 0 (resume=auto: no checkpoint in {run.ckpt_dir})"
     return fx.TrainState(start, params, opt_state, fx.rng_state(), buffers), resumed
+
+
+def _resume_data(run: Run, data: Any, start: int) -> None:
+    """Puts a training stream at the checkpoint's position (the state its checkpoint recorded for this rank), or
+    refuses the resume in one line where it has no state (fxtrain does not replay a stream). Batches addressed by
+    step (tensors, map-style, windows) need nothing: the step is their position, and the loader starts there."""
+    refusal = fxdata.resume_refusal(data, start)
+    if refusal is not None:
+        raise ConfigError(f"resume: {refusal}")
+    if start == 0 or fxdata.stream_state(data) is None:
+        return
+    recorded = checkpoint.verify(run.source)["meta"].get("data")
+    if recorded is None:
+        raise ConfigError(f"resume: the checkpoint {run.source} records no position of {data.name}'s training stream "
+                          "(written before streams recorded one); start afresh (resume=null)")
+    states = recorded["states"]
+    if run.note is None and len(states) == run.dims.world:  # the same layout: each rank its own position
+        state = states[run.rank]
+    elif all(s == states[0] for s in states):  # another layout: every rank was at the same position
+        state = states[0]
+    else:
+        raise ConfigError(f"resume: the checkpoint {run.source} holds {len(states)} ranks' positions in "
+                          f"{data.name}'s training stream, each its own share, which do not carry over to another "
+                          "layout: resume on the checkpoint's layout, or start afresh (resume=null)")
+    fxdata.load_stream_state(data, state)
 
 
 def _check_held_relayout(cfg: DictConfig, run: Run, step: int) -> None:
@@ -556,13 +586,29 @@ class RunSteps:
         self.built, self.dims, self.eval_batch_size = built, dims, eval_batch_size
         self.params, self.opt_state, self.buffers = state.params, state.opt_state, state.buffers
         self.constants = fx.traits(built.tx).constant_reports  # b1, eps...: constant, in config.yaml
+        self.waited = self.stepped = 0.0  # seconds waiting for batches, and in advance() in all
 
     def advance(self, first: int, end: int) -> dict[str, Any]:
+        train, t0 = self.built.data.train, time.perf_counter()
         for i in range(first + 1, end + 1):
-            batch = self.dims.local_batch(self.built.data.train[i - 1])
+            t = time.perf_counter()
+            batch = train[i - 1] if self.built.sharded else self.dims.local_batch(train[i - 1])
+            self.waited += time.perf_counter() - t
             self.params, self.opt_state, self.buffers, metrics = self.built.step(self.params, self.opt_state,
                                                                                  self.buffers, batch)
+        self.stepped += time.perf_counter() - t0
         return metrics
+
+    def data_line(self) -> str:
+        """How much of the training loop waited for batches (the run's ``loader`` line at its end)."""
+        share = self.waited / self.stepped if self.stepped else 0.0
+        return (f"loader waited {share:.1%} of the training steps' time for batches ({self.waited:.2f} s of "
+                f"{self.stepped:.2f} s)")
+
+    def data_state(self) -> dict[str, Any] | None:
+        """Every rank's position in a training stream, for the checkpoint (``None``: batches addressed by step)."""
+        state = fxdata.stream_state(self.built.data)
+        return None if state is None else {"states": distributed.gather_objects(state)}
 
     def logged(self, metrics: dict[str, Any], j: int) -> dict[str, float]:
         return host_metrics(metrics, self.constants, self.dims.world)
@@ -747,8 +793,10 @@ def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any
                                        or i == max_steps or m.stopped):
         if m.best is not None:  # checkpoints/best first, never behind step_<N> (see fxtrain/selection.py)
             m.best.write()
+        data = steps.data_state() if hasattr(steps, "data_state") else None  # a stream's position, every rank's
+        meta = m.run.meta if data is None else {**(m.run.meta or {}), "data": data}
         m.last_checkpoint = (i, save_checkpoint(m.run.ckpt_dir, steps.state(i, j), m.cfg.trainer.keep_last,
-                                                m.last_checkpoint, m.run.rank, m.run.meta))
+                                                m.last_checkpoint, m.run.rank, meta))
     return bool(m.stopped)
 
 

@@ -737,6 +737,10 @@ def _data(cfg: DictConfig) -> None:
             raise ConfigError(f"data.test_fraction={_show(value)}: expected a number between 0 and 1 (the share "
                               "held out for evaluation); e.g. data.test_fraction=0.25")
     _val_fraction(cfg, node)
+    try:  # the loader's settings (map-style sources' workers), each named in one line
+        fxdata.check_loader(**{k: _value(cfg, f"data.{k}") for k in fxdata.LOADER_KEYS if k in node}, prefix="data.")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     spec = build.resolve(node, "data")
     build.data_keys(spec)
     _target_values("data", spec)

@@ -144,15 +144,15 @@ class Squares(torch.utils.data.Dataset):
 
 
 def test_map_style_dataset_is_split_and_collated_per_step():
-    data = from_source(Squares(), name="sq", batch_size=8, test_fraction=0.2, split_seed=0, seed=1)
-    assert repr(data) == "sq: 40 train examples, 10 test, batch 8 (Squares, map-style)"
+    data = from_source(Squares(), name="sq", batch_size=8, test_fraction=0.2, split_seed=0, seed=1, num_workers=2)
+    assert repr(data) == "sq: 40 train examples, 10 test, batch 8 (Squares, map-style, 2 workers)"
     x, y = data.train[0]
     assert x.shape == (8, 2) and x.dtype == torch.float32 and y.dtype == torch.int64
     assert torch.equal(y, x[:, 0].long() % 3)
     test = data.test[0][:, 0].long().tolist()
     assert len(test) == 10 and sorted(rows_seen(data, 5) + test) == list(range(50))
     assert from_source(Squares(), name="sq", batch_size=8, split_seed=0, seed=9).test[0][:, 0].long().tolist() == test
-    fresh = from_source(Squares(), name="sq", batch_size=8, split_seed=0, seed=1)
+    fresh = from_source(Squares(), name="sq", batch_size=8, split_seed=0, seed=1, num_workers=0)
     assert all(torch.equal(fresh.train[k][0], data.train[k][0]) for k in (12, 3, 7))   # any order: by step
     # A TensorDataset is one too; the split and the order match the tensors form's.
     xs, ys = torch.randn(30, 4), torch.randint(5, (30,))

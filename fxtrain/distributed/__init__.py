@@ -27,7 +27,7 @@ from fxtrain.distributed._collectives import (
 from fxtrain.distributed._mesh import DIMS, ParallelDims
 from fxtrain.distributed._norms import GlobalSumSq, global_count, global_norm, global_sum_sq, local_leaves, to_local
 from fxtrain.distributed._runtime import (
-    device, init_from_env, mean_across_ranks, rank_and_world, shared_stamp, shutdown, world_mesh,
+    device, gather_objects, init_from_env, mean_across_ranks, rank_and_world, shared_stamp, shutdown, world_mesh,
 )
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
     # the mesh of a run
     "ParallelDims", "DIMS",
     # runtime
-    "init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device", "mean_across_ranks", "shutdown",
+    "init_from_env", "rank_and_world", "shared_stamp", "gather_objects", "world_mesh", "device", "mean_across_ranks", "shutdown",
 ]
 
 # Names of earlier releases (tests/cases/public_names.json): the adapters moved one layer up, to fxtrain.parallel

@@ -5,12 +5,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_from_env", "rank_and_world", "shared_stamp", "world_mesh", "device",
+__all__ = ["init_from_env", "rank_and_world", "shared_stamp", "gather_objects", "world_mesh", "device",
            "mean_across_ranks", "shutdown"]
 
 
@@ -65,6 +65,16 @@ def shared_stamp() -> str:
     if dist.is_initialized():
         dist.broadcast_object_list(stamp, src=0)
     return stamp[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank (``[obj]`` without a process group): the
+    runner records each rank's data-stream position in a checkpoint with it."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def world_mesh(device_type: str, name: str | None = None):
