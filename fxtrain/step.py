@@ -226,7 +226,14 @@ def donated_step(loss_fn: Callable, tx: GradientTransformation, *, has_aux: bool
         [-0.5, -0.5]
     """
     return _donated_step(_canonical(loss_fn, has_aux), tx, has_aux, _sync(tx),
-                         _CompiledUpdate(tx) if compile else None, grads or _grad)
+                         _CompiledUpdate(tx) if compile else None, grads or _engine(tx))
+
+
+def _engine(tx: GradientTransformation, donated: bool = True) -> Callable:
+    """The default gradient engine for ``tx``: :func:`_grad`, reducing data-parallel gradients while the backward
+    runs unless ``tx`` takes them unreduced (``accumulate``: one reduction per window; ``sharded_apply``); decided
+    once, when the step is built."""
+    return functools.partial(_grad, donated=donated, overlap=not traits(tx).partial_grads)
 
 
 def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, sync: Callable,
@@ -302,6 +309,7 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
     """
     fused = _fused.spec(tx) is not None
     extra, constants = _extra_args(tx), traits(tx).constant_reports
+    engine = _engine(tx, donated=False)
     held = []  # [whether the stack closes over a tensor that requires grad], found on the first call that asks
 
     def hyper_grad() -> bool:
@@ -320,7 +328,7 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
         # which writes nothing) and its kernels on this step's own gradient buffers and a copy of the state, then
         # a copy of the params; the new trees are the only parameter-sized allocations (out of place, every op of
         # every transform allocated its result).
-        grads, loss, aux = _grad(fn, params, batch, tx, donated=False)
+        grads, loss, aux = engine(fn, params, batch, tx)
         with torch.no_grad():
             grads, opt_state = _owned(grads), tree.clone(opt_state)
             if fused and _fused.applies(tx, grads, opt_state, params):
@@ -535,11 +543,14 @@ def _canonical(loss_fn: Callable, has_aux: bool) -> Callable:
     return fn
 
 
-def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation, donated: bool = True):
+def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation, donated: bool = True,
+          overlap: bool = False):
     """The donated step's gradients: ``torch.autograd.grad`` over detached views of the param leaves.
 
     Returns the gradients (a tree like ``params``) and ``fn``'s (loss, aux), detached. ``donated=False`` (a pure
-    step where nothing records) takes params with autograd history too: nothing is written into them.
+    step where nothing records) takes params with autograd history too: nothing is written into them. With
+    ``overlap``, data-parallel ``Partial`` gradients are all-reduced in buckets launched from hooks while the
+    backward runs (:func:`fxtrain.distributed.overlap_reduction`) and come back placed like their params.
     """
     # none_is_leaf=False: None leaves (frozen/absent) are not differentiated and come back as None.
     leaves, spec = optree.tree_flatten(params, none_is_leaf=False, namespace="fxtrain")
@@ -551,7 +562,11 @@ def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation
         raise ValueError(_NO_PARAMS)
     with torch.enable_grad():
         objective, (loss, aux) = call_objective(fn, optree.tree_unflatten(spec, xs), batch, tx)
-    return optree.tree_unflatten(spec, _grads_reaching(objective, xs)), loss.detach(), detach_tree(aux)
+    reducing = distributed.overlap_reduction(xs) if overlap else None
+    grads = _grads_reaching(objective, xs)
+    if reducing is not None:
+        grads = reducing.finish(grads)
+    return optree.tree_unflatten(spec, grads), loss.detach(), detach_tree(aux)
 
 
 def _grads_reaching(objective: torch.Tensor, xs: list, create_graph: bool = False) -> list:

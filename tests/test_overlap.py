@@ -1,0 +1,143 @@
+"""fxtrain/distributed/_overlap.py: the data-parallel all-reduce launched from hooks while the backward runs.
+
+Every case counts the all-reduces of each step (launched inside the backward, i.e. while autograd's engine runs,
+and after it) and compares the params after a few steps with one process training on the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fxtrain as fx
+from tests import _worlds
+
+CASES, case = _worlds.registry(worlds=(2,))
+TIMEOUT_S = 120
+STEPS = 4
+TOL = 2e-6  # float32, two reduction orders (gloo's ring against one process's batch sum)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 4))
+
+
+def batches(n: int, rows: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)) for _ in range(n)]
+
+
+def loss_of(apply) -> callable:
+    return lambda p, b: ((apply(p, {}, b[0], train=True)[0] - b[1]) ** 2).mean()
+
+
+def stack(every: int = 1):
+    tx = fx.chain(fx.clip_by_global_norm(0.5), fx.adamw(1e-2))
+    return tx if every == 1 else fx.accumulate(tx, every=every)
+
+
+@contextlib.contextmanager
+def counting():
+    """``dist.all_reduce`` of gradients counted: ``calls`` gets ``(inside the backward, async_op)`` per launch."""
+    calls, real = [], dist.all_reduce
+
+    def all_reduce(*args, **kwargs):
+        if args[0].numel() > 3:  # a gradient bucket (the global norm's all-reduces carry 3 numbers)
+            calls.append((torch._C._current_graph_task_id() != -1, bool(kwargs.get("async_op"))))
+        return real(*args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = real
+
+
+def one_process(every: int, steps: int, world: int) -> dict:
+    apply, params, _ = fx.functional(model())
+    tx = stack(every)
+    step, state = fx.train_step(loss_of(apply), tx), tx.init(params)
+    for b in batches(steps, 4 * world):
+        params, state, _ = step(params, state, b)
+    return params
+
+
+def data_parallel(world: int, every: int, steps: int) -> tuple[dict, list]:
+    """Params after ``steps`` data-parallel steps (this rank's rows of each batch) and each step's counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh, rank = init_device_mesh("cpu", (world,)), dist.get_rank()
+    apply, params, _ = fx.parallel.data_parallel(model(), mesh)
+    tx = stack(every)
+    step, state = fx.train_step(loss_of(apply), tx), tx.init(params)
+    counts = []
+    with fx.distributed.reduction_buckets(0.002):  # ~2 KB: a bucket per layer or two, several per backward
+        for x, y in batches(steps, 4 * world):
+            with counting() as calls:
+                params, state, _ = step(params, state, (x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]))
+            counts.append(calls)
+    return {k: v.full_tensor() for k, v in params.items()}, counts
+
+
+def assert_close(params: dict, ref: dict) -> None:
+    errs = {k: float((params[k] - ref[k]).abs().max()) for k in ref}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= TOL, f"{worst} is {errs[worst]:.2g} from one process (> {TOL})"
+
+
+@case()
+def case_dp_reduction_launches_during_the_backward(world):
+    params, counts = data_parallel(world, every=1, steps=STEPS)
+    # The first step plans the buckets (the order gradients come in) and reduces after the backward, as before.
+    assert counts[0] == [(False, False)], counts[0]
+    for calls in counts[1:]:
+        inside = [c for c in calls if c[0]]
+        # 4 Linear layers, 1.5 KB of gradients each (about 2 KB per bucket): 3 buckets, all launched from the hooks
+        # (the last one by the first layer's gradient, the last computed), asynchronously, nothing after.
+        assert inside == [(True, True)] * 3 and len(calls) == 3, calls
+    assert_close(params, one_process(1, STEPS, world))
+
+
+@case()
+def case_accumulate_reduces_once_per_window_after_the_backward(world):
+    # accumulate takes Partial gradients unreduced: held micro-steps launch nothing, the emitting one reduces the
+    # window's sum once (the functional no_sync), after its backward.
+    params, counts = data_parallel(world, every=2, steps=STEPS)
+    assert counts == [[], [(False, False)]] * (STEPS // 2), counts
+    assert_close(params, one_process(2, STEPS, world))
+
+
+@case()
+def case_unused_param_reduces_zeros_on_every_rank(world):
+    # A layer that one step does not use: its hook does not fire, its bucket still launches (zeros), and the
+    # collectives of every rank stay in step.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    apply, params, _ = fx.parallel.data_parallel(model(), mesh)
+    tx = fx.sgd(0.1)
+    x, y = batches(1, 4)[0]
+    with fx.distributed.reduction_buckets(0.002):
+        params, state, _ = fx.train_step(loss_of(apply), tx)(params, tx.init(params), (x, y))  # plans the buckets
+    # The same params through a loss that does not use the last layer's weight: its gradient is the step's zeros.
+    unused = fx.train_step(lambda p, b: ((apply({**p, "6.weight": p["6.weight"].detach()}, {}, b[0], train=True)[0]
+                                          - b[1]) ** 2).mean(), tx)
+    before = params["6.weight"].full_tensor().clone()
+    with fx.distributed.reduction_buckets(0.002):
+        for _ in range(2):
+            params, state, _ = unused(params, state, (x, y))
+    torch.testing.assert_close(params["6.weight"].full_tensor(), before, rtol=0, atol=0)
+
+
+test_case = _worlds.tests(__file__, CASES, TIMEOUT_S)
+
+
+if __name__ == "__main__":
+    _worlds.worker(CASES, *sys.argv[1:])
