@@ -64,7 +64,7 @@ class _Bucket:
     div: int
     acc: torch.dtype
     leaves: list[int]  # leaf indices, in the order their gradients came on the planning step
-    offsets: list[int]
+    offsets: list[int]  # leaf k's elements are buffer[offsets[k]:offsets[k + 1]]
     numel: int
 
 
@@ -74,8 +74,9 @@ class _Plan:
 
     buckets: list[_Bucket] | None = None
     slot: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # leaf -> (bucket, position)
-    have: dict[int, tuple] = dataclasses.field(default_factory=dict)  # leaf -> the gradient's placements
-    want: dict[int, tuple] = dataclasses.field(default_factory=dict)  # leaf -> the param's placements
+    have: dict[int, Any] = dataclasses.field(default_factory=dict)  # leaf -> the gradient's DTensorSpec
+    want: dict[int, tuple] = dataclasses.field(default_factory=dict)  # leaf -> its placements once reduced
+    local_shape: dict[int, torch.Size] = dataclasses.field(default_factory=dict)  # leaf -> the gradient's local piece
     seen: list[int] = dataclasses.field(default_factory=list)  # learning: the leaves, in the order their gradients came
 
 
@@ -128,14 +129,14 @@ class Overlap:
 
     def _ready(self, i: int, g: Any) -> None:
         plan = self.plan
-        if not isinstance(g, DTensor) or tuple(g.placements) != plan.have[i]:
-            raise RuntimeError(f"the gradient of leaf {i} came {getattr(g, 'placements', type(g).__name__)} where "
-                               f"earlier steps gave {plan.have[i]}: the overlapped reduction plans its buckets from "
-                               "the first step, and the model must compute the same way on every step")
+        if not isinstance(g, DTensor) or g._spec != plan.have[i]:
+            raise RuntimeError(f"the gradient of leaf {i} came as {getattr(g, '_spec', type(g).__name__)} where the "
+                               f"first step's was {plan.have[i]}: the overlapped reduction plans its buckets from the "
+                               "first step of a tree of params, and the model must compute the same way on every step")
         b, pos = plan.slot[i]
         bucket = plan.buckets[b]
         local = g._local_tensor
-        self.bufs[b][bucket.offsets[pos]:bucket.offsets[pos] + local.numel()].copy_(local.reshape(-1))
+        self.bufs[b][bucket.offsets[pos]:bucket.offsets[pos + 1]].copy_(local.reshape(-1))
         self.missing[b] -= 1
         self.filled.add(i)
         self._launch()
@@ -164,7 +165,7 @@ class Overlap:
             if self.missing[b]:
                 for pos, i in enumerate(bucket.leaves):
                     if i not in self.filled:
-                        self.bufs[b][bucket.offsets[pos]:bucket.offsets[pos] + _local(self.xs[i]).numel()].zero_()
+                        self.bufs[b][bucket.offsets[pos]:bucket.offsets[pos + 1]].zero_()
                 self.missing[b] = 0
         self._launch(until=len(plan.buckets))
         out = list(grads)
@@ -174,11 +175,10 @@ class Overlap:
             if bucket.div != 1:
                 buf.div_(bucket.div)
             for pos, i in enumerate(bucket.leaves):
-                x = self.xs[i]
-                local = _local(x)
-                piece = buf[bucket.offsets[pos]:bucket.offsets[pos] + local.numel()].view(local.shape)
-                out[i] = DTensor.from_local(piece.to(x.dtype), x.device_mesh, plan.want[i], run_check=False,
-                                            shape=x.shape, stride=contiguous_stride(x.shape))
+                spec = plan.have[i]
+                piece = buf[bucket.offsets[pos]:bucket.offsets[pos + 1]].view(plan.local_shape[i])
+                out[i] = DTensor.from_local(piece.to(spec.tensor_meta.dtype), spec.mesh, plan.want[i], run_check=False,
+                                            shape=spec.shape, stride=contiguous_stride(spec.shape))
         return out
 
     def _build(self, grads: list) -> None:
@@ -193,28 +193,29 @@ class Overlap:
             x, g = xs[i], grads[i]
             if not isinstance(g, DTensor) or g.device_mesh != x.device_mesh:
                 continue
-            diff = [d for d, (have, want) in enumerate(zip(g.placements, x.placements)) if have != want]
-            if len(diff) != 1:
+            # The first mesh dim that reduces Partial -> Replicate (match_placements' stages run in dim order); the
+            # other dims' moves (a SequenceParallel norm's Partial over tp) are left to match_placements after it.
+            d = next((d for d, (have, want) in enumerate(zip(g.placements, x.placements))
+                      if have.is_partial() and have.reduce_op in ("sum", "avg") and want.is_replicate()
+                      and x.device_mesh.size(d) > 1), None)
+            if d is None:
                 continue
-            d = diff[0]
-            have, want = g.placements[d], x.placements[d]
-            if not (have.is_partial() and have.reduce_op in ("sum", "avg") and want.is_replicate()
-                    and x.device_mesh.size(d) > 1):
-                continue
+            have = g.placements[d]
             group = x.device_mesh.get_group(d)
             div = x.device_mesh.size(d) if have.reduce_op == "avg" else 1
-            acc = acc_dtype(x.dtype)
+            acc = acc_dtype(g.dtype)
             key = (tuple(dist.get_process_group_ranks(group)), div, acc)
             if key not in open_:
                 open_[key] = len(buckets)
-                buckets.append(_Bucket(group, div, acc, [], [], 0))
+                buckets.append(_Bucket(group, div, acc, [], [0], 0))
             b = open_[key]
             bucket = buckets[b]
             plan.slot[i] = (b, len(bucket.leaves))
-            plan.have[i], plan.want[i] = tuple(g.placements), tuple(x.placements)
+            plan.have[i], plan.local_shape[i] = g._spec, g._local_tensor.shape
+            plan.want[i] = (*g.placements[:d], x.placements[d], *g.placements[d + 1:])
             bucket.leaves.append(i)
+            bucket.numel += g._local_tensor.numel()
             bucket.offsets.append(bucket.numel)
-            bucket.numel += _local(x).numel()
             if bucket.numel * acc.itemsize >= (first if b == 0 else rest):  # full, as DDP closes a bucket
                 del open_[key]
         plan.seen = []
