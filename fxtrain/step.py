@@ -117,9 +117,11 @@ of ``params``), the step raises rather than apply zeros. A pure step that someth
 **Gradients meet their params' placements.** With replicated DTensor params and a batch sharded on dim 0,
 autograd returns ``Partial`` gradients (each rank's unreduced sum); torch's parallel modules also hand
 back a ``Replicate`` gradient for a ``Shard(0)`` embedding. The step brings each gradient to its param's
-placements right after the backward pass (:func:`fxtrain.distributed.match_placements`: a slice, or one
-bucketed all-reduce / reduce-scatter per process group, never one per leaf), so every transform sees the
-gradient of the whole batch in its param's layout. A transform whose kernel sets
+placements: data-parallel ``Partial -> Replicate`` ones while the backward runs (hooks launch DDP-style
+buckets of about 25 MB as their gradients come in, :func:`fxtrain.distributed.overlap_reduction`; the first
+step of a tree of params plans them), the rest right after it (:func:`fxtrain.distributed.match_placements`:
+a slice, or one bucketed all-reduce / reduce-scatter per process group, never one per leaf), so every
+transform sees the gradient of the whole batch in its param's layout. A transform whose kernel sets
 ``partial_grads`` trait gets them unreduced: :func:`fxtrain.accumulate` sums them locally and reduces
 once per emitted update (the functional ``no_sync``). Updates that are ``None`` (``accumulate`` between
 emissions) leave their params untouched: a donated step then writes nothing into the params.

@@ -142,6 +142,37 @@ def case_unused_param_reduces_zeros_on_every_rank(world):
     torch.testing.assert_close(params["6.weight"].full_tensor(), before, rtol=0, atol=0)
 
 
+@case()
+def case_amp_fp16_unscales_after_the_reduction_and_skips_on_every_rank(world):
+    # amp_cast with a dynamic loss scale, no accumulate: the scaled gradients are reduced from the hooks, amp_cast
+    # unscales the reduced ones and decides overflow across ranks; an inf in one rank's rows skips the step on both.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh, rank = init_device_mesh("cpu", (world,)), dist.get_rank()
+    tx = fx.amp_cast(fx.sgd(0.1), "p=f32,c=f16,o=f32", fx.DynamicLossScale(init_scale=2.0**10))
+    data = batches(STEPS, 4 * world)
+    bad = (data[2][0].clone(), data[2][1])
+    bad[0][4 * world - 1, 0] = float("inf")  # the last rank's rows only
+    data[2] = bad
+
+    def train(apply, params, rows):
+        step, state, out = fx.train_step(loss_of(apply), tx), tx.init(params), []
+        for x, y in data:
+            params, state, m = step(params, state, (x[rows], y[rows]))
+            out.append((float(m["skipped"]), float(m["loss_scale"])))
+        return params, out
+
+    apply, params, _ = fx.parallel.data_parallel(model(), mesh)
+    with fx.distributed.reduction_buckets(0.002), counting() as calls:
+        params, metrics = train(apply, params, slice(4 * rank, 4 * rank + 4))
+    assert sum(inside for inside, _ in calls) >= 3 * (STEPS - 1), calls  # 3 buckets per step after the first
+    assert [s for s, _ in metrics] == [0, 0, 1, 0] and metrics[2][1] == 2.0**9, metrics
+    ref_apply, ref, _ = fx.functional(model())
+    ref, ref_metrics = train(ref_apply, ref, slice(None))
+    assert ref_metrics == metrics, (ref_metrics, metrics)
+    assert_close({k: v.full_tensor() for k, v in params.items()}, ref, tol=1e-3)  # fp16 compute of other rows
+
+
 def lm():
     from fxtrain.models import TransformerLM
 

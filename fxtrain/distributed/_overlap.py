@@ -99,14 +99,14 @@ def overlap_reduction(xs: list) -> Overlap | None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = _Plan()
-    return Overlap(plan, xs)
+    return Overlap(plan, xs, key)
 
 
 class Overlap:
     """One backward's reduction in flight: the hooks' buckets, launched collectives and their handles."""
 
-    def __init__(self, plan: _Plan, xs: list):
-        self.plan, self.xs = plan, xs
+    def __init__(self, plan: _Plan, xs: list, key: tuple):
+        self.plan, self.xs, self.key = plan, xs, key
         self.learning = plan.buckets is None
         if self.learning:
             plan.seen = []
@@ -116,6 +116,7 @@ class Overlap:
             self.missing = [len(b.leaves) for b in plan.buckets]
             self.works: list = []
             self.filled: set[int] = set()
+            self.broken = False
         self.handles = [x.register_hook(self._hook(i)) for i, x in enumerate(xs) if isinstance(x, DTensor)
                         and (self.learning or i in plan.slot)]
 
@@ -129,10 +130,14 @@ class Overlap:
 
     def _ready(self, i: int, g: Any) -> None:
         plan = self.plan
+        if self.broken:
+            return
         if not isinstance(g, DTensor) or g._spec != plan.have[i]:
-            raise RuntimeError(f"the gradient of leaf {i} came as {getattr(g, '_spec', type(g).__name__)} where the "
-                               f"first step's was {plan.have[i]}: the overlapped reduction plans its buckets from the "
-                               "first step of a tree of params, and the model must compute the same way on every step")
+            # Another model with params of the same layout, or one that computes differently this step: launch
+            # nothing more (every rank runs the same graph, so every rank stops at this leaf), leave the gradients
+            # of the buckets not launched to match_placements after the backward, and plan again next step.
+            self.broken = True
+            return
         b, pos = plan.slot[i]
         bucket = plan.buckets[b]
         local = g._local_tensor
@@ -145,7 +150,7 @@ class Overlap:
         """Launches, in bucket order, every bucket that is full (or, up to ``until``, every bucket) and whose
         predecessors are launched: every rank runs the same collectives in the same order."""
         buckets = self.plan.buckets
-        while len(self.works) < len(buckets):
+        while len(self.works) < len(buckets) and not self.broken:
             b = len(self.works)
             if self.missing[b] and (until is None or b >= until):
                 return
@@ -161,6 +166,8 @@ class Overlap:
         if self.learning:
             self._build(grads)
             return grads
+        if self.broken:
+            _PLANS[self.key] = _Plan()
         for b, bucket in enumerate(plan.buckets):  # leaves whose hook did not fire (unused on this rank): zeros
             if self.missing[b]:
                 for pos, i in enumerate(bucket.leaves):
