@@ -101,8 +101,8 @@ def assert_close(params: dict, ref: dict, tol: float = TOL) -> None:
 @case()
 def case_dp_reduction_launches_during_the_backward(world):
     params, counts = data_parallel(world, every=1, steps=STEPS)
-    # The first step plans the buckets (the order gradients come in) and reduces after the backward, as before.
-    assert counts[0] == [(False, False)], counts[0]
+    # The first step plans the buckets (the order gradients come in) and reduces in them after the backward.
+    assert counts[0] == [(False, True)] * 3, counts[0]
     for calls in counts[1:]:
         inside = [c for c in calls if c[0]]
         # 4 Linear layers, 1.5 KB of gradients each (about 2 KB per bucket): 3 buckets, all launched from the hooks

@@ -9,14 +9,17 @@ came on the step that planned them) and launches the bucket's all-reduce (``asyn
 gradients are in and every bucket before it has been launched (every rank launches the same collectives in
 the same order); :meth:`Overlap.finish`, right after the backward, launches what is left, waits, divides
 (``Partial("avg")``: the same SUM then division as :func:`fxtrain.distributed.match_placements`) and returns
-the gradients placed like their params.
+the gradients with that mesh dim ``Replicate``.
 
 As DDP rebuilds its buckets after its first iteration from the order gradients became ready, the first step
-of a tree of params (a new signature) overlaps nothing: it records which leaves come back as
-``Partial -> Replicate`` on one mesh dim and in which order; the plan is built from that and used from the
-second step on. Leaves of other placements (several ``Partial`` dims, shards) are left to the step's
+of a tree of params (a new signature) overlaps nothing: it records which leaves come back ``Partial`` on a
+mesh dim where their param is ``Replicate`` (the first such dim: match_placements' stages run in dim order)
+and in which order; the plan is built from that and used from the second step on. What else a gradient needs
+(a SequenceParallel norm's ``Partial`` over tp, a reduce-scatter, a slice) is left to the step's
 :func:`~fxtrain.distributed.match_placements` after the backward, as are all leaves of a gradient tree the
-stack takes unreduced (``accumulate``: one reduction per window, of the window's sum).
+stack takes unreduced (``accumulate``: one reduction per window, of the window's sum). A gradient that comes
+in another layout than the plan says (another model whose params have the same layout) stops the launches
+at that leaf, on every rank alike, and the next step plans again.
 """
 
 from __future__ import annotations
@@ -111,14 +114,17 @@ class Overlap:
         if self.learning:
             plan.seen = []
         else:
-            self.bufs = [torch.empty(b.numel, dtype=b.acc, device=_local(xs[b.leaves[0]]).device)
-                         for b in plan.buckets]
-            self.missing = [len(b.leaves) for b in plan.buckets]
-            self.works: list = []
-            self.filled: set[int] = set()
-            self.broken = False
+            self._start()
         self.handles = [x.register_hook(self._hook(i)) for i, x in enumerate(xs) if isinstance(x, DTensor)
                         and (self.learning or i in plan.slot)]
+
+    def _start(self) -> None:
+        buckets = self.plan.buckets
+        self.bufs = [torch.empty(b.numel, dtype=b.acc, device=_local(self.xs[b.leaves[0]]).device) for b in buckets]
+        self.missing = [len(b.leaves) for b in buckets]
+        self.works: list = []
+        self.filled: set[int] = set()
+        self.broken = False
 
     def _hook(self, i: int):
         def hook(g: Any) -> None:
@@ -164,8 +170,13 @@ class Overlap:
             h.remove()
         plan = self.plan
         if self.learning:
+            # The plan's buckets reduce this step's gradients too, after the backward: every step then sums each
+            # element in the same buffer position (gloo's ring, NCCL's, round by position), so a run resumed at
+            # any step (which plans again) reduces bit for bit as the uninterrupted one.
             self._build(grads)
-            return grads
+            self._start()
+            for i in plan.slot:
+                self._ready(i, grads[i])
         if self.broken:
             _PLANS[self.key] = _Plan()
         for b, bucket in enumerate(plan.buckets):  # leaves whose hook did not fire (unused on this rank): zeros
