@@ -121,6 +121,7 @@ class Overlap:
     def _start(self) -> None:
         buckets = self.plan.buckets
         self.bufs = [torch.empty(b.numel, dtype=b.acc, device=_local(self.xs[b.leaves[0]]).device) for b in buckets]
+        self.slots = [buf.split([e - s for s, e in zip(b.offsets, b.offsets[1:])]) for buf, b in zip(self.bufs, buckets)]
         self.missing = [len(b.leaves) for b in buckets]
         self.works: list = []
         self.filled: set[int] = set()
@@ -138,16 +139,14 @@ class Overlap:
         plan = self.plan
         if self.broken:
             return
-        if not isinstance(g, DTensor) or g._spec != plan.have[i]:
+        if not isinstance(g, DTensor) or g.placements != plan.have[i].placements or g.shape != plan.have[i].shape:
             # Another model with params of the same layout, or one that computes differently this step: launch
             # nothing more (every rank runs the same graph, so every rank stops at this leaf), leave the gradients
             # of the buckets not launched to match_placements after the backward, and plan again next step.
             self.broken = True
             return
         b, pos = plan.slot[i]
-        bucket = plan.buckets[b]
-        local = g._local_tensor
-        self.bufs[b][bucket.offsets[pos]:bucket.offsets[pos + 1]].copy_(local.reshape(-1))
+        self.slots[b][pos].copy_(g._local_tensor.reshape(-1))
         self.missing[b] -= 1
         self.filled.add(i)
         self._launch()
@@ -183,7 +182,7 @@ class Overlap:
             if self.missing[b]:
                 for pos, i in enumerate(bucket.leaves):
                     if i not in self.filled:
-                        self.bufs[b][bucket.offsets[pos]:bucket.offsets[pos + 1]].zero_()
+                        self.slots[b][pos].zero_()
                 self.missing[b] = 0
         self._launch(until=len(plan.buckets))
         out = list(grads)
@@ -194,7 +193,7 @@ class Overlap:
                 buf.div_(bucket.div)
             for pos, i in enumerate(bucket.leaves):
                 spec = plan.have[i]
-                piece = buf[bucket.offsets[pos]:bucket.offsets[pos + 1]].view(plan.local_shape[i])
+                piece = self.slots[b][pos].view(plan.local_shape[i])
                 out[i] = DTensor.from_local(piece.to(spec.tensor_meta.dtype), spec.mesh, plan.want[i], run_check=False,
                                             shape=spec.shape, stride=contiguous_stride(spec.shape))
         return out
