@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import sys
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
