@@ -172,6 +172,32 @@ def case_amp_fp16_unscales_after_the_reduction_and_skips_on_every_rank(world):
     assert_close({k: v.full_tensor() for k, v in params.items()}, ref, tol=1e-3)  # fp16 compute of other rows
 
 
+@case(4)
+def case_a_resumed_run_reduces_bit_for_bit_as_the_uninterrupted_one(world):
+    # A restarted process plans its buckets again on its first step; that step reduces in the plan's buckets too, so
+    # every element is summed at the same buffer position (4 ranks: gloo's ring sums in an order that depends on it).
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxtrain.distributed import _overlap
+
+    mesh, rank = init_device_mesh("cpu", (world,)), dist.get_rank()
+    data = [(x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]) for x, y in batches(STEPS, 4 * world)]
+    runs = []
+    for restart in (None, 2):
+        _overlap._PLANS.clear()
+        apply, params, _ = fx.parallel.data_parallel(model(), mesh)
+        tx = stack()
+        step, state = fx.train_step(loss_of(apply), tx), tx.init(params)
+        with fx.distributed.reduction_buckets(0.002):
+            for k, b in enumerate(data):
+                if k == restart:
+                    _overlap._PLANS.clear()  # what a new process starts with
+                params, state, _ = step(params, state, b)
+        runs.append({k: v.to_local() for k, v in params.items()})
+    for k in runs[0]:
+        assert torch.equal(runs[0][k], runs[1][k]), k
+
+
 def lm():
     from fxtrain.models import TransformerLM
 
