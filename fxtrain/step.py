@@ -117,9 +117,11 @@ of ``params``), the step raises rather than apply zeros. A pure step that someth
 **Gradients meet their params' placements.** With replicated DTensor params and a batch sharded on dim 0,
 autograd returns ``Partial`` gradients (each rank's unreduced sum); torch's parallel modules also hand
 back a ``Replicate`` gradient for a ``Shard(0)`` embedding. The step brings each gradient to its param's
-placements right after the backward pass (:func:`fxtrain.distributed.match_placements`: a slice, or one
-bucketed all-reduce / reduce-scatter per process group, never one per leaf), so every transform sees the
-gradient of the whole batch in its param's layout. A transform whose kernel sets
+placements: data-parallel ``Partial -> Replicate`` ones while the backward runs (hooks launch DDP-style
+buckets of about 25 MB as their gradients come in, :func:`fxtrain.distributed.overlap_reduction`; the first
+step of a tree of params plans them), the rest right after it (:func:`fxtrain.distributed.match_placements`:
+a slice, or one bucketed all-reduce / reduce-scatter per process group, never one per leaf), so every
+transform sees the gradient of the whole batch in its param's layout. A transform whose kernel sets
 ``partial_grads`` trait gets them unreduced: :func:`fxtrain.accumulate` sums them locally and reduces
 once per emitted update (the functional ``no_sync``). Updates that are ``None`` (``accumulate`` between
 emissions) leave their params untouched: a donated step then writes nothing into the params.
@@ -226,7 +228,14 @@ def donated_step(loss_fn: Callable, tx: GradientTransformation, *, has_aux: bool
         [-0.5, -0.5]
     """
     return _donated_step(_canonical(loss_fn, has_aux), tx, has_aux, _sync(tx),
-                         _CompiledUpdate(tx) if compile else None, grads or _grad)
+                         _CompiledUpdate(tx) if compile else None, grads or _engine(tx))
+
+
+def _engine(tx: GradientTransformation, donated: bool = True) -> Callable:
+    """The default gradient engine for ``tx``: :func:`_grad`, reducing data-parallel gradients while the backward
+    runs unless ``tx`` takes them unreduced (``accumulate``: one reduction per window; ``sharded_apply``); decided
+    once, when the step is built."""
+    return functools.partial(_grad, donated=donated, overlap=not traits(tx).partial_grads)
 
 
 def _donated_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, sync: Callable,
@@ -302,6 +311,7 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
     """
     fused = _fused.spec(tx) is not None
     extra, constants = _extra_args(tx), traits(tx).constant_reports
+    engine = _engine(tx, donated=False)
     held = []  # [whether the stack closes over a tensor that requires grad], found on the first call that asks
 
     def hyper_grad() -> bool:
@@ -320,7 +330,7 @@ def _pure_step(canonical: Callable, tx: GradientTransformation, has_aux: bool, s
         # which writes nothing) and its kernels on this step's own gradient buffers and a copy of the state, then
         # a copy of the params; the new trees are the only parameter-sized allocations (out of place, every op of
         # every transform allocated its result).
-        grads, loss, aux = _grad(fn, params, batch, tx, donated=False)
+        grads, loss, aux = engine(fn, params, batch, tx)
         with torch.no_grad():
             grads, opt_state = _owned(grads), tree.clone(opt_state)
             if fused and _fused.applies(tx, grads, opt_state, params):
@@ -535,11 +545,14 @@ def _canonical(loss_fn: Callable, has_aux: bool) -> Callable:
     return fn
 
 
-def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation, donated: bool = True):
+def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation, donated: bool = True,
+          overlap: bool = False):
     """The donated step's gradients: ``torch.autograd.grad`` over detached views of the param leaves.
 
     Returns the gradients (a tree like ``params``) and ``fn``'s (loss, aux), detached. ``donated=False`` (a pure
-    step where nothing records) takes params with autograd history too: nothing is written into them.
+    step where nothing records) takes params with autograd history too: nothing is written into them. With
+    ``overlap``, data-parallel ``Partial`` gradients are all-reduced in buckets launched from hooks while the
+    backward runs (:func:`fxtrain.distributed.overlap_reduction`) and come back placed like their params.
     """
     # none_is_leaf=False: None leaves (frozen/absent) are not differentiated and come back as None.
     leaves, spec = optree.tree_flatten(params, none_is_leaf=False, namespace="fxtrain")
@@ -551,7 +564,11 @@ def _grad(fn: Callable, params: Params, batch: Batch, tx: GradientTransformation
         raise ValueError(_NO_PARAMS)
     with torch.enable_grad():
         objective, (loss, aux) = call_objective(fn, optree.tree_unflatten(spec, xs), batch, tx)
-    return optree.tree_unflatten(spec, _grads_reaching(objective, xs)), loss.detach(), detach_tree(aux)
+    reducing = distributed.overlap_reduction(xs) if overlap else None
+    grads = _grads_reaching(objective, xs)
+    if reducing is not None:
+        grads = reducing.finish(grads)
+    return optree.tree_unflatten(spec, grads), loss.detach(), detach_tree(aux)
 
 
 def _grads_reaching(objective: torch.Tensor, xs: list, create_graph: bool = False) -> list:

@@ -9,6 +9,8 @@ parallel) live one layer up, in :mod:`fxtrain.parallel`, above :mod:`fxtrain.ste
   param's placements: a slice, one bucketed reduce-scatter or all-reduce per process group),
   :func:`reduce_partials` (``Partial`` -> ``Replicate``), :func:`reduce_scatter_flat` and
   :func:`all_gather_flat` (ZeRO's packed buffers).
+* ``_overlap``: :func:`overlap_reduction`, DDP's bucketed all-reduce of data-parallel gradients launched from
+  hooks while the backward runs (the step's gradient engine uses it; :func:`reduction_buckets` sizes it).
 * ``_mesh``: :class:`ParallelDims`, the one mesh object of a run (degrees per dim, the ``DeviceMesh``, which
   slice of a batch this rank reads).
 * ``_runtime``: torchrun's world, the device, the run stamp, batch slices, metric averages.
@@ -25,6 +27,7 @@ from fxtrain.distributed._collectives import (
     all_gather_flat, contiguous_stride, match_placements, reduce_partials, reduce_scatter_flat,
 )
 from fxtrain.distributed._mesh import DIMS, ParallelDims
+from fxtrain.distributed._overlap import Overlap, overlap_reduction, reduction_buckets
 from fxtrain.distributed._norms import GlobalSumSq, global_count, global_norm, global_sum_sq, local_leaves, to_local
 from fxtrain.distributed._runtime import (
     device, gather_objects, init_from_env, mean_across_ranks, rank_and_world, shared_stamp, shutdown, world_mesh,
@@ -35,6 +38,8 @@ __all__ = [
     "global_norm", "global_sum_sq", "global_count", "GlobalSumSq", "to_local", "local_leaves",
     # collectives
     "match_placements", "reduce_partials", "reduce_scatter_flat", "all_gather_flat", "contiguous_stride",
+    # the data-parallel all-reduce overlapped with the backward
+    "overlap_reduction", "Overlap", "reduction_buckets",
     # the mesh of a run
     "ParallelDims", "DIMS",
     # runtime

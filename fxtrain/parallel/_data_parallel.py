@@ -3,9 +3,10 @@
 :func:`data_parallel` is :func:`fxtrain.functional` for a data-parallel module: the params are
 ``Replicate`` DTensors on the dp mesh (views of the module's own storage), and ``apply_fn`` computes with
 their local tensors through a view whose backward marks each gradient ``Partial("avg")`` over dp. The
-step's :func:`fxtrain.distributed.match_placements` then averages every gradient in one bucketed all-reduce
-per dp group; ``accumulate`` outermost sums micro-batches locally and reduces once per window (the
-functional ``no_sync``); ``sharded_apply(..., shard_over="dp")`` reduce-scatters instead (ZeRO-1/2). One
+step averages them while the backward still runs (:func:`fxtrain.distributed.overlap_reduction`: DDP's
+buckets, launched from hooks as their gradients come in, waited on right after the backward);
+``accumulate`` outermost sums micro-batches locally and reduces once per window (the functional
+``no_sync``); ``sharded_apply(..., shard_over="dp")`` reduce-scatters instead (ZeRO-1/2). One
 mechanism serves plain dp and the dp dim of every 2-D layout (:func:`fxtrain.parallel.tensor_parallel`
 uses the same kind of view).
 """
@@ -68,7 +69,7 @@ def data_parallel(module: nn.Module, mesh: Any) -> tuple[Callable, dict, dict]:
 
 class _Local(torch.autograd.Function):
     """A replicated param's local tensor, no communication; the backward returns the local gradient as
-    ``Partial("avg")`` over the mesh, left to the step to reduce with every other leaf in one bucket."""
+    ``Partial("avg")`` over the mesh, left to the step to reduce in its buckets."""
 
     @staticmethod
     def forward(ctx, x: DTensor) -> torch.Tensor:
