@@ -334,7 +334,8 @@ class ExampleBatches(_Epochs):
         """Batches moved to ``device`` as they come; to a CUDA device the workers pin them (``pin_memory``)."""
         out = copy.copy(self)
         out._reset()
-        out.pin = torch.device(device).type == "cuda" and self.loader.pin_memory is not False and out.loader.workers() > 0
+        out.pin = (torch.device(device).type == "cuda" and self.loader.pin_memory is not False
+                   and out.loader.workers() > 0 and torch.cuda.is_available())  # else _to_device pins, as it moves
         return _OnDevice(out, device)
 
     def describe(self, test: Batch) -> str:

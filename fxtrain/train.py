@@ -252,6 +252,11 @@ class Built(NamedTuple):
     task: tasks.Task  #: the loss and metrics (``task`` group)
     sharded: bool = False  #: ``data.train[k]`` is this rank's share already (:func:`fxtrain.data.for_rank`)
 
+    def batch(self, k: int, dims: distributed.ParallelDims) -> Any:
+        """This rank's batch of step ``k`` on ``dims``: ``data.train[k]`` where the data is split per rank already
+        (``sharded``), else this rank's slice of the global batch (``dims.local_batch``)."""
+        return self.data.train[k] if self.sharded else dims.local_batch(self.data.train[k])
+
 
 def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelDims | None = None,
               data: Any = None, task: tasks.Task | None = None) -> Built:
@@ -589,10 +594,10 @@ class RunSteps:
         self.waited = self.stepped = 0.0  # seconds waiting for batches, and in advance() in all
 
     def advance(self, first: int, end: int) -> dict[str, Any]:
-        train, t0 = self.built.data.train, time.perf_counter()
+        t0 = time.perf_counter()
         for i in range(first + 1, end + 1):
             t = time.perf_counter()
-            batch = train[i - 1] if self.built.sharded else self.dims.local_batch(train[i - 1])
+            batch = self.built.batch(i - 1, self.dims)
             self.waited += time.perf_counter() - t
             self.params, self.opt_state, self.buffers, metrics = self.built.step(self.params, self.opt_state,
                                                                                  self.buffers, batch)

@@ -285,7 +285,7 @@ def _layout_case(name: str, world: int, overrides: list[str]):
             built = runner.build_run(c, torch.device("cpu"), dims, task=runner.check(c).task)
             params, state, buffers, out = built.params, built.opt_state, built.buffers, []
             for i in range(2):
-                batch = dims.local_batch(built.data.train[i])
+                batch = built.batch(i, dims)
                 params, state, buffers, m = built.step(params, state, buffers, batch)
                 out.append(float(m["loss"]))
             return out

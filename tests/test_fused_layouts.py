@@ -4,7 +4,7 @@ Generated: every ``conf/parallel`` preset whose smallest world (the degrees it s
 ranks, a world per size (tests/_worlds.py), and in each the runner's stacks of :data:`STACKS` (``conf/amp`` x
 ``conf/accumulate`` x chain: tiny_lm's recommended bf16 + k4 + clip + AdamW, float16 loss scaling, a chain of one
 optimizer). Each is built and stepped as ``python -m fxtrain.train`` builds and steps it
-(:func:`fxtrain.train.build_run`, each rank its slice: ``dims.local_batch``), once as built and once with the
+(:func:`fxtrain.train.build_run`, each rank its batch: ``Built.batch``), once as built and once with the
 stack's fused mark taken off (its foreach kernels), counting torch's ``_fused_*`` calls: one per emitted update
 (``STEPS / accumulate.every``) on every rank. The params (gathered) agree within tests/test_fused.py's tolerance
 through a model (``rtol=1e-4, atol=1e-6``; float32 master params) and the loss-scale decisions are identical.
@@ -112,7 +112,7 @@ def run(cfg, world: int, fused: bool):
     history = []
     with KernelCalls() as calls:
         for i in range(STEPS):
-            params, state, buffers, metrics = built.step(params, state, buffers, dims.local_batch(built.data.train[i]))
+            params, state, buffers, metrics = built.step(params, state, buffers, built.batch(i, dims))
             history.append({k: v.detach().clone() for k, v in metrics.items()})
     full = {k: (x.full_tensor() if isinstance(x, DTensor) else x).detach().clone()
             for k, x in zip(fx.tree.paths(params), fx.tree.leaves(params))}
