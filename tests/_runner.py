@@ -43,7 +43,10 @@ def run_main(*argv: str):
 def torchrun_train(cwd, *args: str, timeout: float = 240, nproc: int = 2) -> tuple[str, pathlib.Path]:
     """``torchrun --nproc_per_node=<nproc> -m fxtrain.train *args`` in ``cwd``; returns (stdout, the run directory)."""
     pathlib.Path(cwd).mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the repository importable from cwd (a data._target_ of tests/, as the suite's own process has it)
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            "-m", "fxtrain.train", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
