@@ -243,39 +243,50 @@ EVERY_PAIR = bool(os.environ.get("FXTRAIN_SLOW"))
 
 
 def relayout_pairs(world: int, root: pathlib.Path, hub: str | None = None, one_process: bool = True,
-                   required: set = frozenset(), layouts: set | None = None) -> list:
+                   required: set = frozenset(), layouts: set | None = None, cover: bool = True) -> list:
     """Trains the sources and continues each pair of :func:`presets` (``hub``: only the pairs into and out of it;
     ``one_process``: one process's checkpoint into each too) from a window's end and from inside one: like the
     uninterrupted run, or (inside a window, into a layout that holds its sums in another form than plain tensors)
     refused before any step. A pair runs the first of :data:`MODELS` both sides take. Unless :data:`EVERY_PAIR`,
     only :func:`pair_cover`'s pairs (``required`` among them) of ``layouts`` (default: all) and the hub, through it
-    or not. Returns the pairs run."""
+    or not; ``cover=False``: only the ``required`` pairs. A layout only continued into is built (its refusal of a
+    model is the build's), not trained. Returns the pairs run."""
     import subprocess
 
+    from fxtrain import train as runner
     from fxtrain.errors import ConfigError
+    from tests._runner import cfg_of
 
-    rank, only, layouts, built = torch.distributed.get_rank(), layouts, presets(world), {}
+    rank, only, layouts, accepted = torch.distributed.get_rank(), layouts, presets(world), {}
 
-    def takes(model: str, name: str) -> bool:  # trains the source (model on layout name) the first time asked
-        if (model, name) not in built:
+    def takes(model: str, name: str) -> bool:  # whether layout name builds the model (on this world's mesh)
+        if (model, name) not in accepted:
+            GlobalHydra.instance().clear()
+            cfg = cfg_of(*_args(*layouts[name], f"model={model}"))
+            runner.check(cfg)
             try:
-                _train(root / model / name, *_args(*layouts[name], f"model={model}"))
-                built[model, name] = True
+                run = runner.place_run(cfg, runner.plan_run(cfg, None))
+                runner.build_run(cfg, run.device, run.dims)
+                accepted[model, name] = True
             except ConfigError as e:  # this model on this layout (the MoE has no tensor-parallel plan)
                 assert str(e).startswith("parallel "), str(e)  # the layout's own refusal (outside Hydra: no model=)
-                torch.distributed.barrier()
-                built[model, name] = False
-        return built[model, name]
+                accepted[model, name] = False
+            torch.distributed.barrier()
+        return accepted[model, name]
 
     sources = [*layouts, *(["none"] if one_process else [])]
     if EVERY_PAIR:
         pairs = [(s, d) for s in sources for d in layouts if s != d and (hub is None or hub in (s, d))]
+    elif not cover:
+        pairs = sorted(required)
     else:
         keep = {*(only or layouts), hub, "none"}
         pairs = pair_cover([(s, d) for s in sources for d in layouts if s != d and {s, d} <= keep], set(required))
     pairs = [(next((m for m in MODELS if (src == "none" or takes(m, src)) and takes(m, dst)), None), src, dst)
              for src, dst in pairs]
     pairs = [p for p in pairs if p[0] is not None]
+    for model, src in sorted({(m, src) for m, src, _ in pairs if src != "none"}):  # each source trained once
+        _train(root / model / src, *_args(*layouts[src], f"model={model}"))
     if one_process:
         done = root / "one_process.done"
         if rank == 0:  # one process's runs, in a process of their own (the ranks here are a world)
