@@ -37,8 +37,9 @@ test-all: $(STAMP)
 
 # The documentation site (mkdocs.yml, docs/) into site/, offline, warnings as errors: the pages, and the API reference
 # generated from the package's docstrings (docs/_hooks.py). tests/test_docs.py builds it in the suite too.
+# NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed at every build.
 docs: $(STAMP)
-	$(BIN)/python -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 # The committed studies (lr_sweep, jax_parity) rerun into a fresh directory and compared with their results.md
 # (experiments/studies.py: tolerance, how to renew them). About 2 minutes on 2 cores.

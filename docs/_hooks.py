@@ -9,7 +9,9 @@ editing the docs; tests/test_docs.py checks that every public name has one in th
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
+import inspect
 import pathlib
 import re
 import types
@@ -35,7 +37,7 @@ def doors() -> dict[str, tuple[str, object]]:
     another fxtrain module's function) is documented where it is defined."""
     root = importlib.import_module(PACKAGE)
     found: dict[str, tuple[str, object]] = {}
-    seen: set[int] = set()
+    seen: set[int] = set()  # the top level's objects: fx.adamw, not fx.optimizers.adamw
     modules = []
     for name in public_names(root):
         obj = getattr(root, name)
@@ -48,12 +50,11 @@ def doors() -> dict[str, tuple[str, object]]:
     for module in modules:
         for name in public_names(module):
             obj = getattr(module, name)
-            home = defined_in(obj, module.__name__)
-            inside = home == module.__name__ or home.startswith(module.__name__ + ".")
+            home = getattr(obj, "__module__", None)  # None: a constant, documented with its module's docstring
+            inside = isinstance(home, str) and (home == module.__name__ or home.startswith(module.__name__ + "."))
             if isinstance(obj, types.ModuleType) or id(obj) in seen or not inside:
                 continue
-            found[f"{module.__name__}.{name}"] = (home, obj)
-            seen.add(id(obj))
+            found[f"{module.__name__}.{name}"] = (home, obj)  # each name: tree.mul_ and tree.scale_ are one function
     return found
 
 
@@ -66,7 +67,9 @@ def defined_in(obj: object, default: str) -> str:
 def reference_pages() -> dict[str, str]:
     """``reference/<module>.md`` -> its markdown: the module's docstring, then its public names in source order."""
     by_module: dict[str, list[str]] = collections.defaultdict(list)
-    for door, (home, obj) in doors().items():
+    found = doors()
+    objects = {door: obj for door, (_, obj) in found.items()}
+    for door, (home, obj) in found.items():
         if not isinstance(obj, types.ModuleType):
             by_module[home].append(door)
         else:
@@ -75,21 +78,37 @@ def reference_pages() -> dict[str, str]:
     for home in sorted(by_module):
         lines = [f"::: {home}", "    options:", "      members: false", "      heading_level: 1", ""]  # the page's title
         for door in sorted(by_module[home], key=lambda d: source_order(home, d)):
-            lines += [f"::: {door}", ""]
+            if not readable(home, door):
+                lines += [f"## `{door}` {{ #{door} }}", "", inspect.getdoc(objects[door]) or "", ""]
+            else:
+                lines += [f"::: {door}", ""]
         pages[f"reference/{home}.md"] = "\n".join(lines)
     return pages
 
 
 def source_order(home: str, door: str) -> tuple[int, str]:
-    """Where ``door``'s object is defined in ``home``'s source (its ``def``/``class`` line), so a page reads as the
-    module does; names without such a line go last, by name."""
+    """Where ``door``'s name is defined in ``home``'s source (its ``def``, ``class`` or assignment line), so a page
+    reads as the module does; names without such a line go last, by name."""
     name = door.rsplit(".", 1)[1]
+    match = re.search(rf"^(?:\s*(?:def|class)\s+|(?:\w+,\s*)*){re.escape(name)}\b", source(home), flags=re.M)
+    return (match.start() if match else len(source(home)) + 1, name)
+
+
+def readable(home: str, door: str) -> bool:
+    """mkdocstrings reads the source, not the objects: it finds a ``def``, a ``class`` or ``name = ...``, not a
+    name made at import time (``sqrt_, abs_ = map(_unary, ...)``), whose entry shows its runtime docstring."""
+    name = door.rsplit(".", 1)[1]
+    pattern = rf"^\s*(?:def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]"
+    return re.search(pattern, source(home), flags=re.M) is not None
+
+
+@functools.cache
+def source(module: str) -> str:
+    """The module's source text ("" where it has none)."""
     try:
-        source = importlib.import_module(home).__loader__.get_source(home) or ""
+        return importlib.import_module(module).__loader__.get_source(module) or ""
     except (AttributeError, ImportError):
-        source = ""
-    match = re.search(rf"^\s*(?:def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]", source, flags=re.M)
-    return (match.start() if match else len(source) + 1, name)
+        return ""
 
 
 _PAGES: dict[str, str] = {}

@@ -220,10 +220,12 @@ def contains_in_order(expected: list[str], actual: list[str]) -> list[str]:
 # --- numbers stated in prose and tables: equal to the committed table cited -----------------------------
 
 CITED = re.compile(r"experiments/[\w./-]+?\.md")
-# A measured number: a decimal (0.75, 1.3e-7, in 0.75x or 84.8% too). Integers (steps, ranks, sizes) and bare powers
-# of ten (a tolerance: relative 1e-5) are not measurements; versions (torch 2.13) and code spans are not prose.
+# A measured number: a decimal (0.75, 1.3e-7, in 0.75x or 84.8% too). Integers (steps, ranks), sizes (5.3M params)
+# and bare powers of ten (a tolerance: relative 1e-5) are not measurements; versions (torch 2.13) and code spans are
+# not prose.
 MEASURED = re.compile(r"(?<![\w.-])\d+\.\d+(?:[eE][-+]?\d+)?(?![\w.]*\d)")
-NOT_MEASURED = re.compile(r"`[^`]*`|\d+\.\d+\.\d+|\b(?:torch|Hydra|Python|python|CUDA|jax|Flax|Optax) \d+\.\d+|"
+NOT_MEASURED = re.compile(r"`[^`]*`|\d+\.\d+\.\d+|\d+(?:\.\d+)?[KMB]\b|"
+                          r"\b(?:torch|Hydra|Python|python|CUDA|jax|Flax|Optax) \d+\.\d+|"
                           r"(?:target|goal|acceptance:?|<=|>=)\s*~?\d+\.?\d*(?:[eE][-+]?\d+)?x?")
 
 # Paragraphs that state a number no table holds -> why (the page, the paragraph's first words).

@@ -148,8 +148,8 @@ def fully_sharded_step(loss_fn: Callable, tx: Any, module: nn.Module, *, has_aux
 
     Raises:
       TypeError, ValueError: as :func:`fully_sharded` for ``module``; at call time, ``params`` that are not
-      the module's own (naming the first leaf that differs), an ``amp_cast`` that casts params, a loss
-      from which no gradient reaches any parameter.
+        the module's own (naming the first leaf that differs), an ``amp_cast`` that casts params, a loss
+        from which no gradient reaches any parameter.
 
     Example (two ranks; not a doctest)::
 
