@@ -76,7 +76,8 @@ def reference_pages() -> dict[str, str]:
             by_module.setdefault(home, [])
     pages = {}
     for home in sorted(by_module):
-        lines = [f"::: {home}", "    options:", "      members: false", "      heading_level: 1", ""]  # the page's title
+        # the module's docstring as the page's title and introduction, then its names
+        lines = [f"::: {home}", "    options:", "      members: false", "      heading_level: 1", ""]
         for door in sorted(by_module[home], key=lambda d: source_order(home, d)):
             if not readable(home, door):
                 lines += [f"## `{door}` {{ #{door} }}", "", inspect.getdoc(objects[door]) or "", ""]
