@@ -220,10 +220,11 @@ def contains_in_order(expected: list[str], actual: list[str]) -> list[str]:
 # --- numbers stated in prose and tables: equal to the committed table cited -----------------------------
 
 CITED = re.compile(r"experiments/[\w./-]+?\.md")
-# A measured number: a decimal (0.75, 1.3e-7, in 0.75x or 84.8% too). Integers (steps, ranks), sizes (5.3M params)
+# A measured number: a decimal (0.75, 1.3e-7, in 0.75x or 84.8% too), a ratio or a share (3x, 14%). Other integers
+# (steps, ranks), sizes (5.3M params)
 # and bare powers of ten (a tolerance: relative 1e-5) are not measurements; versions (torch 2.13) and code spans are
 # not prose.
-MEASURED = re.compile(r"(?<![\w.-])\d+\.\d+(?:[eE][-+]?\d+)?(?![\w.]*\d)")
+MEASURED = re.compile(r"(?<![\w.-])(?:\d+\.\d+(?:[eE][-+]?\d+)?(?![\w.]*\d)|\d+(?=x\b|%))")
 NOT_MEASURED = re.compile(r"`[^`]*`|\d+\.\d+\.\d+|\d+(?:\.\d+)?[KMB]\b|"
                           r"\b(?:torch|Hydra|Python|python|CUDA|jax|Flax|Optax) \d+\.\d+|"
                           r"(?:target|goal|acceptance:?|<=|>=)\s*~?\d+\.?\d*(?:[eE][-+]?\d+)?x?")
@@ -288,10 +289,11 @@ def shown_in(number: str, text: str) -> bool:
 
 def test_stated_numbers_reads_paragraphs_rows_and_captions(tmp_path):
     page = tmp_path / "probe.md"
-    page.write_text("A ratio of 0.75x (target <= 0.95) in torch 2.13, `lr=0.003`.\n\nThe table "
+    page.write_text("A ratio of 0.75x (target <= 0.95), 3x, 14%, in torch 2.13, `lr=0.003`, 5.3M params.\n\nThe table "
                     "(`experiments/x/results.md`):\n\n| a | b |\n|---|---|\n| 1.3e-7 | 8 |\n\n```\n0.5\n```\n")
     stated = stated_numbers(page)
-    assert [(s.line, s.numbers, s.cited) for s in stated] == [(1, ["0.75"], ()), (7, ["1.3e-7"], ("experiments/x/results.md",))]
+    assert [(s.line, s.numbers, s.cited) for s in stated] == [(1, ["0.75", "3", "14"], ()),
+                                                              (7, ["1.3e-7"], ("experiments/x/results.md",))]
     assert shown_in("0.75", "| 0.753 |") and shown_in("4.3e-7", "4.31e-07") and not shown_in("0.75", "0.76 0.7")
 
 
