@@ -116,12 +116,28 @@ _PAGES: dict[str, str] = {}
 
 
 def on_config(config):
-    """Adds the reference to the nav: its index, then one entry per module page."""
+    """Adds the reference to the nav: its index, the top-level modules, then a section per subpackage
+    (``fxtrain.transforms``: its own page, then its modules by family name: ``_adam`` as ``adam``)."""
     _PAGES.clear()
     _PAGES.update(reference_pages())
-    entries = [{"Overview": INDEX}] + [{path.removeprefix("reference/").removesuffix(".md"): path} for path in _PAGES]
+    entries: list = [{"Overview": INDEX}]
+    sections: dict[str, list] = {}
+    for path in _PAGES:
+        module = path.removeprefix("reference/").removesuffix(".md")
+        package, _, rest = module.removeprefix(PACKAGE + ".").partition(".")
+        if not rest and not is_package(module):
+            entries.append({module: path})
+            continue
+        if package not in sections:
+            sections[package] = []
+            entries.append({f"{PACKAGE}.{package}": sections[package]})
+        sections[package].append({rest.lstrip("_") or f"{PACKAGE}.{package}": path})
     config["nav"] = [*config["nav"], {"API reference": entries}]
     return config
+
+
+def is_package(module: str) -> bool:
+    return hasattr(importlib.import_module(module), "__path__")
 
 
 # Figures the pages show that live with their study (docs/ path -> the repository's path).
