@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PIP     := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: train test test-all studies matrix bench bench-suite gpu-check setup clean
+.PHONY: train test test-all docs studies matrix bench bench-suite gpu-check setup clean
 
 # Reinstall when the project metadata or pins change; otherwise reuse the venv.
 $(STAMP): pyproject.toml constraints.txt
@@ -35,6 +35,12 @@ test: $(STAMP)
 test-all: $(STAMP)
 	FXTRAIN_MATRIX=pairwise FXTRAIN_SLOW=1 $(PYTEST) $(ARGS)
 
+# The documentation site (mkdocs.yml, docs/) into site/, offline, warnings as errors: the pages, and the API reference
+# generated from the package's docstrings (docs/_hooks.py). tests/test_docs.py builds it in the suite too.
+# NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed at every build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
 # The committed studies (lr_sweep, jax_parity) rerun into a fresh directory and compared with their results.md
 # (experiments/studies.py: tolerance, how to renew them). About 2 minutes on 2 cores.
 studies: $(STAMP)
@@ -58,4 +64,4 @@ gpu-check: $(STAMP)
 	$(BIN)/python experiments/gpu/check.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) outputs multirun site .pytest_cache

@@ -720,7 +720,7 @@ def combine(init_fn: Callable, update_fn: Callable, children: Sequence[GradientT
     over: it would compute the child's update instead of ``update_fn``. Decorate the factory with
     :func:`transform` for its repr, and declare its own elementwise-ness there: ``@transform(elementwise=None)``
     keeps the children's. :func:`fxtrain.testing.check_transform` checks the result (pure, donated,
-    ``no_grad``, ``vmap``, ``grad``, its elementwise claim). See the README's "Writing your own transform".
+    ``no_grad``, ``vmap``, ``grad``, its elementwise claim). See docs/transforms.md.
 
     Example: ``every_other(tx)`` applies ``tx`` on odd steps and passes updates through on even ones.
 

@@ -15,26 +15,9 @@ Three pieces, each usable alone:
   Master params are never cast: gradients reach them in their own dtype through the cast. Model state
   that rides in the batch (BatchNorm statistics) keeps its dtype when wrapped in :class:`Uncast`.
 
-The seeds' modes as presets (:func:`amp_preset`; the Hydra group ``amp/`` has the same names, and
-``amp_cast(tx, "bf16")`` or ``Policy.parse("bf16")`` take them by name)::
-
-    preset       policy               loss scale                               seeds' name
-    -----------  -------------------  ---------------------------------------  --------------------------------------
-    off          off (no cast at all)  none                                    full precision / apex O0
-    bf16         p=f32,c=bf16,o=f32   none                                     torch-amp bf16 (O1-like; no GradScaler)
-    fp16         p=f32,c=f16,o=f32    DynamicLossScale()  (GradScaler)         torch-amp fp16 + GradScaler (O1-like);
-                                                                               apex O2's fp32 master weights
-    naive_fp16   p=f32,c=f16,o=f32    DynamicLossScale(2**32, hysteresis=2,    Megatron / ColossalAI naive amp
-                                        min_scale=1, growth_interval=1000)
-    pure_bf16    p=bf16,c=bf16,o=bf16 none                                     apex O3-like pure half (bf16)
-    pure_fp16    p=f16,c=f16,o=f16    none                                     apex O3 pure half (static scale 1.0)
-
-How the names map. O1 (torch.autocast) casts per op from allow/deny lists; ``amp_cast`` casts the whole
-param tree and the floating inputs once, as apex O2 does with its fp16 model copy, and keeps float32
-masters: numerically O1 and O2 differ only in which ops stay float32 (softmax, norms, losses). Compute
-the loss in float32 inside ``loss_fn`` (``logits.float()``) to keep that part of O1, or run
-``torch.autocast`` inside ``loss_fn`` on top. O3 stores the params in half precision: no master copy,
-updates rounded to half.
+The presets (:func:`amp_preset`, the Hydra group ``amp/``: ``off``, ``bf16``, ``fp16``, ``naive_fp16``,
+``pure_bf16``, ``pure_fp16``), the seeds' names for them (apex O0-O3, Megatron's naive amp) and how they map:
+docs/stack.md ("Mixed precision presets").
 
 Example:
     >>> import torch, fxtrain as fx

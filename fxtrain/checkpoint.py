@@ -1,57 +1,15 @@
 """Checkpoints: ``fx.save(path, tree)`` / ``fx.load(path, like=tree)``, atomic, DTensor-aware, bit-exact.
 
-A checkpoint is a directory. Its tensors are written by ``torch.distributed.checkpoint`` (DCP): every
-rank writes the shards it holds of each DTensor leaf (plain tensors are taken as identical on every rank
-and written once; a ``Partial`` DTensor, such as ``accumulate``'s window sum under data parallelism, as each
-rank's term, exactly), and loading into DTensors on another mesh or world size reshards. Ranks may hold
-different trees (pipeline stages, each its own params and state under their own paths): the manifest then
-lists every rank's leaves, and each rank loads its part (or one process the whole tree). Without a process
-group the same call saves and loads in one process. Beside DCP's files, ``fxtrain.json`` (the manifest)
-records every leaf's path, kind, global shape and dtype, the non-tensor leaves (Python numbers, strings)
-and the size and CRC32 of every file, and is itself checksummed: its ``digest`` is
-``sha256:<hex>`` of its own JSON with keys sorted, no spaces and ``digest`` left out. So that:
+A checkpoint is a directory: the tensors through ``torch.distributed.checkpoint`` (each rank its shards; loading
+onto another mesh or world size reshards) and ``fxtrain.json``, a checksummed manifest of every leaf and file, so
+``load`` checks structure, shapes and dtypes against ``like`` and every byte against the manifest before it reads a
+tensor, and opens nothing outside the checkpoint. ``save`` writes into ``.<name>.saving`` and renames it into
+place; the next save cleans what a dead one left. The file layout, the atomic protocol, leftovers and what a
+bit-exact resume saves: docs/reliability.md ("How a checkpoint is written").
 
-* ``load`` checks structure, shapes and dtypes against ``like`` and names the first path that differs
-  (another model's checkpoint, an optimizer state from another stack) before reading any tensor;
-* a truncated or corrupted file is reported with its name and the checkpoint's path, never loaded;
-* an edited or damaged manifest (a step changed by hand, a ``files`` map emptied or shortened, a key
-  missing) is refused as one :class:`CheckpointError` line, and every DCP file in the directory must be
-  listed in it: nothing in a checkpoint escapes verification;
-* nothing is read from outside the checkpoint, and nothing can make a read wait for ever: every file is opened
-  with ``O_NOFOLLOW | O_NONBLOCK`` and must be a regular file (:func:`open_file`: a symbolic link, say to
-  another run's file or to ``/dev/zero``, a FIFO or a device is refused naming it), its size is checked against
-  the manifest before a byte is read, and a checkpoint directory that is itself a symbolic link (a ``step_N``
-  linked into another run) is refused.
-
-A leaf's path is its keys joined with ``.`` (``opt_state.mu.w``), which is also its name in DCP's files.
-Two leaves with the same path (``{"a.b": t1, "a": {"b": t2}}``, keys ``1`` and ``"1"``) would load as
-one tensor, so ``save`` refuses them naming both, and ``load`` refuses a ``like`` or a manifest that has
-them.
-
-**Atomic.** ``save`` writes into ``.<name>.saving`` beside the target (its first file,
-``fxtrain.owner.json``, says which process on which host is saving), fsyncs every file and the directory,
-writes the manifest last, then renames it to ``<name>`` (an existing checkpoint there is first renamed
-to ``.<name>.old`` and removed after). A crash at any point leaves the previous checkpoint loadable:
-before the first rename it is untouched; between the two renames ``load`` finds it as ``.<name>.old``.
-A save that raises removes its ``.saving`` directory and puts the previous checkpoint back.
-
-**Leftovers are cleaned by the next save in the same directory**, of any name: it puts an interrupted
-commit's ``.<name>.old`` back (or removes it once ``<name>`` is committed) and removes the
-``.<name>.saving`` of saves whose process is dead (same host and boot: its pid is gone or now another
-process's; another host or boot: nothing in it changed for a day). A live save is never touched: saving to the path that
-a live process is saving to is refused, naming that process. A ``.saving`` without an owner record or an
-``.old`` without a manifest is not fxtrain's and is left alone, unless it is the path being saved's own.
-
-**What to save for a bit-exact resume.** Everything the next step reads: :class:`TrainState` holds the
-step count (which is also the data position: ``fxtrain.data`` batches are a pure function of seed and
-index, so batch ``step`` is the next one), params, buffers, the whole transform state (counters, loss
-scale and its trackers, accumulation window, injected hyperparameters; all NamedTuples/dicts/tuples of
-tensors) and the RNG states (:func:`rng_state`). Bytes are copied as they are: a resumed run computes
-what the uninterrupted one would have.
-
-Talking to ``torch.distributed`` belongs in the ``fxtrain/distributed`` package (rank and world size come from
-there), with one exception: this module calls ``torch.distributed.checkpoint``, and the barriers its save
-protocol needs (nobody goes on before the rename) are part of that protocol, so they live here too.
+Map: :func:`save`, :func:`load`, :func:`verify`, :class:`TrainState`, :func:`rng_state` / :func:`set_rng_state`,
+:class:`CheckpointError`; :func:`latest` / :func:`candidates` (a run's checkpoints, newest first);
+:func:`open_file`, :func:`read_dcp_metadata` (reading that runs no code and follows no link).
 
 Example:
     >>> import tempfile, torch, fxtrain as fx

@@ -20,7 +20,7 @@ sums them) goes first in the stack, then the stack runs as usual on the reduced 
     [0.0333, 0.0333, 0.0333]
 
 ``train_step`` has no per-example mode: compose :func:`per_example_grads` with ``tx.update`` (or
-:func:`fxtrain.update_`) and :func:`fxtrain.apply_updates` as above; the README shows a full step.
+:func:`fxtrain.update_`) and :func:`fxtrain.apply_updates` as above; docs/functional-step.md shows a full step.
 """
 
 from __future__ import annotations

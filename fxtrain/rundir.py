@@ -4,43 +4,10 @@ The training script's directory (``hydra.run.dir``, or a sweep job's) is managed
 ``CheckpointManager`` manages its directory: what is in it was written by one run, and nothing another
 launch does can mix into it or delete from it.
 
-* **Ownership.** :func:`claim` records the run's config hash in ``run.json`` (the sha256 of the resolved
-  config, minus the keys in :data:`UNHASHED`, which change how a run is launched but not what it computes).
-  A later launch into a directory that holds progress (a checkpoint, a ``metrics.jsonl`` line or a
-  ``summary.json``) is refused as one line, before anything is written, when
-
-  - its config hash differs (the message names the keys that differ, says how to continue the run that
-    is there, ``resume=auto`` with its own config, and where to go instead: another ``hydra.run.dir``);
-  - its config is the same but ``resume`` is ``null``: starting over would mix two runs into one
-    ``metrics.jsonl``, so the same config is **refused, never silently resumed**; ``resume=auto`` continues it.
-
-  A directory without progress, or whose launch failed (or was refused) before its first checkpoint, is
-  claimed anew: the corrected command reruns there from step 0. With a checkpoint, the run's world size
-  and layout (``run.json`` records them) must be this launch's, unless ``resume_relayout=true``
-  (:func:`check_layout`). A key
-  present on one side only (one a newer fxtrain added, at its default) does not make another run:
-  ``resume`` continues and records the new config. A directory with progress but no ``run.json`` (written
-  before run directories were recorded) is continued only with ``resume``.
-* **Nothing written before acceptance.** ``conf/train.yaml`` sets ``hydra.output_subdir: null``: Hydra's
-  ``.hydra/{config,hydra,overrides}.yaml`` are written once the launch is accepted (:meth:`Claim.accept`;
-  and by the :class:`HydraFiles` callback for jobs claimed outside Hydra's ``run_job``), the lock's holder
-  record and ``run.json`` too. The runner accepts only once everything that can refuse a launch is built
-  (the resume's checkpoint verified and loaded, the data split, the model placed), its ``train.log`` is opened
-  at its first line (``delay: true``), and the directory Hydra made for a refused launch is removed
-  (:func:`withdraw`; only an empty one this launch made): a refused launch leaves an existing directory
-  byte-identical and no fresh one behind. A sweep job refused records ``status: refused`` and its error in its
-  own new directory (:func:`write_refused`), for ``summary.csv``.
-* **One live process.** :func:`claim` holds an exclusive advisory lock (``fcntl.flock``) on ``run.lock``,
-  which records the holder's pid and host, for the whole run; a second process is refused with a message
-  naming the holder. The lock dies with its process (``kill -9`` included), so a relaunch never finds a
-  stale one. Under torchrun only rank 0 claims; its refusal is raised on every rank.
-* **Rewind.** :func:`rewind` runs when training (re)starts at step ``N``: ``summary.json`` goes,
-  ``metrics.jsonl`` is cut back to step ``N`` and checkpoints after step ``N`` (``resume=PATH`` into an
-  older step) are removed, so the directory holds one timeline and every logged step exactly once.
-* **keep_last.** :func:`prune` deletes only this run's checkpoints older than the one just written, and
-  never that one: ``trainer.keep_last=N`` keeps the newest ``N`` (``0`` keeps all; negative is refused).
-* **summary.json** is written atomically (:func:`write_json`: a temporary file, fsync, ``os.replace``); one
-  that does not parse is reported by :func:`read_summary` as one line naming the file.
+Map: :func:`claim` / :class:`Claim` (ownership by config hash, :data:`UNHASHED`; the lock; :func:`check_layout`),
+:func:`accepted` / :func:`withdraw` / :class:`HydraFiles` / :func:`write_refused` (nothing written before a launch is
+accepted), :func:`rewind` and :func:`prune` (one timeline; ``keep_last``), :func:`write_json` / :func:`read_summary`.
+The rules, and why: docs/reliability.md ("How a run directory is kept").
 """
 
 from __future__ import annotations

@@ -8,32 +8,10 @@ follows ``trainer.checkpoint.best_by`` (default: the optimized metric, in the di
 which ``trainer.keep_last`` never deletes and a resumed run reads back (:meth:`Best.resume`: the best so far
 survives a restart; a best from after the resumed step is of a timeline that is being redone, and is dropped).
 
-**When ``checkpoints/best`` is written.** Not at each improvement: the improvement's state is copied in memory
-(:meth:`Best.keep`) and written by :meth:`Best.write`, which the runner calls just before each regular checkpoint
-(``step_<N>``, every ``trainer.checkpoint_every`` steps, the last step's, an early stop's) and when a run fails on a
-non-finite loss or metric. A synchronous save at every improvement cost about 17 ms each, 14% of a small CNN's
-training loop (issue 36; ``experiments/bench/mnist_port.py``), and bought nothing for a resume: ``resume=auto`` goes
-on from the last regular checkpoint and drops any best from after it. What a kill between an improvement and the
-next regular checkpoint loses: the improvements since that checkpoint are not on disk, so ``checkpoints/best`` of
-the killed run holds the best of the steps up to its last regular checkpoint (or is absent if that checkpoint had
-none). A resumed run loses nothing: it redoes those steps bit for bit, finds the same improvements, and ends with
-the ``checkpoints/best`` (the same state bytes, leaves and meta) that the uninterrupted run writes. It is written
-before the step checkpoint, never after: a kill between the two leaves a best newer than the last complete step
-checkpoint, which the resume drops (as any best from after its start) and finds again; written after, a kill in
-between would leave the step checkpoint beside an older best, and the improvement would be lost for good. The price
-is memory: the pending best holds a copy of the whole train state (params, optimizer state, buffers) until it is
-written, as the synchronous save read it.
-
-The **test** split is evaluated once, when training ends, on the checkpoint ``trainer.test_ckpt`` names:
-``best`` (default) or ``last`` (:func:`state_to_test`); ``test_loss``, ``test_<metric>`` go into ``summary.json``
-beside the best step's ``val_*`` metrics, ``best_step`` and ``tested``: which checkpoint was tested and why
-(``{"step": 20, "checkpoint": "last", "why": "trainer.test_ckpt=best, but ..."}``), so a run asked to test its
-best step that tested its last one (no step logged the metric, or ``checkpoints/best`` was damaged and dropped
-at a resume with no evaluation since) says so, there and in its closing line.
-
-A data source without a validation split (``data.val_fraction=0``, an iterable of batches) is validated on
-its test split (:attr:`fxtrain.data.Dataset.validation`), as runs were before there were three splits; its
-``data`` line says so, and the numbers it chooses by have seen the test set.
+Map: :func:`best_by` (the metric followed), :class:`Best` (follow, keep, write, resume), :func:`state_to_test` and
+:func:`describe_tested` (the checkpoint the test split reads, and why). When
+``checkpoints/best`` is written and what a kill loses, the test split and its ``tested`` record, sources without a
+validation split: docs/reliability.md ("The best checkpoint and the test").
 
 Example:
     >>> best = Best("val_loss")

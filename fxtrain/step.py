@@ -1,130 +1,20 @@
 """The training step as a function: ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
-:func:`train_step` builds it from a loss function and a gradient transformation. One step runs, in order:
+:func:`train_step` builds it from a loss function and a gradient transformation: forward and backward of
+``tx.wrap_loss(loss_fn, opt_state)``, ``tx.update``, ``apply_updates``, then the metrics the stack reports. Donated
+(the default) it updates the trees it is given in place, through a fused torch kernel where the stack declares one;
+pure (``donate=False``) it composes with ``torch.func``. The essay (donation, composability, kernel choice,
+compilation, the ``wrap_loss`` contract, gradients and their placements) is docs/functional-step.md.
 
-1. the forward pass of ``tx.wrap_loss(loss_fn, opt_state)`` and the backward pass (gradients of every
-   tensor leaf of ``params``; ``None`` leaves get ``None``),
-2. the transformation, ``updates, opt_state = tx.update(grads, opt_state, params)``,
-3. ``params = apply_updates(params, updates)``,
-4. ``metrics``: ``loss``, ``aux`` (with ``has_aux=True``) and what the stack reports from its new state
-   (``grad_norm``, ``learning_rate``, ``loss_scale``...; see :func:`fxtrain._base.report`), less the
-   values the stack declares constant (``inject_hyperparams``' unscheduled ``b1``, ``eps``...: they stay
-   in the state).
+Map:
 
-Nothing is mutated before step 2, so a ``loss_fn`` (or backward) that raises leaves ``params`` and
-``opt_state`` exactly as they were.
-
-**Donation.** With ``donate=True`` (the default) steps 2 and 3 run in place (:func:`fxtrain.update_` and
-:func:`fxtrain.apply_updates_`): the gradient buffers become the updates, the optimizer state and the
-params are overwritten, and the step allocates nothing parameter-sized beyond what forward and backward
-allocate. Like ``jax.jit(step, donate_argnums=(0, 1))``, the step then *owns* the ``params`` and
-``opt_state`` it is given: the caller must not use them afterwards except through the returned trees,
-which alias them (same tensors, same storage). With ``donate=False`` the step is pure and its inputs are
-left unchanged. Both run the same transform code; ``donate`` only picks the in-place or the pure entry
-point, once, when the step is built. An error raised *inside* a donated update (not in ``loss_fn``) may
-leave ``opt_state`` partially written, as with any donated buffer.
-
-**Composability.** A pure step is a function ``torch.func`` can transform: under ``torch.func.vmap``
-(params and state with a leading axis: an ensemble, or N hyperparameter settings kept in the state) and
-under ``torch.func.grad``, ``jvp``, ``jacrev`` or plain autograd of anything computed from its outputs
-(the loss after some steps with respect to the initial params or a hyperparameter tensor the stack was
-built with). Its gradients come from ``torch.func.grad`` (DTensor params: ``torch.autograd.grad``, with
-``create_graph`` when params or batch require grad), and wherever autograd records or a transform is
-active the update runs out of place (``tx.update``, :func:`fxtrain.apply_updates`): the returned params
-and state are differentiable and batchable, ``metrics`` are detached. Where nothing can differentiate or
-batch it (no ``torch.func`` transform, and under ``torch.no_grad()`` or with nothing that requires grad among
-params, state, batch and the tensors the stack closes over: a training loop), the pure step runs the donated
-step's gradients and kernels on its own gradient buffers and copies of the state and params instead: the same
-bits as ``donate=True`` (out of place the numbers agree to float32 rounding), and no parameter-sized
-allocation beyond the gradients and the new trees (experiments/bench/results/memory.md). A donated or compiled step refuses
-to run under a ``torch.func`` transform, and refuses params that carry autograd history, rather than
-return a detached gradient.
-
-    >>> import torch, fxtrain as fx
-    >>> w = torch.ones(3)
-    >>> def loss_after_one_step(lr):
-    ...     tx = fx.sgd(lr, momentum=0.9)
-    ...     new_w, _, _ = fx.train_step(lambda p, b: (p ** 2).sum(), tx, donate=False)(w, tx.init(w), None)
-    ...     return (new_w ** 2).sum()                     # 3 (1 - 2 lr)^2
-    >>> round(torch.func.grad(loss_after_one_step)(torch.tensor(0.1)).item(), 4)   # -12 (1 - 2 lr)
-    -9.6
-
-**Kernel choice.** Where the step owns the params (compiled or not), a stack that declares a fused
-torch kernel (``fx.adam``, ``fx.adamw``, ``fx.sgd`` with plain-number arguments, or inside
-``fx.inject_hyperparams`` with a scheduled learning rate, alone or after ``clip_by_global_norm``, whose
-coefficient rides in the kernel's ``grad_scale``, and inside ``amp_cast`` and ``accumulate``: the recommended
-stack, the kernel on the emitting call; see
-:mod:`fxtrain.transforms._fused`) runs its update and ``apply_updates_`` as that one kernel when the leaves
-allow it (floating tensors on one device; DTensor params on their local pieces, their gradients placed
-first: every parallel layout); ``compile=True`` then compiles only the stacks that have no such kernel.
-It is the same math on the same state, to float32 rounding; a pure step under ``torch.no_grad()`` runs the same kernel on copies, so donated and pure
-steps still agree exactly there. Which stacks declare a kernel is :mod:`fxtrain.transforms._fused`'s
-business; the others take the foreach kernels.
-
-**Compilation.** With ``compile=True`` the update half (steps 2 and 3, donated) runs under
-``torch.compile``: one graph per stack in which inductor fuses the foreach passes of every transform and
-the final add into loops that write the donated buffers in place. Forward and backward stay eager
-(``torch.autograd.grad`` is a graph break; compile the model inside ``loss_fn`` if wanted). Counts,
-loss scales and ``inject_hyperparams`` values are tensors, so no Python number changes between calls and
-nothing recompiles after the first two calls (the second one sees caches the first filled). An outermost
-:func:`fxtrain.accumulate` decides on the host whether a call emits (its design); its frame runs in Python
-and the inner stack's kernel compiles as its own graph, entered only on emitting calls.
-
-**The loss contract for ``wrap_loss``.** Inside the step the forward pass is a *canonical* loss function
-
-    fn(params, batch) -> (objective, (loss, aux))
-
-* ``objective``: the 0-dim tensor that is differentiated (the loss as the stack wants it backpropagated,
-  e.g. multiplied by the loss scale);
-* ``loss``: the value reported as ``metrics["loss"]``: the user's loss, never scaled;
-* ``aux``: the user's auxiliary output (``None`` without ``has_aux``).
-
-The step builds ``fn`` from the user's ``loss_fn`` (there ``objective`` and ``loss`` are the same tensor)
-and hands it to ``tx.wrap_loss(fn, opt_state)``. A ``wrap_loss`` receives a canonical function and returns
-one: it may change ``params`` and ``batch`` before calling the inner function (amp_cast casts them to the
-compute dtype) and ``objective`` after (amp_cast multiplies it by the scale); it passes ``(loss, aux)``
-through (it may cast ``loss`` to the output dtype). Wrappers nest (``chain`` composes them), so each one
-only ever sees this shape. A wrapper that returns anything else is named in the error.
-
-Example: a hand-written transform that scales the objective by 8 and divides the gradients back:
-
-    >>> import torch, fxtrain as fx
-    >>> def scaled(factor):
-    ...     def wrap_loss(fn, state):
-    ...         def wrapped(params, batch):
-    ...             objective, (loss, aux) = fn(params, batch)
-    ...             return objective * factor, (loss, aux)
-    ...         return wrapped
-    ...     tx = fx.GradientTransformation(lambda p: fx.EmptyState(), fx.scale(1.0 / factor).update)
-    ...     return fx.with_traits(tx, wrap_loss=wrap_loss)
-    >>> tx = fx.chain(scaled(8.0), fx.scale(-0.25))
-    >>> step = fx.train_step(lambda p, b: ((p["w"] - b) ** 2).sum(), tx)
-    >>> params = {"w": torch.zeros(2)}
-    >>> params, state, metrics = step(params, tx.init(params), torch.ones(2))
-    >>> params["w"].tolist(), metrics["loss"].item()   # loss is reported unscaled: 2.0, not 16.0
-    ([0.5, 0.5], 2.0)
-
-**Gradients.** Each donated step differentiates with ``torch.autograd.grad`` over detached views of the
-param leaves (``p.detach().requires_grad_()``: same storage, no copy). This one path serves plain tensors,
-``nn.Parameter`` and DTensor leaves (``torch.func.grad_and_value`` raises on DTensor parameters, torch
-2.13), and on plain ones it measured 5-10% faster than ``grad_and_value`` for forward+backward (which
-always builds its backward with ``create_graph=True``; ``experiments/bench/step.py`` keeps both floors in
-its table so the choice can be re-checked). ``loss_fn`` sees those views; params it does not use get zero gradients,
-as in ``jax.grad``; when *no* leaf gets one (``loss_fn`` computes with a module's own parameters instead
-of ``params``), the step raises rather than apply zeros. A pure step that something may differentiate or batch takes
-``torch.func.grad`` instead (see **Composability**).
-
-**Gradients meet their params' placements.** With replicated DTensor params and a batch sharded on dim 0,
-autograd returns ``Partial`` gradients (each rank's unreduced sum); torch's parallel modules also hand
-back a ``Replicate`` gradient for a ``Shard(0)`` embedding. The step brings each gradient to its param's
-placements: data-parallel ``Partial -> Replicate`` ones while the backward runs (hooks launch DDP-style
-buckets of about 25 MB as their gradients come in, :func:`fxtrain.distributed.overlap_reduction`; the first
-step of a tree of params plans them), the rest right after it (:func:`fxtrain.distributed.match_placements`:
-a slice, or one bucketed all-reduce / reduce-scatter per process group, never one per leaf), so every
-transform sees the gradient of the whole batch in its param's layout. A transform whose kernel sets
-``partial_grads`` trait gets them unreduced: :func:`fxtrain.accumulate` sums them locally and reduces
-once per emitted update (the functional ``no_sync``). Updates that are ``None`` (``accumulate`` between
-emissions) leave their params untouched: a donated step then writes nothing into the params.
+* :func:`train_step`: the public entry point; picks the donated or the pure path once, when built.
+* :func:`donated_step`: the in-place path (and ``compile=True``); :func:`check_owned` refuses memory torch did
+  not allocate before anything is written.
+* :func:`pure_gradients`: the pure step's gradient half (``torch.func.grad``; vmapped sweeps use it).
+* :func:`call_objective`: runs the canonical loss ``fn(params, batch) -> (objective, (loss, aux))`` and names a
+  ``wrap_loss`` that returns anything else.
+* :func:`step_metrics`, :func:`detach_tree`: the metrics a step returns.
 """
 
 from __future__ import annotations

@@ -1,104 +1,21 @@
 """Sweeps as vmapped groups: the engine of ``hydra/launcher=vmap``.
 
-    python -m fxtrain.train -m hydra/launcher=vmap optim.chain.adamw.learning_rate=1e-3,3e-3,1e-2 seed=0,1
+The launcher (``hydra_plugins/fxtrain_vmap_launcher``) hands every job of a multirun to :func:`plan`, which
+groups the jobs that differ only in values a vmapped step can take as inputs (numbers of the chain and schedule,
+seeds, the loop's per-job settings) and says why the others stand apart, and to :func:`train_group`, which trains
+one group as one process: every job's gradients in one ``torch.func.vmap`` call, then each job's own fused kernel
+on its slice, in :func:`fxtrain.train.loop` with a member per job, so each job keeps its own run's outputs. What
+can be batched, why a job runs where it runs, compilation and the numbers: docs/runner.md ("How the launcher
+works").
 
-The launcher (``hydra_plugins/fxtrain_vmap_launcher``) hands every job of a multirun to :func:`plan`,
-which groups the jobs that differ only in values a vmapped step can take as inputs, and to
-:func:`train_group`, which trains one group as one process, with params, optimizer state and the batched
-hyperparameters carrying a leading axis of size N (one entry per job). A step is every job's gradients in
-one ``torch.func.vmap`` call (:func:`fxtrain.step.pure_gradients`, the pure step's gradient half), then each
-job's own stack updates its slices of the batched trees in place with torch's fused kernel, the one its own
-run's donated step runs (:class:`MemberKernels`: one kernel call per job, bound once). A stack that declares
-no kernel (``lion``), touches the forward pass (``amp``, SAM) or is compiled takes ``torch.func.vmap`` over the
-whole pure step ``fx.train_step(loss_fn, tx, donate=False)`` instead (:func:`vmapped_steps`).
+Map:
 
-**Beyond one process.** ``hydra/launcher=vmap_submitit_local`` and ``vmap_submitit_slurm`` set the
-launcher's ``executor``: each group (and each job that runs alone) becomes ONE submitit job, on this machine
-or on SLURM, which runs :func:`plan`'s group with :func:`train_group` as the in-process launcher does; the
-outputs are the same.
-
-**What can be batched** (jobs that differ in anything else go to separate groups, each with its note):
-
-* ``optim.chain.<name>.<arg>`` and ``schedule.<arg>``: numbers the transform or schedule factory accepts as
-  0-dim tensors (learning rates, betas, ``eps``, ``weight_decay``, ``max_norm``, schedule values). The
-  stack is built inside the vmapped function with each job's value there
-  (:func:`fxtrain.build.stack`'s ``values``); hyperparameters that :func:`fxtrain.inject_hyperparams`
-  keeps in its state come from the stacked state. Step counts (``schedule.warmup_steps``) are Python ints
-  that shape the schedule: the factory refuses a tensor, so they split groups (said in a note).
-* ``seed`` (and ``data.seed``): each job's params are built under its own ``torch.manual_seed`` exactly as
-  its own run builds them (:func:`fxtrain.train.build_run`) and stacked leafwise; when the jobs' data
-  configs differ (the batch order follows the seed), each step stacks the jobs' own batches (vmap
-  ``in_dims=0``), else one batch serves all (``in_dims=None``).
-* the loop's per-job settings (:data:`LOOP_KEYS`): ``trainer.max_steps`` (or ``max_epochs``), the log, eval
-  and checkpoint cadences, ``keep_last``, ``test_ckpt``, ``checkpoint.best_by`` and ``early_stopping``.
-  :func:`fxtrain.train.loop` reads them from each member's config: a member stops at its own ``max_steps``
-  or where its own early stopping says (its last log line, checkpoint, test and summary there, from its
-  state at that step, as its own run), the others go on. A schedule whose length follows
-  ``max_steps`` (``schedule.decay_steps=${trainer.max_steps}``: cosine, linear, warmup_cosine) takes it as a
-  Python int that the factory refuses as a tensor, so there the lengths split groups, said in the note;
-  with a schedule that does not follow it (``schedule=constant``, or a fixed ``decay_steps``) they batch.
-* the chain's structure (``'optim/transform@optim.chain=[a,b],[c,d]'``) is not batched but is accepted:
-  each structure (its transforms and their order) is a group of its own, within which numbers and seeds batch.
-
-**Why a job runs where it runs.** :func:`plan` names every group (``group 2``) and gives it one line per
-reason that keeps it apart from the other groups: the key as the sweep wrote it (``model``,
-``optim/transform@optim.chain``, ``data.batch_size``; keys that follow it named beside it), its value here and
-in the others, and why vmap cannot batch it (batch size, model, ``amp``, ``accumulate``, data config,
-``parallel``, a schedule's step counts, a value that is not a number...). The launcher's log shows each
-group's lines (``[vmap] group 2: ...``) and each job's ``train.log`` starts with its own
-(:func:`job_notes`: ``group  job 3 in group 2: jobs 2,3 as one vmapped process, batched over ...`` or
-``group  job 4 alone``, then ``group  apart by ...``), also for jobs that run one by one.
-
-**Same outputs as one run per job.** Each job keeps its own directory, ``config.yaml``,
-``metrics.jsonl`` (same keys, same steps), checkpoints (an ordinary :class:`fxtrain.TrainState` of that
-job alone: ``resume=auto`` and ``resume=PATH`` work per job, with either launcher) and ``summary.json``,
-written by the functions :func:`fxtrain.train.train` uses; the launcher then finishes each job through
-Hydra's ``run_job`` (``.hydra/``, ``train.log``, callbacks: ``summary.csv`` and the table). Each job is
-checked and built as its own run is (:func:`fxtrain.train.check`, :func:`fxtrain.train.plan_run`,
-:func:`fxtrain.train.build_run`, :func:`fxtrain.train.load_start`): a bad setting sends the group to the
-jobs' own runs, which report it.
-
-**The loop is the run's.** A group trains in :func:`fxtrain.train.loop`, the loop every run trains in, with
-one :class:`fxtrain.train.Member` per job and :class:`GroupSteps` as its steps: a vmapped group is a batched
-run. Logging, evaluation (the task's metrics and ``trainer.eval_hooks``, on that job's params), early
-stopping and checkpoints are per job, on the run's cadence; a job whose loss turns NaN, or that early
-stopping ends, stops logging alone (the NaN one fails, as its own run would); the others go on. One vmapped
-call runs the steps up to the next step that logs, evaluates or checkpoints (at most 50): the stack and the
-step are built once per call, inside it, and the Python loop over those steps runs under vmap. Only those
-steps' metrics are read, as in a run, so a NaN is caught at the same logged step.
-The whole vmapped step (:func:`vmapped_steps`) is the pure, out-of-place path: each elementwise op of the
-optimizer update allocates an ``(N, ...)`` tensor (2 MiB for the default MLP's 256x256 weight at N=8); :func:`vmapped_steps` has glibc
-serve those from the heap rather than a fresh ``mmap`` each (once per process, see ``_reuse_freed_memory``).
-
-**Paid once per group.** The dataset is built once per data config (when building it draws no random
-numbers); the task's evaluation of every member is one vmapped forward per chunk (:meth:`GroupSteps.evaluate_all`,
-the run's :func:`fxtrain.tasks.evaluate` over a batched task), eval hooks still run per job on its own params;
-checkpoints and log lines take each job's slice of the one batched state (:func:`pick`).
-
-**Compiled** (``hydra.launcher.compile=true``): the group's step and evaluation are traced once (``make_fx``: the
-stack is built from its config during the trace, the hyperparameters, params and states are the graph's inputs)
-and compiled by ``torch.compile`` (inductor fuses the pure update's per-leaf ops; CUDA graphs on a GPU); the steps
-between two events run that one-step graph in a Python loop, so no chunk length, step or later group of the same
-config and shapes compiles again (:class:`Compiled`). Where tracing or compiling fails, the group runs eagerly and
-one line says why. Compiled code is kept on disk (:func:`compile_cache`, ``hydra.launcher.cache_dir``): a later
-sweep of the same config and shapes, in a new process, loads it instead of compiling. Off by default: on a 2-core CPU compiling takes longer than the sweeps it speeds up
-(experiments/bench/results/sweep.md).
-
-**Numbers.** A job's numbers equal its own run's to float32 rounding: batched matmuls sum in another order
-than unbatched ones (a few 1e-7 relative per step, measured), and the update is its run's own kernel (the
-vmapped update, where it runs, rounds Adam's bias corrections in float32 instead of the kernel's float64:
-tests/test_fused.py); chaotic runs (a large learning rate) grow
-that over hundreds of steps as any rounding change would. Under ``amp`` the compute dtype's rounding
-applies (bf16: about 1e-3 relative at step 1).
-
-**When a group runs one job at a time instead** (a one-line note names the reason): a group of one,
-``parallel`` other than ``none`` or several ranks, ``trainer.compile=true`` or ``model.activation_checkpoint``
-other than ``none``, ``hydra.launcher.max_group_size`` (the rest of a class
-goes to the next group, said in both), jobs resuming from different steps, or a step that
-raises under vmap (:class:`NotBatchable`: checked by running the vmapped part of the group's first update before
-anything is written; e.g. a transform without a batching rule, or a model that draws random numbers in training, which vmap refuses rather than
-give every job the same draws). Never a silent difference: what vmap cannot run the same way raises, and
-the jobs run as the basic launcher runs them.
+* :func:`plan`, :class:`Job`, :class:`Group`, :func:`job_notes`, :data:`LOOP_KEYS`: grouping and its notes.
+* :func:`train_group`, :class:`Result`: one group trained; :class:`GroupSteps` the loop's steps for it,
+  :class:`MemberKernels` each job's fused kernel on its slice.
+* :func:`vmapped_steps`, :class:`NotBatchable`: ``torch.func.vmap`` over the whole pure step, and what refuses it.
+* :class:`Compiled`, :func:`compile_cache`: ``hydra.launcher.compile=true`` and its cache on disk.
+* :func:`hyperparams`, :func:`vmap_trees`, :func:`stack_trees`, :func:`pick`: batched trees and each job's slice.
 """
 
 from __future__ import annotations

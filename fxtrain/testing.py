@@ -62,7 +62,8 @@ def check_transform(tx: GradientTransformation, params: Any, *, steps: int = 3, 
       state: compare the states too, not only the updates (``False`` for a state that holds values without
         meaning at some steps, e.g. ``accumulate``'s sum right after an emission; the later updates still
         show any difference that matters).
-      rtol, atol: the tolerance of every comparison but ``pure``'s (exact) and ``grad``'s.
+      rtol: the relative tolerance of every comparison but ``pure``'s (exact) and ``grad``'s.
+      atol: the absolute tolerance of the same comparisons.
       seed: the seed of the random gradients.
 
     Raises:

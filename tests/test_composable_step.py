@@ -1,8 +1,8 @@
 """train_step(donate=False) under torch.func (fxtrain/step.py): ensembles with vmap, gradients through steps.
 
 References: N separate steps (vmap), a hand-written Adam in plain torch and Optax under ``jax.grad``
-(gradients through steps), closed forms (hypergradients of SGD). The README's "Composing with
-torch.func" examples run here as written (tests named ``test_readme_*``).
+(gradients through steps), closed forms (hypergradients of SGD). The docs' "Composing with
+torch.func" examples (docs/functional-step.md) run here as written (tests named ``test_readme_*``).
 """
 
 import numpy as np
@@ -330,7 +330,7 @@ def test_pure_step_under_no_grad_gives_no_graph_but_the_same_numbers():
     assert_trees_close(plain, recorded, rtol=1e-5, atol=1e-6)
 
 
-# --- the README's "Composing with torch.func" examples, as written (each prints what it shows) ---------
+# --- docs/functional-step.md's "Composing with torch.func" examples, as written (each prints what it shows) -
 
 def test_readme_ensemble(capsys):
     def loss_fn(params, batch):

@@ -1,5 +1,5 @@
-"""Beyond one machine (README "Beyond one machine"): the runner on torch's own engine, launched by the README's
-commands. Each test runs the README's line as written, on a free port, with the tiny sizes below appended.
+"""Beyond one machine (docs/parallel.md, "Beyond one machine"): the runner on torch's own engine, launched by the
+page's commands. Each test runs the page's line as written, on a free port, with the tiny sizes below appended.
 
 * **Two nodes on one machine.** Two torchrun launchers meet at a c10d rendezvous on localhost and start
   ``--nproc-per-node`` ranks each; the layout's replicate dim spans them (a rank is node x nproc-per-node + local
@@ -38,22 +38,23 @@ from tests.test_readme import BLOCKS, commands
 TINY = ["data.max_bytes=20000", "data.eval_windows=16", "model.d_model=16", "model.n_heads=2", "data.batch_size=8",
         "data.context=16", "trainer.max_steps=24", "trainer.log_every=1", "trainer.eval_every=12",
         "schedule.warmup_steps=1", "amp=off", "accumulate=off", "trainer.checkpoint_every=4"]
-# layout -> (what replaces the README line's parallel=dp, ranks per node); two nodes each. hsdp: dp_replicate=2
+# layout -> (what replaces the page's line's parallel=dp, ranks per node); two nodes each. hsdp: dp_replicate=2
 # across the nodes x dp_shard=2 within each, 4 ranks.
 LAYOUTS = {"dp": (["parallel=dp"], 1), "hsdp": (["parallel=hsdp"], 2)}
 TIMEOUT_S = 300
+PAGE = "docs/parallel.md"  # where the commands are shown
 
 
 def readme_command(flag: str) -> tuple[dict[str, str], list[str]]:
-    """The README's one torchrun command with the argument ``flag``: (its ``VAR=value`` prefix, its argv)."""
+    """The docs' one torchrun command with the argument ``flag``: (its ``VAR=value`` prefix, its argv)."""
     found = []
-    for block in (b for b in BLOCKS if b.file == "README.md" and b.lang == "bash"):
+    for block in (b for b in BLOCKS if b.file == PAGE and b.lang == "bash"):
         for command, _ in commands(block):
             words = shlex.split(command)
             at = words.index("torchrun") if "torchrun" in words else None
             if at is not None and all("=" in w for w in words[:at]) and flag in words:
                 found.append((dict(w.split("=", 1) for w in words[:at]), words[at:]))
-    assert len(found) == 1, f"README.md: {len(found)} torchrun commands with {flag}, expected one"
+    assert len(found) == 1, f"{PAGE}: {len(found)} torchrun commands with {flag}, expected one"
     return found[0]
 
 

@@ -13,7 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # What a source checkout holds that a build does not read (and that is large or machine-made).
 _NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "outputs", "multirun", "build", "dist", "*.egg-info",
-                                     "__pycache__", ".pytest_cache", "experiments")
+                                     "__pycache__", ".pytest_cache", "experiments", "site")
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,16 @@
-"""The READMEs run as a test: every fenced block of README.md and experiments/**/README.md is parsed here and
-either executed (Python blocks in this process, shell commands as subprocesses in a temporary directory)
-or listed below with the reason it is not; the numbers a README prints are checked against what the code
-prints. A new block runs as written by default, so it cannot be skipped by accident: to run it otherwise,
-list it in ``COMMANDS`` (shell), ``NOT_RUN`` (a whole block) or ``OUTPUTS`` (a block showing output).
+"""The documentation runs as a test: every fenced block of README.md, docs/**/*.md (the site's pages) and
+experiments/**/README.md is parsed here (:func:`fenced_blocks`, one function of a path) and either executed
+(Python blocks in this process, shell commands as subprocesses in a temporary directory) or listed below with the
+reason it is not; the output a page shows is checked against what the code prints. A new block runs as written by
+default, so it cannot be skipped by accident: to run it otherwise, list it in ``COMMANDS`` (shell), ``NOT_RUN`` (a
+whole block) or ``OUTPUTS`` (a block showing output).
 
-Cost: the default run (1,000 steps) and the 4-job sweep run in full because the README prints their
+The numbers a page states in its prose and tables (times, ratios, accuracies, differences) are checked too
+(:func:`stated_numbers`): a paragraph or table row that states one cites the committed table it comes from
+(``experiments/.../results.md``, named in the row or in the paragraph above its table), and the number must be
+there, to the digits shown.
+
+Cost: the default run (1,000 steps) and the 4-job sweep run in full because the pages print their
 numbers; every other training command runs with a few steps (``COMMANDS`` says which and why).
 """
 
@@ -28,7 +34,8 @@ import pytest
 from tests._runner import OWN_LIB, write_project
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-READMES = [ROOT / "README.md", *sorted((ROOT / "experiments").glob("**/README.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]  # the README and the site's pages
+READMES = [*PAGES, *sorted((ROOT / "experiments").glob("**/README.md"))]
 FEW = "trainer.max_steps=10"  # what "a few steps" appends to a training command whose numbers are not printed
 
 
@@ -70,10 +77,10 @@ BLOCKS = [b for path in READMES for b in fenced_blocks(path)]
 
 # Whole blocks that are not executed (file, first line) -> why.
 NOT_RUN = {
-    ("README.md", "# under torchrun; the tested versions: tests/test_{tensor_parallel,fully_sharded,pipeline,expert_parallel}.py"):
+    ("docs/parallel.md", "# under torchrun; the tested versions: tests/test_{tensor_parallel,fully_sharded,pipeline,expert_parallel}.py"):
         "a sketch of four torchrun programs (model, plan, mesh, schedule are the user's); the tests it names run "
         "each entry point on 2 and 4 gloo ranks",
-    ("README.md", "# in an sbatch script with #SBATCH --nodes=4 --ntasks=4 (one torchrun per node); /shared is mounted on every node"):
+    ("docs/parallel.md", "# in an sbatch script with #SBATCH --nodes=4 --ntasks=4 (one torchrun per node); /shared is mounted on every node"):
         "needs a Slurm cluster; its torchrun is the two-node line above, which tests/test_multinode.py runs",
 }
 
@@ -87,8 +94,8 @@ COMMANDS = {
     "make test": (None, "the test suite itself"),
     ".venv/bin/python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3":
         (".venv/bin/python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3 hydra/launcher=vmap",
-         "its 4 jobs in one vmapped process: the numbers the README prints are checked, and the vmap launcher gives "
-         "the basic launcher's to float32 rounding (README; tests/test_vmap_launcher.py) with less CPU time"),
+         "its 4 jobs in one vmapped process: the numbers the page prints are checked, and the vmap launcher gives "
+         "the basic launcher's to float32 rounding (docs/runner.md; tests/test_vmap_launcher.py) with less CPU time"),
     **{command: (None, TORCHRUN) for command in [
         "torchrun --nproc_per_node=2 -m fxtrain.train parallel=dp",
         "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=fsdp",
@@ -99,7 +106,7 @@ COMMANDS = {
         "torchrun --nproc_per_node=8 -m fxtrain.train experiment=tiny_lm parallel=3d",
         "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=ep model=moe",
         "torchrun --nproc_per_node=4 -m fxtrain.train experiment=tiny_lm parallel.tp=2 parallel.dp_shard=-1"]},
-    # README "Beyond one machine": two launchers at once, and a rank killed mid-run; the test runs each line as written
+    # docs/parallel.md "Beyond one machine": two launchers at once, and a rank killed mid-run; the test runs each line as written
     **{command: (None, "tests/test_multinode.py runs it (a free port, a tiny model, 24 steps)") for command in [
         "torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=localhost:29500 --rdzv-id=two_nodes "
         "-m fxtrain.train experiment=tiny_lm parallel=dp hydra.run.dir=outputs/two_nodes",
@@ -108,18 +115,18 @@ COMMANDS = {
     **{command: (command.removeprefix("watch -n 5 "), "once, not every 5 s") for command in [
         "watch -n 5 .venv/bin/python -m fxtrain.report multirun/<date>/<time> --no-plot",
         "watch -n 5 python -m fxtrain.report multirun/<date>/<time> --no-plot"]},
-    # Training commands whose numbers no README prints: a few steps (trainer.max_steps=10, appended or replacing
-    # the README's value) show that they run.
+    # Training commands whose numbers no page prints: a few steps (trainer.max_steps=10, appended or replacing
+    # the page's value) show that they run.
     **{command: (re.sub(r" trainer\.max_steps=\d+|$", " " + FEW, command, count=1), "10 steps: no numbers printed")
        for command in [
-        # the sweep recipe (README.md and experiments/README.md): 8 jobs of 300 steps
+        # the sweep recipe (docs/runner.md and experiments/README.md): 8 jobs of 300 steps
         ".venv/bin/python -m fxtrain.train -m optim.chain.adamw.learning_rate=3e-3,1e-2 "
         "optim.chain.clip_by_global_norm.max_norm=0.1,1.0 seed=0,1 trainer.max_steps=300",
         "python -m fxtrain.train -m optim.chain.adamw.learning_rate=3e-3,1e-2 "
         "optim.chain.clip_by_global_norm.max_norm=0.1,1.0 seed=0,1 trainer.max_steps=300",
         ".venv/bin/python -m fxtrain.train -m hydra/launcher=vmap optim.chain.adamw.learning_rate=1e-3,3e-3,1e-2 "
         "seed=0,1",
-        # the own project (README "Bring your own model, data and task"), in the project its layout block describes
+        # the own project (docs/data.md), in the project its layout block describes
         "python -m fxtrain.train --config-dir conf model=mine data=mine task=regression 'logger=[jsonl,tensorboard,csv]'",
         "python -m fxtrain.train -m 'hydra.searchpath=[file://conf]' model=mine,mlp data=mine task=huber",
         "python -m fxtrain.train +trainer.eval_hooks.cal._target_=mylib.calibration "
@@ -129,8 +136,8 @@ COMMANDS = {
 # Blocks that need the own project (built from the layout block "myproj/" next to where they start) -> the
 # directory they start in.
 IN_PROJECT = {
-    ("README.md", "cd myproj"): ".",
-    ("README.md", "# in myproj/: mylib.calibration(ctx, **keys) -> {name: float}; early stopping follows any logged metric"):
+    ("docs/data.md", "cd myproj"): ".",
+    ("docs/data.md", "# in myproj/: mylib.calibration(ctx, **keys) -> {name: float}; early stopping follows any logged metric"):
         "myproj",
 }
 
@@ -148,15 +155,15 @@ class Output:
 
 
 OUTPUTS = {
-    ("README.md", "data   digits: 1,078 train examples, 449 test, batch 64, 270 validation"):
+    ("docs/getting-started.md", "data   digits: 1,078 train examples, 449 test, batch 64, 270 validation"):
         Output("python -m fxtrain.train", "the default run's log (the time and the progress bar not compared)",
                skip_lines=r"^train:", machine=r"\bin [\d.]+ s\b"),
-    ("README.md", "job  status     seed  optim.chain.adamw.learning_rate  val_accuracy  test_accuracy  test_loss  loss       accuracy  val_loss  step  time_s"):
+    ("docs/runner.md", "job  status     seed  optim.chain.adamw.learning_rate  val_accuracy  test_accuracy  test_loss  loss       accuracy  val_loss  step  time_s"):
         Output(".venv/bin/python -m fxtrain.train -m seed=1,2 optim.chain.adamw.learning_rate=1e-3,3e-3",
                "the 4-job sweep's table, its seeds grouped by configuration and the best one (time_s not compared); "
                "fxtrain.report prints it too",
                machine=r"(?<=1000)\s+[\d.]+$"),
-    ("README.md", "myproj/"): Output(None, "the own project's layout: built by the test from its comments (project())"),
+    ("docs/data.md", "myproj/"): Output(None, "the own project's layout: built by the test from its comments (project())"),
     ("experiments/resnet_clip_accumulate/README.md",
      "iteration 1: [-0.064032, +0.052812, -0.017213, +0.046374]  held    emitted=0 loss=2.4183"):
         Output(None, "the ResNet study's accumulation check: its function, called here (the whole study takes "
@@ -167,14 +174,14 @@ OUTPUTS = {
 # except these, which describe it.
 PROSE = {"the loss after 50 steps, per learning rate"}
 
-# --- numbers: equal to the digits the README shows ----------------------------------------------------
+# --- numbers: equal to the digits the page shows ------------------------------------------------------
 
 NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
 
 def same(expected: str, actual: str, rtol: float = 0.05) -> bool:
     """``actual`` reads as ``expected``: the same words, the same integers, and each decimal number equal to the
-    digits the README shows once rounded, or within ``rtol`` (float rounding differs between CPUs and grows
+    digits the page shows once rounded, or within ``rtol`` (float rounding differs between CPUs and grows
     over 1,000 training steps)."""
     expected, actual = " ".join(expected.split()), " ".join(actual.split())
     if NUMBER.sub("#", expected) != NUMBER.sub("#", actual):
@@ -208,6 +215,115 @@ def contains_in_order(expected: list[str], actual: list[str]) -> list[str]:
         else:
             at = found + 1
     return missing
+
+
+# --- numbers stated in prose and tables: equal to the committed table cited -----------------------------
+
+CITED = re.compile(r"experiments/[\w./-]+?\.md")
+# A measured number: a decimal (0.75, 1.3e-7, in 0.75x or 84.8% too), a ratio or a share (3x, 14%). Other integers
+# (steps, ranks), sizes (5.3M params)
+# and bare powers of ten (a tolerance: relative 1e-5) are not measurements; versions (torch 2.13) and code spans are
+# not prose.
+MEASURED = re.compile(r"(?<![\w.-])(?:\d+\.\d+(?:[eE][-+]?\d+)?(?![\w.]*\d)|\d+(?=x\b|%))")
+NOT_MEASURED = re.compile(r"`[^`]*`|\d+\.\d+\.\d+|\d+(?:\.\d+)?[KMB]\b|"
+                          r"\b(?:torch|Hydra|Python|python|CUDA|jax|Flax|Optax) \d+\.\d+|"
+                          r"(?:target|goal|acceptance:?|<=|>=)\s*~?\d+\.?\d*(?:[eE][-+]?\d+)?x?")
+
+# Paragraphs that state a number no table holds -> why (the page, the paragraph's first words).
+NOT_TABLED = {
+    ("docs/functional-step.md", "* AdamW: Optax adds"):
+        "arithmetic, not a measurement: 1 - 0.999 in float32 against float64 (tests/test_fused.py bounds the update)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stated:
+    file: str
+    line: int
+    text: str             # the paragraph or table row
+    cited: tuple[str, ...]  # the committed tables it names, or its table's caption names
+
+    @property
+    def numbers(self) -> list[str]:
+        return MEASURED.findall(NOT_MEASURED.sub(" ", self.text))
+
+
+def stated_numbers(path: pathlib.Path) -> list[Stated]:
+    """The paragraphs and table rows of a page (outside code blocks) that state a measured number, each with the
+    committed tables it cites; a table row without a citation of its own takes its caption's (the paragraph
+    just above the table)."""
+    out, paragraph, start, fenced, caption = [], [], 0, False, ()
+    name = str(path.relative_to(ROOT)) if ROOT in path.parents else path.name
+
+    def close():
+        nonlocal paragraph, caption
+        if paragraph:
+            text = " ".join(paragraph)
+            caption = tuple(CITED.findall(text))
+            out.append(Stated(name, start, text, caption))
+        paragraph = []
+
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            close()
+            fenced = not fenced
+        elif fenced or line.startswith("    "):
+            continue
+        elif line.startswith("|"):
+            close()
+            out.append(Stated(name, number, line, tuple(CITED.findall(line)) or caption))
+        elif not line.strip() or line.startswith("#"):
+            close()
+            caption = () if line.startswith("#") else caption
+        else:
+            start = start if paragraph else number
+            paragraph.append(line)
+    close()
+    return [s for s in out if s.numbers]
+
+
+def shown_in(number: str, text: str) -> bool:
+    """``text`` holds ``number`` to the digits shown (0.75 for a table's 0.753; 4.3e-7 for 4.31e-07)."""
+    return any(same(number, found, rtol=0.0) for found in NUMBER.findall(text))
+
+
+def test_stated_numbers_reads_paragraphs_rows_and_captions(tmp_path):
+    page = tmp_path / "probe.md"
+    page.write_text("A ratio of 0.75x (target <= 0.95), 3x, 14%, in torch 2.13, `lr=0.003`, 5.3M params.\n\nThe table "
+                    "(`experiments/x/results.md`):\n\n| a | b |\n|---|---|\n| 1.3e-7 | 8 |\n\n```\n0.5\n```\n")
+    stated = stated_numbers(page)
+    assert [(s.line, s.numbers, s.cited) for s in stated] == [(1, ["0.75", "3", "14"], ()),
+                                                              (7, ["1.3e-7"], ("experiments/x/results.md",))]
+    assert shown_in("0.75", "| 0.753 |") and shown_in("4.3e-7", "4.31e-07") and not shown_in("0.75", "0.76 0.7")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_number_a_page_states_is_in_the_table_it_cites(page):
+    problems = []
+    for stated in stated_numbers(page):
+        key = next((k for k in NOT_TABLED if k[0] == stated.file and stated.text.startswith(k[1])), None)
+        if key:
+            continue
+        if not stated.cited:
+            problems.append(f"{stated.file}:{stated.line} states {', '.join(stated.numbers)} and cites no committed "
+                            f"table (name its experiments/.../*.md): {stated.text[:120]}")
+            continue
+        missing = [str(ROOT / c) for c in stated.cited if not (ROOT / c).is_file()]
+        if missing:
+            problems.append(f"{stated.file}:{stated.line} cites {', '.join(missing)}, which does not exist")
+            continue
+        tables = "\n".join((ROOT / c).read_text() for c in stated.cited)
+        wrong = [n for n in stated.numbers if not shown_in(n, tables)]
+        if wrong:
+            problems.append(f"{stated.file}:{stated.line} states {', '.join(wrong)}, which {', '.join(stated.cited)} "
+                            f"does not hold: {stated.text[:120]}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_not_tabled_entry_names_a_paragraph():
+    texts = {(s.file, s.text) for page in PAGES for s in stated_numbers(page)}
+    for file, first in NOT_TABLED:
+        assert any(f == file and text.startswith(first) for f, text in texts), (file, first)
 
 
 # --- running shell commands ---------------------------------------------------------------------------
@@ -255,7 +371,7 @@ _STAMPS = iter(range(10 ** 6))
 
 
 def run_command(command: str, cwd: pathlib.Path, last_sweep: pathlib.Path | None, wait: bool = True) -> Ran:
-    """Runs one README command as a subprocess in ``cwd`` (``python``/``.venv/bin/python``: this interpreter;
+    """Runs one command of a page as a subprocess in ``cwd`` (``python``/``.venv/bin/python``: this interpreter;
     ``multirun/<date>/<time>``: the last sweep of the block), each training run in a directory of its own.
     A command that two blocks show (or an output block and a shell block) runs once."""
     if last_sweep is not None:
@@ -304,7 +420,7 @@ def flow_mapping(text: str) -> str:
 
 
 def project(root: pathlib.Path) -> pathlib.Path:
-    """The project of the README's layout block, in ``root/myproj``: each ``conf/...yaml`` file holds what its
+    """The project of the docs' layout block, in ``root/myproj``: each ``conf/...yaml`` file holds what its
     comment says; ``mylib`` (tests/_runner.py's OWN_LIB) has the functions the comments name."""
     (layout,) = [b for b in BLOCKS if b.label == "myproj/"]
     base = root / "myproj"
@@ -320,7 +436,7 @@ def project(root: pathlib.Path) -> pathlib.Path:
             names = set(re.findall(r"(?:class|def) (\w+)", comment))
             assert names <= set(re.findall(r"^(?:class|def) (\w+)", OWN_LIB, flags=re.M)), names
         else:
-            raise AssertionError(f"README's myproj/ layout names {path!r}: teach project() to write it")
+            raise AssertionError(f"docs/data.md's myproj/ layout names {path!r}: teach project() to write it")
     return write_project(base, configs)
 
 
@@ -328,7 +444,7 @@ def project(root: pathlib.Path) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> pathlib.Path:
-    """Where shell blocks run; the long runs whose output a README shows start at once, two at a time."""
+    """Where shell blocks run; the long runs whose output a page shows start at once, two at a time."""
     root = tmp_path_factory.mktemp("readme")
     for shown in OUTPUTS.values():
         if shown.command:
@@ -426,7 +542,7 @@ def test_readme_block(block, request, monkeypatch, tmp_path):
         assert printed, f"{block}: prints nothing (every example prints what it shows)"
         for line, shown in expected_prints(block.text).items():
             assert line in printed, f"{block}: the print on its line {line} did not run"
-            assert same(shown, printed[line][-1]), f"{block} line {line}: prints {printed[line][-1]!r}, README shows {shown!r}"
+            assert same(shown, printed[line][-1]), f"{block} line {line}: prints {printed[line][-1]!r}, the page shows {shown!r}"
         return
     workdir = request.getfixturevalue("workdir")  # shell blocks and their outputs (the long runs start here)
     if block.lang in ("bash", "sh"):
@@ -444,5 +560,5 @@ def test_readme_block(block, request, monkeypatch, tmp_path):
         assert ran.returncode == 0, ran.output[-3000:]
         blank = lambda lines: [re.sub(shown.machine, "", line) for line in lines if not re.match(shown.skip_lines, line)]  # noqa: E731
         missing = contains_in_order(blank(block.text.splitlines()), blank(re.split(r"[\r\n]+", ran.output)))
-        assert not missing, f"{block}: `{shown.command}` does not print these README lines:\n" + "\n".join(missing) + \
+        assert not missing, f"{block}: `{shown.command}` does not print these lines of the page:\n" + "\n".join(missing) + \
             "\n--- it printed:\n" + ran.output[-4000:]

@@ -1,33 +1,13 @@
 """The norm engine: one L2 norm (and finiteness verdict) of a tree of tensors and DTensors on any meshes.
 
-The one hard question this module answers: the L2 norm (and the finiteness) of a gradient tree whose
-leaves are plain tensors and DTensors on any number of device meshes, with any placements, identical on
-every rank and without gathering a gradient. The answer, used by :func:`global_norm`,
-:func:`global_sum_sq` (for ``clip_by_global_norm`` and ``amp_cast``) and :func:`global_count`:
+The L2 norm and the finiteness of a gradient tree whose leaves are plain tensors and DTensors on any number of
+meshes, with any placements, identical on every rank without gathering a gradient: leaves planned into buckets by
+the process groups their squares are summed over (never a ``Replicate`` dim), local sums in float32, one
+``all_reduce(SUM)`` of scalars per group (NaN and inf counted, not maxed), powers summed across ``groups``, the root
+taken once. The four steps and why each is so: docs/stack.md ("How the global norm is computed").
 
-1. **Plan** (once per leaf signature: DTensor specs, plain dtypes and shapes; cached). Each leaf goes to a
-   *bucket* named by the process groups its squared sum must be summed over: the mesh dims whose
-   placement is not ``Replicate`` (``Shard``, strided shards). ``Replicate`` dims are never reduced (that
-   would count a replica twice); a plain tensor is taken as identical on every rank (bucket of no
-   group). ``Partial`` leaves first need their values reduced (the norm of a sum is not the sum of norms).
-2. **Local math**, in float32 (float64 for float64 leaves; bf16/fp16 accumulate in float32): one
-   ``torch._foreach_norm`` over the large local pieces; small pieces of one bucket and dtype copied into
-   one flat buffer and summed in one kernel (on CPU that beats a per-tensor norm below ~2k elements);
-   ``Partial`` leaves of one (mesh, placements) packed into one buffer, all-reduced over their
-   ``Partial`` dims and summed.
-3. **Scalars.** A float64 vector of per-bucket sums of squares plus two counts (pieces whose norm is NaN
-   and pieces whose norm is inf) takes one ``all_reduce(SUM)`` per process group (groups with the same
-   ranks are one). Groups run in the order they first appear in the tree, mesh dims in order, so every
-   rank walks the same sequence of mesh dims: summing over dp then tp is the sum over the mesh only if no
-   rank does tp first (ordering groups by their rank lists breaks that: rank 0 would reduce (0, 1) first
-   while rank 2 reduces (0, 2) first, mixing reduced and unreduced values; found by the 2-D tests). The
-   counts are reduced over *every* mesh dim, ``Replicate`` ones included: a NaN on one replica is seen
-   everywhere. They use SUM because gloo's ``all_reduce(MAX)`` drops NaN depending on rank order.
-4. **Across groups.** Buckets are summed (powers, never norms), then ``(sum_sq, nan, inf)`` is summed over
-   each of ``groups`` (process groups whose ranks hold disjoint parameters: pipeline stages, experts
-   kept as plain tensors), and the root is taken once.
-
-Communication never grows with the number of leaves: scalars of a group travel together.
+Map: :func:`global_norm`, :func:`global_sum_sq` (``clip_by_global_norm``, ``amp_cast``; :class:`GlobalSumSq`),
+:func:`global_count`; :func:`local_leaves`, :func:`acc_dtype`, :func:`pack` / :func:`unpack` (the local math).
 
 Example:
     >>> import torch

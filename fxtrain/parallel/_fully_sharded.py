@@ -15,28 +15,8 @@ module's own sharded parameters; fxtrain runs the stack on them and writes the u
   ``objective.backward()`` (FSDP's hooks do the communication), hands the ``.grad`` DTensors to the
   shared update half (:func:`fxtrain.step.donated_step`) and clears them, as ``zero_grad(set_to_none=True)``.
 
-What each layer does with FSDP2, and what it must not:
-
-* **Clipping** (``clip_by_global_norm``) sees ``Shard(0)`` (FSDP) or ``(_StridedShard, Shard)`` (FSDP x TP)
-  gradients and sums their squares over every mesh dim they are sharded on: exact, one small all-reduce.
-* **Optimizers**: ``adam``, ``adamw`` and ``sgd`` (alone, after the clip, plain or in ``sharded_apply``)
-  run as torch's fused kernel on each rank's local shards, the clip's coefficient in its ``grad_scale``
-  (:mod:`fxtrain.transforms._fused`); other elementwise stacks run on the local shards through
-  ``sharded_apply`` with state born sharded (no DTensor dispatch, no communication), or through DTensor
-  dispatch without it.
-* **Mixed precision**: casting the parameters for the forward pass is FSDP's job
-  (``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))``:
-  it casts once per all-gather and reduces in ``reduce_dtype``). ``amp_cast`` keeps the rest: loss scaling,
-  unscaling, the overflow check across ranks and skipping. Its own param cast cannot act here (FSDP's
-  hooks would replace the cast params): give it a policy whose compute dtype is the params' dtype
-  (``amp_cast(tx, "p=f32,c=f32,o=f32", loss_scale="dynamic")``); a casting policy is refused by name.
-* **Accumulation**: with ``accumulate(tx, every=k)`` outermost, held micro-batches run with
-  ``set_requires_gradient_sync(False)`` (no reduce-scatter; FSDP sums the unsharded gradients locally). After
-  each held call the step takes FSDP's held sums out as ``accumulate``'s accumulator (``Partial("avg")``
-  DTensors: each rank's unsharded sum), so a checkpoint inside a window holds them and a resume is exact;
-  the window's last call gives them back to FSDP, whose one reduce-scatter per FSDP module reduces the
-  window's sum, torch's own recipe. ``accumulate`` then divides by ``k``: the same update as one batch of
-  ``k`` micro-batches.
+What clipping, the optimizers, mixed precision and accumulation each do with FSDP2, and what they must not:
+docs/parallel.md ("FSDP2 and the stack").
 
 Example (two ranks; not a doctest)::
 
@@ -168,8 +148,8 @@ def fully_sharded_step(loss_fn: Callable, tx: Any, module: nn.Module, *, has_aux
 
     Raises:
       TypeError, ValueError: as :func:`fully_sharded` for ``module``; at call time, ``params`` that are not
-      the module's own (naming the first leaf that differs), an ``amp_cast`` that casts params, a loss
-      from which no gradient reaches any parameter.
+        the module's own (naming the first leaf that differs), an ``amp_cast`` that casts params, a loss
+        from which no gradient reaches any parameter.
 
     Example (two ranks; not a doctest)::
 

@@ -8,44 +8,9 @@ point-to-point sends between stages and the backward into the stage modules' ``.
 donated update half (:func:`fxtrain.step.donated_step`, the one ``train_step`` uses) then runs the stack on
 this rank's stage params, in place.
 
-What the step decides, and why:
-
-* **The schedule owns the loss.** ``loss_fn`` is the schedule's (``loss_fn(output, target)`` on the last
-  stage); the step differentiates nothing itself. A stack that acts on the forward pass (``wrap_loss``:
-  :func:`fxtrain.amp_cast`) casts as in one process: its ``wrap_loss`` casts the stage modules' own params
-  and the floating inputs to the compute dtype, and the schedule runs with the modules computing with those
-  casts (their gradients land in ``.grad`` in the params' dtype); activations travel between stages in the
-  params' dtype (exact for bf16 values). A loss scale (fp16) cannot reach the schedule's ``loss_fn`` and
-  is refused when the step is built: use bf16.
-* **Global transforms must span the stages.** Each rank holds a disjoint part of the model, as plain
-  tensors, so a norm over "the tree" is a norm over one stage unless the pp group is summed over: torch's
-  per-stage ``clip_grad_norm_`` makes exactly that mistake. The step does not rewrite the stack behind the
-  user's back (its transforms are closures; the groups they reduce over are their arguments, meshes are
-  passed explicitly); it *checks* it: on its first call, before anything is written, it runs the stack
-  once, pure, on a probe gradient (zeros, one ``inf`` on the first rank of the pp group) and requires
-  every value the stack reports (``grad_norm``, ``skipped``, ...) to be identical on every stage. A
-  ``clip_by_global_norm(m)`` without ``groups=(pp_group,)`` reports ``inf`` on one stage and ``0`` on
-  the others, and the step refuses it by name, with the fix. A global transform that reports nothing is
-  not seen by the probe.
-* **Params are the stage modules' own tensors** (``dict(stage_module.named_parameters())``, or the trees
-  of :func:`fxtrain.functional` of the stage module, which alias them): the schedule computes gradients
-  into those modules, so a leaf that aliases no stage parameter, or a stage parameter missing from
-  ``params`` (its gradient would be computed and never applied), is refused by name. The check runs on
-  the first call and again whenever the leaves passed change; all stages agree on the verdict before
-  any of them enters the schedule on the first call (a stage that refused alone would leave the others
-  waiting on its sends); a later change of leaves is checked on its rank alone.
-* **The loss** the step reports is the one whose gradient the stack sees: the mean of the last stage's
-  micro-batch losses (their sum with ``scale_grads=False``), summed over the pp group with zeros from
-  the other stages (one 0-dim float64 ``all_reduce``, in flight while the update runs), so ``metrics``
-  are identical on every rank like every other fxtrain metric; rank 0, the first stage, logs it.
-
-Data parallelism across pipeline replicas is the stage module's business, as in torchtitan: ``fully_shard``
-the stage module over the dp mesh before building its ``PipelineStage``; the schedule reduce-scatters the
-gradients after the last micro-batch, the params are then DTensors that the norm engine sums over dp, and
-``groups=(pp_group,)`` adds the stages (tests/test_pipeline.py checks 2 stages x 2 dp against one process).
-``DistributedDataParallel`` stage modules do not work under torch 2.13's schedules (measured: the reducer
-asserts on its second forward; with ``static_graph=True`` the last stage's gradients are wrong in torch's
-own loop too).
+What the step decides (the schedule owns the loss; global transforms must span the stages, checked on the first
+call; params are the stage modules' own tensors; the loss it reports) and data parallelism across replicas:
+docs/parallel.md ("Pipelines and the stack").
 """
 
 from __future__ import annotations

@@ -7,52 +7,11 @@ does the same inside one call, for a caller who holds the whole batch. ``microba
 transform: any function evaluated piece by piece along a batch axis, its outputs summed, averaged or
 concatenated.
 
-Four choices, and why (measured on torch 2.13, CPU):
-
-* **The emit decision is taken on the host, from the state.** ``mini_step`` and ``emitted`` are 0-dim
-  int32 tensors that live on the CPU whatever the params' device (as ``torch.optim`` keeps its ``step``
-  counters on the CPU unless ``capturable``). Reading them is a read of host memory, never a device
-  sync, and they stay the single source of truth: they are checkpointed with the state, and a resumed
-  run decides exactly as the original. Knowing the decision on the host is what lets a non-emitting
-  call skip the inner transform entirely. The alternatives: Optax runs the inner transform on every call
-  and selects with ``where`` (a full optimizer step per micro-batch, discarded k-1 times in k);
-  ``torch.cond`` failed on fxtrain stacks (its branches must be captured whole by dynamo, which rejects
-  the optree specs the transforms build, ``None`` leaves and in-place kernels), and its eager
-  implementation reads the predicate on the host anyway (``if pred:`` in ``cond_op_dense``). Under
-  ``torch.compile`` the counter reads are graph breaks (measured: the update compiles to 3 graphs with
-  2 breaks, same results as eager): the accumulation and the inner update compile separately.
-* **Unless the counters cannot be read: then Optax's way, on device.** An ensemble initialised with
-  ``torch.func.vmap(tx.init)`` has batched counters (one window position per member), and a counter
-  traced by a ``torch.func`` transform has no value on the host either. There ``update`` does what
-  ``MultiSteps`` does under ``jax.vmap``: it computes both branches out of place (this call's window
-  sum, and the inner transform on its mean or sum: the inner transform runs on every call) and selects
-  leaf by leaf with ``torch.where`` on ``mini_step + 1 >= every``: zeros and the inner state kept when
-  holding, the inner update and state, a zeroed accumulator and counters moved on when emitting. The
-  same numbers as the host path, at the cost of a full inner update per call; an integer ``every`` only
-  (a schedule is evaluated on the host).
-* **Non-emitting calls: zeros when pure, ``None`` when donated.** The pure ``update`` returns a tree
-  of zeros, as Optax's ``MultiSteps`` (what ``vmap`` and ``grad`` must see). The donated kernel
-  (:func:`fxtrain.update_`) returns ``None`` leaves, fxtrain's "no update": :func:`fxtrain.apply_updates_`
-  leaves those params untouched, so a donated :func:`fxtrain.train_step` writes nothing into the params
-  between emissions, where adding zeros would cost a pass over every parameter per micro-batch.
-* **Buffers change hands instead of being copied.** The kernel owns the gradients it is given (see
-  :mod:`fxtrain._base`), so the first call of a window keeps the gradient tensors as the accumulator (no
-  copy, no zeroing); the next calls add into it (one pass each); the emitting call adds its gradients,
-  hands the sum to the inner transform as its updates, and keeps the spent gradient buffers as the next
-  window's accumulator. Between windows ``acc`` holds no meaningful values (it is replaced before it is
-  read). With an ``accumulator_dtype`` the first call casts instead (a new buffer in that dtype). Out of
-  place (the composable path) the same math makes new tensors and the emitting call keeps ``acc`` as is.
-
-**Data parallel.** With replicated DTensor params and a batch sharded on dim 0, autograd returns
-``Partial(sum)`` gradients. Summing is linear, so ``accumulate`` adds their local pieces and the
-accumulator stays ``Partial`` (its placements say so: ``acc.full_tensor()`` is the true sum); the
-emitting call reduces them once (:func:`fxtrain.distributed.reduce_partials`: one packed all-reduce per
-mesh and placement) before the inner transform runs. Non-emitting calls communicate nothing: the
-functional form of DDP's ``no_sync``. :func:`fxtrain.train_step` reduces ``Partial`` gradients itself
-right after the backward pass unless the outermost transform takes them as they come
-(its ``partial_grads`` trait, declared here), so put ``accumulate`` outermost to defer communication.
-The accumulator keeps the gradients' ``Partial`` placements between windows too (spent buffers are
-reused), which a checkpoint of the state must be able to store.
+Map: :func:`accumulate` and its state (:class:`AccumulateState`, :class:`Accumulator`), :func:`split_backward`,
+:func:`microbatch` (:class:`AccumulationType`), :func:`skip_not_finite` / :func:`skip_large_updates` (Optax's
+``MultiSteps`` predicates), :func:`counters` / :func:`window_position` (where a window stands). Why the emit decision is taken on the host, what a held call returns, how buffers change
+hands and how data-parallel ``Partial`` gradients are reduced once per window: docs/stack.md ("How ``accumulate``
+works").
 """
 
 from __future__ import annotations

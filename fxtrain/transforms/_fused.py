@@ -1,81 +1,15 @@
 """torch's fused optimizer kernels as a kernel choice of the donated step: ``adam``, ``adamw``, ``sgd``,
 alone or after ``clip_by_global_norm``, inside ``amp_cast``, ``accumulate``, ``inject_hyperparams`` and chains.
 
-``fx.adamw(...)`` is a chain (``scale_by_adam``, ``add_decayed_weights``, ``scale_by_learning_rate``)
-whose foreach kernels make several passes over memory, then ``apply_updates_`` makes one more. torch
-ships the same math as one fused kernel per optimizer (``torch._fused_adamw_``, ``torch._fused_adam_``,
-``torch._fused_sgd_``, on CPU and GPU in torch 2.13) that reads each element once and writes the params
-and moments in place. When a training step owns the params (:func:`fxtrain.train_step`, not compiled),
-it asks :func:`step_` to run the whole update-and-apply as that one kernel call.
+No second copy of the math lives here: a transform *declares* which torch kernel (``torch._fused_adamw_``,
+``_fused_adam_``, ``_fused_sgd_``) computes exactly its chain, for the arguments that kernel covers;
+:func:`fxtrain._base.merge_traits` combines the declarations (a clip rides in the kernel's ``grad_scale``); the
+donated step asks :func:`step_` to run update and apply as that one call where the leaves allow it, else it takes
+the foreach kernels (same state, same numbers to float32 rounding). Hyperparameters in the state, wrappers,
+numerics and parallel layouts: docs/functional-step.md ("Fused kernels").
 
-No second copy of the math lives here: a transform *declares* (:func:`declare`) which torch kernel
-computes exactly its chain, and only when its arguments are ones that kernel covers (plain-number
-hyperparameters, no schedule, no ``mask``, ``mu_dtype``, ``eps_root`` or ``nesterov`` for Adam). The
-optimizer factories in ``fxtrain/optimizers.py`` declare ``adam``, ``adamw`` and ``sgd``;
-``clip_by_global_norm`` declares itself a *prefix* (it only scales the gradients, by one 0-dim
-coefficient). :func:`fxtrain._base.merge_traits`, the one place where specs are combined (for ``chain`` and
-``named_chain``), turns ``chain(clip_by_global_norm(m),
-optimizer)`` into that optimizer's kernel with the clip riding in the kernel's ``grad_scale``: the
-kernels divide every gradient by ``grad_scale`` before the update, so ``grad_scale = 1 / coef =
-max(1, norm / m)`` (0-dim float32, chosen on the device: no host sync) and the norm is
-:func:`fxtrain.distributed.global_norm` of the gradients, the foreach path's own. The clip's state
-(``ClipByGlobalNormState``) gets that norm, so ``grad_norm`` is reported as on the foreach path.
-
-**Hyperparameters in the state.** ``inject_hyperparams(adamw)(learning_rate=schedule, ...)``, the runner's
-default, declares its inner optimizer's kernel with ``FusedSpec.from_state``
-(:mod:`fxtrain.transforms._hyperparams`): the learning rate is the one its foreach path would use (the
-schedule evaluated at the state's count, on the device) and reaches the kernel as a 0-dim tensor, through
-torch's ``tensor_lr`` overloads; the other hyperparameters, which the kernels take as host numbers, are
-the host's copies of the state's values (read once where the host has not seen a tensor: after a resume).
-A value the kernel does not cover (a schedule for ``b1``, ``eps_root`` written into the state, a tensor
-that is not 0-dim) takes the foreach path, which refuses what it refuses. The state and its bookkeeping
-(count, values used) are the foreach path's.
-
-**Wrappers.** The recommended stack wraps the chain: ``accumulate(amp_cast(chain(clip, adamw)), every=k)``. A
-wrapper whose update does its own work around its child's declares the child's kernel with
-:func:`fxtrain._base.fused_around` and does that work around the kernel call, in place, with the foreach path's
-numbers: a chain of one (``optim.chain=[adam]``) passes its child's state; ``amp_cast`` with a loss scale
-unscales the placed gradients with GradScaler's kernel, takes the foreach path's overflow decision (summed over
-every rank) and hands it to the kernel as ``found_inf`` (torch's kernels then leave params and moments as they
-were), puts back the 0-dim state its kernel's caller wrote (counts, injected hyperparameters; not the reported
-``grad_norm``) on overflow, and adjusts the scale; without a loss scale it is its child. Pure half-precision
-policies (``p=bf16``, ``p=f16``) keep the foreach path: torch's kernels compute in float32 and round once,
-the foreach path rounds every op in the params' dtype, a float16 SGD step apart. ``accumulate`` runs the
-kernel on the emitting call only, on the window's sum (reduced once over data-parallel ranks, as its foreach
-update does); its held calls are its own foreach update (one add, no kernel to run). ``sharded_apply`` without
-``shard_over`` is its child (same state, placed like the params).
-
-The state is the chain's own (``ScaleByAdamState``, ``TraceState``...), so a run can switch between the
-fused and foreach kernels at any step, and checkpoints do not know which one ran. The numerics agree
-with the foreach path to float32 rounding, with one caveat:
-
-* AdamW: Optax adds ``weight_decay * p`` to the Adam direction and scales the sum by ``-lr``; torch's
-  ``p <- p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`` is the same expression, rearranged.
-* bias corrections: fxtrain (as Optax) computes ``1 - b ** count`` in float32 on the device, torch's
-  kernel in float64 from the same count. The float32 one loses digits to cancellation early on (at
-  ``count=1``, ``b2=0.999``: 1.3e-5 relative), so an Adam update differs by up to ~7e-6 relative in the
-  first steps, shrinking as ``b2 ** count`` moves away from 1 (tests/test_fused.py bounds it).
-* SGD momentum: Optax's ``trace`` starts from a zero buffer (``t_1 = g_1``), which is torch's update
-  with ``dampening=0`` when the buffer is zero; torch's ``is_first_step`` shortcut is never needed.
-* clipping: ``g / (norm / m)`` in the kernel against ``g * (m / norm)`` on the foreach path, 1 float32
-  rounding apart per element. ``torch.nn.utils.clip_grad_norm_`` divides by ``norm + 1e-6`` instead.
-
-Leaves must allow it too (:func:`step_` checks each call, in Python, on metadata only): floating-point
-tensors on one device, each param, gradient and state leaf of one dtype, params and state contiguous;
-with a clip, gradients that do not overlap in memory (the kernel writes the clipped gradients back into
-them). Otherwise the step takes the foreach kernels (same numbers, up to the above).
-
-**Parallel layouts.** The kernels are elementwise, so on DTensor params they run on the local pieces
-(``_local_tensor``), as ``sharded_apply`` does, and give the numbers of the whole tensor, provided each
-piece is updated once and its gradient is the whole batch's, placed like the param. So a DTensor param
-needs a gradient on its mesh and state placed exactly like it (``sharded_apply(adamw)``'s, or plain
-``adamw``'s ``zeros_like``); :func:`step_` first brings the gradients to their params' placements
-(:func:`fxtrain.distributed.match_placements`: data parallel's ``Partial`` ones all-reduced in one bucket
-per process group, FSDP2's ``Shard(0)`` ones already there, TP's ``Replicate`` embedding gradient sliced),
-and the clip's norm is :func:`fxtrain.distributed.global_norm` of those DTensors (each shard summed over
-its mesh, each mesh once, the clip's ``groups``: pipeline stages). This covers every layout of the runner:
-dp (``Replicate``), fsdp (``Shard(0)``), tp, fsdp x tp (``(_StridedShard, Shard)``), pp (plain stage
-params, norm over the pp group) and ep (experts ``Shard(0)`` on ep, dense params ``Replicate`` on dp).
+Map: :func:`declare` (a transform states its kernel), :func:`spec` (the kernel a stack declares, or ``None``),
+:func:`applies` / :func:`step_` / :func:`bind` (whether the leaves allow it; one call; bound once for a loop).
 
 Example:
     >>> import torch, fxtrain as fx

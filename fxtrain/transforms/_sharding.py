@@ -61,8 +61,8 @@ __all__ = ["sharded_apply"]
 
 # --- public entry point ------------------------------------------------------------------------------
 
-def sharded_apply(tx: GradientTransformation | Callable, *, shard_over: str | None = None,
-                  in_placements: Any = None, out_placements: Any = None, mesh: Any = None):
+def sharded_apply(tx: GradientTransformation | Callable, *, shard_over: str | None = None, in_placements: Any = None,
+                  out_placements: Any = None, mesh: Any = None) -> GradientTransformation | Callable:
     """Runs an elementwise transform (or a function) on the local pieces of DTensor leaves.
 
     For a transform ``tx``, with ``x_local`` the piece of a DTensor leaf this rank holds::
@@ -90,7 +90,7 @@ def sharded_apply(tx: GradientTransformation | Callable, *, shard_over: str | No
 
     Returns:
       A transform whose state is ``tx``'s with param-shaped leaves as DTensors, or (function form) the
-      wrapped function.
+        wrapped function.
 
     Raises:
       ValueError: ``tx`` is not elementwise (naming it), a gradient's placements differ from its param's
