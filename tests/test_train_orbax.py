@@ -111,7 +111,8 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_refused_naming_the_leaf(tmp_p
     assert code == ("Error: resume=orbax:first/orbax: the checkpoint is at step 3 (recorded), trainer.max_steps=3 "
                     "leaves nothing to train; raise trainer.max_steps"), code
     code = run_main(*FAST, "trainer.max_steps=6", "resume=orbax:first", "hydra.run.dir=e")  # the run, not its export
-    assert code.startswith("Error: resume=orbax:first: first is not an Orbax checkpoint"), code
+    assert code.startswith("Error: resume=orbax:first: 'first' is not an Orbax checkpoint (it holds "), code
+    assert code.endswith("(an fxtrain run's checkpoint: resume=PATH)"), code
     no_hidden = [o for o in FAST if not o.startswith("model.")]
     code = run_main(*no_hidden, "trainer.max_steps=3", "model=resnet", "trainer.export=orbax", "hydra.run.dir=f")
     assert code.startswith("Error: trainer.export=orbax: ResNet has buffers (stages.0.bn1.num_batches_tracked, "), code
