@@ -117,3 +117,19 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_refused_naming_the_leaf(tmp_p
     code = run_main(*no_hidden, "trainer.max_steps=3", "model=resnet", "trainer.export=orbax", "hydra.run.dir=f")
     assert code.startswith("Error: trainer.export=orbax: ResNet has buffers (stages.0.bn1.num_batches_tracked, "), code
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_jax_and_orbax_write_no_lines_into_the_run_log(tmp_path, capsys):
+    # JAX said "Unable to initialize backend 'tpu': ... libtpu.so" (INFO, as its backends start) and Orbax "Read
+    # Metadata=...", "Created BasePyTreeCheckpointHandler..." (absl INFO) into the console and train.log, which show
+    # INFO (conf/hydra/job_logging/fxtrain.yaml now keeps those loggers at WARNING). JAX's backends are cleared
+    # first, so that they start again inside this run, as in a fresh process.
+    from jax.extend.backend import clear_backends
+
+    clear_backends()
+    assert run_main(*FAST, "trainer.max_steps=3", "trainer.export=orbax", "hydra.run.dir=first") == 0
+    assert run_main(*FAST, "trainer.max_steps=4", "resume=orbax:first/orbax", "hydra.run.dir=second") == 0
+    shown = capsys.readouterr().out + "".join((tmp_path / run / "train.log").read_text() for run in ("first", "second"))
+    assert "export " in shown and "start  from the Orbax checkpoint first/orbax (step 3, recorded)" in shown
+    for noise in ("backend 'tpu'", "libtpu", "Read Metadata", "CheckpointHandler", "[process="):
+        assert noise not in shown, shown
