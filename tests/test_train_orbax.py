@@ -3,6 +3,8 @@ checkpoint JAX wrote (fxtrain/interop/run_hooks.py), through ``python -m fxtrain
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -133,3 +135,17 @@ def test_jax_and_orbax_write_no_lines_into_the_run_log(tmp_path, capsys):
     assert "export " in shown and "start  from the Orbax checkpoint first/orbax (step 3, recorded)" in shown
     for noise in ("backend 'tpu'", "libtpu", "Read Metadata", "CheckpointHandler", "[process="):
         assert noise not in shown, shown
+
+
+def test_resume_reads_a_checkpoint_manager_directory_at_its_newest_step(tmp_path):
+    # What a JAX training loop keeps: ocp.CheckpointManager steps (<dir>/<step>/default). resume=orbax:<dir> reads the
+    # newest; its step is the step directory's number. (Was refused: the directory has no _CHECKPOINT_METADATA.)
+    assert run_main(*FAST, "trainer.max_steps=3", "trainer.export=orbax", "hydra.run.dir=first") == 0
+    tree = ocp.StandardCheckpointer().restore(tmp_path / "first" / "orbax")
+    with ocp.CheckpointManager(tmp_path / "jax_run") as manager:
+        for step in (1, 3):  # the same tree twice: only the newest step's number tells them apart
+            manager.save(step, args=ocp.args.StandardSave(tree))
+        manager.wait_until_finished()
+    assert run_main(*FAST, "trainer.max_steps=6", "resume=orbax:jax_run", "hydra.run.dir=second") == 0
+    assert "start  from the Orbax checkpoint jax_run (step 3, recorded)" in (tmp_path / "second" / "train.log").read_text()
+    assert json.loads((tmp_path / "second" / "summary.json").read_text())["status"] == "completed"
