@@ -425,7 +425,7 @@ class ScaledSchedule:
 
     def __repr__(self) -> str:
         at = f"@({self.every}*count)" if self.every != 1 else ""
-        peak = "peak" if isinstance(self.peak, torch.Tensor) else f"{self.peak:g}"  # a tensor: a vmapped sweep's
+        peak = "peak" if isinstance(self.peak, torch.Tensor) else fx.describe(float(self.peak))  # a tensor: a vmapped sweep's
         return f"{peak}*{self.shape!r}{at}"
 
 

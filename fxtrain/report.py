@@ -28,6 +28,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import statistics
 import sys
 from typing import Any, NamedTuple
@@ -37,6 +38,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from fxtrain import distributed, tasks
+from fxtrain._base import describe as describe_value
 
 __all__ = ["collect", "metric_columns", "ranked_by", "read_jsonl", "format_table", "write_csv", "plot", "figure", "best", "by_config", "describe",
            "SEED_KEYS", "SweepSummary", "finish_sweep", "main"]
@@ -149,7 +151,21 @@ def _columns(rows: list[dict]) -> list[str]:
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if math.isfinite(v) else str(v)
-    return "" if v is None else str(v)
+    return "" if v is None else _value(v)
+
+
+_LONG_FLOAT = re.compile(r"[-+]?\d*\.\d{10,}(?:[eE][-+]?\d+)?|[-+]?\d\.\d{9,}[eE][-+]?\d+")
+
+
+def _value(v: Any) -> str:
+    """An override's value as the table shows it: a float a sweeper drew (Optuna's ``0.0007247031607588866``) as the
+    shortest decimal that is the same float32 (``0.000724703``, :func:`fxtrain.describe`); anything else as written.
+
+    >>> _value("0.0007247031607588866"), _value("0.001"), _value("[32,64]"), _value(64)
+    ('0.000724703', '0.001', '[32,64]', '64')
+    """
+    text = str(v)
+    return describe_value(float(text)) if _LONG_FLOAT.fullmatch(text) else text
 
 
 def _short(text: Any, width: int = 72) -> str:
@@ -247,7 +263,7 @@ def _seeded(rows: list[dict], metric: str, varied: list[str], seed_keys: tuple[s
 
 
 def _config_label(group: dict, keys: list[str], names: dict[str, str] | None = None) -> str:
-    return " ".join(f"{(names or {}).get(k, k)}={group[k]}" for k in keys if group.get(k) is not None)
+    return " ".join(f"{(names or {}).get(k, k)}={_value(group[k])}" for k in keys if group.get(k) is not None)
 
 
 def _pm(group: dict) -> str:
@@ -297,7 +313,7 @@ def describe(sweep_dir: str | pathlib.Path, metric: str | None = None,
                 row[metric] = job.final
     text = format_table([{k: v for k, v in row.items() if k not in shared} for row in rows])
     if shared:
-        text += "\nevery job: " + " ".join(f"{k}={v}" for k, v in shared.items())
+        text += "\nevery job: " + " ".join(f"{k}={_value(v)}" for k, v in shared.items())
     shown, metric = metric, ranked_by(metric, rows)
     if shown != metric:
         text += f"\nranked by {metric}: {shown} is the test split's, shown but never what chooses"
@@ -315,7 +331,7 @@ def describe(sweep_dir: str | pathlib.Path, metric: str | None = None,
     elif metric:
         top = best(rows, metric)
         if top is not None:
-            changed = " ".join(f"{k}={top[k]}" for k in varied if k in top)
+            changed = " ".join(f"{k}={_value(top[k])}" for k in varied if k in top)
             text += f"\nbest: job {top['job']} ({metric} {_fmt(top[metric])})" + (f": {changed}" if changed else "")
     failed = [r["job"] for r in rows if r["status"] != "completed"]
     if failed:

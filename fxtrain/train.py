@@ -416,6 +416,7 @@ def run_length(cfg: DictConfig, data: Any) -> str:
 DEBUG_DEFAULTS = {"name": None, "checkpoints": True, "limit_train": None, "limit_val": None, "limit_test": None,
                   "overfit_batches": 0, "profile_steps": 0, "profile_wait": 0, "shorten": False, "shortened": {}}
 PROFILE_TRACE = "profile_trace.json"  # debug=profile's chrome trace, in the run directory
+KINETO_QUIET = "6"  # KINETO_LOG_LEVEL that keeps torch.profiler's engine from writing to stderr
 
 
 def debug_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -535,6 +536,10 @@ class StepProfiler:
         """Starts recording when the steps from ``first + 1`` on are to be recorded."""
         if self.done or self.profile is not None or first < self.first:
             return
+        # kineto (torch.profiler's engine) writes its own lines to stderr ("USDT:... profiler_start", "STAGE:...");
+        # it reads KINETO_LOG_LEVEL once, when the process first profiles: 6 is above its highest level (USDT, 5).
+        # A KINETO_LOG_LEVEL of the user's own is kept.
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -201,3 +204,16 @@ def test_fast_runs_every_shipped_experiment(tmp_path):
     assert run_main("-m", "experiment=glob(*)", "debug=fast", f"hydra.sweep.dir={tmp_path}") == 0
     text = (tmp_path / "summary.csv").read_text()
     assert text.count("completed") == len(EXPERIMENTS) and "failed" not in text, text
+
+
+@pytest.mark.multiprocess
+def test_profile_leaves_out_kineto_s_own_lines(tmp_path):
+    # torch.profiler's engine wrote "USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start" (and
+    # profiler_stop) to stderr. A fresh process, as a user runs it: kineto reads its log level once per process.
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-m", "fxtrain.train", "debug=profile", *SMALL, "hydra.run.dir=run"],
+                          cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profile steps 4..8: " in proc.stdout
+    for shown in (proc.stdout, proc.stderr, (tmp_path / "run" / "train.log").read_text()):
+        assert "profiler_start" not in shown and "SyncActivityProfilerHandler" not in shown, shown[-3000:]

@@ -200,3 +200,73 @@ def test_from_optax_copies_leaves_that_would_share_a_buffer():
     s = state_from_optax(o, fx.sgd(0.1, momentum=0.9).init(p), copy=False)
     assert s[0].trace["a"].data_ptr() != s[0].trace["b"].data_ptr()
     assert s[0].trace["a"].data_ptr() == shared.unsafe_buffer_pointer()  # the first one is not copied
+
+
+# --- a linen-named Optax state in memory (naming="linen"), against Flax linen + Optax --------------------------
+
+def linen_run():
+    """A Flax linen MLP and its torch twin, trained in JAX with Optax: the state names its params Dense_0/kernel."""
+    linen = pytest.importorskip("flax.linen")
+    jnp = jax.numpy
+
+    class FlaxMLP(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            h = jnp.tanh(linen.Dense(8)(x))  # Dense_0: compact names count in creation order
+            return linen.Dense(2)(h)
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 3, generator=g), torch.randn(16, 2, generator=g)
+    otx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.05, weight_decay=0.1))
+    tx = fx.chain(fx.clip_by_global_norm(1.0), fx.adamw(0.05, weight_decay=0.1))
+    jx, jy = to_jax(x), to_jax(y)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(lambda p: jnp.mean((FlaxMLP().apply({"params": p}, jx) - jy) ** 2))(params)
+        updates, state = otx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def jax_steps(params, state, n):
+        for _ in range(n):
+            params, state = step(params, state)
+        return params, state
+
+    params = FlaxMLP().init(jax.random.key(0), jnp.zeros((1, 3)))["params"]
+    return net, tx, otx, (x, y), jax_steps, params
+
+
+def test_a_linen_named_optax_state_continues_in_fxtrain(mse_steps):
+    from fxtrain.interop import from_linen
+
+    net, tx, otx, data, jax_steps, params = linen_run()
+    jp, js = jax_steps(params, otx.init(params), 4)
+    p = from_linen({"params": jp}, net)
+    like = tx.init(p)
+    s = state_from_optax(js, like, naming="linen", module=net)
+    assert int(s[1][0].count) == 4
+    assert torch.equal(s[1][0].nu["0.weight"], from_jax(js[1][0].nu["Dense_0"]["kernel"]).T)  # torch's (out, in)
+    p, _ = mse_steps(net, tx, p, s, 4, data)
+    expected, _ = jax_steps(jp, js, 4)  # the run that stayed in JAX
+    assert_trees_close(p, from_linen({"params": expected}, net), rtol=1e-5, atol=1e-6)
+
+
+def test_a_wrong_naming_is_one_line_naming_the_names_it_saw():
+    net, tx, otx, _, _, params = linen_run()
+    like = tx.init({k: v.detach() for k, v in net.named_parameters()})
+    state = otx.init(params)
+    with pytest.raises(ValueError) as raised:
+        state_from_optax(state, like)  # linen names, read as torch's
+    assert str(raised.value) == ("state_from_optax: the names differ at '1.0.mu': the Optax state has ['Dense_0', "
+                                 "'Dense_1'], the fxtrain one ['0.bias', '0.weight', '2.bias', '2.weight']; a state of "
+                                 "Flax params needs naming='linen' (or 'attribute', 'nnx') and module=, the torch module")
+    with pytest.raises(ValueError) as raised:
+        state_from_optax(state, like, naming="attribute", module=net)  # linen names of a setup module: layers_0...
+    assert str(raised.value) == ("state_from_optax: naming='attribute' does not fit the state at '1.0.mu': it has "
+                                 "['Dense_0', 'Dense_1'], Sequential's attribute names are ['layers_0', 'layers_2']; "
+                                 "pass the naming the state was made with ('torch', 'linen', 'attribute' or 'nnx')")
+    with pytest.raises(ValueError, match=r"^state_from_optax: naming='linen' needs module=, the torch module whose"):
+        state_from_optax(state, like, naming="linen")
+    with pytest.raises(ValueError, match=r"^state_from_optax: naming='flax': expected one of 'torch', 'linen', "):
+        state_from_optax(state, like, naming="flax", module=net)

@@ -198,3 +198,90 @@ def test_nnx_naming_restores_into_an_nnx_model(tmp_path):
     p, s = load_orbax(tmp_path / "nnx", params, tx, module=net, naming="nnx")
     assert all(torch.equal(p[k], params[k]) for k in params)
     assert torch.equal(s[1][0].nu["layers.1.bias"], state[1][0].nu["layers.1.bias"])
+
+
+# --- CheckpointManager layouts: <dir>/<step>/default, checked against Orbax's own manager -------------------------
+
+def manager_saves(directory, trees: dict):
+    """What a JAX program's training loop writes: ``manager.save(step, args=StandardSave(tree))`` per step."""
+    with ocp.CheckpointManager(directory) as manager:
+        for step, tree in trees.items():
+            manager.save(step, args=ocp.args.StandardSave(tree))
+        manager.wait_until_finished()
+
+
+def test_a_checkpoint_manager_directory_is_read_at_its_newest_or_given_step(tmp_path):
+    from fxtrain.interop._orbax import orbax_step
+
+    otx, tx = txs()
+    params = FlaxMLP().init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
+    early = jax_steps(params, otx.init(params), 2)
+    late = jax_steps(*early, 3)
+    manager_saves(tmp_path / "run", {2: {"params": early[0], "opt_state": early[1]},
+                                     5: {"params": late[0], "opt_state": late[1]}})
+    net = torch_mlp()
+    like = {k: p.detach() for k, p in net.named_parameters()}
+    for where, step, (expected, count) in [("run", None, (late, 5)), ("run", 2, (early, 2)), ("run/2", None, (early, 2))]:
+        p, s = load_orbax(tmp_path / where, like, tx, step=step, module=net)
+        assert int(s[1][0].count) == count == orbax_step(tmp_path / where, step)
+        assert all(torch.equal(p[k], v) for k, v in from_linen({"params": expected[0]}, net).items())
+        torch.testing.assert_close(s[1][0].mu["2.weight"], from_jax(expected[1][1][0].mu["Dense_1"]["kernel"]).T,
+                                   rtol=0, atol=0)
+
+
+def test_save_orbax_adds_a_step_orbax_s_manager_restores(tmp_path):
+    otx, tx = txs()
+    torch.manual_seed(0)
+    net = torch_mlp()
+    params = {k: p.detach().clone() for k, p in net.named_parameters()}
+    _, state = tx.update({k: torch.randn_like(p) for k, p in params.items()}, tx.init(params), params)
+    save_orbax(tmp_path / "run", params, state, tx, step=10, module=net, manager=True)  # a new manager directory
+    target = to_linen(params, net)["params"]
+    target = {"params": target, "opt_state": otx.init(target)}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    save_orbax(tmp_path / "run", params, tx.init(params), tx, step=20, module=net)  # an existing one: found as such
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        assert list(manager.all_steps()) == [10, 20] and manager.latest_step() == 20
+        restored = manager.restore(10, args=ocp.args.StandardRestore(abstract))
+        fresh = manager.restore(20, args=ocp.args.StandardRestore(abstract))
+    assert jax.tree.structure(restored) == jax.tree.structure(target)
+    assert int(restored["opt_state"][1][0].count) == 1 and int(fresh["opt_state"][1][0].count) == 0
+    assert torch.equal(from_jax(restored["opt_state"][1][0].nu["Dense_0"]["kernel"]), state[1][0].nu["0.weight"].T)
+    with pytest.raises(ValueError, match=r"^save_orbax: '.*run' already holds step 10; pass force=True to replace it$"):
+        save_orbax(tmp_path / "run", params, state, tx, step=10, module=net)
+    save_orbax(tmp_path / "run", params, tx.init(params), tx, step=10, module=net, force=True)
+    assert int(load_orbax(tmp_path / "run", params, tx, step=10, module=net)[1][1][0].count) == 0
+
+
+@pytest.mark.parametrize("where, step, message", [
+    ("nowhere", None, r"load_orbax: '.*nowhere' does not exist; expected an Orbax checkpoint: what "
+                      r"StandardCheckpointer\(\).save wrote \(a directory holding _METADATA\), a CheckpointManager "
+                      r"directory \(<dir>/<step>/default\) or one of its step directories"),
+    ("other", None, r"load_orbax: '.*other' is not an Orbax checkpoint \(it holds notes.txt\); expected an Orbax"),
+    ("run", 7, r"load_orbax: '.*run' has no step 7 \(its steps: 1, 3\); pass one of them, or none for the newest"),
+    ("run/3", 1, r"load_orbax: '.*run/3' is the step directory of step 3, step=1 asks for another"),
+    ("run/3/default", 3, r"load_orbax: '.*default' is one checkpoint, not a CheckpointManager directory: step=3 "
+                         r"picks nothing there"),
+])
+def test_anything_else_is_refused_in_one_line_naming_the_path(tmp_path, where, step, message):
+    params, tx = {"w": torch.ones(3)}, fx.sgd(0.1)
+    for n in (1, 3):
+        save_orbax(tmp_path / "run", params, tx.init(params), tx, step=n, manager=True)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="^" + message) as raised:
+        load_orbax(tmp_path / where, params, tx, step=step)
+    assert "\n" not in str(raised.value)
+
+
+def test_save_orbax_refuses_a_taken_path_before_writing(tmp_path):
+    params, tx = {"w": torch.ones(3)}, fx.sgd(0.1)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"^save_orbax: '.*other' exists and is not an Orbax checkpoint; expected a new "
+                                         r"path, a checkpoint to replace \(force=True\) or a CheckpointManager"):
+        save_orbax(tmp_path / "other", params, tx.init(params), tx)
+    save_orbax(tmp_path / "run", params, tx.init(params), tx, step=1, manager=True)
+    with pytest.raises(ValueError, match=r"^save_orbax: '.*run' is a CheckpointManager directory: pass step="):
+        save_orbax(tmp_path / "run", params, tx.init(params), tx)
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["notes.txt"]

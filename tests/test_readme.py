@@ -27,6 +27,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -34,7 +35,9 @@ import pytest
 from tests._runner import OWN_LIB, write_project
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]  # the README and the site's pages
+# The README and the site's pages; a page's YAML blocks are files (first line: ``# conf/model/gpt2.yaml``) that its
+# shell blocks use, written into the page's own working directory.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 READMES = [*PAGES, *sorted((ROOT / "experiments").glob("**/README.md"))]
 FEW = "trainer.max_steps=10"  # what "a few steps" appends to a training command whose numbers are not printed
 
@@ -112,6 +115,11 @@ COMMANDS = {
         "-m fxtrain.train experiment=tiny_lm parallel=dp hydra.run.dir=outputs/two_nodes",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=1 -m fxtrain.train "
         "experiment=tiny_lm parallel=dp hydra.run.dir=outputs/restartable resume=auto trainer.checkpoint_every=100"]},
+    # docs/huggingface.md: a transformers model from the page's conf/model/gpt2.yaml, 8 steps on 30 kB of text
+    "python -m fxtrain.train --config-dir conf model=gpt2 data=stdlib_text task=lm":
+        ("python -m fxtrain.train --config-dir conf model=gpt2 data=stdlib_text task=lm trainer.max_steps=8 "
+         "trainer.eval_every=4 trainer.log_every=4 schedule.warmup_steps=4 data.max_bytes=30000",
+         "8 steps: the page shows the run's first lines, which do not depend on its length"),
     **{command: (command.removeprefix("watch -n 5 "), "once, not every 5 s") for command in [
         "watch -n 5 .venv/bin/python -m fxtrain.report multirun/<date>/<time> --no-plot",
         "watch -n 5 python -m fxtrain.report multirun/<date>/<time> --no-plot"]},
@@ -164,6 +172,9 @@ OUTPUTS = {
                "fxtrain.report prints it too",
                machine=r"(?<=1000)\s+[\d.]+$"),
     ("docs/data.md", "myproj/"): Output(None, "the own project's layout: built by the test from its comments (project())"),
+    ("docs/huggingface.md", "model  GPT2LMHeadModel: 124,672 params on cpu"):
+        Output("python -m fxtrain.train --config-dir conf model=gpt2 data=stdlib_text task=lm",
+               "the run's model and task lines: the page's model config, found through --config-dir"),
     ("experiments/resnet_clip_accumulate/README.md",
      "iteration 1: [-0.064032, +0.052812, -0.017213, +0.046374]  held    emitted=0 loss=2.4183"):
         Output(None, "the ResNet study's accumulation check: its function, called here (the whole study takes "
@@ -363,6 +374,7 @@ class Ran:
     output: str
     seconds: float
     sweep_dir: pathlib.Path | None
+    cpu_s: float = 0.0  # the command's CPU time (user + system): what the load of other processes hardly inflates
 
 
 _RAN: dict[tuple[str, str], concurrent.futures.Future] = {}  # (cwd, command) -> its run: once per session
@@ -394,12 +406,21 @@ def _run(argv: list[str], cwd: pathlib.Path) -> Ran:
     env.update(FXTRAIN_RUN_STAMP=stamp, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=600)
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except FileNotFoundError:
         return Ran(argv, 127, f"{argv[0]}: command not found", 0.0, None)
-    return Ran(argv, proc.returncode, proc.stdout, time.perf_counter() - t0,
-               cwd / "multirun" / stamp if "-m" in argv[3:] or "--multirun" in argv else None)
+    timer = threading.Timer(600, proc.kill)
+    timer.start()
+    try:
+        output = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)  # reaped here, with its resource usage
+    finally:
+        timer.cancel()
+        proc.stdout.close()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return Ran(argv, proc.returncode, output, time.perf_counter() - t0,
+               cwd / "multirun" / stamp if "-m" in argv[3:] or "--multirun" in argv else None,
+               cpu_s=usage.ru_utime + usage.ru_stime)
 
 
 # --- the own project ----------------------------------------------------------------------------------
@@ -446,9 +467,9 @@ def project(root: pathlib.Path) -> pathlib.Path:
 def workdir(tmp_path_factory) -> pathlib.Path:
     """Where shell blocks run; the long runs whose output a page shows start at once, two at a time."""
     root = tmp_path_factory.mktemp("readme")
-    for shown in OUTPUTS.values():
+    for (page, _), shown in OUTPUTS.items():
         if shown.command:
-            run_command(COMMANDS.get(shown.command, (shown.command,))[0], root, None, wait=False)
+            run_command(COMMANDS.get(shown.command, (shown.command,))[0], page_dir(page, root), None, wait=False)
     return root
 
 
@@ -461,7 +482,8 @@ def test_the_readmes_have_blocks_and_every_table_entry_names_one():
     assert set(COMMANDS) <= shown, set(COMMANDS) - shown
     shown |= {run for run, _ in COMMANDS.values() if run}
     assert {o.command for o in OUTPUTS.values() if o.command} <= shown, "an output names a command no block shows"
-    assert {b.lang for b in BLOCKS} <= {"python", "py", "bash", ""}, "a block in a language this test cannot run"
+    assert {b.lang for b in BLOCKS} <= {"python", "py", "bash", "yaml", ""}, "a block in a language this test cannot run"
+    assert not [b for b in BLOCKS if b.lang == "yaml" and not b.file.startswith("docs/")], "YAML files: docs pages only"
 
 
 def run_python(block: Block, monkeypatch, tmp_path) -> dict[int, list[str]]:
@@ -505,9 +527,35 @@ def call_study(function: str) -> Ran:
     return Ran([function], 0, getattr(module, name)(), time.perf_counter() - t0, None)
 
 
+def files_of(page: str) -> dict[str, str]:
+    """The YAML blocks of a docs page, the files its shell blocks use: path (their first line, ``# conf/x.yaml``)
+    -> text."""
+    files = {}
+    for b in BLOCKS:
+        if b.file == page and b.lang == "yaml":
+            named = re.fullmatch(r"#\s*([\w./-]+\.ya?ml)", b.label)
+            assert named and not named.group(1).startswith(("/", "..")), \
+                f"{b}: a YAML block names its file, relative, on its first line (# conf/model/mine.yaml)"
+            files[named.group(1)] = b.text
+    return files
+
+
+def page_dir(page: str, root: pathlib.Path) -> pathlib.Path:
+    """Where a page's commands run: a page with YAML files in a directory of its own (the files written there), the
+    others in ``root``."""
+    files = files_of(page) if page.startswith("docs/") else {}
+    if not files:
+        return root
+    cwd = root / pathlib.Path(page).stem
+    for path, text in files.items():
+        (cwd / path).parent.mkdir(parents=True, exist_ok=True)
+        (cwd / path).write_text(text)
+    return cwd
+
+
 def check_shell(block: Block, root: pathlib.Path) -> list[str]:
     """Runs a shell block's commands in order; returns one line per problem."""
-    cwd = root
+    cwd = page_dir(block.file, root)
     if (block.file, block.label) in IN_PROJECT:
         project(root)
         cwd = root / IN_PROJECT[block.file, block.label]
@@ -537,6 +585,13 @@ def test_readme_block(block, request, monkeypatch, tmp_path):
     key = (block.file, block.label)
     if key in NOT_RUN:
         pytest.skip(NOT_RUN[key])
+    if block.lang == "yaml":  # a file a shell block of its page uses: it parses, and names what it builds
+        import yaml
+
+        text = yaml.safe_load(block.text)
+        assert isinstance(text, dict), f"{block}: expected a config (a mapping)"
+        assert files_of(block.file), block
+        return
     if block.lang in ("python", "py"):
         printed = run_python(block, monkeypatch, tmp_path)
         assert printed, f"{block}: prints nothing (every example prints what it shows)"
@@ -554,7 +609,7 @@ def test_readme_block(block, request, monkeypatch, tmp_path):
         if shown.function:
             ran = call_study(shown.function)
         elif shown.command:
-            ran = run_command(COMMANDS.get(shown.command, (shown.command,))[0], workdir, None)
+            ran = run_command(COMMANDS.get(shown.command, (shown.command,))[0], page_dir(block.file, workdir), None)
         else:
             pytest.skip(shown.why)
         assert ran.returncode == 0, ran.output[-3000:]
@@ -562,3 +617,20 @@ def test_readme_block(block, request, monkeypatch, tmp_path):
         missing = contains_in_order(blank(block.text.splitlines()), blank(re.split(r"[\r\n]+", ran.output)))
         assert not missing, f"{block}: `{shown.command}` does not print these lines of the page:\n" + "\n".join(missing) + \
             "\n--- it printed:\n" + ran.output[-4000:]
+
+
+def test_the_first_promise_is_what_the_default_run_prints(workdir):
+    # README's first line: `make train  # ... ~N% test accuracy in ~T s ...`. N is the test accuracy the default run
+    # prints, rounded to a whole percent; T its time, to a factor of 1.5 either way: measured as the run's CPU time
+    # (one thread: trainer.cpu_threads=1), which other processes' load hardly changes, where its wall time can double.
+    ((_, promise),) = [(c, comment) for b in BLOCKS if b.file == "README.md" and b.lang == "bash"
+                       for c, comment in commands(b) if c == "make train" and "test accuracy" in comment]
+    stated = re.search(r"~(\d+)% test accuracy in ~(\d+) s\b", promise)
+    assert stated, f"README's first promise states no accuracy and time: {promise!r}"
+    ran = run_command(COMMANDS["make train"][0], workdir, None)
+    assert ran.returncode == 0, ran.output[-3000:]
+    printed = re.search(r"^done .*\| test_accuracy ([\d.]+)", ran.output, flags=re.M)
+    assert printed, ran.output[-3000:]
+    assert round(100 * float(printed.group(1))) == int(stated.group(1)), (printed.group(0), promise)
+    seconds = float(stated.group(2))
+    assert seconds / 1.5 <= ran.cpu_s <= seconds * 1.5, f"the default run took {ran.cpu_s:.1f} s of CPU: {promise!r}"

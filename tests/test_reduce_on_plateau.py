@@ -8,6 +8,7 @@ import fxtrain as fx
 from fxtrain.contrib import ReduceLROnPlateauState
 from fxtrain.testing import assert_trees_close, nested_params, to_jnp
 from tests._parity import grads, state_leaves_close
+from tests._runner import isolate, run_main  # noqa: F401 - isolate: autouse (Hydra's state, logging, the directory)
 
 # Optax's test setup (optax/contrib/_reduce_on_plateau_test.py)
 PATIENCE, COOLDOWN = 5, 5
@@ -241,3 +242,14 @@ def test_hyperparameters_injected_and_set_mid_run():
     state = fx.tree.set(state, factor=torch.tensor(0.1))
     u, state = tx.update(p, state, p, value=torch.tensor(1.0))
     assert u["w"].tolist() == pytest.approx([0.025, 0.025])
+
+
+def test_the_runner_prints_patience_as_the_whole_number_it_is(tmp_path, capsys):
+    # The config's patience=11 (a count) was printed patience=11.0 in the stack line: the runner made every int a
+    # float where the annotation named a float type (Scalar); counts are annotated Count now, and stay ints.
+    assert run_main("trainer.progress=false", "trainer.device=cpu", "trainer.max_steps=2", "model.hidden=[8]",
+                    "+optim.chain.reduce_on_plateau._target_=fxtrain.contrib.reduce_on_plateau",
+                    "+optim.chain.reduce_on_plateau.patience=11", "+optim.chain.reduce_on_plateau.cooldown=2",
+                    "hydra.run.dir=run") == 0
+    for shown in (capsys.readouterr().out, (tmp_path / "run" / "train.log").read_text()):
+        assert "reduce_on_plateau(patience=11, cooldown=2))" in shown, shown

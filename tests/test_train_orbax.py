@@ -3,6 +3,8 @@ checkpoint JAX wrote (fxtrain/interop/run_hooks.py), through ``python -m fxtrain
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -111,8 +113,39 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_refused_naming_the_leaf(tmp_p
     assert code == ("Error: resume=orbax:first/orbax: the checkpoint is at step 3 (recorded), trainer.max_steps=3 "
                     "leaves nothing to train; raise trainer.max_steps"), code
     code = run_main(*FAST, "trainer.max_steps=6", "resume=orbax:first", "hydra.run.dir=e")  # the run, not its export
-    assert code.startswith("Error: resume=orbax:first: first is not an Orbax checkpoint"), code
+    assert code.startswith("Error: resume=orbax:first: 'first' is not an Orbax checkpoint (it holds "), code
+    assert code.endswith("(an fxtrain run's checkpoint: resume=PATH)"), code
     no_hidden = [o for o in FAST if not o.startswith("model.")]
     code = run_main(*no_hidden, "trainer.max_steps=3", "model=resnet", "trainer.export=orbax", "hydra.run.dir=f")
     assert code.startswith("Error: trainer.export=orbax: ResNet has buffers (stages.0.bn1.num_batches_tracked, "), code
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_jax_and_orbax_write_no_lines_into_the_run_log(tmp_path, capsys):
+    # JAX said "Unable to initialize backend 'tpu': ... libtpu.so" (INFO, as its backends start) and Orbax "Read
+    # Metadata=...", "Created BasePyTreeCheckpointHandler..." (absl INFO) into the console and train.log, which show
+    # INFO (conf/hydra/job_logging/fxtrain.yaml now keeps those loggers at WARNING). JAX's backends are cleared
+    # first, so that they start again inside this run, as in a fresh process.
+    from jax.extend.backend import clear_backends
+
+    clear_backends()
+    assert run_main(*FAST, "trainer.max_steps=3", "trainer.export=orbax", "hydra.run.dir=first") == 0
+    assert run_main(*FAST, "trainer.max_steps=4", "resume=orbax:first/orbax", "hydra.run.dir=second") == 0
+    shown = capsys.readouterr().out + "".join((tmp_path / run / "train.log").read_text() for run in ("first", "second"))
+    assert "export " in shown and "start  from the Orbax checkpoint first/orbax (step 3, recorded)" in shown
+    for noise in ("backend 'tpu'", "libtpu", "Read Metadata", "CheckpointHandler", "[process="):
+        assert noise not in shown, shown
+
+
+def test_resume_reads_a_checkpoint_manager_directory_at_its_newest_step(tmp_path):
+    # What a JAX training loop keeps: ocp.CheckpointManager steps (<dir>/<step>/default). resume=orbax:<dir> reads the
+    # newest; its step is the step directory's number. (Was refused: the directory has no _CHECKPOINT_METADATA.)
+    assert run_main(*FAST, "trainer.max_steps=3", "trainer.export=orbax", "hydra.run.dir=first") == 0
+    tree = ocp.StandardCheckpointer().restore(tmp_path / "first" / "orbax")
+    with ocp.CheckpointManager(tmp_path / "jax_run") as manager:
+        for step in (1, 3):  # the same tree twice: only the newest step's number tells them apart
+            manager.save(step, args=ocp.args.StandardSave(tree))
+        manager.wait_until_finished()
+    assert run_main(*FAST, "trainer.max_steps=6", "resume=orbax:jax_run", "hydra.run.dir=second") == 0
+    assert "start  from the Orbax checkpoint jax_run (step 3, recorded)" in (tmp_path / "second" / "train.log").read_text()
+    assert json.loads((tmp_path / "second" / "summary.json").read_text())["status"] == "completed"

@@ -9,7 +9,7 @@ import torch
 
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, check_nonnegative, transform
-from fxtrain.transforms._moments import Scalar, counter, is_number, param_device, weak
+from fxtrain.transforms._moments import Count, Scalar, counter, is_number, param_device, weak
 
 __all__ = ["ReduceLROnPlateauState", "reduce_on_plateau"]
 
@@ -39,8 +39,8 @@ class ReduceLROnPlateauState(NamedTuple):
 
 
 @transform(elementwise=False, extra_args=True)
-def reduce_on_plateau(factor: Scalar = 0.1, patience: Scalar = 10, rtol: Scalar = 1e-4, atol: Scalar = 0.0,
-                      cooldown: Scalar = 0, accumulation_size: Scalar = 1, min_scale: Scalar = 0.0
+def reduce_on_plateau(factor: Scalar = 0.1, patience: Count = 10, rtol: Scalar = 1e-4, atol: Scalar = 0.0,
+                      cooldown: Count = 0, accumulation_size: Count = 1, min_scale: Scalar = 0.0
                       ) -> GradientTransformation:
     r"""Scales the updates by ``factor`` each time a watched value stops improving (Optax's contrib).
 

@@ -28,6 +28,12 @@ emitted, acc, inner_state)``        acc_grads, skip_state)``; ``acc`` is a runni
 
 Transforms with no Optax counterpart (``amp_cast``'s loss scale) have no class to match and are
 reported as a mismatch at their path.
+
+Names. An Optax state keeps its params' names in every params-shaped tree (``mu``, ``nu``, ``trace``).
+Those of a JAX program that trained a Flax module are Flax's (``{"Dense_0": {"kernel": ...}}``, kernels
+``(in, out)``): ``state_from_optax(..., naming="linen", module=net)`` reads them into the torch names and
+layouts of ``net`` (:func:`~fxtrain.interop.from_linen`). A state whose names share none with ``fx_like``'s is
+refused naming both sides' names, not the transform.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from fxtrain import tree
 from fxtrain._deferred import DTensor
 from fxtrain.interop._arrays import dotted, owned, tensor_to_jax, to_torch
 from fxtrain.interop._jax import is_jax_array, require
+from fxtrain.interop._linen import from_linen, linen_names
 
 __all__ = ["state_to_optax", "state_from_optax"]
 
@@ -79,13 +86,25 @@ def state_to_optax(fx_state: Any, optax_like: Any) -> Any:
     return _Walk("state_to_optax", _leaf_to_jax).convert(fx_state, optax_like, ())
 
 
-def state_from_optax(optax_state: Any, fx_like: Any, *, copy: bool = True) -> Any:
+# naming= of state_from_optax -> linen_names' naming ("torch": the names fx_like has)
+NAMINGS = {"torch": None, "linen": "compact", "compact": "compact", "attribute": "attribute", "nnx": "nnx"}
+
+
+def state_from_optax(optax_state: Any, fx_like: Any, *, copy: bool = True, naming: str = "torch",
+                     module: torch.nn.Module | None = None) -> Any:
     """An Optax optimizer state as the state of the matching fxtrain transform.
 
     Args:
       optax_state: the state of an Optax transform.
       fx_like: a state of the fxtrain counterpart freshly initialized on the same params, e.g.
         ``fx.adamw(1e-3).init(params)``; it gives the classes, dtypes and devices.
+      naming: how ``optax_state`` names the params in its params-shaped trees (``mu``, ``nu``...):
+        ``"torch"`` as ``fx_like`` does (the default); ``"linen"`` as a Flax linen ``@nn.compact`` module does
+        (``Dense_0/kernel``, the state of ``optax_tx.init(variables["params"])``; ``"compact"`` is the same),
+        ``"attribute"`` (a ``setup`` linen module) or ``"nnx"`` (:func:`~fxtrain.interop.linen_names`).
+        Kernels come back in torch layouts.
+      module: the torch module whose params ``fx_like`` was initialized on; needed by every ``naming`` but
+        ``"torch"`` (its layers give the Flax names).
       copy: every tensor in memory torch owns (the default), so a donated step cannot write into the Optax
         state's arrays. ``False`` shares their memory where DLPack can (a donated step refuses those, see
         :mod:`fxtrain.interop._arrays`); two leaves that would share one buffer are copied even then, so an
@@ -96,12 +115,27 @@ def state_from_optax(optax_state: Any, fx_like: Any, *, copy: bool = True) -> An
       or :func:`fxtrain.train_step`.
 
     Raises:
-      ValueError: the trees differ; the message names the first path that does.
+      ValueError: the trees differ; the message names the first path that does (where the names differ, the
+        names each side has); or ``naming`` is unknown or lacks ``module``.
 
     Example:
         >>> import pytest; optax = pytest.importorskip("optax")
         >>> import torch, fxtrain as fx
-        >>> from fxtrain.interop import state_from_optax, to_jax
+        >>> from fxtrain.interop import state_from_optax, to_jax, to_linen
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        >>> _, params, _ = fx.functional(net)
+        >>> flax_params = to_linen(params, net)["params"]           # {"Dense_0": {"kernel": (3, 2), "bias"}}
+        >>> ostate = optax.adam(0.1).init(flax_params)               # a linen-named state, as JAX keeps it
+        >>> state = state_from_optax(ostate, fx.adam(0.1).init(params), naming="linen", module=net)
+        >>> tuple(state[0].mu["0.weight"].shape)                     # torch's name and layout (out, in)
+        (2, 3)
+        >>> state_from_optax(ostate, fx.adam(0.1).init(params))
+        Traceback (most recent call last):
+        ...
+        ValueError: state_from_optax: the names differ at '0.mu': the Optax state has ['Dense_0'], the fxtrain one ['0.bias', '0.weight']; a state of Flax params needs naming='linen' (or 'attribute', 'nnx') and module=, the torch module
+
+    Without names to convert:
+
         >>> params = {"w": torch.ones(2)}
         >>> otx = optax.adam(0.1)
         >>> p = to_jax(params)
@@ -111,6 +145,11 @@ def state_from_optax(optax_state: Any, fx_like: Any, *, copy: bool = True) -> An
         ('ScaleByAdamState', 1, [0.1..., 0.1...])
     """
     require(what="fxtrain.interop.state_from_optax")
+    if naming not in NAMINGS:
+        raise ValueError(f"state_from_optax: naming={naming!r}: expected one of {', '.join(map(repr, NAMINGS))}")
+    if NAMINGS[naming] is not None and module is None:
+        raise ValueError(f"state_from_optax: naming={naming!r} needs module=, the torch module whose params fx_like "
+                         "was initialized on (its layers give the Flax names)")
     seen: set[int] = set()
 
     def leaf(src, like, where):
@@ -122,7 +161,29 @@ def state_from_optax(optax_state: Any, fx_like: Any, *, copy: bool = True) -> An
         seen.add(ptr)
         return t
 
-    return _Walk("state_from_optax", leaf).convert(optax_state, fx_like, ())
+    walk = _Walk("state_from_optax", leaf)
+    if NAMINGS[naming] is not None:
+        walk.rename = _FlaxNames(module, naming)
+    return walk.convert(optax_state, fx_like, ())
+
+
+class _FlaxNames:
+    """A params-shaped tree of Flax names (``naming``) as ``module``'s torch names and layouts."""
+
+    def __init__(self, module: torch.nn.Module, naming: str):
+        self.module, self.naming = module, naming
+        self.where = linen_names(module, naming=NAMINGS[naming])  # an unmapped layer fails here, by name
+        self.keys = set(self.where)
+
+    def __call__(self, src: Mapping, path: tuple) -> dict:
+        try:
+            return from_linen({"params": src}, self.module, naming=NAMINGS[self.naming], copy=False)
+        except ValueError:
+            expected = sorted({str(leaf.path[1]) for leaf in self.where.values()})
+            raise ValueError(f"state_from_optax: naming={self.naming!r} does not fit the state at '{dotted(path)}': it "
+                             f"has {_names(src)}, {type(self.module).__name__}'s {self.naming} names are "
+                             f"{_names(expected)}; pass the naming the state was made with ('torch', 'linen', "
+                             "'attribute' or 'nnx')") from None
 
 
 # --- the walk ----------------------------------------------------------------------------------------
@@ -137,6 +198,8 @@ def _is_array(x: Any) -> bool:
 
 class _Walk:
     """Rebuilds ``like`` with the values of ``src``; ``leaf(src, like, where)`` converts one array."""
+
+    rename: Callable[[Mapping, tuple], dict] | None = None  # Flax names -> torch names, at params-shaped trees
 
     def __init__(self, fn: str, leaf: Callable[[Any, Any, str], Any]):
         self.fn, self.leaf = fn, leaf
@@ -155,6 +218,14 @@ class _Walk:
         if isinstance(like, Mapping):
             if not isinstance(src, Mapping):
                 self.fail(path, f"{_kind(src)} vs {_kind(like)}")
+            if self.rename is not None and set(like) == self.rename.keys:
+                src = self.rename(src, path)
+            if src and like and not set(src) & set(like):  # nothing in common: named otherwise, not another transform
+                hint = ("; a state of Flax params needs naming='linen' (or 'attribute', 'nnx') and module=, the torch "
+                        "module") if self.fn == "state_from_optax" and self.rename is None else ""
+                optax_side, fx_side = (src, like) if self.fn == "state_from_optax" else (like, src)
+                raise ValueError(f"{self.fn}: the names differ at '{dotted(path)}': the Optax state has "
+                                 f"{_names(optax_side)}, the fxtrain one {_names(fx_side)}{hint}")
             missing = [k for k in like if k not in src] + [k for k in src if k not in like]
             if missing:
                 self.fail(path + (missing[0],), f"key {missing[0]!r} is in one state only")
@@ -275,14 +346,21 @@ def _leaf_to_jax(src: Any, like: Any, where: str) -> Any:
     return out if out.dtype == like.dtype else out.astype(like.dtype)
 
 
+def _names(keys: Any, most: int = 6) -> str:
+    """``['Dense_0', 'Dense_1']``: the first ``most`` keys, sorted, as an error names them."""
+    names = sorted(map(str, keys))
+    return str(names[:most])[:-1] + (", ...]" if len(names) > most else "]")
+
+
 def _leaf_to_torch(src: Any, like: Any, where: str) -> torch.Tensor:
     if not isinstance(like, torch.Tensor):
         raise ValueError(f"state_from_optax: at '{where}' the fxtrain state holds {_kind(like)}, not a tensor")
     if isinstance(like, DTensor):
         raise ValueError(f"state_from_optax: '{where}' is a DTensor in the fxtrain state; convert into a state "
                          "of plain tensors, then distribute it (fxtrain.sharded_apply keeps states local)")
-    return to_torch(np.asarray(src) if not is_jax_array(src) else src, copy=False).to(device=like.device,
-                                                                                        dtype=like.dtype)
+    if not isinstance(src, torch.Tensor):  # a tensor already: a Flax-named tree read by from_linen
+        src = to_torch(np.asarray(src) if not is_jax_array(src) else src, copy=False)
+    return src.to(device=like.device, dtype=like.dtype)
 
 
 def _kind(x: Any) -> str:

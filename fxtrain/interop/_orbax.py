@@ -17,11 +17,17 @@ Params. Without ``module`` the params tree is written (and read) as it is. With 
 every params-shaped tree of the optimizer state (``mu``, ``nu``...) take the Flax names and layouts of
 :func:`~fxtrain.interop.to_linen` (``naming="compact"`` or ``"attribute"``: the ``params`` collection of
 a linen module) or of NNX (``naming="nnx"``: ``nnx.state(model, nnx.Param)`` as a pure dict).
+
+Layouts. ``path`` is what ``StandardCheckpointer().save(path, tree)`` wrote (a directory holding ``_METADATA``),
+an ``ocp.CheckpointManager`` directory (``<path>/<step>/default``, what ``manager.save(step,
+args=ocp.args.StandardSave(tree))`` writes; ``step=`` picks one, the newest by default), or one of its step
+directories (``<path>/<step>``). Anything else is refused in one line naming the path (:func:`orbax_dir`).
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -35,7 +41,9 @@ from fxtrain.interop._jax import is_jax_array, require
 from fxtrain.interop._linen import from_linen, linen_names, to_linen
 from fxtrain.interop._optax_state import state_to_optax
 
-__all__ = ["save_orbax", "load_orbax", "orbax_step"]  # orbax_step: for the runner (fxtrain/interop/run_hooks.py)
+__all__ = ["save_orbax", "load_orbax", "orbax_step", "orbax_dir"]  # orbax_step, orbax_dir: for the runner (run_hooks.py)
+
+ITEM = "default"  # the item a CheckpointManager saving one StandardSave tree names: <dir>/<step>/default
 
 
 class InjectStatefulHyperparamsState(NamedTuple):
@@ -100,7 +108,7 @@ def _int_keys(node: Any) -> Any:
 
 def save_orbax(path: str | os.PathLike, params: Any, opt_state: Any, tx: Any, step: int | None = None, *,
                module: nn.Module | None = None, naming: str = "compact", optax_like: Any = None,
-               schedules: tuple[str, ...] = (), force: bool = False) -> None:
+               schedules: tuple[str, ...] = (), force: bool = False, manager: bool = False) -> None:
     """Writes params and an fxtrain optimizer state as an Orbax checkpoint a JAX program restores.
 
     The checkpoint is ``{"params": ..., "opt_state": ...}`` saved by ``ocp.StandardCheckpointer``: a JAX
@@ -109,12 +117,19 @@ def save_orbax(path: str | os.PathLike, params: Any, opt_state: Any, tx: Any, st
     optax.clip_by_global_norm(1.0), optax.adamw(1e-3))`` for ``fx.chain(fx.clip_by_global_norm(1.0),
     fx.adamw(1e-3))``).
 
+    Into a ``CheckpointManager`` directory (an existing one, or a new one with ``manager=True``) it writes step
+    ``step`` as ``manager.save(step, args=ocp.args.StandardSave(tree))`` does (``<path>/<step>/default``), keeping
+    the other steps: ``ocp.CheckpointManager(path).restore(step, args=ocp.args.StandardRestore(target))``
+    restores it.
+
     Args:
-      path: the checkpoint directory (made absolute; it must not exist unless ``force``).
+      path: the checkpoint directory (made absolute; it must not exist unless ``force``), or a
+        ``CheckpointManager`` directory.
       params: the params tree (``fx.functional``'s params, or any tree of tensors).
       opt_state: ``tx``'s state on ``params``.
       tx: the fxtrain transform; its ``init(params)`` must have ``opt_state``'s structure (checked).
-      step: stored in the checkpoint's custom metadata (``{"step": step}``).
+      step: stored in the checkpoint's custom metadata (``{"step": step}``); in a ``CheckpointManager``
+        directory, the step to write (needed).
       module: with it, the params and the state's params trees get Flax names and layouts (``naming``:
         ``"compact"``, ``"attribute"`` or ``"nnx"``; see the module docstring).
       optax_like: the Optax state ``optax_tx.init(...)`` on the saved params (JAX arrays, Flax names with
@@ -123,11 +138,14 @@ def save_orbax(path: str | os.PathLike, params: Any, opt_state: Any, tx: Any, st
       schedules: the hyperparameters of ``inject_hyperparams`` that were given as schedules
         (``("learning_rate",)`` for ``inject_hyperparams(adamw)(learning_rate=schedule)``): written with
         Optax's ``hyperparams_states``, so that the Optax counterpart's ``init`` is the restore target.
-      force: overwrite an existing checkpoint.
+      force: overwrite an existing checkpoint (in a ``CheckpointManager`` directory: that step).
+      manager: write ``path`` as a ``CheckpointManager`` directory even if it does not exist yet.
 
     Raises:
       ValueError: ``opt_state`` is not a state of ``tx`` on ``params`` (the first path that differs is
-        named), or a params name does not fit ``module``.
+        named), a params name does not fit ``module``, or ``path`` is taken (a checkpoint without ``force``,
+        a directory that is no Orbax checkpoint) or is a ``CheckpointManager`` directory and ``step`` is missing,
+        in one line naming it, before anything is written.
 
     Example:
         >>> import pytest; _ = pytest.importorskip("orbax.checkpoint")
@@ -140,29 +158,62 @@ def save_orbax(path: str | os.PathLike, params: Any, opt_state: Any, tx: Any, st
         ['_CHECKPOINT_METADATA', '_METADATA']
     """
     ocp = _ocp()
+    target = pathlib.Path(os.path.abspath(os.fspath(path)))
+    manager = manager or (target.is_dir() and not _is_item(target) and bool(_steps(target)))
+    _check_target(path, target, step, force, manager)
     names = _Names(params, module, naming)
     _check(opt_state, tx.init(params), ())
     state = _fx_to_saved(opt_state, names, tuple(schedules))
     flax_params = names.to_flax(params) if module is not None else params
     state = state_to_optax(state, optax_like) if optax_like is not None else _tree_to_jax(state)
+    saved = {"params": _tree_to_jax(flax_params), "opt_state": state}
+    metadata = None if step is None else {"step": int(step)}
+    if manager:
+        with ocp.CheckpointManager(target) as checkpoints:
+            if int(step) in checkpoints.all_steps():
+                checkpoints.delete(int(step))  # force (checked above)
+            # force: the manager's own policy (save intervals, steps after the latest) does not pick here, the caller does
+            checkpoints.save(int(step), args=ocp.args.StandardSave(saved), custom_metadata=metadata, force=True)
+            checkpoints.wait_until_finished()
+        return
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.abspath(os.fspath(path)), {"params": _tree_to_jax(flax_params), "opt_state": state},
-                      force=force, custom_metadata=None if step is None else {"step": int(step)})
+    checkpointer.save(target, saved, force=force, custom_metadata=metadata)
     checkpointer.wait_until_finished()
 
 
-def load_orbax(path: str | os.PathLike, params: Any, tx: Any, *, module: nn.Module | None = None,
-               naming: str = "compact") -> tuple[Any, Any]:
+def _check_target(path: Any, target: pathlib.Path, step: int | None, force: bool, manager: bool) -> None:
+    """Refuses, before anything is written, a ``save_orbax`` destination that is taken or not understood."""
+    if manager:
+        if step is None:
+            raise ValueError(f"save_orbax: '{path}' is a CheckpointManager directory: pass step= (the step to write)")
+        if target.exists() and (not target.is_dir() or _is_item(target)):
+            raise ValueError(f"save_orbax: '{path}' is not a CheckpointManager directory (it is "
+                             f"{'one checkpoint' if target.is_dir() else 'a file'}); expected a new path or a directory "
+                             "of step directories (<dir>/<step>/default)")
+        if not force and int(step) in _steps(target):
+            raise ValueError(f"save_orbax: '{path}' already holds step {step}; pass force=True to replace it")
+    elif target.exists():
+        if not (target.is_dir() and _is_item(target)):
+            raise ValueError(f"save_orbax: '{path}' exists and is not an Orbax checkpoint; expected a new path, a "
+                             "checkpoint to replace (force=True) or a CheckpointManager directory (manager=True)")
+        if not force:
+            raise ValueError(f"save_orbax: '{path}' already holds a checkpoint; pass force=True to replace it")
+
+
+def load_orbax(path: str | os.PathLike, params: Any, tx: Any, *, step: int | None = None,
+               module: nn.Module | None = None, naming: str = "compact") -> tuple[Any, Any]:
     """Reads an Orbax checkpoint a JAX program wrote as params and an fxtrain optimizer state.
 
     The checkpoint is what ``ocp.StandardCheckpointer().save(path, {"params": p, "opt_state": s})`` writes,
     ``s`` the state of the Optax counterpart of ``tx`` (see :func:`save_orbax`).
 
     Args:
-      path: the checkpoint directory.
+      path: the checkpoint directory, a ``CheckpointManager`` directory or one of its step directories
+        (:func:`orbax_dir`).
       params: a tree of torch tensors with the params' structure (``fx.functional``'s params): it gives
         the names, dtypes and devices; its values are not read.
       tx: the fxtrain transform whose state to build (``tx.init(params)`` gives the classes).
+      step: in a ``CheckpointManager`` directory, the step to read (the newest by default).
       module: the checkpoint's params have Flax names and layouts (``naming`` as in :func:`save_orbax`).
 
     Returns:
@@ -170,7 +221,8 @@ def load_orbax(path: str | os.PathLike, params: Any, tx: Any, *, module: nn.Modu
       ``tx``'s state, ready for :func:`fxtrain.train_step`.
 
     Raises:
-      ValueError: the checkpoint's tree does not fit (the first path that differs is named).
+      ValueError: ``path`` is no Orbax checkpoint, or has no step ``step`` (:func:`orbax_dir`), or the checkpoint's
+        tree does not fit (the first path that differs is named).
 
     Example:
         >>> import pytest; _ = pytest.importorskip("orbax.checkpoint")
@@ -185,7 +237,8 @@ def load_orbax(path: str | os.PathLike, params: Any, tx: Any, *, module: nn.Modu
         ([1.0, 1.0, 1.0], 1)
     """
     ocp = _ocp()
-    raw = ocp.StandardCheckpointer().restore(os.path.abspath(os.fspath(path)))
+    where, _ = orbax_dir(path, step, who="load_orbax")
+    raw = ocp.StandardCheckpointer().restore(where)
     if not isinstance(raw, Mapping) or set(raw) != {"params", "opt_state"}:
         found = sorted(raw) if isinstance(raw, Mapping) else type(raw).__name__
         raise ValueError(f"load_orbax: '{path}' holds {found}, expected the keys ['opt_state', 'params']")
@@ -197,9 +250,10 @@ def load_orbax(path: str | os.PathLike, params: Any, tx: Any, *, module: nn.Modu
 
 
 
-def orbax_step(path: str | os.PathLike) -> int | None:
+def orbax_step(path: str | os.PathLike, step: int | None = None) -> int | None:
     """The step an Orbax checkpoint records (``custom_metadata={"step": n}``, as :func:`save_orbax` writes it),
-    or ``None`` when it records none.
+    or ``None`` when it records none. In a ``CheckpointManager`` directory: the step directory's number
+    (``step``, else the newest).
 
     Example:
         >>> import pytest; _ = pytest.importorskip("orbax.checkpoint")
@@ -212,9 +266,107 @@ def orbax_step(path: str | os.PathLike) -> int | None:
         >>> orbax_step(path)
         50
     """
-    metadata = _ocp().StandardCheckpointer().metadata(os.path.abspath(os.fspath(path)))
-    step = (getattr(metadata, "custom_metadata", None) or {}).get("step")
-    return None if step is None else int(step)
+    where, numbered = orbax_dir(path, step, who="orbax_step")
+    if numbered is not None:
+        return numbered
+    metadata = _ocp().StandardCheckpointer().metadata(where)
+    recorded = (getattr(metadata, "custom_metadata", None) or {}).get("step")
+    return None if recorded is None else int(recorded)
+
+
+def orbax_dir(path: str | os.PathLike, step: int | None = None, *,
+              who: str = "load_orbax") -> tuple[pathlib.Path, int | None]:
+    """The directory ``ocp.StandardCheckpointer().restore`` reads for ``path``, and its step number where it
+    is a step of a ``CheckpointManager`` (else ``None``).
+
+    ``path`` is what ``StandardCheckpointer().save`` wrote (it holds ``_METADATA``), a ``CheckpointManager``
+    directory (step ``step``, the newest by default) or one of its step directories, whose item is ``default``
+    (what a manager saving one tree names it) or its only one.
+
+    Raises:
+      ValueError: in one line naming ``path`` and what was expected: it does not exist or is none of these,
+        the manager has no step ``step`` (its steps are named), a step holds several items and none is
+        ``default``, or ``step`` is given for a path that is not a manager's.
+
+    Example:
+        >>> import pytest; _ = pytest.importorskip("orbax.checkpoint")
+        >>> import tempfile, os, torch, fxtrain as fx
+        >>> from fxtrain.interop import save_orbax
+        >>> from fxtrain.interop._orbax import orbax_dir
+        >>> params, tx, root = {"w": torch.ones(3)}, fx.sgd(0.1), tempfile.mkdtemp()
+        >>> for n in (10, 20):
+        ...     save_orbax(os.path.join(root, "run"), params, tx.init(params), tx, step=n, manager=True)
+        >>> where, step = orbax_dir(os.path.join(root, "run"))
+        >>> os.path.relpath(where, root), step
+        ('run/20/default', 20)
+        >>> orbax_dir(os.path.join(root, "run"), step=15)
+        Traceback (most recent call last):
+        ...
+        ValueError: load_orbax: '.../run' has no step 15 (its steps: 10, 20); pass one of them, or none for the newest
+    """
+    target = pathlib.Path(os.path.abspath(os.fspath(path)))
+    expected = ("expected an Orbax checkpoint: what StandardCheckpointer().save wrote (a directory holding _METADATA), "
+                "a CheckpointManager directory (<dir>/<step>/default) or one of its step directories")
+    if not target.is_dir():
+        raise ValueError(f"{who}: '{path}' {'is not a directory' if target.exists() else 'does not exist'}; {expected}")
+    if _is_item(target):
+        if step is not None:
+            raise ValueError(f"{who}: '{path}' is one checkpoint, not a CheckpointManager directory: step={step} "
+                             "picks nothing there; drop step, or pass the manager's directory")
+        return target, None
+    number = _step_number(target.name)
+    if number is not None and _items(target):  # a step directory
+        if step is not None and step != number:
+            raise ValueError(f"{who}: '{path}' is the step directory of step {number}, step={step} asks for another; "
+                             "pass the manager's directory with step, or drop step")
+        return _item(path, target, who), number
+    steps = _steps(target)
+    if not steps:
+        held = sorted(p.name for p in target.iterdir())
+        raise ValueError(f"{who}: '{path}' is not an Orbax checkpoint (it holds "
+                         f"{', '.join(held[:5]) + (', ...' if len(held) > 5 else '') if held else 'nothing'}); {expected}")
+    if step is None:
+        step = max(steps)
+    elif step not in steps:
+        raise ValueError(f"{who}: '{path}' has no step {step} (its steps: {', '.join(map(str, sorted(steps)))}); "
+                         "pass one of them, or none for the newest")
+    return _item(path, steps[step], who), step
+
+
+def _is_item(directory: pathlib.Path) -> bool:
+    """What ``StandardCheckpointer().save`` wrote (a manager's ``<step>/default`` too)."""
+    return (directory / "_METADATA").is_file()
+
+
+def _items(directory: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in directory.iterdir() if p.is_dir() and _is_item(p))
+
+
+def _step_number(name: str) -> int | None:
+    try:
+        return _ocp().utils.step_from_checkpoint_name(name)
+    except ValueError:
+        return None
+
+
+def _steps(directory: pathlib.Path) -> dict[int, pathlib.Path]:
+    """A ``CheckpointManager`` directory's finalized steps (none for any other directory)."""
+    if not directory.is_dir():
+        return {}
+    found = {_step_number(p.name): p for p in _ocp().utils.checkpoint_steps_paths(directory)}
+    return {n: p for n, p in found.items() if n is not None and _items(p)}
+
+
+def _item(path: Any, step_dir: pathlib.Path, who: str) -> pathlib.Path:
+    """A step's item: ``default`` (a manager saving one tree), or its only one."""
+    items = _items(step_dir)
+    if (step_dir / ITEM) in items:
+        return step_dir / ITEM
+    if len(items) == 1:
+        return items[0]
+    raise ValueError(f"{who}: '{path}' holds the items {', '.join(p.name for p in items)} in step directory "
+                     f"'{step_dir.name}' and none is named {ITEM}; pass the item's directory "
+                     f"('{step_dir / items[0].name}')")
 
 # --- fxtrain -> the saved tree ------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The runner's Orbax hooks (``python -m fxtrain.train``): ``resume=orbax:PATH`` and ``trainer.export=orbax``.
 
 * ``resume=orbax:PATH`` starts a run from an Orbax checkpoint a JAX program wrote with
-  ``ocp.StandardCheckpointer().save(PATH, {"params": p, "opt_state": s})``: :func:`fxtrain.interop.load_orbax`
+  ``ocp.StandardCheckpointer().save(PATH, {"params": p, "opt_state": s})``, or from the newest step of an
+  ``ocp.CheckpointManager`` directory PATH (or its step directory ``PATH/<step>``) that saved that tree with
+  ``ocp.args.StandardSave``: :func:`fxtrain.interop.load_orbax`
   reads the params into the run's model and ``s`` as the state of the run's stack, and training goes on
   from the checkpoint's step (its ``custom_metadata={"step": n}``, which ``trainer.export`` writes; else
   the update count its optimizer state keeps; else 0) to ``trainer.max_steps``. ``s`` is the state of the
@@ -38,7 +40,7 @@ from fxtrain import checkpoint, tree
 from fxtrain._base import GradientTransformation
 from fxtrain.errors import ConfigError
 from fxtrain.interop._linen import linen_names
-from fxtrain.interop._orbax import load_orbax, orbax_step, save_orbax
+from fxtrain.interop._orbax import load_orbax, orbax_dir, orbax_step, save_orbax
 
 __all__ = ["ORBAX", "NAMINGS", "EXPORT_DIR", "orbax_path", "check_settings", "start", "export"]
 
@@ -89,10 +91,10 @@ def check_settings(cfg: Any) -> None:
     if not path.is_dir():
         raise ConfigError(f"resume={resume}: {path} is not a directory; expected the one "
                           "ocp.StandardCheckpointer().save(path, {'params': ..., 'opt_state': ...}) wrote")
-    if not ((path / "_CHECKPOINT_METADATA").exists() or (path / "_METADATA").exists()):
-        raise ConfigError(f"resume={resume}: {path} is not an Orbax checkpoint (it has no _CHECKPOINT_METADATA); "
-                          "expected the directory ocp.StandardCheckpointer().save(path, {'params': ..., "
-                          "'opt_state': ...}) wrote (an fxtrain run's checkpoint: resume=PATH)")
+    try:
+        orbax_dir(path, who=f"resume={resume}")
+    except ValueError as e:
+        raise ConfigError(f"{e} (an fxtrain run's checkpoint: resume=PATH)") from None
 
 
 def start(cfg: Any, model: nn.Module, params: Any, buffers: Any, tx: GradientTransformation,

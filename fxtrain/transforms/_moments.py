@@ -22,6 +22,7 @@ from fxtrain import tree
 from fxtrain._deferred import DTensor
 
 Scalar = Any  # a Python number or a 0-dim tensor
+Count = Any  # a whole number or a 0-dim integer tensor (the runner keeps a config's int an int: build.floats_where_expected)
 LearningRate = Scalar | Callable  # a number, a 0-dim tensor, or a schedule of the count
 
 
