@@ -327,9 +327,11 @@ def test_a_random_transform_in_an_item_is_a_function_of_the_seed_and_its_place_i
 CASES, case = _worlds.registry(worlds=(2, 4))
 STEPS = 3
 # the tiny LM on map-style random crops of a token sequence (tests/_data_sources.windows), read in this process
-PEERS = ["experiment=tiny_lm", "data._target_=tests._data_sources.windows", "+data.num_workers=0",
-         "data.batch_size=8", "data.context=16", "data.eval_windows=8", "model.d_model=16", "model.n_heads=2",
-         "model.n_layers=2", "amp=off", "accumulate=off", "schedule=constant", f"trainer.max_steps={STEPS}"]
+PEERS = ["model=transformer", "data=stdlib_text", "task=lm", "data._target_=tests._data_sources.windows",
+         "+data.num_workers=0", "data.batch_size=8", "data.context=16", "data.eval_windows=8", "model.d_model=16",
+         "model.n_heads=2", "model.n_layers=2", "schedule=constant", "trainer.cpu_threads=1", "amp=off",
+         "accumulate=off", "optim/transform@optim.chain=[sgd]",
+         f"trainer.max_steps={STEPS}"]
 LAYOUTS = {"tp": (2, ["parallel=tp"]), "pp": (2, ["parallel=pp", "parallel.microbatches=2"]),
            "ep": (2, ["parallel=ep", "model=moe"]), "pp_tp": (4, ["parallel=pp_tp", "parallel.microbatches=2"]),
            "fsdp_tp": (4, ["parallel=fsdp_tp"])}
