@@ -379,6 +379,41 @@ def _peers_case(name: str):
 for _name in LAYOUTS:
     _peers_case(_name)
 
+
+@case(2)
+def case_a_stream_on_tp_checkpoints_the_readers_position_and_resumes(world):
+    """data=tokens (a stream) under parallel=tp: the checkpoint holds the position of the rank that reads
+    (the other receives and records none); a resume on tp, and a relayout to 2 data-parallel ranks (both read),
+    continue the stream as the uninterrupted run does."""
+    import torch.distributed as dist
+
+    from tests import _formats
+
+    root = _worlds.OUT_DIR / "stream_tp"
+    if dist.get_rank() == 0:
+        fixture = _formats.tokens(root / "fixture")
+    dist.barrier()
+    fixture = _formats.tokens(root / "fixture") if dist.get_rank() else fixture   # the same files, written once
+    args = [*fixture, "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=4", "trainer.keep_last=0",
+            "trainer.checkpoint_every=2", "trainer.progress=false", "trainer.cpu_threads=1", "schedule=constant",
+            "optim/transform@optim.chain=[sgd]", "amp=off", "accumulate=off"]
+
+    def train(out, *extra):
+        runner.train(cfg_of(*args, *extra), out)
+        dist.barrier()
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k != "time_s" and not k.startswith("test_")} for x in lines]
+
+    whole = train(root / "whole", "parallel=tp")
+    ckpt = root / "whole" / "checkpoints" / "step_0000002"
+    states = json.loads((ckpt / "fxtrain.json").read_text())["meta"]["data"]["states"]
+    assert states[1] is None and states[0]["source"] == {"step": 2}, states
+    assert train(root / "tp", "parallel=tp", f"resume={ckpt}") == whole[2:]
+    dp = train(root / "dp", "parallel=dp", f"resume={ckpt}", "resume_relayout=true")
+    assert [r["step"] for r in dp] == [3, 4]
+    for a, b in zip(dp, whole[2:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+
 test_case = _worlds.tests(__file__, CASES, timeout_s=240)
 
 if __name__ == "__main__":
