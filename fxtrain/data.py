@@ -425,6 +425,8 @@ class StreamBatches(_Batches):
     (torch.Size([2, 3]), 2)
     """
 
+    world = 1   # the data-parallel ranks whose shares of a global batch these batches are (shard)
+
     def __init__(self, source: Iterable, held_out: int, batch_size: int | None = None, owner: str = "data"):
         it = iter(source)
         self.source, self.held_out, self.owner, self.batch_size = source, held_out, owner, batch_size
@@ -531,7 +533,9 @@ class StreamBatches(_Batches):
         if self.held_out or not callable(getattr(self.source, "shard", None)):
             return None
         _check_share(self.batch_size, rank, world)
-        return StreamBatches(self.source.shard(rank, world), 0, self.batch_size // world, self.owner)
+        out = StreamBatches(self.source.shard(rank, world), 0, self.batch_size // world, self.owner)
+        out.world = world
+        return out
 
     def describe(self, test: Batch) -> str:
         """The run's data line: the source's own ``describe()`` where it has one (its order, how the ranks split it,
@@ -545,7 +549,8 @@ class StreamBatches(_Batches):
         except TypeError:   # a describe() of another protocol (it takes arguments)
             own = None
         what = own if isinstance(own, str) else f"batches from {self._kind}"
-        return f"{what}, {held}, batch {self.batch_size}"
+        per_rank = f" ({self.batch_size} per rank)" if self.world > 1 else ""
+        return f"{what}, {held}, batch {self.batch_size * self.world}{per_rank}"
 
 
 class WindowBatches(_Batches):

@@ -391,16 +391,18 @@ def _truths(train) -> list[str]:
 @pytest.mark.parametrize("option", OPTIONS)
 def test_the_data_line_is_true_for_every_data_option_and_source_kind(option, tmp_path):
     """Generated over conf/data's options (and each kind of source an option builds, tests/_formats.variants): the
-    data line a run prints, in one process and on rank 1 of 2, states the source's order, how the ranks split it
-    and how it is read and resumed, as the built object has them; never "order as given" for a source whose order
-    fxtrain draws (data=tokens' random windows said "ItemStream (iterable, order as given)")."""
+    data line a run prints, in one process and on rank 1 of 2, states the global batch of the config, the source's
+    order, how the ranks split it and how it is read and resumed, as the built object has them; never "order as
+    given" for a source whose order fxtrain draws (data=tokens' random windows said "ItemStream (iterable, order
+    as given)", and a rank's share as the batch)."""
     base = _formats.FORMATS[option](tmp_path) if option in _formats.FORMATS else [f"data={option}"]
     for kind, extra in _formats.variants(option, tmp_path).items():
-        data = build.dataset(cfg_of(*base, *extra).data, option)
+        cfg = cfg_of(*base, *extra)
+        data = build.dataset(cfg.data, option)
         for world in (1, 2):
             shown, _ = fxdata.for_rank(data, 1, world) if world > 1 else (data, False)
             line = repr(shown)
-            assert "order as given" not in line, (kind, line)
+            assert "order as given" not in line and f"batch {cfg.data.batch_size}" in line, (kind, line)
             for truth in _truths(shown.train):
                 assert truth in line, (kind, world, truth, line)
 
