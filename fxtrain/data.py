@@ -684,6 +684,26 @@ def _stream(train: Any) -> StreamBatches | None:
     return train if isinstance(train, StreamBatches) else None
 
 
+def whole_batch_fingerprint(data: Dataset, sharded: bool) -> float | None:
+    """The sum of the first global batch's values where every data-parallel rank reads all of it and keeps its
+    share: a stream that does not split itself by rank (``sharded=False``, :func:`for_rank`), or one that reads
+    whole inside (a Grain ``IterDataset``: its ``whole_fingerprint``); ``None`` where each rank reads only its share.
+    The runner compares the ranks' (:func:`fxtrain.train.build_run`): ranks that read different global batches
+    would each keep a share of another batch, and train on a batch no process saw.
+
+    >>> batches = [(torch.ones(2, 1), torch.zeros(2)) for _ in range(3)]
+    >>> whole_batch_fingerprint(from_source(batches, name="b", test_batches=1), sharded=False)
+    2.0
+    """
+    stream = _stream(data.train)
+    if stream is None:
+        return None
+    if not sharded:
+        x, y = stream[0]   # read at start-up already (kept for step 0)
+        return float(x.double().sum() + y.double().sum())
+    return getattr(stream.source, "whole_fingerprint", None)
+
+
 def stream_state(data: Dataset) -> dict[str, Any] | None:
     """The position of ``data``'s training stream as plain JSON (what a checkpoint records), or ``None`` when its
     batches are addressed by step (tensors, map-style, windows: the step is the position) or it has no state.

@@ -758,6 +758,9 @@ class GrainStream:
         self.pipeline, self.batch_size, self.seed, self.name = pipeline, batch_size, seed, name
         self.read_threads = read_threads
         self.rank, self.world, self.local = rank, world, _share(batch_size, world, name)
+        # read whole on every rank (whole()): the sum of the first global batch, which the runner compares across
+        # the ranks (fxtrain.data.whole_batch_fingerprint): a pipeline whose order differs between processes is refused
+        self.whole_fingerprint: float | None = None
 
     def shard(self, rank: int, world: int) -> "GrainStream":
         """This stream for data-parallel ``rank`` of ``world``: each batch is its ``batch_size // world`` items."""
@@ -821,6 +824,8 @@ class GrainIterator:
                             "items")
         x, y = _tensor(batch[0]), _tensor(batch[1])
         if s.whole() and s.world > 1:
+            if s.whole_fingerprint is None:
+                s.whole_fingerprint = float(x.double().sum() + y.double().sum())
             x, y = x[s.rank * s.local:(s.rank + 1) * s.local], y[s.rank * s.local:(s.rank + 1) * s.local]
         return x, y
 

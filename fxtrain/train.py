@@ -281,6 +281,8 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     data = debug_data(cfg, data)  # debug.limit_*, debug.overfit_batches
     # each data-parallel rank reads only its share of every global batch (where the source can split itself)
     data, sharded = fxdata.for_rank(data, dims.data_rank, dims.data_world)
+    if dims.data_world > 1:
+        _check_whole_reads(data, sharded, dims)
     model = build.model(cfg).to(device)
     task = build.task(cfg) if task is None else task
     tx = build.stack(cfg, dims)
@@ -297,6 +299,19 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     params = build.cast_params(cfg, placed.params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
     return Built(data, model, placed.apply, params, placed.buffers, tx, tx.init(params), placed.step, placed.evaluate,
                  task, sharded)
+
+
+def _check_whole_reads(data: fxdata.Dataset, sharded: bool, dims: distributed.ParallelDims) -> None:
+    """Refuses, in one line and on every rank, a stream that every data-parallel rank reads whole (it does not
+    split by rank) when the ranks read different first global batches: each would keep its share of another
+    batch. One all-gather of a number per rank, at start-up (:func:`fxtrain.data.whole_batch_fingerprint`)."""
+    seen = distributed.gather_objects(fxdata.whole_batch_fingerprint(data, sharded))
+    if len({s for s in seen if s is not None}) > 1:
+        raise ConfigError(f"data: {data.name}'s training stream is not split by rank (each of the {dims.data_world} "
+                          "data-parallel ranks reads the whole batch and keeps its share), and the ranks read "
+                          "different first batches: its order differs between processes. Seed its shuffles, give it "
+                          "shard(rank, world) (or use a grain.MapDataset, which fxtrain splits by rank), or train on "
+                          "one data-parallel rank")
 
 
 def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, str]:

@@ -93,6 +93,15 @@ def grain_iter(path: str, context: int, dtype: str = "uint16", **_):
     return grain.MapDataset.source(TokenWindows(path, context, dtype)).to_iter_dataset()
 
 
+def grain_iter_by_process(path: str, context: int, dtype: str = "uint16", **_):
+    """:func:`grain_iter` starting at another window in each process (by its rank): an order that differs between
+    processes, which a stream not split by rank must not have."""
+    import grain
+    import torch.distributed as dist
+    from fxtrain.sources import TokenWindows
+    return grain.MapDataset.source(TokenWindows(path, context, dtype))[dist.get_rank():].to_iter_dataset()
+
+
 def variants(option: str, folder: pathlib.Path) -> dict[str, list[str]]:
     """The kinds of training source ``data=<option>`` builds, each as extra overrides: ``tokens`` in every order,
     ``hf`` with one split (the runner splits it) and with a test split, ``grain`` on a MapDataset and an

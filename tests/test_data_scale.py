@@ -380,6 +380,15 @@ for _name in LAYOUTS:
     _peers_case(_name)
 
 
+def _fixture(write, folder: pathlib.Path) -> list[str]:
+    """``write(folder)``'s files written once, by rank 0, and its overrides on every rank."""
+    import torch.distributed as dist
+
+    out = [write(folder) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
 @case(2)
 def case_a_stream_on_tp_checkpoints_the_readers_position_and_resumes(world):
     """data=tokens (a stream) under parallel=tp: the checkpoint holds the position of the rank that reads
@@ -390,11 +399,7 @@ def case_a_stream_on_tp_checkpoints_the_readers_position_and_resumes(world):
     from tests import _formats
 
     root = _worlds.OUT_DIR / "stream_tp"
-    if dist.get_rank() == 0:
-        fixture = _formats.tokens(root / "fixture")
-    dist.barrier()
-    fixture = _formats.tokens(root / "fixture") if dist.get_rank() else fixture   # the same files, written once
-    args = [*fixture, "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=4", "trainer.keep_last=0",
+    args = [*_fixture(_formats.tokens, root / "fixture"), "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=4", "trainer.keep_last=0",
             "trainer.checkpoint_every=2", "trainer.progress=false", "trainer.cpu_threads=1", "schedule=constant",
             "optim/transform@optim.chain=[sgd]", "amp=off", "accumulate=off"]
 
@@ -413,6 +418,31 @@ def case_a_stream_on_tp_checkpoints_the_readers_position_and_resumes(world):
     assert [r["step"] for r in dp] == [3, 4]
     for a, b in zip(dp, whole[2:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+
+@case(2)
+def case_a_grain_iter_dataset_on_two_ranks_splits_correctly_or_is_refused(world):
+    """A Grain IterDataset is not split by rank (each rank reads the whole batch and keeps its share): on 2
+    data-parallel ranks its shares are the one-process global batches; one whose order differs between the
+    processes is refused at build, in one line, on every rank."""
+    import torch.distributed as dist
+
+    from tests import _formats
+
+    base = [*_fixture(_formats.grain, _worlds.OUT_DIR / "grain_iter"), "parallel=dp"]
+    cfg = cfg_of(*base, "data.train._target_=tests._formats.grain_iter")
+    dims = build.parallel_dims(cfg, world).build("cpu")
+    built = runner.build_run(cfg, torch.device("cpu"), dims)
+    one = build.dataset(cfg.data, "grain")   # one process's global batches
+    for k in range(3):
+        share = built.batch(k, dims)[0]
+        shares: list = [None] * world
+        dist.all_gather_object(shares, share)
+        assert torch.equal(torch.cat(shares), one.train[k][0]), k
+    with pytest.raises(ConfigError) as e:
+        runner.build_run(cfg_of(*base, "data.train._target_=tests._formats.grain_iter_by_process"),
+                         torch.device("cpu"), dims)
+    assert "the ranks read different first batches" in str(e.value) and "\n" not in str(e.value)
+
 
 test_case = _worlds.tests(__file__, CASES, timeout_s=240)
 
