@@ -20,12 +20,16 @@ data-parallel rank (``ParallelDims.data_rank`` of ``data_world``) its share thro
 
 * tensors, a map-style dataset and token windows: rank ``r`` of ``n`` reads only rows ``r*B/n .. (r+1)*B/n`` of
   every global batch of ``B`` (the rows ``ParallelDims.local_batch`` keeps), so the items read per step across
-  the data-parallel ranks are the global batch. tp and pp peers (the same data rank) read the same share
-  themselves: the same items, read identically, not broadcast.
+  the data-parallel ranks are the global batch. Ranks that use the same share (tp and pp peers of a data rank)
+  do not read it again: the first of each group reads it and broadcasts it to the others (``Built.batch`` in
+  :mod:`fxtrain.train`, :func:`fxtrain.distributed.broadcast_batch`).
 * a map-style dataset (``len()`` and ``[i]``) is loaded by ``torch.utils.data.DataLoader`` workers (``num_workers``,
   ``prefetch_factor``, ``pin_memory`` on CUDA, ``persistent_workers``: :class:`Loader`) that read the steps in
   order from the one asked for; its position is the step, so a resume restarts the workers at the checkpoint's
-  step and reads nothing before it (O(1)). Items must be functions of their index.
+  step and reads nothing before it (O(1)). Every item is read with torch's, numpy's and Python's global RNGs
+  seeded from ``(seed, its place in the global order)`` (:func:`read_items`), in workers and in the training
+  process alike, so a random transform inside an item (a random crop) does not change with the number of
+  workers, the world size or a resume.
 * an iterable is read in its own order. An iterable that is a returned :class:`Dataset`'s ``train`` may define
   ``shard(rank, world) -> iterable``: the runner calls it once on every rank (``(0, 1)`` in one process) and
   reads what it returns, each batch this rank's share (``batch_size // world`` examples; the global batch is the
@@ -62,6 +66,7 @@ import gzip
 import importlib.util
 import itertools
 import pathlib
+import random
 import sysconfig
 import weakref
 from typing import Any, Iterable, Iterator, Sequence
@@ -72,7 +77,7 @@ from torch.utils.data import IterableDataset, default_collate
 from torch.utils.data import Dataset as TorchDataset
 
 __all__ = ["Dataset", "ExampleBatches", "Loader", "ShuffledBatches", "StreamBatches", "WindowBatches", "digits",
-           "for_rank", "from_source", "stdlib_text", "synthetic"]
+           "for_rank", "from_source", "item_seed", "read_items", "stdlib_text", "synthetic"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 _END = object()   # an iterator's end, for next(it, _END)
@@ -265,9 +270,9 @@ class ExampleBatches(_Epochs):
     tensors, float64 as float32). ``loader`` says how they are read: in the training process
     (``num_workers=0``, the default here), or by ``torch.utils.data.DataLoader`` workers that load the steps
     ahead, in order, from the step asked for (a jump to another step, a resume, restarts them there: no step
-    before it is read). :meth:`shard` reads only a data-parallel rank's share of each batch. Items must be
-    functions of ``i`` alone (a random transform: seed it from ``i``), since a worker's RNG depends on the
-    number of workers.
+    before it is read). :meth:`shard` reads only a data-parallel rank's share of each batch. Each item is read
+    with the global RNGs seeded from ``(seed, its place in the global order)`` (:func:`read_items`): a random
+    transform inside it draws the same numbers whatever the workers, the world size or a resume.
 
     >>> import torch
     >>> squares = [(torch.tensor([float(i)]), i * i) for i in range(10)]    # any len() + [i] object
@@ -295,11 +300,22 @@ class ExampleBatches(_Epochs):
         """The dataset indices this rank reads for step ``step``."""
         return self.indices[self._rows(step)].tolist()
 
+    def positions(self, step: int) -> range:
+        """The places in the global sample order of the items this rank reads for step ``step`` (global batch ``k``
+        holds ``k * batch_size ..``): what their per-item seeds are drawn from (:func:`read_items`)."""
+        share = self.batch_size // self.world
+        first = step * self.batch_size + self.rank * share
+        return range(first, first + share)
+
+    def read(self, step: int) -> Batch:
+        """This rank's batch of step ``step``, read and collated in this process (no worker started)."""
+        return _collate(self.dataset, self.items(step), self.seed, self.positions(step))
+
     def __getitem__(self, step: int) -> Batch:
         if self._last is not None and self._last[0] == step:
             return self._last[1]
         if self.loader.workers() == 0:
-            batch = _collate(self.dataset, self.items(step))
+            batch = self.read(step)
         else:
             if self._it is None or step != self._next:
                 self._it = self._start(step)
@@ -314,7 +330,7 @@ class ExampleBatches(_Epochs):
 
             sampler = _FromStep(self)
             workers = self.loader.workers()
-            loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=workers,
+            loader = DataLoader(_SeededItems(self.dataset, self.seed), batch_sampler=sampler, num_workers=workers,
                                 collate_fn=functools.partial(_collate_items, type(self.dataset).__name__),
                                 prefetch_factor=self.loader.prefetch_factor, pin_memory=self.pin,
                                 persistent_workers=self.loader.persistent_workers,
@@ -347,7 +363,8 @@ class ExampleBatches(_Epochs):
 
 
 class _FromStep:
-    """An :class:`ExampleBatches`' batch sampler: the indices each step from ``start`` on reads, without end.
+    """An :class:`ExampleBatches`' batch sampler: the ``(index, position)`` of the items each step from ``start`` on
+    reads, without end (:class:`_SeededItems` reads them).
 
     It holds its batches weakly: they hold the DataLoader (and its iterator) that holds this sampler, and through
     that cycle only the garbage collector would free the loader, in an order that may close the workers' queues
@@ -357,11 +374,28 @@ class _FromStep:
     def __init__(self, batches: ExampleBatches):
         self.batches, self.start = weakref.ref(batches), 0
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         batches, step = self.batches, self.start
         while True:
-            yield batches().items(step)
+            yield list(zip(batches().items(step), batches().positions(step)))
             step += 1
+
+
+class _SeededItems:
+    """``dataset`` as a ``DataLoader``'s workers read it: the keys are ``(index, position)`` pairs, each item read by
+    :func:`read_items` (seeded from ``(seed, position)``)."""
+
+    def __init__(self, dataset: Any, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list:
+        return read_items(self.dataset, [i for i, _ in keys], [p for _, p in keys], self.seed)
 
 
 def _collate_items(name: str, items: list) -> Batch:
@@ -399,6 +433,8 @@ class StreamBatches(_Batches):
     >>> stream.test[0].shape, stream.batch_size
     (torch.Size([2, 3]), 2)
     """
+
+    world = 1   # the data-parallel ranks whose shares of a global batch these batches are (shard)
 
     def __init__(self, source: Iterable, held_out: int, batch_size: int | None = None, owner: str = "data"):
         it = iter(source)
@@ -506,12 +542,24 @@ class StreamBatches(_Batches):
         if self.held_out or not callable(getattr(self.source, "shard", None)):
             return None
         _check_share(self.batch_size, rank, world)
-        return StreamBatches(self.source.shard(rank, world), 0, self.batch_size // world, self.owner)
+        out = StreamBatches(self.source.shard(rank, world), 0, self.batch_size // world, self.owner)
+        out.world = world
+        return out
 
     def describe(self, test: Batch) -> str:
+        """The run's data line: the source's own ``describe()`` where it has one (its order, how the ranks split it,
+        how it is read and resumed: fxtrain.sources' streams), else what fxtrain knows of an iterable: its order is
+        the one it yields."""
         held = (f"{self.held_out} test batch{'es' if self.held_out > 1 else ''} ({len(test[0]):,} examples)"
                 if self.held_out else f"{len(test[0]):,} test")   # a Dataset's own test split
-        return f"batches from {self._kind}, {held}, batch {self.batch_size}"
+        own = getattr(self.source, "describe", None)
+        try:
+            own = own() if callable(own) else None
+        except TypeError:   # a describe() of another protocol (it takes arguments)
+            own = None
+        what = own if isinstance(own, str) else f"batches from {self._kind}"
+        per_rank = f" ({self.batch_size} per rank)" if self.world > 1 else ""
+        return f"{what}, {held}, batch {self.batch_size * self.world}{per_rank}"
 
 
 class WindowBatches(_Batches):
@@ -643,6 +691,26 @@ def _stream(train: Any) -> StreamBatches | None:
     while isinstance(train, (_OnDevice, _FirstOfEpoch)):
         train = train.batches
     return train if isinstance(train, StreamBatches) else None
+
+
+def whole_batch_fingerprint(data: Dataset, sharded: bool) -> float | None:
+    """The sum of the first global batch's values where every data-parallel rank reads all of it and keeps its
+    share: a stream that does not split itself by rank (``sharded=False``, :func:`for_rank`), or one that reads
+    whole inside (a Grain ``IterDataset``: its ``whole_fingerprint``); ``None`` where each rank reads only its share.
+    The runner compares the ranks' (:func:`fxtrain.train.build_run`): ranks that read different global batches
+    would each keep a share of another batch, and train on a batch no process saw.
+
+    >>> batches = [(torch.ones(2, 1), torch.zeros(2)) for _ in range(3)]
+    >>> whole_batch_fingerprint(from_source(batches, name="b", test_batches=1), sharded=False)
+    2.0
+    """
+    stream = _stream(data.train)
+    if stream is None:
+        return None
+    if not sharded:
+        x, y = stream[0]   # read at start-up already (kept for step 0)
+        return float(x.double().sum() + y.double().sum())
+    return getattr(stream.source, "whole_fingerprint", None)
 
 
 def stream_state(data: Dataset) -> dict[str, Any] | None:
@@ -884,10 +952,74 @@ def _pair(item: Any, what: str) -> Batch:
     return _tensor(item[0]), _tensor(item[1])
 
 
-def _collate(dataset: Any, rows: Sequence[int]) -> Batch:
-    """The items ``dataset[i]`` of ``rows`` as one batch ``(inputs, targets)`` (torch's ``default_collate``)."""
-    x, y = default_collate([_pair(dataset[i], f"{type(dataset).__name__}[{i}]") for i in rows])
+def _collate(dataset: Any, rows: Sequence[int], seed: int, positions: Sequence[int] | None = None) -> Batch:
+    """The items ``dataset[i]`` of ``rows`` as one batch ``(inputs, targets)`` (torch's ``default_collate``), read by
+    :func:`read_items` at ``positions`` (``None``: held-out items, at ``-1 - i``)."""
+    rows = [int(i) for i in rows]
+    positions = [-1 - i for i in rows] if positions is None else positions
+    items = read_items(dataset, rows, positions, seed)
+    x, y = default_collate([_pair(item, f"{type(dataset).__name__}[{i}]") for i, item in zip(rows, items)])
     return x, y
+
+
+# --- per-item RNG: a random transform inside an item is a function of (seed, its place in the global order) ----
+
+_MASK = (1 << 64) - 1
+
+
+def item_seed(seed: int, position: int) -> int:
+    """The seed of the item at ``position`` in the global sample order (global batch ``k`` holds positions
+    ``k * batch_size`` to ``(k + 1) * batch_size - 1``; a held-out item ``i`` is at ``-1 - i``): splitmix64 of both,
+    so that neighbouring items get unrelated streams; 63 bits.
+
+    >>> item_seed(0, 5) == item_seed(0, 5), item_seed(0, 5) == item_seed(1, 5), item_seed(0, 5) < 2**63
+    (True, False, True)
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + position + 0x632BE59BD9B4E019) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) >> 1
+
+
+def _seed_all(s: int) -> None:
+    torch.default_generator.manual_seed(s)
+    np.random.seed(s & 0xFFFFFFFF)
+    random.seed(s)
+
+
+def read_items(dataset: Any, rows: Sequence[int], positions: Sequence[int], seed: int) -> list:
+    """The items ``dataset[i]`` of ``rows``, each read with torch's (CPU), numpy's global and Python's ``random``
+    generators seeded from ``(seed, position)`` (:func:`item_seed`): a random transform inside an item (a random
+    crop, a random window) draws the same numbers whatever the number of workers, the world size or a resume.
+    The generators are given back as they were (the training's own draws, dropout, do not move).
+
+    A dataset that reads several items in one call (``__getitems__``, as torch's ``DataLoader`` asks: an Arrow
+    slice, a memory map) is read so, seeded once from its first item's position: a random transform belongs in
+    ``__getitem__``.
+
+    >>> import torch
+    >>> class Crops:
+    ...     def __getitem__(self, i): return torch.randint(100, (1,)), i
+    >>> a = read_items(Crops(), [7, 3], positions=[16, 17], seed=0)
+    >>> b = read_items(Crops(), [3], positions=[17], seed=0)   # item 3 alone (another rank, worker or resume)
+    >>> bool(a[1][0] == b[0][0])
+    True
+    """
+    states = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    try:
+        getitems = getattr(dataset, "__getitems__", None)
+        if getitems is not None:
+            _seed_all(item_seed(seed, int(positions[0])))
+            return list(getitems([int(i) for i in rows]))
+        out = []
+        for i, p in zip(rows, positions):
+            _seed_all(item_seed(seed, int(p)))
+            out.append(dataset[int(i)])
+        return out
+    finally:
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
 
 
 def _split(n: int, test_fraction: float, split_seed: int, owner: str,
@@ -1153,10 +1285,10 @@ def from_source(source: Any, *, name: str, batch_size: int | None = None, test_f
     elif _is_map_style(source):
         train, val, test = _split_rows(name, len(source), test_fraction, split_seed, batch_size, val_fraction)
         batches = ExampleBatches(source, train, batch_size, seed, loader)
-        data = Dataset(name, batches, _collate(source, test.tolist()),
-                       _collate(source, val.tolist()) if len(val) else None)
+        data = Dataset(name, batches, _collate(source, test.tolist(), split_seed),
+                       _collate(source, val.tolist(), split_seed) if len(val) else None)
         if num_classes is not None:   # the first batch read here, no worker started for a check
-            targets = [data.test[1], _collate(source, batches.items(0))[1]]
+            targets = [data.test[1], batches.read(0)[1]]
     elif _is_iterable(source):
         if test_batches is not None and test_batches < 1:
             raise ValueError(f"{name}: test_batches={test_batches} must be at least 1 (the test split)")

@@ -3,10 +3,11 @@ WebDataset shards and Grain pipelines (``data=tokens``, ``data=hf``, ``data=webd
 
 Each builder returns what :func:`fxtrain.data.from_source` reads, following the source contract of
 :mod:`fxtrain.data`: a :class:`fxtrain.data.Dataset` whose training stream reads only its data-parallel rank's
-share of every global batch (``shard(rank, world)``) and resumes from its own state (``state_dict()`` /
-``load_state_dict()`` on the iterator, torchdata's ``Stateful`` protocol), with held-out splits read from the
-files meant for them; or, for a Hugging Face dataset with one split, the map-style dataset itself, which the
-runner splits, shuffles, shards and loads in workers.
+share of every global batch (``shard(rank, world)``), resumes from its own state (``state_dict()`` /
+``load_state_dict()`` on the iterator, torchdata's ``Stateful`` protocol) and says what it is (``describe()``: the
+run's data line), with held-out splits read from the files meant for them; or, for a Hugging Face dataset, the
+map-style rows that the runner's loader shuffles, shards and loads in workers (with one split, the map-style
+dataset itself, which the runner also splits).
 
 Map:
 
@@ -14,7 +15,7 @@ Map:
   :func:`tokens` builds ``data=tokens`` from the train/val/test files.
 * :class:`HFItems`: a ``datasets.Dataset`` with a column map, map-style; :func:`hf` builds ``data=hf``.
 * :class:`ItemStream`: batches of any map-style source addressed by step (random draws, per-epoch shuffles or
-  file order): the stream the two above train from; its state is the step, the same on every rank, so a resume
+  file order): the stream token files train from; its state is the step, the same on every rank, so a resume
   on another world size continues the same global batches.
 * :class:`ShardStream`: WebDataset ``.tar`` shards (a directory, a brace pattern, object-storage URLs), each rank
   its own shards; its state is the shard and the offset in it. :func:`webdataset` builds ``data=webdataset``.
@@ -40,7 +41,7 @@ import torch
 from torch.utils.data import Dataset as TorchDataset
 from torch.utils.data import default_collate
 
-from fxtrain.data import Dataset
+from fxtrain.data import Dataset, ExampleBatches, Loader, read_items
 from fxtrain.extras import require
 
 __all__ = ["ORDERS", "GrainIterator", "GrainStream", "HFItems", "ItemStream", "MissingData", "ShardIterator",
@@ -76,12 +77,13 @@ def _collate(items: Sequence[Any], what: str) -> Batch:
     return x, y
 
 
-def _read(source: Any, rows: Sequence[int]) -> list:
-    """The items ``source[i]`` of ``rows``, in one call where the source reads several at once (``__getitems__``,
-    as torch's DataLoader asks)."""
-    rows = [int(i) for i in rows]
-    getitems = getattr(source, "__getitems__", None)
-    return list(getitems(rows)) if getitems is not None else [source[i] for i in rows]
+_ORDER_TEXT = {"random": "drawn per step from (seed, step)", "shuffle": "a fresh permutation per epoch from (seed, "
+               "epoch)", "sequential": "in order, wrapping around"}
+
+
+def _reads(world: int, local: int) -> str:
+    """How the data-parallel ranks read a global batch, for a data line."""
+    return f"each of {world} data-parallel ranks reads its {local} of a batch" if world > 1 else "one rank reads all"
 
 
 def _share(batch_size: int, world: int, owner: str) -> int:
@@ -285,8 +287,12 @@ class ItemStream:
 
     def batch(self, step: int) -> Batch:
         """This rank's share of global batch ``step``: its ``batch_size // world`` items, read and collated."""
-        rows = self.rows(step)[self.rank * self.local:(self.rank + 1) * self.local]
-        return _collate(_read(self.source, rows), f"{self.name}: {type(self.source).__name__}")
+        first = self.rank * self.local
+        rows = self.rows(step)[first:first + self.local]
+        # each item seeded from its place in the global order (a random transform in it: the same on any layout)
+        positions = range(step * self.batch_size + first, step * self.batch_size + first + self.local)
+        items = read_items(self.source, rows, positions, self.seed)
+        return _collate(items, f"{self.name}: {type(self.source).__name__}")
 
     def shard(self, rank: int, world: int) -> "ItemStream":
         """This stream for data-parallel ``rank`` of ``world``: each batch is its ``batch_size // world`` items."""
@@ -295,9 +301,20 @@ class ItemStream:
     def __iter__(self) -> "StepIterator":
         return StepIterator(self.batch)
 
+    def describe(self) -> str:
+        """The run's data line for this stream: its items, their order, each rank's share, how it is read and
+        resumed.
+
+        >>> ItemStream(list(zip(range(10), range(10))), batch_size=4, order="random").shard(1, 2).describe()
+        'list: 10 items, order random (drawn per step from (seed, step)), each of 2 data-parallel ranks reads its 2
+        of a batch, in the training process; resumed at its step'
+        """
+        return (f"{type(self.source).__name__}: {len(self.source):,} items, order {self.order} "
+                f"({_ORDER_TEXT[self.order]}), {_reads(self.world, self.local)}, in the training process; resumed at "
+                "its step")
+
     def __repr__(self) -> str:
-        return (f"{type(self.source).__name__}: {len(self.source):,} items, order {self.order}, batch "
-                f"{self.batch_size}" + (f" ({self.local} per rank)" if self.world > 1 else ""))
+        return f"ItemStream({self.describe()}, batch {self.batch_size})"
 
 
 class StepIterator:
@@ -326,7 +343,7 @@ def _held_out(source: Any, count: int, what: str) -> Batch:
     """Up to ``count`` items of a map-style ``source``, evenly spaced over it, as one batch (an evaluation split)."""
     n = len(source)
     rows = np.unique(np.linspace(0, n - 1, min(count, n)).astype(np.int64))
-    return _collate(_read(source, rows), what)
+    return _collate(read_items(source, rows, [-1 - int(i) for i in rows], 0), what)
 
 
 def _check_vocab(name: str, vocab_size: int | None, *splits: Batch) -> None:
@@ -406,7 +423,8 @@ def hf(from_disk: str | None = None, data_files: Any = None, builder: Builder | 
        input: str | list[str] = "input_ids", target: str | None = "label", split: str = "train",
        test_split: str | None = None, val_split: str | None = None, batch_size: int = 32, seed: int = 0,
        eval_examples: int = 1024, vocab_size: int | None = None, context: int | None = None,
-       cache_dir: str | None = None) -> Any:
+       cache_dir: str | None = None, num_workers: int | None = None, prefetch_factor: int = 2,
+       pin_memory: bool | None = None, persistent_workers: bool = True) -> Any:
     """A Hugging Face ``datasets`` dataset from local files: ``data=hf``.
 
     ``from_disk`` a directory written by ``save_to_disk`` (``load_from_disk``), or ``data_files`` (a file, a glob, a
@@ -416,8 +434,9 @@ def hf(from_disk: str | None = None, data_files: Any = None, builder: Builder | 
 
     With one split, the map-style :class:`HFItems` of ``split`` is returned: the runner splits it (``test_fraction``,
     ``val_fraction``), shuffles it per epoch, gives each rank its share and loads it in workers. With
-    ``test_split`` (and ``val_split``), those splits are the held-out ones (their first ``eval_examples`` rows,
-    spread evenly) and ``split`` trains through an :class:`ItemStream` (shuffled per epoch, each rank its share).
+    ``test_split`` (and ``val_split``), those splits are the held-out ones (``eval_examples`` rows spread evenly
+    over each) and ``split`` trains through the same loader (:class:`fxtrain.data.ExampleBatches`: a fresh seeded
+    permutation each epoch, each rank its share, ``DataLoader`` workers, resumed at its step).
 
     Args:
       from_disk, data_files, builder: where the data is (one of ``from_disk`` and ``data_files``).
@@ -427,6 +446,8 @@ def hf(from_disk: str | None = None, data_files: Any = None, builder: Builder | 
       eval_examples: rows per held-out split.
       vocab_size, context: facts for a language model's config (checked on the held-out splits when given).
       cache_dir: where ``load_dataset`` writes its Arrow cache (``None``: Hugging Face's, ``~/.cache/huggingface``).
+      num_workers, prefetch_factor, pin_memory, persistent_workers: how the training rows are loaded with held-out
+        splits given (:class:`fxtrain.data.Loader`; the runner's keys: with one split the runner loads it alike).
 
     >>> import os, tempfile, datasets
     >>> d = tempfile.mkdtemp()
@@ -464,7 +485,9 @@ def hf(from_disk: str | None = None, data_files: Any = None, builder: Builder | 
             for k, s in (("test", test_split), ("val", val_split)) if s is not None}
     _check_vocab("hf", vocab_size, held["test"], held.get("val"))
     _check_context("hf", context, held["test"])
-    return Dataset("hf", ItemStream(items, batch_size, seed, "shuffle", "hf"), held["test"], held.get("val"))
+    loader = Loader(num_workers, prefetch_factor, pin_memory, persistent_workers)
+    train = ExampleBatches(items, range(len(items)), batch_size, seed, loader)
+    return Dataset("hf", train, held["test"], held.get("val"))
 
 
 def _files(data_files: Any) -> Any:
@@ -604,8 +627,15 @@ class ShardStream:
     def __iter__(self) -> "ShardIterator":
         return ShardIterator(self)
 
+    def describe(self) -> str:
+        """The run's data line for this stream: the shards, their order, each rank's share, how it resumes."""
+        split = (f"each of {self.world} data-parallel ranks streams its own shards ({self.local} samples of a "
+                 "batch)" if self.world > 1 else "one rank streams them all")
+        return (f"{len(self.urls)} WebDataset shards in an order drawn per epoch from (seed, epoch), samples in shard "
+                f"order, {split}, in the training process; resumed at its shard and offset (on as many ranks)")
+
     def __repr__(self) -> str:
-        return f"{len(self.urls)} WebDataset shards, batch {self.batch_size}"
+        return f"ShardStream({self.describe()}, batch {self.batch_size})"
 
 
 class ShardIterator:
@@ -728,6 +758,9 @@ class GrainStream:
         self.pipeline, self.batch_size, self.seed, self.name = pipeline, batch_size, seed, name
         self.read_threads = read_threads
         self.rank, self.world, self.local = rank, world, _share(batch_size, world, name)
+        # read whole on every rank (whole()): the sum of the first global batch, which the runner compares across
+        # the ranks (fxtrain.data.whole_batch_fingerprint): a pipeline whose order differs between processes is refused
+        self.whole_fingerprint: float | None = None
 
     def shard(self, rank: int, world: int) -> "GrainStream":
         """This stream for data-parallel ``rank`` of ``world``: each batch is its ``batch_size // world`` items."""
@@ -755,8 +788,23 @@ class GrainStream:
     def __iter__(self) -> "GrainIterator":
         return GrainIterator(self)
 
+    def describe(self) -> str:
+        """The run's data line for this stream: the pipeline, its order, how the ranks read it, how it resumes. A
+        ``MapDataset`` is split by rank; an ``IterDataset`` or a ``DataLoader`` is not (no random access): each rank
+        reads the whole global batch, in Grain's deterministic order, and keeps its share."""
+        kind = type(self.pipeline).__name__
+        if self.whole():
+            how = (f"in its own order, not split by rank (no random access): each of {self.world} data-parallel "
+                   f"ranks reads the whole batch of {self.batch_size} and keeps its {self.local}" if self.world > 1
+                   else "in its own order, not split by rank (no random access: on several data-parallel ranks each "
+                        "reads the whole batch and keeps its share)")
+        else:
+            how = (f"{len(self.pipeline):,} items shuffled by Grain per epoch from the seed, "
+                   f"{_reads(self.world, self.local)}, {self.read_threads} Grain read threads")
+        return f"Grain {kind} {how}; resumed from Grain's iterator state"
+
     def __repr__(self) -> str:
-        return f"Grain {type(self.pipeline).__name__}, batch {self.batch_size}"
+        return f"GrainStream({self.describe()}, batch {self.batch_size})"
 
 
 class GrainIterator:
@@ -776,6 +824,8 @@ class GrainIterator:
                             "items")
         x, y = _tensor(batch[0]), _tensor(batch[1])
         if s.whole() and s.world > 1:
+            if s.whole_fingerprint is None:
+                s.whole_fingerprint = float(x.double().sum() + y.double().sum())
             x, y = x[s.rank * s.local:(s.rank + 1) * s.local], y[s.rank * s.local:(s.rank + 1) * s.local]
         return x, y
 

@@ -254,8 +254,13 @@ class Built(NamedTuple):
 
     def batch(self, k: int, dims: distributed.ParallelDims) -> Any:
         """This rank's batch of step ``k`` on ``dims``: ``data.train[k]`` where the data is split per rank already
-        (``sharded``), else this rank's slice of the global batch (``dims.local_batch``)."""
-        return self.data.train[k] if self.sharded else dims.local_batch(self.data.train[k])
+        (``sharded``), else this rank's slice of the global batch (``dims.local_batch``). Ranks that use the same
+        slice (tp and pp peers) read it once: the first of their group reads it and broadcasts it to the others
+        (:func:`fxtrain.distributed.broadcast_batch`), which read nothing."""
+        if not dims.reads_data:
+            return distributed.broadcast_batch(None, dims.mesh, dims.data_peers)
+        batch = self.data.train[k] if self.sharded else dims.local_batch(self.data.train[k])
+        return distributed.broadcast_batch(batch, dims.mesh, dims.data_peers)
 
 
 def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelDims | None = None,
@@ -276,6 +281,8 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     data = debug_data(cfg, data)  # debug.limit_*, debug.overfit_batches
     # each data-parallel rank reads only its share of every global batch (where the source can split itself)
     data, sharded = fxdata.for_rank(data, dims.data_rank, dims.data_world)
+    if dims.data_world > 1:
+        _check_whole_reads(data, sharded, dims)
     model = build.model(cfg).to(device)
     task = build.task(cfg) if task is None else task
     tx = build.stack(cfg, dims)
@@ -292,6 +299,19 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     params = build.cast_params(cfg, placed.params)  # bf16/fp16 storage for the pure half amp modes; else unchanged
     return Built(data, model, placed.apply, params, placed.buffers, tx, tx.init(params), placed.step, placed.evaluate,
                  task, sharded)
+
+
+def _check_whole_reads(data: fxdata.Dataset, sharded: bool, dims: distributed.ParallelDims) -> None:
+    """Refuses, in one line and on every rank, a stream that every data-parallel rank reads whole (it does not
+    split by rank) when the ranks read different first global batches: each would keep its share of another
+    batch. One all-gather of a number per rank, at start-up (:func:`fxtrain.data.whole_batch_fingerprint`)."""
+    seen = distributed.gather_objects(fxdata.whole_batch_fingerprint(data, sharded))
+    if len({s for s in seen if s is not None}) > 1:
+        raise ConfigError(f"data: {data.name}'s training stream is not split by rank (each of the {dims.data_world} "
+                          "data-parallel ranks reads the whole batch and keeps its share), and the ranks read "
+                          "different first batches: its order differs between processes. Seed its shuffles, give it "
+                          "shard(rank, world) (or use a grain.MapDataset, which fxtrain splits by rank), or train on "
+                          "one data-parallel rank")
 
 
 def load_start(cfg: DictConfig, run: Run, built: Built) -> tuple[fx.TrainState, str]:
@@ -345,15 +365,17 @@ def _resume_data(run: Run, data: Any, start: int) -> None:
         raise ConfigError(f"resume: the checkpoint {run.source} records no position of {data.name}'s training stream "
                           "(written before streams recorded one); start afresh (resume=null)")
     states = recorded["states"]
+    read = [s for s in states if s is not None]  # None: a rank that received its batches from a tp or pp peer
     if run.note is None and len(states) == run.dims.world:  # the same layout: each rank its own position
         state = states[run.rank]
-    elif all(s == states[0] for s in states):  # another layout: every rank was at the same position
-        state = states[0]
+    elif all(s == read[0] for s in read):  # another layout: every rank that read was at the same position
+        state = read[0]
     else:
         raise ConfigError(f"resume: the checkpoint {run.source} holds {len(states)} ranks' positions in "
                           f"{data.name}'s training stream, each its own share, which do not carry over to another "
                           "layout: resume on the checkpoint's layout, or start afresh (resume=null)")
-    fxdata.load_stream_state(data, state)
+    if state is not None:  # None: this rank receives its batches from a peer (the same layout), and reads none
+        fxdata.load_stream_state(data, state)
 
 
 def _check_held_relayout(cfg: DictConfig, run: Run, step: int) -> None:
@@ -388,11 +410,13 @@ def begin_run(cfg: DictConfig, run: Run, built: Built, state: fx.TrainState, res
         where = (f"{dims.world} ranks, {dims.describe()}"
                  + (", shard_optimizer" if cfg.parallel.get("shard_optimizer") else ""))
     where = where or build.single_process_note(cfg, dims)  # parallel=tp on one process: nothing is split, say so
+    described = describe_run(built.data, built.model, state.params, built.tx, state.opt_state, run.device,
+                             task=built.task)
+    if dims.data_world > 1 and not built.sharded:  # the data line says what the ranks read
+        described[0] += (f"; not split by rank: each of {dims.data_world} data-parallel ranks reads the whole batch "
+                         "and keeps its share")
     return [f"run    {run.out if run.out is not None else '(not saved)'}" + (f"  [{where}]" if where else ""),
-            *debug_lines(cfg),
-            *describe_run(built.data, built.model, state.params, built.tx, state.opt_state, run.device,
-                          task=built.task),
-            run_length(cfg, built.data), f"start  {resumed}"]
+            *debug_lines(cfg), *described, run_length(cfg, built.data), f"start  {resumed}"]
 
 
 def run_length(cfg: DictConfig, data: Any) -> str:
@@ -616,9 +640,12 @@ class RunSteps:
                 f"{self.stepped:.2f} s)")
 
     def data_state(self) -> dict[str, Any] | None:
-        """Every rank's position in a training stream, for the checkpoint (``None``: batches addressed by step)."""
+        """Every rank's position in a training stream, for the checkpoint (``None``: batches addressed by step); a
+        rank that receives its batches from a tp or pp peer (:meth:`Built.batch`) reads none and records ``None``."""
         state = fxdata.stream_state(self.built.data)
-        return None if state is None else {"states": distributed.gather_objects(state)}
+        if state is None:
+            return None
+        return {"states": distributed.gather_objects(state if self.dims.reads_data else None)}
 
     def logged(self, metrics: dict[str, Any], j: int) -> dict[str, float]:
         return host_metrics(metrics, self.constants, self.dims.world)
@@ -794,7 +821,8 @@ def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any
                 m.eval_metrics = steps.evaluate(i, j, m.hooks)
                 record.update(m.eval_metrics)
         if m.best is not None and m.best.update(record, i):  # kept in memory, written with the next checkpoint
-            m.best.keep(steps.state(i, j), m.run.ckpt_dir, m.run.rank, m.run.meta)
+            # with the stream's position after step i: a resume from checkpoints/best continues the stream there
+            m.best.keep(steps.state(i, j), m.run.ckpt_dir, m.run.rank, _checkpoint_meta(steps, m))
         record["time_s"] = round(time.perf_counter() - t0, 3)
         if m.logger is not None:
             m.logger.log(i, record)
@@ -803,11 +831,16 @@ def _member_step(steps: Steps, m: Member, j: int, i: int, metrics: dict[str, Any
                                        or i == max_steps or m.stopped):
         if m.best is not None:  # checkpoints/best first, never behind step_<N> (see fxtrain/selection.py)
             m.best.write()
-        data = steps.data_state() if hasattr(steps, "data_state") else None  # a stream's position, every rank's
-        meta = m.run.meta if data is None else {**(m.run.meta or {}), "data": data}
         m.last_checkpoint = (i, save_checkpoint(m.run.ckpt_dir, steps.state(i, j), m.cfg.trainer.keep_last,
-                                                m.last_checkpoint, m.run.rank, meta))
+                                                m.last_checkpoint, m.run.rank, _checkpoint_meta(steps, m)))
     return bool(m.stopped)
+
+
+def _checkpoint_meta(steps: Steps, m: Member) -> dict[str, Any] | None:
+    """What a checkpoint of member ``m`` records besides its state: the run's meta and, for a training stream,
+    every rank's position in it now (``data``; a collective: every rank calls it at the same step)."""
+    data = steps.data_state() if hasattr(steps, "data_state") else None
+    return m.run.meta if data is None else {**(m.run.meta or {}), "data": data}
 
 
 def _write_best_of_failed(m: Member) -> None:

@@ -82,3 +82,29 @@ def counter(batch_size: int = 8, seed: int = 0, stateful: bool = True, **_) -> D
     g = torch.Generator().manual_seed(12345)
     x = torch.randn((32, 1, 8, 8), generator=g)
     return Dataset("counter", Counter(batch_size, seed, stateful), (x, (x.flatten(1).sum(1) > 0).long()))
+
+
+class Windows(torch.utils.data.Dataset):
+    """Language-model windows of a fixed random token sequence, item ``i`` a random crop of slot ``i``: its offset
+    in the slot drawn from torch's global RNG (as a random-crop transform draws). ``reads`` counts the items read
+    in this process."""
+
+    reads = 0
+
+    def __init__(self, tokens: torch.Tensor, context: int, slot: int):
+        self.tokens, self.context, self.slot = tokens, context, slot
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - self.context - 1) // self.slot
+
+    def __getitem__(self, i: int):
+        Windows.reads += 1
+        start = i * self.slot + int(torch.randint(self.slot, ()))
+        w = self.tokens[start:start + self.context + 1]
+        return w[:-1], w[1:]
+
+
+def windows(context: int = 16, vocab_size: int = 256, num_tokens: int = 4096, slot: int = 4, **_) -> Windows:
+    """``data=stdlib_text``'s shapes (``context``, ``vocab_size``) from a map-style dataset of random crops."""
+    tokens = torch.randint(vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
+    return Windows(tokens, context, slot)

@@ -84,3 +84,35 @@ FORMATS = {"tokens": tokens, "hf": hf, "webdataset": webdataset, "grain": grain}
 # The module each optional format imports, the package named and the extra that installs it (fxtrain.extras).
 EXTRAS = {"hf": ("datasets", "datasets", "hf"), "webdataset": ("webdataset", "webdataset", "webdataset"),
           "grain": ("grain", "grain", "grain")}
+
+
+def grain_iter(path: str, context: int, dtype: str = "uint16", **_):
+    """``data=grain``'s training windows as a ``grain.IterDataset`` (no random access: not split by rank)."""
+    import grain
+    from fxtrain.sources import TokenWindows
+    return grain.MapDataset.source(TokenWindows(path, context, dtype)).to_iter_dataset()
+
+
+def grain_iter_by_process(path: str, context: int, dtype: str = "uint16", **_):
+    """:func:`grain_iter` starting at another window in each process (by its rank): an order that differs between
+    processes, which a stream not split by rank must not have."""
+    import grain
+    import torch.distributed as dist
+    from fxtrain.sources import TokenWindows
+    return grain.MapDataset.source(TokenWindows(path, context, dtype))[dist.get_rank():].to_iter_dataset()
+
+
+def variants(option: str, folder: pathlib.Path) -> dict[str, list[str]]:
+    """The kinds of training source ``data=<option>`` builds, each as extra overrides: ``tokens`` in every order,
+    ``hf`` with one split (the runner splits it) and with a test split, ``grain`` on a MapDataset and an
+    IterDataset; one (no overrides) for the other options."""
+    from fxtrain.sources import ORDERS
+    if option == "tokens":
+        return {order: [f"data.order={order}"] for order in ORDERS}
+    if option == "hf":
+        train, test = parquet_file(folder / "hf"), parquet_file(folder / "hf", n=16, name="test.parquet", seed=1)
+        return {"one split": [], "test split": [f"data.data_files={{train:'{train}',test:'{test}'}}",
+                                                "data.test_split=test"]}
+    if option == "grain":
+        return {"MapDataset": [], "IterDataset": ["data.train._target_=tests._formats.grain_iter"]}
+    return {"": []}

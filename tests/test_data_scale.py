@@ -1,23 +1,28 @@
-"""Data at scale (issue 37, items 1-4; fxtrain/data.py): each rank reads only its share of a global batch,
-map-style sources load through DataLoader workers, resume is O(1) without replaying, and the global order
-depends on the seed and the step only (not on the world size or the number of workers)."""
+"""Data at scale (issue 37; fxtrain/data.py): each rank reads only its share of a global batch (tp and pp peers
+receive it from the first of their group: real processes in tests/_worlds.py's shared worlds), map-style sources
+load through DataLoader workers, resume is O(1) without replaying (from checkpoints/best too), the global order
+and a random transform inside an item depend on the seed and the place in the global order only (not on the
+world size, the number of workers or a resume)."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
 import pathlib
+import random
 import shutil
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from fxtrain import data as fxdata
+import fxtrain as fx
+from fxtrain import build, data as fxdata, sources, train as runner
 from fxtrain.data import ExampleBatches, Loader, for_rank, from_source
 from fxtrain.errors import ConfigError
-from tests import _data_sources
-from tests._runner import isolate, run_main, torchrun_train  # noqa: F401 - isolate: the autouse fixture
+from tests import _data_sources, _worlds
+from tests._runner import cfg_of, isolate, run_main, torchrun_train  # noqa: F401 - isolate: the autouse fixture
 
 
 class Counted(torch.utils.data.Dataset):
@@ -157,6 +162,23 @@ def test_a_stream_resumes_through_its_own_state_and_one_without_is_refused(tmp_p
     assert sorted(p.name for p in plain.rglob("*")) == written
 
 
+def test_a_resume_from_the_best_checkpoint_continues_the_stream_from_its_step(tmp_path):
+    """checkpoints/best records every rank's stream position at its step, as step_<N> does: resume=<run>/checkpoints/
+    best continues the stream from there and logs the uninterrupted run's records after best's step, bit for bit
+    (before, best held no position and the resume was refused)."""
+    args = [*STREAM, "trainer.eval_every=2", "trainer.checkpoint_every=2"]
+    assert run_main(*args, f"hydra.run.dir={tmp_path / 'whole'}") == 0
+    best = tmp_path / "whole" / "checkpoints" / "best"
+    meta = json.loads((best / "fxtrain.json").read_text())["meta"]
+    step = meta["best"]["step"]
+    assert step < 6 and meta["data"]["states"][0]["source"] == {"at": step}, meta
+    assert run_main(*args, f"hydra.run.dir={tmp_path / 'resumed'}", f"resume={best}") == 0
+
+    def trained(run):  # the test split's metrics are of each run's own best checkpoint
+        return [{k: v for k, v in r.items() if not k.startswith("test_")} for r in _records(run)]
+    assert trained(tmp_path / "resumed") == [r for r in trained(tmp_path / "whole") if r["step"] > step]
+
+
 def _reads_per_rank(reads: pathlib.Path, world: int) -> list[int]:
     return [len((reads / f"rank{r}.txt").read_text().split()) for r in range(world)]
 
@@ -262,3 +284,167 @@ def test_a_stream_that_splits_itself_gives_each_rank_its_share():
     assert [data.train.source.made for data, _ in ranks] == [4 * 4, 4 * 4]   # 4 steps x 4 rows, each rank
     bare = from_source(Rows(), name="rows", test_batches=1)
     assert for_rank(bare, 0, 2) == (bare, False)
+
+
+# --- per-item RNG: a random transform inside an item ---------------------------------------------------------
+
+class Crops(torch.utils.data.Dataset):
+    """Item ``i`` is ``[i, a torch draw, a numpy draw, a Python draw]``: a random transform's three sources."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), float(torch.rand(())), np.random.rand(), random.random()]), i % 3
+
+
+def test_a_random_transform_in_an_item_is_a_function_of_the_seed_and_its_place_in_the_global_order():
+    """The draws inside items (torch's, numpy's and Python's global RNGs) give the same global batch of a step with 0
+    or 2 workers, on 1 or 2 ranks (the shares concatenated), read in order or after a jump (a resume); an item at
+    another place (its next epoch) draws anew; the training process's own RNG does not move. The same for a
+    stream of items (ItemStream: data=tokens' random windows)."""
+    ref = ExampleBatches(Crops(), range(32), batch_size=4, seed=3)
+    torch_state = torch.get_rng_state()
+    want = [ref[k][0] for k in range(10)]   # 10 steps: 8 an epoch
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    loaded = ExampleBatches(Crops(), range(32), batch_size=4, seed=3, loader=Loader(num_workers=2))
+    for k in (9, 2, 3):   # a jump (a resume at step 9), then back
+        assert torch.equal(loaded[k][0], want[k]), k
+    halves = [ExampleBatches(Crops(), range(32), batch_size=4, seed=3).shard(r, 2) for r in (0, 1)]
+    for k in (5, 1):
+        assert torch.equal(torch.cat([h[k][0] for h in halves]), want[k]), k
+    first = {int(x[0]): x[1:] for k in range(8) for x in want[k]}   # epoch 0: each item once
+    again = {int(x[0]): x[1:] for x in want[8]}                      # epoch 1's first batch
+    assert all(not torch.equal(again[i], first[i]) for i in again)
+    stream = sources.ItemStream(Crops(), batch_size=4, seed=3, order="random")
+    whole = [stream.batch(k)[0] for k in range(3)]
+    for k in (2, 0):
+        assert torch.equal(torch.cat([stream.shard(r, 2).batch(k)[0] for r in (0, 1)]), whole[k]), k
+
+
+# --- tp, pp and ep peers: the batch read once per step across the ranks, the params one process's -------------
+
+CASES, case = _worlds.registry(worlds=(2, 4))
+STEPS = 3
+# the tiny LM on map-style random crops of a token sequence (tests/_data_sources.windows), read in this process
+PEERS = ["model=transformer", "data=stdlib_text", "task=lm", "data._target_=tests._data_sources.windows",
+         "+data.num_workers=0", "data.batch_size=8", "data.context=16", "data.eval_windows=8", "model.d_model=16",
+         "model.n_heads=2", "model.n_layers=2", "schedule=constant", "trainer.cpu_threads=1", "amp=off",
+         "accumulate=off", "optim/transform@optim.chain=[sgd]",
+         f"trainer.max_steps={STEPS}"]
+LAYOUTS = {"tp": (2, ["parallel=tp"]), "pp": (2, ["parallel=pp", "parallel.microbatches=2"]),
+           "ep": (2, ["parallel=ep", "model=moe"]), "pp_tp": (4, ["parallel=pp_tp", "parallel.microbatches=2"]),
+           "fsdp_tp": (4, ["parallel=fsdp_tp"])}
+
+
+def _trained(cfg, dims=None) -> tuple[dict, list[int]]:
+    """STEPS steps of the runner's build and step on ``dims`` (one process: ``None``): the params (full tensors, by
+    path) and the items this process read for each step's batch."""
+    import torch.distributed.tensor as dt
+
+    built = runner.build_run(cfg, torch.device("cpu"), dims)
+    params, state, buffers, reads = built.params, built.opt_state, built.buffers, []
+    for i in range(STEPS):
+        before = _data_sources.Windows.reads
+        batch = built.batch(i, dims) if dims is not None else built.data.train[i]
+        reads.append(_data_sources.Windows.reads - before)
+        params, state, buffers, _ = built.step(params, state, buffers, batch)
+    full = {p: (x.full_tensor() if isinstance(x, dt.DTensor) else x).detach()
+            for p, x in zip(fx.tree.paths(params), fx.tree.leaves(params))}
+    return full, reads
+
+
+def _peers_case(name: str):
+    world, overrides = LAYOUTS[name]
+
+    def run(w):
+        import torch.distributed as dist
+
+        cfg = cfg_of(*PEERS, *overrides)
+        dims = build.parallel_dims(cfg, w).build("cpu")
+        params, reads = _trained(cfg, dims)
+        every: list = [None] * w
+        dist.all_gather_object(every, reads)
+        print(f"reads per step per rank, parallel={name}: {every}", flush=True)
+        assert [sum(r[i] for r in every) for i in range(STEPS)] == [8] * STEPS, every   # the global batch, once
+        assert reads == [8 // dims.data_world if dims.reads_data else 0] * STEPS, every
+        one, _ = _trained(cfg)   # one process's, computed on this rank
+        assert params and set(params) <= set(one)
+        fx.testing.assert_trees_close(params, {p: one[p] for p in params}, rtol=1e-4, atol=1e-6)
+
+    run.__name__ = f"case_peers_read_once_{name}"
+    case(world)(run)
+
+
+for _name in LAYOUTS:
+    _peers_case(_name)
+
+
+def _fixture(write, folder: pathlib.Path) -> list[str]:
+    """``write(folder)``'s files written once, by rank 0, and its overrides on every rank."""
+    import torch.distributed as dist
+
+    out = [write(folder) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+@case(2)
+def case_a_stream_on_tp_checkpoints_the_readers_position_and_resumes(world):
+    """data=tokens (a stream) under parallel=tp: the checkpoint holds the position of the rank that reads
+    (the other receives and records none); a resume on tp, and a relayout to 2 data-parallel ranks (both read),
+    continue the stream as the uninterrupted run does."""
+    import torch.distributed as dist
+
+    from tests import _formats
+
+    root = _worlds.OUT_DIR / "stream_tp"
+    args = [*_fixture(_formats.tokens, root / "fixture"), "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=4", "trainer.keep_last=0",
+            "trainer.checkpoint_every=2", "trainer.progress=false", "trainer.cpu_threads=1", "schedule=constant",
+            "optim/transform@optim.chain=[sgd]", "amp=off", "accumulate=off"]
+
+    def train(out, *extra):
+        runner.train(cfg_of(*args, *extra), out)
+        dist.barrier()
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k != "time_s" and not k.startswith("test_")} for x in lines]
+
+    whole = train(root / "whole", "parallel=tp")
+    ckpt = root / "whole" / "checkpoints" / "step_0000002"
+    states = json.loads((ckpt / "fxtrain.json").read_text())["meta"]["data"]["states"]
+    assert states[1] is None and states[0]["source"] == {"step": 2}, states
+    assert train(root / "tp", "parallel=tp", f"resume={ckpt}") == whole[2:]
+    dp = train(root / "dp", "parallel=dp", f"resume={ckpt}", "resume_relayout=true")
+    assert [r["step"] for r in dp] == [3, 4]
+    for a, b in zip(dp, whole[2:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+
+@case(2)
+def case_a_grain_iter_dataset_on_two_ranks_splits_correctly_or_is_refused(world):
+    """A Grain IterDataset is not split by rank (each rank reads the whole batch and keeps its share): on 2
+    data-parallel ranks its shares are the one-process global batches; one whose order differs between the
+    processes is refused at build, in one line, on every rank."""
+    import torch.distributed as dist
+
+    from tests import _formats
+
+    base = [*_fixture(_formats.grain, _worlds.OUT_DIR / "grain_iter"), "parallel=dp"]
+    cfg = cfg_of(*base, "data.train._target_=tests._formats.grain_iter")
+    dims = build.parallel_dims(cfg, world).build("cpu")
+    built = runner.build_run(cfg, torch.device("cpu"), dims)
+    one = build.dataset(cfg.data, "grain")   # one process's global batches
+    for k in range(3):
+        share = built.batch(k, dims)[0]
+        shares: list = [None] * world
+        dist.all_gather_object(shares, share)
+        assert torch.equal(torch.cat(shares), one.train[k][0]), k
+    with pytest.raises(ConfigError) as e:
+        runner.build_run(cfg_of(*base, "data.train._target_=tests._formats.grain_iter_by_process"),
+                         torch.device("cpu"), dims)
+    assert "the ranks read different first batches" in str(e.value) and "\n" not in str(e.value)
+
+
+test_case = _worlds.tests(__file__, CASES, timeout_s=240)
+
+if __name__ == "__main__":
+    _worlds.worker(CASES, *sys.argv[1:])

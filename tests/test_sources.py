@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fxtrain import sources, train as runner
+from fxtrain import build, data as fxdata, sources, train as runner
 from fxtrain.errors import ConfigError
 from fxtrain.report import read_jsonl
 from tests import _formats
@@ -173,16 +173,23 @@ def test_hf_reads_each_local_format_as_the_dataset_holds_it(tmp_path, kind):
         assert items[i][0].tolist() == pytest.approx(want) and int(items[i][1]) == table[i]["label"]
 
 
-def test_hf_held_out_splits_come_from_their_files_and_train_streams(tmp_path):
+def test_hf_held_out_splits_come_from_their_files_and_train_through_the_loader(tmp_path):
+    """With a test split the training rows go through the map-style loader (DataLoader workers, resumed at its
+    step), in the order the stream gave them before (a fresh permutation per epoch from (seed, epoch))."""
     train = _formats.parquet_file(tmp_path, n=64, name="train.parquet", seed=0)
     test = _formats.parquet_file(tmp_path, n=16, name="test.parquet", seed=1)
-    data = sources.hf(data_files={"train": str(train), "test": str(test)}, input="features", target="label",
-                      test_split="test", batch_size=8, eval_examples=10, cache_dir=str(tmp_path / "c"))
+    files = {"train": str(train), "test": str(test)}
+    data = sources.hf(data_files=files, input="features", target="label", test_split="test", batch_size=8,
+                      eval_examples=10, cache_dir=str(tmp_path / "c"), num_workers=2)
     want = _formats.rows(16, seed=1)
     rows = np.unique(np.linspace(0, 15, 10).astype(int))
     assert data.test[1].tolist() == [want["label"][i] for i in rows] and data.val is None
-    x, _ = next(iter(data.train))
-    assert x.shape == (8, _formats.FEATURES)
+    assert repr(data) == "hf: 64 train examples, 10 test, batch 8 (HFItems, map-style, 2 workers)"
+    streamed = iter(sources.ItemStream(data.train.dataset, batch_size=8, seed=0, order="shuffle"))
+    for k in range(10):   # past an epoch of 8 batches
+        x, y = data.train[k]
+        sx, sy = next(streamed)
+        assert x.shape == (8, _formats.FEATURES) and torch.equal(x, sx) and torch.equal(y, sy), k
     with pytest.raises(ValueError, match=r"^hf: split 'validation' is not in the data; its splits are train, test$"):
         sources.hf(data_files={"train": str(train), "test": str(test)}, input="features", test_split="test",
                    val_split="validation", cache_dir=str(tmp_path / "c"))
@@ -327,6 +334,12 @@ def test_grain_iter_datasets_and_random_access_sources(tmp_path):
     assert next(resumed)[0].tolist() == next(it)[0].tolist() == [4, 5, 6, 7]
     half = iter(sources.GrainStream(grain_items(12).to_iter_dataset(), batch_size=4).shard(1, 2))
     assert next(half)[0].tolist() == [2, 3]                     # read whole, rank 1 keeps its share
+    # not split by rank, but split correctly: Grain's order is deterministic, so the 2 ranks' shares of each step
+    # are the one-process global batch (the runner's data line says every rank reads the whole batch)
+    whole = take(iter(sources.GrainStream(grain_items(12).to_iter_dataset(), batch_size=4)), 3)   # the whole pass
+    halves = [take(iter(sources.GrainStream(grain_items(12).to_iter_dataset(), 4).shard(r, 2)), 3) for r in (0, 1)]
+    for k in range(3):
+        assert torch.equal(cat([h[k] for h in halves])[0], whole[k][0]), k
     d = _formats.token_files(tmp_path)
     windows = sources.TokenWindows(d / "train.bin", context=8)
     x, y = next(iter(sources.GrainStream(windows, batch_size=4)))   # any len() + [i] source
@@ -349,6 +362,49 @@ def test_grain_iter_datasets_and_random_access_sources(tmp_path):
     with pytest.raises(TypeError, match="the pipeline is a int; give a grain.MapDataset, IterDataset, DataLoader"):
         sources.GrainStream(3, batch_size=4)
     assert isinstance(stream.pipeline, grain.IterDataset)
+
+
+# --- the data line: true for every option of conf/data and every kind of source it builds ---------------------
+
+OPTIONS = sorted(p.stem for p in (runner.CONF_DIR / "data").glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def _truths(train) -> list[str]:
+    """What the data line must say of ``train`` (a training source as the runner holds it), read off the object."""
+    if isinstance(train, fxdata.ExampleBatches):
+        return ["map-style", f"{train.loader.workers()} workers" if train.loader.workers() else "training process"]
+    if not isinstance(train, fxdata.StreamBatches):
+        return ["train", f"batch {train.batch_size}"]   # tensors, windows: rows addressed by step, in memory
+    src = train.source
+    if isinstance(src, sources.ItemStream):
+        told = [f"order {src.order}", "in the training process"]
+    elif isinstance(src, sources.ShardStream):
+        told = ["WebDataset shards", "order drawn per epoch"]
+    elif isinstance(src, sources.GrainStream):
+        told = ["not split by rank (no random access"] if src.whole() else ["shuffled by Grain", "read threads"]
+    else:
+        raise AssertionError(f"{type(src).__name__}: a stream kind this test does not know; say what its line states")
+    split = f"each of {src.world} data-parallel ranks" if src.world > 1 else ""
+    return [*told, split, "resumed"]
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_the_data_line_is_true_for_every_data_option_and_source_kind(option, tmp_path):
+    """Generated over conf/data's options (and each kind of source an option builds, tests/_formats.variants): the
+    data line a run prints, in one process and on rank 1 of 2, states the global batch of the config, the source's
+    order, how the ranks split it and how it is read and resumed, as the built object has them; never "order as
+    given" for a source whose order fxtrain draws (data=tokens' random windows said "ItemStream (iterable, order
+    as given)", and a rank's share as the batch)."""
+    base = _formats.FORMATS[option](tmp_path) if option in _formats.FORMATS else [f"data={option}"]
+    for kind, extra in _formats.variants(option, tmp_path).items():
+        cfg = cfg_of(*base, *extra)
+        data = build.dataset(cfg.data, option)
+        for world in (1, 2):
+            shown, _ = fxdata.for_rank(data, 1, world) if world > 1 else (data, False)
+            line = repr(shown)
+            assert "order as given" not in line and f"batch {cfg.data.batch_size}" in line, (kind, line)
+            for truth in _truths(shown.train):
+                assert truth in line, (kind, world, truth, line)
 
 
 # --- each format through the runner: trains, and a resume ends like the uninterrupted run ---------------------

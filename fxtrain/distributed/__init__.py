@@ -8,7 +8,8 @@ parallel) live one layer up, in :mod:`fxtrain.parallel`, above :mod:`fxtrain.ste
 * ``_collectives``: moving gradients between layouts. :func:`match_placements` (each gradient to its
   param's placements: a slice, one bucketed reduce-scatter or all-reduce per process group),
   :func:`reduce_partials` (``Partial`` -> ``Replicate``), :func:`reduce_scatter_flat` and
-  :func:`all_gather_flat` (ZeRO's packed buffers).
+  :func:`all_gather_flat` (ZeRO's packed buffers), :func:`broadcast_batch` (a batch read once, handed to the
+  tp and pp peers that use it).
 * ``_overlap``: :func:`overlap_reduction`, DDP's bucketed all-reduce of data-parallel gradients launched from
   hooks while the backward runs (the step's gradient engine uses it; :func:`reduction_buckets` sizes it).
 * ``_mesh``: :class:`ParallelDims`, the one mesh object of a run (degrees per dim, the ``DeviceMesh``, which
@@ -24,7 +25,7 @@ Example:
 
 from fxtrain._moved import moved_names
 from fxtrain.distributed._collectives import (
-    all_gather_flat, contiguous_stride, match_placements, reduce_partials, reduce_scatter_flat,
+    all_gather_flat, broadcast_batch, contiguous_stride, match_placements, reduce_partials, reduce_scatter_flat,
 )
 from fxtrain.distributed._mesh import DIMS, ParallelDims
 from fxtrain.distributed._overlap import Overlap, overlap_reduction, reduction_buckets
@@ -38,6 +39,8 @@ __all__ = [
     "global_norm", "global_sum_sq", "global_count", "GlobalSumSq", "to_local", "local_leaves",
     # collectives
     "match_placements", "reduce_partials", "reduce_scatter_flat", "all_gather_flat", "contiguous_stride",
+    # a batch handed to the ranks that use the same slice (tp, pp)
+    "broadcast_batch",
     # the data-parallel all-reduce overlapped with the backward
     "overlap_reduction", "Overlap", "reduction_buckets",
     # the mesh of a run

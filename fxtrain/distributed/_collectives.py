@@ -322,3 +322,69 @@ def _refuse_autodiff(what: str, leaves: Sequence) -> None:
         raise ValueError(f"{what}: cannot differentiate through its collectives (they are outside autograd); "
                          "differentiate on one process")
 
+
+
+# --- a batch handed by the rank that reads it to the ranks that use the same slice (tp, pp peers) -----------------
+
+_BATCH_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+                 torch.int8, torch.uint8)
+_MAX_DIMS, _MAX_TENSORS = 8, 8
+
+
+def broadcast_batch(batch: tuple | None, mesh: Any, dims: Sequence[str]) -> tuple | None:
+    """``batch`` (a tuple of tensors), read by the rank at coordinate 0 along every mesh dim of ``dims``, on every
+    rank of its group along those dims; the others pass ``None`` and get it.
+
+    The runner's data path for tp and pp peers, which use the same slice of a batch (Megatron-LM's
+    ``broadcast_data`` from tensor-parallel rank 0; torchtitan reads it on every peer instead): one rank reads, so
+    the items read per step across the ranks are the global batch. Per mesh dim in turn (a tree: along ``dims[0]``
+    among the ranks at coordinate 0 along the later dims, then along ``dims[1]``...), over the mesh's own groups:
+    one header of shapes and dtypes (81 int64, which the receivers read on the host: on the CPU where the group
+    has gloo, as the runner's ``cpu:gloo,cuda:nccl`` groups do, so that no rank waits for its GPU; else on the
+    mesh's device, as Megatron's sizes), then one broadcast per tensor on the mesh's device (NCCL on CUDA). A
+    pipeline's middle stages get the batch too: they read its length, and a batch is small next to the
+    activations a stage sends per micro-batch.
+
+    >>> import torch
+    >>> broadcast_batch((torch.ones(2), torch.zeros(2)), None, ())[0].tolist()   # no peers: the batch itself
+    [1.0, 1.0]
+    """
+    if mesh is None or not dims:
+        return batch
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    for i, d in enumerate(dims):
+        if any(mesh.get_local_rank(later) != 0 for later in dims[i + 1:]):
+            continue  # this rank's group along d holds no batch yet: it gets it along a later dim
+        batch = _broadcast_tensors(batch, mesh.get_group(d), mesh.get_local_rank(d) == 0, device)
+    return batch
+
+
+def _broadcast_tensors(batch: tuple | None, group: Any, src: bool, device: torch.device) -> tuple:
+    """``batch`` from the group's first rank (``src``) on every rank of ``group``: header, then each tensor."""
+    header = torch.zeros(1 + _MAX_TENSORS * (2 + _MAX_DIMS), dtype=torch.int64)
+    if src:
+        batch = tuple(x.to(device).contiguous() for x in batch)
+        bad = len(batch) > _MAX_TENSORS or any(x.dim() > _MAX_DIMS or x.dtype not in _BATCH_DTYPES for x in batch)
+        header[0] = n = -1 if bad else len(batch)
+        for j, x in enumerate(batch if not bad else ()):
+            at = 1 + j * (2 + _MAX_DIMS)
+            header[at:at + 2 + x.dim()] = torch.tensor([_BATCH_DTYPES.index(x.dtype), x.dim(), *x.shape])
+    on_host = "gloo" in str(dist.get_backend(group))
+    sent = header if on_host else header.to(device)
+    dist.broadcast(sent, group=group, group_src=0)
+    if not src:
+        header = sent.cpu()  # the receivers' one wait: the shapes they allocate
+        n = int(header[0])
+    if n < 0:  # every rank of the group raises, none waits for tensors that do not come
+        raise ValueError(f"broadcast_batch: a batch of at most {_MAX_TENSORS} tensors of at most {_MAX_DIMS} dims, "
+                         f"dtypes {', '.join(str(t).removeprefix('torch.') for t in _BATCH_DTYPES)}, is handed to the "
+                         "data peers (tp, pp); this one is not")
+    if not src:
+        rows = header[1:].view(_MAX_TENSORS, 2 + _MAX_DIMS)[:n].tolist()
+        batch = tuple(torch.empty(r[2:2 + r[1]], dtype=_BATCH_DTYPES[r[0]], device=device) for r in rows)
+    for x in batch:
+        dist.broadcast(x, group=group, group_src=0)
+    return batch
+
+
+__all__ += ["broadcast_batch"]

@@ -7,8 +7,12 @@ A layout is a product of degrees, one per kind of parallelism, that equals the w
 * ``dp_shard``: FSDP ranks (params, gradients and optimizer state sharded); each reads its own slice. With
   ``dp_replicate`` too this is HSDP: sharded within a replica group, replicated across groups.
 * ``ep``: expert-parallel ranks (an MoE layer's experts split over them); each reads its own slice.
-* ``tp``: tensor-parallel ranks (Megatron's split of each block); they read the same slice.
-* ``pp``: pipeline stages; they read the same slice (the first stage its inputs, the last its targets).
+* ``tp``: tensor-parallel ranks (Megatron's split of each block); they use the same slice.
+* ``pp``: pipeline stages; they use the same slice (the first stage its inputs, the last its targets).
+
+Ranks that use the same slice (tp and pp peers: :attr:`ParallelDims.data_peers`) do not each read it: the first
+of each group (:attr:`ParallelDims.reads_data`) reads it and hands it to the others
+(:func:`fxtrain.distributed.broadcast_batch`).
 
 The runner builds it from ``cfg.parallel`` and hands it to whoever needs a mesh: the data (:meth:`local_batch`),
 the model (:mod:`fxtrain.parallel`), the stack (:attr:`norm_groups`, ``sharded_apply``) and checkpoints.
@@ -145,6 +149,21 @@ class ParallelDims:
             if d in _BATCH_DIMS:
                 rank = rank * self.degrees[d] + self.mesh.get_local_rank(d)
         return rank
+
+    @property
+    def data_peers(self) -> tuple[str, ...]:
+        """The enabled dims whose ranks use the same slice of a batch (``tp``, ``pp``), in mesh order."""
+        return tuple(d for d in self.mesh_dims if d not in _BATCH_DIMS)
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether this rank reads its slice of a batch (the first rank of its group of :attr:`data_peers`) rather
+        than receiving it from that rank; a rank without peers (or without a mesh) reads.
+
+        >>> ParallelDims.of(world=1).reads_data
+        True
+        """
+        return self.mesh is None or all(self.mesh.get_local_rank(d) == 0 for d in self.data_peers)
 
     def local_batch(self, batch: tuple) -> tuple:
         """This rank's contiguous slice of every tensor in a global batch (the batch itself for one slice)."""
