@@ -28,6 +28,7 @@ import argparse
 import difflib
 import functools
 import importlib
+import importlib.resources
 import inspect
 import pathlib
 import re
@@ -855,23 +856,30 @@ def check_override_keys(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
     from hydra.errors import HydraException
     from hydra.types import RunMode
 
-    repo, overrides = search_path(argv, primary)
+    args, _ = get_args_parser().parse_known_args(argv)
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
+        parsed = OverridesParser.create().parse_overrides(list(args.overrides))
     except HydraException:
         return  # Hydra says what is wrong with the grammar
-    plain = [o for o in parsed if o.type == OverrideType.CHANGE and not o.key_or_group.startswith("hydra")
-             and "/" not in o.key_or_group and not repo.group_exists(o.key_or_group)]
-    rest = []
-    for o in plain:
-        line = schema.unknown_key(o.key_or_group)
+    repo, rest = None, []
+    chosen = {o.key_or_group for o in parsed if "." not in o.key_or_group}  # group choices (debug=fast...)
+    for o in parsed:
+        key = o.key_or_group
+        if o.type != OverrideType.CHANGE or key.startswith("hydra") or "/" in key:
+            continue
+        if "." not in key and key not in schema.Settings.model_fields:  # seed=1, or a group of the user's
+            repo = repo or search_path(argv, primary)[0]
+            if repo.group_exists(key):
+                continue
+        line = schema.unknown_key(key) or schema.unknown_key(key.split(".")[0])  # modle.hidden: modle
         if line is not None:
             raise ConfigError(line)
-        if not schema.declared(o.key_or_group):
-            rest.append(o)
-    if not rest or any(o.is_sweep_override() and repo.group_exists(o.key_or_group) for o in parsed):
+        if schema.declared(key) or (key.split(".")[0] in chosen and key.startswith("debug.")):
+            continue
+        if not _in_conf(key.rpartition(".")[2]) or key.startswith(("debug.", "amp.loss_scale.")):
+            rest.append(o)  # a name no option of conf/ has (model.hiden), a node only some options have: composed
+    if not rest or any(o.is_sweep_override() and "." not in o.key_or_group for o in parsed):
         return  # a sweep over groups composes several configs: Hydra checks each
-    args, _ = get_args_parser().parse_known_args(argv)
     keep = [o.input_line for o in parsed if o not in rest and not o.is_sweep_override()
             and not o.key_or_group.startswith("hydra")]
     try:
@@ -894,6 +902,17 @@ def check_override_keys(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
                 raise ConfigError(f"{o.input_line}: the config has no key {o.key_or_group}{hint}; fix the name, or "
                                   f"add a key with +{o.input_line}")
             node = node._get_node(part)
+
+
+@functools.lru_cache(maxsize=None)
+def _conf_text() -> str:
+    """The options of fxtrain's conf/, one text: a plain override whose last name is a key there is left to Hydra
+    (composing the config at each launch to check it costs about a second on a busy machine)."""
+    return "\n".join(p.read_text() for p in pathlib.Path(str(importlib.resources.files("fxtrain.conf"))).rglob("*.yaml"))
+
+
+def _in_conf(name: str) -> bool:
+    return re.search(rf"^[ -]*{re.escape(name)}:", _conf_text(), re.MULTILINE) is not None
 
 
 def _is_null(arg: str) -> bool:

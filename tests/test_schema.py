@@ -171,7 +171,7 @@ def test_an_unknown_key_on_the_command_line_is_one_line_naming_the_nearest(arg, 
     ("optim.chain.adamw.lerning_rate=0.1", "Error: optim.chain.adamw.lerning_rate=0.1: the config has no key "
                                            "optim.chain.adamw.lerning_rate (did you mean "
                                            "optim.chain.adamw.learning_rate?)"),
-    ("modle.hidden=[8]", "Error: modle.hidden=[8]: the config has no key modle.hidden (did you mean model?)"),
+    ("modle.hidden=[8]", "Error: modle: not a setting fxtrain reads (did you mean model?)"),
     ("debug.limit_train=0.5", "Error: debug.limit_train=0.5: the config has no key debug.limit_train; fix the name, "
                               "or add a key with +debug.limit_train=0.5"),  # no debug option picked
     ("amp.loss_scale.init_scale=8.0", "Error: amp.loss_scale.init_scale=8.0: amp.loss_scale=null has no keys; set "
