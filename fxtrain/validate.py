@@ -50,16 +50,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import difflib
 import errno
 import functools
-import importlib.resources
 import inspect
 import math
 import os
 import pathlib
-import types
 import typing
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
