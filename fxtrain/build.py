@@ -28,6 +28,7 @@ import argparse
 import difflib
 import functools
 import importlib
+import importlib.resources
 import inspect
 import pathlib
 import re
@@ -38,11 +39,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
-from fxtrain import data, distributed, extras, tasks
+from fxtrain import data, distributed, extras, schema, tasks
 from fxtrain._moved import moved_names
 from fxtrain.errors import ConfigError
 
-__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "MODEL_SETTINGS", "model_node", "model", "parallel_dims", "single_process_note", "mixed_precision", "cast_params",
+__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "MODEL_SETTINGS", "model_node", "model", "parallel_dims", "single_process_note", "check_microbatches", "check_override_keys", "mixed_precision", "cast_params",
            "check_overrides", "search_path", "dataset", "data_keys", "floats_where_expected", "DATA_KEYS", "task",
            "eval_hooks", "early_stopping", "ScaledSchedule", "user_search_path", "user_configs_first",
            "settle_optimized_metric"]
@@ -450,16 +451,7 @@ def stack(cfg: DictConfig, dims: distributed.ParallelDims | None = None,
     (dotted keys as in the config): ``hydra/launcher=vmap`` builds one stack for a group of jobs inside
     ``torch.func.vmap`` with each job's value as a 0-dim tensor there (:mod:`fxtrain.sweep`).
     """
-    chain_cfg = cfg.optim.get("chain")
-    if not chain_cfg:
-        raise ConfigError("optim.chain is empty: pick transforms with "
-                          "'optim/transform@optim.chain=[clip_by_global_norm,adamw]'")
-    every = cfg.accumulate.every
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise ConfigError(f"accumulate.every: expected a positive integer, got {every!r}")
-    if cfg.trainer.max_steps % every:
-        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} is not a multiple of accumulate.every={every} "
-                          "(both count batches)")
+    chain_cfg, every = cfg.optim.get("chain"), cfg.accumulate.every  # checked by fxtrain.validate.check
     values = values or {}
     shape = (instantiate(cfg.schedule, "schedule", **_values_under(values, "schedule"))
              if cfg.get("schedule") is not None else None)
@@ -469,8 +461,6 @@ def stack(cfg: DictConfig, dims: distributed.ParallelDims | None = None,
                       {**_values_under(values, f"optim.chain.{name}"), **_accepted(node, stages)})
            for name, node in chain_cfg.items()]
     shard = cfg.parallel.get("shard_optimizer", False)
-    if shard not in (True, False):
-        raise ConfigError(f"parallel.shard_optimizer: expected true or false, got {shard!r}")
     if shard and not _replicas_only(cfg.parallel):
         shown = " ".join(f"parallel.{d}={cfg.parallel.get(d, 1)}" for d in distributed.DIMS)
         raise ConfigError(f"parallel.shard_optimizer=true needs data-parallel replicas alone (parallel=dp: it shards "
@@ -536,9 +526,6 @@ def parallel_dims(cfg: DictConfig, world: int) -> distributed.ParallelDims:
     """The run's :class:`fxtrain.distributed.ParallelDims` from ``cfg.parallel``'s degrees (not built), checked
     against the world size; a mismatch names the ``parallel.*`` keys."""
     node = cfg.parallel
-    if node.get("dp") is not None:
-        raise ConfigError(f"parallel.dp={node.dp}: the data-parallel degree is now parallel.dp_replicate (replicated "
-                          f"params, parallel=dp) or parallel.dp_shard (FSDP, parallel=fsdp)")
     degrees = {d: node.get(d) for d in distributed.DIMS}
     given = " ".join(f"parallel.{d}={v}" for d, v in degrees.items() if v not in (1, None))
     if world > 1 and not given:
@@ -556,10 +543,27 @@ def parallel_dims(cfg: DictConfig, world: int) -> distributed.ParallelDims:
     if isinstance(batch, int) and batch % dims.data_world:
         raise ConfigError(f"data.batch_size={batch} does not split evenly over the {dims.data_world} ranks that read "
                           f"different slices ({dims.describe()}): make it a multiple of {dims.data_world}")
-    if dims.enabled("pp") and isinstance(batch, int) and (batch // dims.data_world) % int(node.get("microbatches", 1)):
-        raise ConfigError(f"parallel.microbatches={node.microbatches} does not divide the per-rank batch of "
-                          f"{batch // dims.data_world} (data.batch_size={batch}): pick a divisor")
+    if dims.enabled("pp") and isinstance(batch, int):
+        check_microbatches(node.get("microbatches", 1), batch, dims.data_world)
     return dims
+
+
+def check_microbatches(micro: int, batch: int, ranks: int) -> None:
+    """Raises :class:`ConfigError` unless ``micro`` (``parallel.microbatches``) divides the per-rank batch of
+    ``batch`` (``data.batch_size``) over ``ranks`` data-parallel ranks.
+
+    >>> check_microbatches(4, 64, 2)
+    >>> check_microbatches(3, 64, 2)
+    Traceback (most recent call last):
+    ...
+    fxtrain.errors.ConfigError: parallel.microbatches=3 does not divide the per-rank batch of 32 (data.batch_size=64 over 2 data ranks): pick a divisor, e.g. parallel.microbatches=2
+    """
+    share = batch // ranks
+    if share % micro:
+        divisor = max(d for d in range(1, min(share, micro) + 1) if share % d == 0)
+        raise ConfigError(f"parallel.microbatches={micro} does not divide the per-rank batch of {share} "
+                          f"(data.batch_size={batch} over {ranks} data rank{'s' if ranks > 1 else ''}): pick a "
+                          f"divisor, e.g. parallel.microbatches={divisor}")
 
 
 def single_process_note(cfg: DictConfig, dims: distributed.ParallelDims) -> str | None:
@@ -705,13 +709,19 @@ def search_path(argv: list[str], primary: str = PRIMARY_CONFIG) -> tuple[Any, li
     (['model=mlp,resnet'], True, True)
     """
     from hydra._internal.config_repository import ConfigRepository
-    from hydra._internal.utils import create_config_search_path, get_args_parser
+    from hydra._internal.utils import get_args_parser
 
     args, _ = get_args_parser().parse_known_args(argv)
+    return ConfigRepository(_search_path(argv, primary)), list(args.overrides)
+
+
+def _search_path(argv: list[str], primary: str) -> Any:
+    from hydra._internal.utils import create_config_search_path
+
     path = create_config_search_path(primary)
     path.get_path()[:] = [e for e in path.get_path() if e.provider != USER_CONFIGS]  # put there for sys.argv
     user_configs_first(path, argv, primary)
-    return ConfigRepository(path), list(args.overrides)
+    return path
 
 
 def user_configs_first(path: Any, argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
@@ -819,6 +829,90 @@ def check_overrides(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
                                   if source.is_group(group) and (found := sorted(
                                       source.list(group, ObjectType.CONFIG))))
                 raise ConfigError(f"{arg}: no {kind} {value!r} in {group}{hint}; available: {where}")
+
+
+def check_override_keys(argv: list[str], primary: str = PRIMARY_CONFIG) -> None:
+    """Refuses a plain override (no ``+``) of a key the config lacks, in one line naming the nearest key, before
+    Hydra's five lines ("Could not override 'trainer.max_stpes'..." without a name to use).
+
+    A key of a node :mod:`fxtrain.schema` declares is checked against its fields; any other (``model.hiden``,
+    ``optim.chain.adamw.lerning_rate``) against the config the command line composes (its experiment, the user's
+    own config and groups), composed once more here only for such keys.
+
+    >>> check_override_keys(["trainer.max_steps=5", "model.hidden=[8]"])   # fine
+    >>> check_override_keys(["trainer.max_stpes=5"])
+    Traceback (most recent call last):
+    ...
+    fxtrain.errors.ConfigError: trainer.max_stpes: not a setting fxtrain reads (did you mean trainer.max_steps?); trainer's settings are max_steps, max_epochs, log_every, eval_every, eval_batch_size, checkpoint_every, keep_last, checkpoint, test_ckpt, device, compile, cpu_threads, progress, heartbeat_s, allow_no_descent, early_stopping, eval_hooks, export, orbax_naming
+    >>> check_override_keys(["model.hiden=[8]"])
+    Traceback (most recent call last):
+    ...
+    fxtrain.errors.ConfigError: model.hiden=[8]: the config has no key model.hiden (did you mean model.hidden?); fix the name, or add a key with +model.hiden=[8]
+    """
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+    from hydra.types import RunMode
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(args.overrides))
+    except HydraException:
+        return  # Hydra says what is wrong with the grammar
+    repo, rest = None, []
+    chosen = {o.key_or_group for o in parsed if "." not in o.key_or_group}  # group choices (debug=fast...)
+    for o in parsed:
+        key = o.key_or_group
+        if o.type != OverrideType.CHANGE or key.startswith("hydra") or "/" in key:
+            continue
+        if "." not in key and key not in schema.Settings.model_fields:  # seed=1, or a group of the user's
+            repo = repo or search_path(argv, primary)[0]
+            if repo.group_exists(key):
+                continue
+        line = schema.unknown_key(key) or schema.unknown_key(key.split(".")[0])  # modle.hidden: modle
+        if line is not None:
+            raise ConfigError(line)
+        if schema.declared(key) or (key.split(".")[0] in chosen and key.startswith("debug.")):
+            continue
+        if not _in_conf(key.rpartition(".")[2]) or key.startswith(("debug.", "amp.loss_scale.")):
+            rest.append(o)  # a name no option of conf/ has (model.hiden), a node only some options have: composed
+    if not rest or any(o.is_sweep_override() and "." not in o.key_or_group for o in parsed):
+        return  # a sweep over groups composes several configs: Hydra checks each
+    keep = [o.input_line for o in parsed if o not in rest and not o.is_sweep_override()
+            and not o.key_or_group.startswith("hydra")]
+    try:
+        cfg = ConfigLoaderImpl(config_search_path=_search_path(argv, primary)).load_configuration(
+            args.config_name or "train", keep, run_mode=RunMode.RUN)
+    except (HydraException, OmegaConfBaseException):
+        return  # Hydra names what else is wrong
+    for o in rest:
+        node, path = cfg, o.key_or_group.split(".")
+        for depth, part in enumerate(path):
+            where = ".".join(path[:depth])
+            if OmegaConf.is_list(node):
+                break  # model.hidden.0=8: Hydra checks the index
+            if not OmegaConf.is_dict(node):  # amp.loss_scale.init_scale=8.0 where amp.loss_scale is null
+                raise ConfigError(f"{o.input_line}: {where}={schema.show(node._value())} has no keys; set it to a "
+                                  f"node first ({where}={{{part}: ...}}), or pick an option that has one")
+            if part not in node:
+                close = schema.nearest(part, [str(k) for k in node])
+                hint = f" (did you mean {where + '.' if where else ''}{close}?)" if close else ""
+                raise ConfigError(f"{o.input_line}: the config has no key {o.key_or_group}{hint}; fix the name, or "
+                                  f"add a key with +{o.input_line}")
+            node = node._get_node(part)
+
+
+@functools.lru_cache(maxsize=None)
+def _conf_text() -> str:
+    """The options of fxtrain's conf/, one text: a plain override whose last name is a key there is left to Hydra
+    (composing the config at each launch to check it costs about a second on a busy machine)."""
+    return "\n".join(p.read_text() for p in pathlib.Path(str(importlib.resources.files("fxtrain.conf"))).rglob("*.yaml"))
+
+
+def _in_conf(name: str) -> bool:
+    return re.search(rf"^[ -]*{re.escape(name)}:", _conf_text(), re.MULTILINE) is not None
 
 
 def _is_null(arg: str) -> bool:

@@ -91,7 +91,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fxtrain as fx
 from fxtrain.errors import ConfigError
-from fxtrain import build, checkpoint, distributed, loggers, parallel, report, rundir, selection, tasks, tree, validate
+from fxtrain import (build, checkpoint, distributed, loggers, parallel, report, rundir, schema, selection, tasks,
+                     tree, validate)
 from fxtrain.interop import run_hooks as orbax_hooks  # resume=orbax:PATH, trainer.export=orbax
 from fxtrain import data as fxdata
 from fxtrain.data import batches_per_epoch
@@ -437,8 +438,7 @@ def run_length(cfg: DictConfig, data: Any) -> str:
 # --- debug runs (the debug group: conf/debug/) -----------------------------------------------------------
 
 # What a run without debug=... has; conf/debug/_settings.yaml gives every debug option these keys.
-DEBUG_DEFAULTS = {"name": None, "checkpoints": True, "limit_train": None, "limit_val": None, "limit_test": None,
-                  "overfit_batches": 0, "profile_steps": 0, "profile_wait": 0, "shorten": False, "shortened": {}}
+DEBUG_DEFAULTS = {name: info.default for name, info in schema.Debug.model_fields.items()}
 PROFILE_TRACE = "profile_trace.json"  # debug=profile's chrome trace, in the run directory
 KINETO_QUIET = "6"  # KINETO_LOG_LEVEL that keeps torch.profiler's engine from writing to stderr
 
@@ -1280,6 +1280,7 @@ def main(argv: list[str] | None = None) -> None:
     _expose_launcher()
     try:
         build.check_overrides(argv)  # every entry of Hydra's search path: --config-dir, hydra.searchpath
+        build.check_override_keys(argv)  # trainer.max_stpes=5: the nearest key, not Hydra's five lines
     except ConfigError as e:
         raise SystemExit(f"Error: {e}") from None
     rank, world = distributed.init_from_env()

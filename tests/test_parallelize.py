@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fxtrain as fx
-from fxtrain import build, parallel
+from fxtrain import build, parallel, validate
 from fxtrain import train as runner
 from fxtrain.distributed import ParallelDims
 from fxtrain.models import MLP, TransformerLM
@@ -66,9 +66,9 @@ def test_presets_are_degrees(preset, world, degrees):
 def test_degrees_without_a_preset_and_old_keys():
     got = build.parallel_dims(cfg_of("experiment=smoke", "parallel.tp=2", "parallel.dp_shard=-1"), 8)
     assert got.describe() == "parallel dp_shard=4 x tp=2"
-    with pytest.raises(build.ConfigError, match=r"^parallel.dp=2: the data-parallel degree is now "
+    with pytest.raises(build.ConfigError, match=r"^parallel.dp=2: expected null \(the key before degrees: use "
                                                 r"parallel.dp_replicate .* or parallel.dp_shard"):
-        build.parallel_dims(cfg_of("experiment=smoke", "parallel.dp=2"), 2)
+        validate.check(cfg_of("experiment=smoke", "parallel.dp=2"))
 
 
 @pytest.mark.parametrize("degrees,message", [

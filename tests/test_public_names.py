@@ -23,7 +23,7 @@ for point in DATA["points"]:
     for module, names in point["modules"].items():
         NAMES.setdefault(module, set()).update(names)
 
-# Public names of the first day (11-22) replaced by other API days ago, each with what replaces it: reading one
+# Public names replaced by other API (the first day's, 11-22, and issue 38's), each with what replaces it: reading one
 # raises an AttributeError that says so (a name missing here and from fxtrain fails the test).
 REMOVED = {
     "fxtrain.build.constant_hyperparams": "fx.traits(tx).constant_reports",
@@ -31,6 +31,9 @@ REMOVED = {
     "fxtrain.distributed.all_reduce_mean": "mean_across_ranks",
     "fxtrain.distributed.local_batch": "local_batch(batch)",
     "fxtrain.distributed.on_dp_mesh": "shard_over='dp'",
+    # issue 38: the settings declared as pydantic models
+    "fxtrain.validate.SCHEMA": "fxtrain.schema.node_models()",
+    "fxtrain.validate.ARG_RULES": "fxtrain.schema.ARGS",
 }
 
 

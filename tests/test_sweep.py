@@ -198,7 +198,7 @@ def test_a_bad_cache_dir_is_refused_in_one_line():
     from fxtrain.errors import ConfigError
 
     target = "hydra_plugins.fxtrain_vmap_launcher.vmap_launcher.VmapLauncher"
-    with pytest.raises(ConfigError, match=r"^hydra.launcher.cache_dir=3: expected a string, or null$"):
+    with pytest.raises(ConfigError, match=r"^hydra.launcher.cache_dir=3: expected a string, or null \(where compiled code"):
         validate.check_launcher({"_target_": target, "compile": True, "cache_dir": 3})
     with pytest.raises(ConfigError, match=r"^hydra.launcher.cache_dir=' ': expected a directory path or null "):
         validate.check_launcher({"_target_": target, "compile": True, "cache_dir": " "})

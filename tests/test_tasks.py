@@ -118,7 +118,7 @@ def test_early_stopping_settings_are_checked():
 def test_bad_task_hook_and_early_stopping_settings_stop_before_anything_is_written(tmp_path):
     for bad, message in [
         (["trainer.early_stopping.metric=loss", "trainer.early_stopping.mode=lowest"],
-         r"trainer.early_stopping.mode='lowest': expected auto, min or max"),
+         r"trainer.early_stopping.mode=lowest: expected one of auto, min, max"),
         (["+trainer.eval_hooks.cal._target_=tests.test_tasks.calibration", "+trainer.eval_hooks.cal.binz=3"],
          r"trainer.eval_hooks.cal: binz is not an argument of tests.test_tasks.calibration \(did you mean bins\?\)"),
         (["task._target_=fxtrain.tasks.Task", "+task.loss=mylib_missing.huber"],

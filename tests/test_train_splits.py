@@ -117,7 +117,7 @@ def test_test_ckpt_last_and_no_validation_split(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("trainer.test_ckpt=first", "trainer.test_ckpt='first': expected best"),
+    ("trainer.test_ckpt=first", "trainer.test_ckpt=first: expected one of best, last"),
     ("trainer.checkpoint.best_by=test_accuracy", "trainer.checkpoint.best_by=test_accuracy: the test split is"),
     ("trainer.early_stopping.metric=test_loss", "trainer.early_stopping.metric=test_loss: the test split is"),
     ("data.val_fraction=0.8", "data.val_fraction=0.8: expected a number from 0"),
