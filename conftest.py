@@ -55,7 +55,7 @@ def pytest_terminal_summary(terminalreporter):
     total = sum(_CPU.values())
     terminalreporter.section(f"CPU seconds by file (15 of {len(_CPU)}; all: {total:.0f} s)")
     for path, cpu in sorted(_CPU.items(), key=lambda kv: -kv[1])[:15]:
-        terminalreporter.write_line(f"{cpu:8.1f} s  {100 * cpu / total:4.1f}%  {path}")
+        terminalreporter.write_line(f"{cpu:8.1f} s  {100 * cpu / max(total, 1e-9):4.1f}%  {path}")
     if os.environ.get("FXTRAIN_CPU_JSON"):  # every test's CPU seconds, for a closer look
         with open(os.environ["FXTRAIN_CPU_JSON"], "w") as f:
             json.dump(_TESTS, f, indent=0)
