@@ -148,7 +148,7 @@ def test_mnist_port_config_is_the_templates_mnist_example():
     runner.settle_max_steps(cfg)
     stack = repr(build.stack(cfg))
     assert stack.startswith("chain(inject_hyperparams(adam)(learning_rate=0.001*constant_schedule(value=1.0)")
-    assert stack.endswith("reduce_on_plateau(patience=11.0, accumulation_size=11.0))"), stack  # factor 0.1: default
+    assert stack.endswith("reduce_on_plateau(patience=11, accumulation_size=11))"), stack  # factor 0.1: default
     model = build.model(cfg)
     assert [type(m).__name__ for m in model.net] == ["Flatten"] + ["Linear", "BatchNorm1d", "ReLU"] * 3 + ["Linear"]
     assert [m.out_features for m in model.net if isinstance(m, torch.nn.Linear)] == [64, 128, 64, 10]

@@ -207,16 +207,17 @@ def _fx_to_nnx_keys(fx_state: Any, module: nn.Module, prefix: tuple) -> Any:
     return walk(fx_state)
 
 
-def _nnx_to_fx_keys(state: Any, module: nn.Module) -> Any:
-    """The inverse of :func:`_fx_to_nnx_keys`: NNX trees back to ``{torch name: tensor}``."""
+def _nnx_to_fx_keys(state: Any, module: nn.Module, copy: bool = True) -> Any:
+    """The inverse of :func:`_fx_to_nnx_keys`: NNX trees back to ``{torch name: tensor}`` (``copy=False``: sharing
+    the arrays' memory where the layouts allow, as :func:`~fxtrain.interop.from_linen`)."""
     top = {leaf.path[1] for leaf in linen_names(module, naming="nnx").values()}
 
     def walk(node):
         if isinstance(node, Mapping) and node:
             if set(node) == top:
-                return from_linen({"params": node}, module, naming="nnx")
+                return from_linen({"params": node}, module, naming="nnx", copy=copy)
             if _is_sequential_pair(module, node):
-                return from_linen({"params": node["layers"]}, module, naming="nnx")
+                return from_linen({"params": node["layers"]}, module, naming="nnx", copy=copy)
         if isinstance(node, tuple) and hasattr(type(node), "_fields"):
             return type(node)(*(walk(x) for x in node))
         if isinstance(node, (tuple, list)):
@@ -276,7 +277,7 @@ def state_from_nnx_optimizer(optimizer: Any, module: nn.Module, fx_like: Any, *,
         >>> type(state[0]).__name__, sorted(state[0].mu)
         ('ScaleByAdamState', ['bias', 'weight'])
     """
-    return state_from_optax(_nnx_to_fx_keys(_pure(optimizer.opt_state), module), fx_like, copy=copy)
+    return state_from_optax(_nnx_to_fx_keys(_pure(optimizer.opt_state), module, copy), fx_like, copy=copy)
 
 
 def state_to_nnx_optimizer(fx_state: Any, module: nn.Module, optimizer: Any) -> Any:
