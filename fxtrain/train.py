@@ -92,7 +92,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import fxtrain as fx
 from fxtrain.errors import ConfigError
 from fxtrain import build, checkpoint, distributed, loggers, parallel, report, rundir, selection, tasks, tree, validate
-from fxtrain.interop import run_hooks as orbax_hooks  # resume=orbax:PATH, trainer.export=orbax
+from fxtrain import run_hooks as orbax_hooks  # resume=orbax:PATH, trainer.export=orbax
 from fxtrain import data as fxdata
 from fxtrain.data import batches_per_epoch
 from fxtrain.models import count_params

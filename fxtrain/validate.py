@@ -73,7 +73,7 @@ import fxtrain as fx
 from fxtrain import _base, build, checkpoint, distributed, parallel, tasks
 from fxtrain import data as fxdata
 from fxtrain.errors import ConfigError
-from fxtrain.interop import run_hooks as orbax_hooks
+from fxtrain import run_hooks as orbax_hooks
 
 __all__ = ["check", "Checked", "one_line_errors", "message", "DiskFull", "metric_names", "SCHEMA", "ARG_RULES",
            "check_launcher", "launcher_schema", "LauncherCheck", "typed_args", "annotation_rule"]

@@ -1,4 +1,5 @@
-"""D-Adaptation AdamW: AdamW whose step size estimates the distance to the solution (Optax's ``contrib._dadapt_adamw``)."""
+"""D-Adaptation AdamW: AdamW whose step size estimates the distance to the solution (Optax's
+``contrib._dadapt_adamw``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from fxtrain import tree
 from fxtrain._base import GradientTransformation, Params, check_needs_params, check_nonnegative, transform
 from fxtrain._deferred import DTensor
 from fxtrain.contrib._numerics import LearningRate, scheduled
-from fxtrain.transforms._moments import Scalar, bias_correction, counter, is_zero, param_device, safe_increment_, scalar_dtype
+from fxtrain.transforms._moments import (Scalar, bias_correction, counter, is_zero, param_device, safe_increment_,
+                                         scalar_dtype)
 
 
 __all__ = ["DAdaptAdamWState", "dadapt_adamw"]

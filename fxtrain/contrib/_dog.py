@@ -7,7 +7,8 @@ from typing import Literal, NamedTuple
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, Params, chain, check_needs_params, check_nonnegative, identity, transform
+from fxtrain._base import (GradientTransformation, Params, chain, check_needs_params, check_nonnegative, identity,
+                           transform)
 from fxtrain.contrib._numerics import LearningRate, safe_sqrt, tree_sum_sq
 from fxtrain.transforms._masking import Mask
 from fxtrain.transforms._moments import Scalar, param_device, scalar_dtype

@@ -7,7 +7,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fxtrain import distributed, tree
-from fxtrain._base import GradientTransformation, Params, call_, check_needs_params, check_nonnegative, transform, with_traits
+from fxtrain._base import (GradientTransformation, Params, call_, check_needs_params, check_nonnegative, transform,
+                           with_traits)
 from fxtrain.contrib._numerics import safe_sqrt
 from fxtrain.transforms._moments import Scalar, counter, param_device, safe_increment_, scalar_dtype
 

@@ -9,7 +9,8 @@ import torch
 from fxtrain import tree
 from fxtrain._base import GradientTransformation, Params, check_needs_params, check_nonnegative, transform
 from fxtrain.contrib._numerics import LearningRate, scheduled, tree_sum_sq
-from fxtrain.transforms._moments import Scalar, bias_correction, counter, is_zero, param_device, safe_increment_, scalar_dtype
+from fxtrain.transforms._moments import (Scalar, bias_correction, counter, is_zero, param_device, safe_increment_,
+                                         scalar_dtype)
 from fxtrain.transforms._scaling import precision
 
 
