@@ -162,7 +162,14 @@ class GradientTransformation(NamedTuple):
 
 
 class EmptyState(NamedTuple):
-    """The state of stateless transforms (Optax's ``EmptyState``)."""
+    """The state of stateless transforms (Optax's ``EmptyState``).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale(2.0).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.EmptyState), state._fields
+        (True, ())
+    """
 
 
 class _Update:
@@ -438,7 +445,13 @@ def update_(tx: GradientTransformation, updates: Updates, state: State, params: 
 
 
 def is_elementwise(tx: GradientTransformation) -> bool:
-    """Whether ``tx`` acts on each element independently (no reduction across elements or leaves)."""
+    """Whether ``tx`` acts on each element independently (no reduction across elements or leaves).
+
+    Example:
+        >>> import fxtrain as fx
+        >>> fx.is_elementwise(fx.adam(0.1)), fx.is_elementwise(fx.clip_by_global_norm(1.0))
+        (True, False)
+    """
     return traits(tx).elementwise
 
 

@@ -112,63 +112,6 @@ def test_all_is_what_the_map_imports():
     assert listed == imported, f"in __all__ only: {sorted(listed - imported)}; imported only: {sorted(imported - listed)}"
 
 
-# Public names whose docstring has no runnable example yet (mostly the state NamedTuples, whose example is their
-# factory's); the test fails when one gets an example (delete its entry then).
-NO_EXAMPLE_YET: set[str] = {
-    "fxtrain.AccumulateState",
-    "fxtrain.AccumulationType",
-    "fxtrain.Accumulator",
-    "fxtrain.AddNoiseState",
-    "fxtrain.AmpCastState",
-    "fxtrain.ApplyEvery",
-    "fxtrain.ApplyIfFiniteState",
-    "fxtrain.BacktrackingLinesearchInfo",
-    "fxtrain.CheckpointError",
-    "fxtrain.ClipByGlobalNormState",
-    "fxtrain.ConditionallyMaskState",
-    "fxtrain.ConditionallyTransformState",
-    "fxtrain.DynamicLossScaleState",
-    "fxtrain.EmaState",
-    "fxtrain.EmptyState",
-    "fxtrain.FactoredState",
-    "fxtrain.InjectHyperparamsState",
-    "fxtrain.LookaheadState",
-    "fxtrain.MaskedNode",
-    "fxtrain.MaskedState",
-    "fxtrain.MonitorState",
-    "fxtrain.PartitionState",
-    "fxtrain.ScaleByAdaDeltaState",
-    "fxtrain.ScaleByAdamState",
-    "fxtrain.ScaleByAdanState",
-    "fxtrain.ScaleByAmsgradState",
-    "fxtrain.ScaleByBacktrackingLinesearchState",
-    "fxtrain.ScaleByBeliefState",
-    "fxtrain.ScaleByDistanceOverGradientsState",
-    "fxtrain.ScaleByLBFGSState",
-    "fxtrain.ScaleByLionState",
-    "fxtrain.ScaleByNovogradState",
-    "fxtrain.ScaleByOptimisticGradientState",
-    "fxtrain.ScaleByRStdDevState",
-    "fxtrain.ScaleByRStdDevWithCountState",
-    "fxtrain.ScaleByRmsState",
-    "fxtrain.ScaleByRmsWithCountState",
-    "fxtrain.ScaleByRpropState",
-    "fxtrain.ScaleByRssState",
-    "fxtrain.ScaleBySM3State",
-    "fxtrain.ScaleByScheduleState",
-    "fxtrain.ScaleByZoomLinesearchState",
-    "fxtrain.SnapshotState",
-    "fxtrain.StaticLossScaleState",
-    "fxtrain.TraceState",
-    "fxtrain.TrainState",
-    "fxtrain.WeightDecaySchedule",
-    "fxtrain.ZeroNansState",
-    "fxtrain.ZoomLinesearchInfo",
-    "fxtrain.is_elementwise",
-    "fxtrain.set_rng_state",
-}
-
-
 def has_example(obj: object) -> bool:
     return ">>>" in (inspect.getdoc(obj) or "")
 
@@ -181,11 +124,9 @@ def test_every_public_name_has_a_docstring_with_an_example(module):
         obj = getattr(mod, name)
         if isinstance(obj, types.ModuleType):
             assert (obj.__doc__ or "").strip(), f"{module}.{name} has no module docstring"
-        elif not has_example(obj) and f"{module}.{name}" not in NO_EXAMPLE_YET:
+        elif not has_example(obj):
             missing.append(name)
     assert not missing, f"{len(missing)} public names of {module} have no docstring example: {missing}"
-    stale = sorted(n for n in NO_EXAMPLE_YET if n.startswith(module + ".") and has_example(getattr(mod, n.rpartition(".")[2])))
-    assert not stale, f"these have an example now, remove them from NO_EXAMPLE_YET: {stale}"
 
 
 def test_the_extension_api_lives_in_extend_and_its_old_names_warn():
