@@ -224,7 +224,7 @@ from fxtrain import contrib
 
 __version__ = "0.1.0"
 
-# The extension API's names of the top level until 0.2 (issue 38): they moved to fx.extend, where the docs show them.
+# The extension API's old top-level names, for one more release (issue 38): they moved to fx.extend.
 __getattr__ = _moved_names(__name__, {name: f"fxtrain.extend.{name}" for name in (
     "call", "call_", "check_learning_rate", "check_needs_params", "check_nonnegative", "combine", "forwarded",
     "kernel")})

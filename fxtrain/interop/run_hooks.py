@@ -1,6 +1,6 @@
 """Moved: the runner's Orbax hooks (``resume=orbax:PATH``, ``trainer.export=orbax``) are runner code, now
 :mod:`fxtrain.run_hooks` (issue 38). Their old names here resolve with a DeprecationWarning naming the new place
-until 0.2, without an import of the runner from the interop layer (fxtrain/_moved.py).
+for one more release, without an import of the runner from the interop layer (fxtrain/_moved.py).
 """
 
 from fxtrain._moved import moved_names
