@@ -3,7 +3,24 @@
 This file is the map: every public name and the module it lives in.
 """
 
-from fxtrain import testing, tree
+from fxtrain._moved import moved_names as _moved_names
+
+# --- the public modules: fx.tree.map, fx.testing.check_transform, fx.distributed.ParallelDims...
+from fxtrain import (
+    amp,
+    checkpoint,
+    distributed,
+    errors,
+    models,
+    optimizers,
+    per_example,
+    schedules,
+    step,
+    tasks,
+    testing,
+    transforms,
+    tree,
+)
 
 # --- core: protocol and combinators (fxtrain/_base.py)
 from fxtrain._base import (
@@ -24,18 +41,10 @@ from fxtrain._base import (
     with_traits,
 )
 
-# --- writing your own transforms: what the library's own wrappers use (fxtrain/_base.py)
-from fxtrain._base import (
-    call,
-    call_,
-    check_learning_rate,
-    check_needs_params,
-    check_nonnegative,
-    combine,
-    describe,
-    forwarded,
-    kernel,
-)
+# --- writing your own transforms: fx.extend.combine, fx.extend.call... (fxtrain/extend.py); describe stays here too
+# (the runner prints hyperparameters with fx.describe)
+from fxtrain import extend
+from fxtrain._base import describe
 
 # --- transforms and optimizers (fxtrain/transforms/, fxtrain/optimizers.py)
 from fxtrain.optimizers import adagrad, adam, adamw, lion, nadam, nadamw, polyak_sgd, rmsprop, sgd
@@ -214,3 +223,11 @@ from fxtrain.transforms._periodic import ApplyEvery, apply_every, incremental_up
 from fxtrain import contrib
 
 __version__ = "0.1.0"
+
+# The extension API's old top-level names, for one more release (issue 38): they moved to fx.extend.
+__getattr__ = _moved_names(__name__, {name: f"fxtrain.extend.{name}" for name in (
+    "call", "call_", "check_learning_rate", "check_needs_params", "check_nonnegative", "combine", "forwarded",
+    "kernel")})
+
+# The public names: every name this map imports (tests/test_public_names.py checks it against the imports above).
+__all__ = sorted(name for name in globals() if not name.startswith("_"))

@@ -162,7 +162,14 @@ class GradientTransformation(NamedTuple):
 
 
 class EmptyState(NamedTuple):
-    """The state of stateless transforms (Optax's ``EmptyState``)."""
+    """The state of stateless transforms (Optax's ``EmptyState``).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale(2.0).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.EmptyState), state._fields
+        (True, ())
+    """
 
 
 class _Update:
@@ -211,7 +218,17 @@ class _Update:
 
 
 def kernel(tx: GradientTransformation) -> Callable:
-    """The kernel of ``tx`` (its pure ``update`` for hand-written transforms); runs in the caller's op mode."""
+    """The kernel of ``tx`` (its pure ``update`` for hand-written transforms); runs in the caller's op mode.
+
+    Outside ``torch.func`` and autograd the op layer runs in place: the kernel writes into what it is given
+    (``tx.update`` hands it copies; :func:`call` is how a wrapper runs a child).
+
+    >>> import torch, fxtrain as fx
+    >>> g = {"w": torch.ones(2)}
+    >>> u, _ = fx.extend.kernel(fx.scale(3.0))(g, fx.EmptyState(), None)
+    >>> u["w"].tolist(), g["w"].tolist()
+    ([3.0, 3.0], [3.0, 3.0])
+    """
     return tx.update.kernel if isinstance(tx.update, _Update) else tx.update
 
 
@@ -230,7 +247,7 @@ def call(tx: GradientTransformation, updates: Updates, state: State, params: Par
     >>> import torch, fxtrain as fx
     >>> g = {"w": torch.ones(2)}
     >>> with torch.no_grad(), fx.tree.donated():          # as in a donated step
-    ...     u, _ = fx.call(fx.scale(3.0), g, fx.EmptyState())
+    ...     u, _ = fx.extend.call(fx.scale(3.0), g, fx.EmptyState())
     >>> u["w"].tolist(), g["w"].tolist()
     ([3.0, 3.0], [1.0, 1.0])
     """
@@ -270,7 +287,7 @@ def call_(tx: GradientTransformation, updates: Updates, state: State, params: Pa
     >>> import torch, fxtrain as fx
     >>> g = {"w": torch.ones(2)}
     >>> with torch.no_grad(), fx.tree.donated():
-    ...     u, _ = fx.call_(fx.scale(3.0), g, fx.EmptyState())
+    ...     u, _ = fx.extend.call_(fx.scale(3.0), g, fx.EmptyState())
     >>> u["w"] is g["w"], g["w"].tolist()          # the child wrote into the buffer it was given
     (True, [3.0, 3.0])
     """
@@ -316,7 +333,7 @@ def forwarded(*inner: GradientTransformation) -> dict[str, Any]:
     extra arguments (``value=``...), and which of their reported hyperparameters are constants.
 
     >>> import fxtrain as fx
-    >>> sorted(forwarded(fx.inject_hyperparams(fx.adam)(learning_rate=0.1))["constant_reports"])
+    >>> sorted(fx.extend.forwarded(fx.inject_hyperparams(fx.adam)(learning_rate=0.1))["constant_reports"])
     ['b1', 'b2', 'eps', 'eps_root']
     """
     ts = [traits(tx) for tx in inner]
@@ -428,7 +445,13 @@ def update_(tx: GradientTransformation, updates: Updates, state: State, params: 
 
 
 def is_elementwise(tx: GradientTransformation) -> bool:
-    """Whether ``tx`` acts on each element independently (no reduction across elements or leaves)."""
+    """Whether ``tx`` acts on each element independently (no reduction across elements or leaves).
+
+    Example:
+        >>> import fxtrain as fx
+        >>> fx.is_elementwise(fx.adam(0.1)), fx.is_elementwise(fx.clip_by_global_norm(1.0))
+        (True, False)
+    """
     return traits(tx).elementwise
 
 
@@ -619,8 +642,8 @@ def check_needs_params(name: str, params: Params) -> None:
     params: ``"weight_decay=0.1"``); the transform's label is prefixed when it runs under ``tx.update``.
 
     >>> import fxtrain as fx
-    >>> fx.check_needs_params("scale_by_foo", {"w": 1.0})
-    >>> fx.check_needs_params("scale_by_foo", None)
+    >>> fx.extend.check_needs_params("scale_by_foo", {"w": 1.0})
+    >>> fx.extend.check_needs_params("scale_by_foo", None)
     Traceback (most recent call last):
     ...
     ValueError: scale_by_foo needs the params: call update(updates, state, params)
@@ -637,8 +660,8 @@ def check_learning_rate(name: str, **values: Any) -> None:
 
     Example:
         >>> import fxtrain as fx
-        >>> fx.check_learning_rate("my_sgd", learning_rate=0.1, momentum=0.9)
-        >>> fx.check_learning_rate("my_sgd", learning_rate=None)
+        >>> fx.extend.check_learning_rate("my_sgd", learning_rate=0.1, momentum=0.9)
+        >>> fx.extend.check_learning_rate("my_sgd", learning_rate=None)
         Traceback (most recent call last):
         ...
         ValueError: my_sgd: learning_rate=None would apply the raw update direction (an ascent with step size 1); pass a number, a 0-dim tensor or a schedule
@@ -747,11 +770,11 @@ def combine(init_fn: Callable, update_fn: Callable, children: Sequence[GradientT
         ...     def init_fn(params):
         ...         return EveryOtherState(torch.zeros((), dtype=torch.int32), tx.init(params))
         ...     def update_fn(updates, state, params=None, **extra_args):
-        ...         new, inner = fx.call(tx, updates, state.inner, params, extra_args)
+        ...         new, inner = fx.extend.call(tx, updates, state.inner, params, extra_args)
         ...         odd = state.count % 2 == 0      # the 1st, 3rd... update; no host sync
         ...         new = fx.tree.map(lambda n, u: torch.where(odd, n, u), new, updates)
         ...         return new, EveryOtherState(state.count + 1, inner)
-        ...     return fx.combine(init_fn, update_fn, (tx,), lambda s: (s.inner,))
+        ...     return fx.extend.combine(init_fn, update_fn, (tx,), lambda s: (s.inner,))
         >>> tx = every_other(fx.scale(-0.1))
         >>> tx, fx.traits(tx)
         (every_other(scale(-0.1)), Traits(elementwise=True))

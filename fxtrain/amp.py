@@ -190,7 +190,14 @@ class Policy:
 # --- loss scales ------------------------------------------------------------------------------------
 
 class StaticLossScaleState(NamedTuple):
-    """State of :class:`NoLossScale` and :class:`StaticLossScale`: the scale (0-dim float32), never changed."""
+    """State of :class:`NoLossScale` and :class:`StaticLossScale`: the scale (0-dim float32), never changed.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.amp_cast(fx.sgd(0.1), policy="p=f32,c=f16,o=f32", loss_scale=1024.0)
+        >>> tx.init({"w": torch.zeros(2)}).loss_scale
+        StaticLossScaleState(scale=tensor(1024.))
+    """
 
     scale: torch.Tensor
 
@@ -203,6 +210,12 @@ class DynamicLossScaleState(NamedTuple):
       growth_tracker: finite updates since the last overflow or growth, int32 (GradScaler's ``_growth_tracker``).
       hysteresis_tracker: overflows still tolerated before the next backoff, int32; re-armed to
         ``hysteresis`` at each growth (Megatron's ``_hysteresis_tracker``).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.amp_cast(fx.sgd(0.1), policy="p=f32,c=f16,o=f32").init({"w": torch.zeros(2)})
+        >>> isinstance(state.loss_scale, fx.DynamicLossScaleState), state.loss_scale._fields
+        (True, ('scale', 'growth_tracker', 'hysteresis_tracker'))
     """
 
     scale: torch.Tensor
@@ -483,6 +496,12 @@ class AmpCastState(NamedTuple):
       skipped: whether the last update was skipped for a non-finite gradient (0-dim int32, 0 or 1).
       inner_state: the state of the wrapped transform (restored on a skipped update, but for the
         ``grad_norm`` it reports: the norm of the unscaled gradients seen, inf or NaN).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.amp_cast(fx.sgd(0.1)).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.AmpCastState), state._fields
+        (True, ('loss_scale', 'skipped', 'inner_state'))
     """
 
     loss_scale: DynamicLossScaleState | StaticLossScaleState

@@ -69,7 +69,16 @@ _REDO = "restore it from a copy, or load another checkpoint (an earlier step)"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded (incomplete, truncated, corrupted, edited, of another tree) or a
-    tree that cannot be saved as one (two leaves with one path, a live save to the same path)."""
+    tree that cannot be saved as one (two leaves with one path, a live save to the same path).
+
+    Example:
+        >>> import tempfile, fxtrain as fx
+        >>> try:
+        ...     fx.load(tempfile.mkdtemp(), like={})
+        ... except fx.CheckpointError as e:
+        ...     print(str(e).split(' has ')[1])
+        no fxtrain.json: not a checkpoint directory
+    """
 
 
 class TrainState(NamedTuple):
@@ -82,6 +91,13 @@ class TrainState(NamedTuple):
       opt_state: ``tx.init(params)`` as updated since: every transform's state.
       rng: RNG states (:func:`rng_state`), or ``None``.
       buffers: module buffers (BatchNorm statistics) from :func:`fxtrain.functional`, or ``None``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = fx.TrainState(step=0, params=params, opt_state=fx.sgd(0.1).init(params), rng=fx.rng_state())
+        >>> state.step, state.params is params
+        (0, True)
     """
 
     step: int
@@ -104,7 +120,16 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restores what :func:`rng_state` returned."""
+    """Restores what :func:`rng_state` returned.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> saved = fx.rng_state()
+        >>> first = torch.rand(2)
+        >>> fx.set_rng_state(saved)
+        >>> torch.equal(torch.rand(2), first)
+        True
+    """
     torch.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])

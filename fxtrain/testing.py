@@ -75,14 +75,14 @@ def check_transform(tx: GradientTransformation, params: Any, *, steps: int = 3, 
         >>> import torch, fxtrain as fx
         >>> from fxtrain.testing import check_transform
         >>> @fx.transform(elementwise=None)
-        ... def mix(tx, alpha, run=fx.call):   # (1 - alpha) * tx's update + alpha * the gradient
+        ... def mix(tx, alpha, run=fx.extend.call):   # (1 - alpha) * tx's update + alpha * the gradient
         ...     def update_fn(updates, state, params=None, **extra_args):
         ...         new, state = run(tx, updates, state, params, extra_args)
         ...         return fx.tree.map(lambda n, g: (1 - alpha) * n + alpha * g, new, updates), state
-        ...     return fx.combine(tx.init, update_fn, (tx,), lambda s: (s,))
+        ...     return fx.extend.combine(tx.init, update_fn, (tx,), lambda s: (s,))
         >>> params = {"w": torch.ones(3), "b": torch.zeros(2)}
         >>> check_transform(mix(fx.adam(0.1), 0.5), params)
-        >>> check_transform(mix(fx.adam(0.1), 0.5, run=fx.call_), params)
+        >>> check_transform(mix(fx.adam(0.1), 0.5, run=fx.extend.call_), params)
         Traceback (most recent call last):
         ...
         AssertionError: check_transform(mix(alpha=0.5, run=call_, adam(0.1))): mode 'no_grad', step 0: updates differ from pure's at 'b' ...

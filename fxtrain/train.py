@@ -32,7 +32,7 @@ config, and only rank 0 writes or prints (checkpoints are written by all ranks t
   ``resume_force=true``.
 * ``resume=orbax:PATH``: an Orbax checkpoint a JAX program wrote (params and Optax state), read into this run,
   which goes on from its step; ``trainer.export=orbax`` writes one into the run directory at the end
-  (:mod:`fxtrain.interop.run_hooks`).
+  (:mod:`fxtrain.run_hooks`).
 
 Both verify the checkpoint first (:func:`fxtrain.checkpoint.verify`; nothing in it is read by a loader that
 runs code): ``resume=auto`` goes back past a newest checkpoint that does not verify to the previous one,
@@ -93,7 +93,7 @@ import fxtrain as fx
 from fxtrain.errors import ConfigError
 from fxtrain import (build, checkpoint, distributed, loggers, parallel, report, rundir, schema, selection, tasks,
                      tree, validate)
-from fxtrain.interop import run_hooks as orbax_hooks  # resume=orbax:PATH, trainer.export=orbax
+from fxtrain import run_hooks as orbax_hooks  # resume=orbax:PATH, trainer.export=orbax
 from fxtrain import data as fxdata
 from fxtrain.data import batches_per_epoch
 from fxtrain.models import count_params

@@ -71,7 +71,7 @@ from fxtrain import _base, build, checkpoint, distributed, parallel, schema, tas
 from fxtrain import data as fxdata
 from fxtrain._moved import moved_names
 from fxtrain.errors import ConfigError
-from fxtrain.interop import run_hooks as orbax_hooks
+from fxtrain import run_hooks as orbax_hooks
 
 __all__ = ["check", "Checked", "one_line_errors", "message", "DiskFull", "metric_names",
            "check_launcher", "LauncherCheck"]

@@ -125,12 +125,15 @@ def test_one_needs_params_check_with_one_message():
 
 
 def test_the_extension_api_is_what_library_wrappers_use():
-    # the README's names, reachable from fx, and the library's own wrappers are built with them
-    for name in ("combine", "call", "kernel", "forwarded", "describe", "named", "with_traits", "traits",
-                 "check_learning_rate", "check_needs_params", "check_nonnegative"):
+    # the README's names, reachable from fx (the wrapper-writing machinery from fx.extend), and the library's own
+    # wrappers are built with them
+    for name in ("describe", "named", "with_traits", "traits"):
         assert getattr(fx, name) is getattr(_base, name)
+    for name in ("combine", "call", "call_", "kernel", "forwarded", "describe", "check_learning_rate",
+                 "check_needs_params", "check_nonnegative"):
+        assert getattr(fx.extend, name) is getattr(_base, name)
     tx = fx.masked(fx.add_decayed_weights(0.1), {"w": True})
-    assert fx.traits(tx) == fx.traits(fx.combine(tx.init, tx.update, (fx.add_decayed_weights(0.1),)))
+    assert fx.traits(tx) == fx.traits(fx.extend.combine(tx.init, tx.update, (fx.add_decayed_weights(0.1),)))
 
 
 def test_wrap_loss_composes_first_outermost():

@@ -10,7 +10,7 @@ Generated from the registries, not listed by hand:
 * memory that numpy owns (``torch.as_tensor``, ``from_numpy``, ``frombuffer``) is refused the same way, before
   anything is written;
 * every transform of the catalogue (tests/test_conformance.py's ``CASES``: one per public factory), wrapped
-  in a user-written wrapper that reads what it passed to ``fx.call`` (updates and child state), gives the
+  in a user-written wrapper that reads what it passed to ``fx.extend.call`` (updates and child state), gives the
   same numbers pure, under ``no_grad`` and donated (``fx.testing.check_transform``);
 * ``fx.testing.check_transform`` passes every transform of the catalogue (the fast suite: pure, no_grad,
   donated, elementwise; ``-m slow`` adds vmap and grad for all, the fast suite runs them on a few) and fails,
@@ -295,7 +295,7 @@ def test_a_jax_baseline_continued_from_linen_params_is_unchanged():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), variables, kept)
 
 
-# --- wrappers: what they pass to fx.call they can read afterwards --------------------------------------
+# --- wrappers: what they pass to fx.extend.call they can read afterwards --------------------------------------
 
 class SelectState(NamedTuple):
     count: torch.Tensor
@@ -304,20 +304,20 @@ class SelectState(NamedTuple):
 
 @fx.transform(elementwise=None)
 def every_other(tx: fx.GradientTransformation) -> fx.GradientTransformation:
-    """fx.combine's docstring example, keeping the child's state only on the steps it applies: it reads both
-    the updates and the child state it passed to fx.call after the call."""
+    """fx.extend.combine's docstring example, keeping the child's state only on the steps it applies: it reads both
+    the updates and the child state it passed to fx.extend.call after the call."""
     def init_fn(params):
         return SelectState(torch.zeros((), dtype=torch.int32), tx.init(params))
 
     def update_fn(updates, state, params=None, **extra_args):
-        new, inner = fx.call(tx, updates, state.inner, params, extra_args)
+        new, inner = fx.extend.call(tx, updates, state.inner, params, extra_args)
         odd = state.count % 2 == 0
         new = fx.tree.map(lambda n, u: n if u is None else torch.where(odd, n, u), new, updates)
         inner = fx.tree.map(lambda n, o: torch.where(odd, n, o) if isinstance(n, torch.Tensor) and n.dtype != torch.bool
                             and n.shape == o.shape else n, inner, state.inner)
         return new, SelectState(state.count + 1, inner)
 
-    return fx.combine(init_fn, update_fn, (tx,), lambda s: (s.inner,))
+    return fx.extend.combine(init_fn, update_fn, (tx,), lambda s: (s.inner,))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -343,15 +343,15 @@ def test_every_other_in_a_step_matches_by_hand():
 
 
 def _clip_adamw_doubled() -> fx.GradientTransformation:
-    """The issue's wrapper: fx.combine over (clip_by_global_norm, adamw), whose own update doubles the result."""
+    """The issue's wrapper: fx.extend.combine over (clip_by_global_norm, adamw), whose own update doubles the result."""
     clip, opt = fx.clip_by_global_norm(1.0), fx.adamw(0.1)
 
     def update_fn(updates, state, params=None, **extra_args):
-        updates, clip_state = fx.call(clip, updates, state[0], params, extra_args)
-        updates, opt_state = fx.call(opt, updates, state[1], params, extra_args)
+        updates, clip_state = fx.extend.call(clip, updates, state[0], params, extra_args)
+        updates, opt_state = fx.extend.call(opt, updates, state[1], params, extra_args)
         return fx.tree.map(lambda u: 2 * u, updates), (clip_state, opt_state)
 
-    return fx.combine(lambda p: (clip.init(p), opt.init(p)), update_fn, (clip, opt), lambda s: s)
+    return fx.extend.combine(lambda p: (clip.init(p), opt.init(p)), update_fn, (clip, opt), lambda s: s)
 
 
 def test_a_combine_wrapper_does_not_inherit_the_fused_kernel():
@@ -430,7 +430,7 @@ def _writes_its_input(updates, state, params=None):
 
 
 def _reads_what_it_donated(updates, state, params=None):
-    new, _ = fx.call_(fx.scale(3.0), updates, fx.EmptyState(), params)
+    new, _ = fx.extend.call_(fx.scale(3.0), updates, fx.EmptyState(), params)
     return fx.tree.map(lambda n, g: n + g, new, updates), state
 
 

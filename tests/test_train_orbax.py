@@ -1,5 +1,5 @@
 """The runner and JAX: ``trainer.export=orbax`` writes what JAX restores, ``resume=orbax:PATH`` continues a
-checkpoint JAX wrote (fxtrain/interop/run_hooks.py), through ``python -m fxtrain.train``'s entry point."""
+checkpoint JAX wrote (fxtrain/run_hooks.py), through ``python -m fxtrain.train``'s entry point."""
 
 from __future__ import annotations
 

@@ -24,28 +24,14 @@ from fxtrain.contrib._schedule_free import (
 from fxtrain.contrib._sam import NormalizeState, SAMState, normalize, sam
 from fxtrain.contrib._privacy import DifferentiallyPrivateAggregateState, differentially_private_aggregate, dpsgd
 from fxtrain.contrib._reduce_on_plateau import ReduceLROnPlateauState, reduce_on_plateau
-from fxtrain.contrib._more import (
-    COCOBState,
-    DAdaptAdamWState,
-    DoGState,
-    DoWGState,
-    MadgradState,
-    MechanicState,
-    MomoAdamState,
-    MomoState,
+from fxtrain.contrib._cocob import COCOBState, cocob, scale_by_cocob
+from fxtrain.contrib._complex_valued import (
     SplitRealAndImaginaryArrays,
     SplitRealAndImaginaryState,
-    cocob,
-    dadapt_adamw,
-    dog,
-    dowg,
-    madgrad,
-    mechanize,
-    momo,
-    momo_adam,
-    scale_by_cocob,
-    scale_by_dog,
-    scale_by_dowg,
-    scale_by_madgrad,
     split_real_and_imaginary,
 )
+from fxtrain.contrib._dadapt_adamw import DAdaptAdamWState, dadapt_adamw
+from fxtrain.contrib._dog import DoGState, DoWGState, dog, dowg, scale_by_dog, scale_by_dowg
+from fxtrain.contrib._madgrad import MadgradState, madgrad, scale_by_madgrad
+from fxtrain.contrib._mechanic import MechanicState, mechanize
+from fxtrain.contrib._momo import MomoAdamState, MomoState, momo, momo_adam

@@ -41,7 +41,7 @@ from fxtrain.interop._jax import is_jax_array, require
 from fxtrain.interop._linen import from_linen, linen_names, to_linen
 from fxtrain.interop._optax_state import state_to_optax
 
-__all__ = ["save_orbax", "load_orbax", "orbax_step", "orbax_dir"]  # orbax_step, orbax_dir: for the runner (run_hooks.py)
+__all__ = ["save_orbax", "load_orbax", "orbax_step", "orbax_dir"]  # orbax_step, orbax_dir: for fxtrain/run_hooks.py
 
 ITEM = "default"  # the item a CheckpointManager saving one StandardSave tree names: <dir>/<step>/default
 

@@ -53,6 +53,12 @@ class AccumulateState(NamedTuple):
         ``Partial`` DTensors stay ``Partial``. Meaningless while ``mini_step`` is 0.
       inner_state: the state of the wrapped transform, changed only by emitting calls.
       skip_state: what ``should_skip_update_fn`` returned last (Optax's ``skip_state``); ``()`` without one.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.accumulate(fx.sgd(0.1), every=2).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.AccumulateState), state._fields
+        (True, ('mini_step', 'emitted', 'acc', 'inner_state', 'skip_state'))
     """
 
     mini_step: torch.Tensor
@@ -656,6 +662,14 @@ class Accumulator:
 
     ``init`` gets the first micro-batch's output (a tensor; Optax passes its shape and dtype: use only
     those), ``aggregate`` reduces a stacked output along dim 0 (kept for Optax's protocol).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> largest = fx.Accumulator(init=lambda x: x, update=lambda c, x, i: torch.maximum(c, x),
+        ...                          finalize=lambda c: c, aggregate=lambda xs: xs.max(0).values)
+        >>> fx.microbatch(lambda x: x.max(), argnums=0, microbatch_size=2,
+        ...               accumulator=largest)(torch.tensor([1, 5, 3, 4]))
+        tensor(5)
     """
 
     init: Callable
@@ -665,7 +679,15 @@ class Accumulator:
 
 
 class AccumulationType(enum.Enum):
-    """The built-in accumulators of :func:`microbatch` (Optax's ``AccumulationType``)."""
+    """The built-in accumulators of :func:`microbatch` (Optax's ``AccumulationType``).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> fun = lambda x: (x + 1, (3 * x).sum())
+        >>> fx.microbatch(fun, argnums=0, microbatch_size=2,
+        ...               accumulator=(fx.AccumulationType.CONCAT, fx.AccumulationType.SUM))(torch.tensor([1, 2, 3, 4]))
+        (tensor([2, 3, 4, 5]), tensor(30))
+    """
 
     MEAN = enum.auto()  #: the mean of the micro-batches' outputs (floating outputs)
     SUM = enum.auto()  #: their sum

@@ -12,7 +12,14 @@ from fxtrain.transforms._moments import Scalar, as_dtype, bias_correction, count
 
 
 class ScaleByAdamState(NamedTuple):
-    """State of :func:`scale_by_adam` (Optax's field names)."""
+    """State of :func:`scale_by_adam` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_adam().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByAdamState), state._fields
+        (True, ('count', 'mu', 'nu'))
+    """
 
     count: torch.Tensor  # 0-dim int32: number of updates so far
     mu: Updates  # first moment, in mu_dtype (default: the param dtype)

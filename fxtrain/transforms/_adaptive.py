@@ -140,7 +140,14 @@ def _nesterov_mean(m: list, g: list, b1: Scalar, count: torch.Tensor) -> list:
 # --- transforms -------------------------------------------------------------------------------------
 
 class ScaleByAmsgradState(NamedTuple):
-    """State of :func:`scale_by_amsgrad` (Optax's field names)."""
+    """State of :func:`scale_by_amsgrad` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_amsgrad().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByAmsgradState), state._fields
+        (True, ('count', 'mu', 'nu', 'nu_max'))
+    """
 
     count: torch.Tensor  # 0-dim int32: number of updates so far
     mu: Updates  # first moment, in mu_dtype (default: the param dtype)
@@ -264,7 +271,14 @@ def scale_by_adamax(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) ->
 
 
 class ScaleByBeliefState(NamedTuple):
-    """State of :func:`scale_by_belief` (Optax's field names)."""
+    """State of :func:`scale_by_belief` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_belief().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByBeliefState), state._fields
+        (True, ('count', 'mu', 'nu'))
+    """
 
     count: torch.Tensor  # 0-dim int32
     mu: Updates  # first moment
@@ -477,7 +491,14 @@ def scale_by_radam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8, eps
 
 
 class ScaleByAdaDeltaState(NamedTuple):
-    """State of :func:`scale_by_adadelta` (Optax's field names)."""
+    """State of :func:`scale_by_adadelta` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_adadelta().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByAdaDeltaState), state._fields
+        (True, ('e_g', 'e_x'))
+    """
 
     e_g: Updates  # moving average of squared gradients
     e_x: Updates  # moving average of squared updates
@@ -534,7 +555,14 @@ def scale_by_adadelta(rho: Scalar = 0.9, eps: Scalar = 1e-6) -> GradientTransfor
 
 
 class ScaleByAdanState(NamedTuple):
-    """State of :func:`scale_by_adan` (Optax's field names and order)."""
+    """State of :func:`scale_by_adan` (Optax's field names and order).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_adan().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByAdanState), state._fields
+        (True, ('m', 'v', 'n', 'g', 't'))
+    """
 
     m: Updates  # moving average of gradients
     v: Updates  # moving average of gradient differences
@@ -616,7 +644,14 @@ def scale_by_adan(b1: Scalar = 0.98, b2: Scalar = 0.92, b3: Scalar = 0.99, eps: 
 
 
 class ScaleByNovogradState(NamedTuple):
-    """State of :func:`scale_by_novograd` (Optax's field names)."""
+    """State of :func:`scale_by_novograd` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_novograd().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByNovogradState), state._fields
+        (True, ('count', 'mu', 'nu'))
+    """
 
     count: torch.Tensor  # 0-dim int32
     mu: Updates  # momentum of the normalized gradients, in mu_dtype (default: the param dtype)
@@ -704,7 +739,14 @@ def scale_by_novograd(b1: Scalar = 0.9, b2: Scalar = 0.25, eps: Scalar = 1e-8, e
 
 
 class ScaleByOptimisticGradientState(NamedTuple):
-    """State of :func:`scale_by_optimistic_gradient` (Optax's field names)."""
+    """State of :func:`scale_by_optimistic_gradient` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_optimistic_gradient().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByOptimisticGradientState), state._fields
+        (True, ('is_initial_step', 'previous_gradient'))
+    """
 
     is_initial_step: torch.Tensor  # 0-dim bool
     previous_gradient: Updates

@@ -16,7 +16,14 @@ from fxtrain.transforms import _fused
 
 
 class ClipByGlobalNormState(NamedTuple):
-    """State of :func:`clip_by_global_norm`: the pre-clip global norm of the last update (0-dim)."""
+    """State of :func:`clip_by_global_norm`: the pre-clip global norm of the last update (0-dim).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.clip_by_global_norm(1.0).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ClipByGlobalNormState), state._fields
+        (True, ('grad_norm',))
+    """
 
     grad_norm: torch.Tensor
 

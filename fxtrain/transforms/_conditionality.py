@@ -31,6 +31,12 @@ class ApplyIfFiniteState(NamedTuple):
       last_finite: whether the last update was finite (0-dim bool).
       total_notfinite: updates with an Inf or NaN since init (0-dim int32); never reset.
       inner_state: the state of the wrapped transform.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.apply_if_finite(fx.sgd(0.1), 3).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ApplyIfFiniteState), state._fields
+        (True, ('notfinite_count', 'last_finite', 'total_notfinite', 'inner_state'))
     """
 
     notfinite_count: torch.Tensor
@@ -145,6 +151,12 @@ class ConditionallyTransformState(NamedTuple):
     Attributes:
       inner_state: the state of the wrapped transform, changed only by calls where it runs.
       step: calls so far (0-dim int32), what ``should_transform_fn`` is given.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.conditionally_transform(fx.sgd(0.1), lambda step: step > 0).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ConditionallyTransformState), state._fields
+        (True, ('inner_state', 'step'))
     """
 
     inner_state: Any
@@ -157,6 +169,12 @@ class ConditionallyMaskState(NamedTuple):
     Attributes:
       step: calls so far (0-dim int32), what ``should_transform_fn`` is given.
       inner_state: the state of the wrapped transform, changed only by calls where it runs.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.conditionally_mask(fx.sgd(0.1), lambda step: step > 0).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ConditionallyMaskState), state._fields
+        (True, ('step', 'inner_state'))
     """
 
     step: torch.Tensor

@@ -45,7 +45,14 @@ def _place(xs: list, index: list[int], new: list) -> None:
 class FactoredState(NamedTuple):
     """State of :func:`scale_by_factored_rms` (Optax's fields). A factored leaf keeps ``v_row`` and ``v_col``
     (its shape without the largest, resp. second-largest, dim) and a 1-element placeholder ``v``; any
-    other leaf keeps ``v`` (its shape) and 1-element placeholders ``v_row``, ``v_col``."""
+    other leaf keeps ``v`` (its shape) and 1-element placeholders ``v_row``, ``v_col``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_factored_rms().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.FactoredState), state._fields
+        (True, ('count', 'v_row', 'v_col', 'v'))
+    """
 
     count: torch.Tensor  # 0-dim int32
     v_row: Updates
@@ -246,7 +253,14 @@ def adafactor(learning_rate: LearningRate | None = None, min_dim_size_to_factor:
 # --- SM3 --------------------------------------------------------------------------------------------
 
 class ScaleBySM3State(NamedTuple):
-    """State of :func:`scale_by_sm3` (Optax's fields)."""
+    """State of :func:`scale_by_sm3` (Optax's fields).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_sm3().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleBySM3State), state._fields
+        (True, ('mu', 'nu'))
+    """
 
     mu: Any  # per leaf, a list of one vector per dim: the accumulator's max over the other dims
     nu: Updates  # the momentum of the preconditioned updates (the updates themselves)

@@ -26,6 +26,12 @@ class InjectHyperparamsState(NamedTuple):
 
     It reports every hyperparameter; :func:`fxtrain.train_step` shows only ``learning_rate`` and the
     scheduled ones in its metrics (the transform declares the others constant).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.inject_hyperparams(fx.sgd)(learning_rate=0.1).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.InjectHyperparamsState), state._fields
+        (True, ('count', 'hyperparams', 'inner_state'))
     """
 
     count: torch.Tensor  # 0-dim int32

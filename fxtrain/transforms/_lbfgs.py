@@ -18,7 +18,14 @@ __all__ = ["ScaleByLBFGSState", "lbfgs", "scale_by_lbfgs"]
 
 
 class ScaleByLBFGSState(NamedTuple):
-    """State of :func:`scale_by_lbfgs` (Optax's field names and leaf order)."""
+    """State of :func:`scale_by_lbfgs` (Optax's field names and leaf order).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_lbfgs().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByLBFGSState), state._fields
+        (True, ('count', 'params', 'updates', 'diff_params_memory', 'diff_updates_memory', 'weights_memory'))
+    """
 
     count: torch.Tensor  # 0-dim int32: iterations
     params: Updates  # the params of the last update

@@ -148,14 +148,28 @@ def _where(pred: torch.Tensor, a: list, b: list) -> list:
 # --- backtracking --------------------------------------------------------------------------------------
 
 class BacktrackingLinesearchInfo(NamedTuple):
-    """How the last backtracking search went (Optax's fields)."""
+    """How the last backtracking search went (Optax's fields).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_backtracking_linesearch(max_backtracking_steps=15).init({"w": torch.zeros(2)})
+        >>> isinstance(state.info, fx.BacktrackingLinesearchInfo), state.info._fields
+        (True, ('num_linesearch_steps', 'decrease_error'))
+    """
 
     num_linesearch_steps: torch.Tensor  # 0-dim int32: trials evaluated
     decrease_error: torch.Tensor  # 0-dim float32: > 0 if the sufficient decrease criterion failed
 
 
 class ScaleByBacktrackingLinesearchState(NamedTuple):
-    """State of :func:`scale_by_backtracking_linesearch` (Optax's field names)."""
+    """State of :func:`scale_by_backtracking_linesearch` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_backtracking_linesearch(max_backtracking_steps=15).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByBacktrackingLinesearchState), state._fields
+        (True, ('learning_rate', 'value', 'grad', 'info'))
+    """
 
     learning_rate: torch.Tensor  # 0-dim, the params' real dtype: the accepted step size
     value: torch.Tensor  # 0-dim: the objective at the accepted point (inf before the first update)
@@ -293,7 +307,14 @@ FLAG_NO_STEPSIZE_FOUND = "Linesearch failed, no stepsize satisfying sufficient d
 FLAG_NOT_A_DESCENT_DIRECTION = "The linesearch failed because the provided direction is not a descent direction. "
 
 class ZoomLinesearchInfo(NamedTuple):
-    """How the last zoom search went (Optax's fields)."""
+    """How the last zoom search went (Optax's fields).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_zoom_linesearch(max_linesearch_steps=15).init({"w": torch.zeros(2)})
+        >>> isinstance(state.info, fx.ZoomLinesearchInfo), state.info._fields
+        (True, ('num_linesearch_steps', 'decrease_error', 'curvature_error'))
+    """
 
     num_linesearch_steps: torch.Tensor  # 0-dim int32: trials evaluated
     decrease_error: torch.Tensor  # 0-dim float32: > 0 if the sufficient decrease criterion failed
@@ -301,7 +322,14 @@ class ZoomLinesearchInfo(NamedTuple):
 
 
 class ScaleByZoomLinesearchState(NamedTuple):
-    """State of :func:`scale_by_zoom_linesearch` (Optax's field names)."""
+    """State of :func:`scale_by_zoom_linesearch` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_zoom_linesearch(max_linesearch_steps=15).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByZoomLinesearchState), state._fields
+        (True, ('learning_rate', 'value', 'grad', 'info'))
+    """
 
     learning_rate: torch.Tensor  # 0-dim, the params' real dtype: the accepted step size
     value: torch.Tensor  # 0-dim: the objective at the accepted point (inf before the first update)

@@ -14,7 +14,14 @@ _MODES = ("hard", "smooth", "refined")
 
 
 class ScaleByLionState(NamedTuple):
-    """State of :func:`scale_by_lion` (Optax's field names)."""
+    """State of :func:`scale_by_lion` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_lion().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByLionState), state._fields
+        (True, ('count', 'mu'))
+    """
 
     count: torch.Tensor  # 0-dim int32
     mu: Updates  # momentum, in mu_dtype (default: the param dtype)

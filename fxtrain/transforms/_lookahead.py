@@ -27,6 +27,13 @@ class LookaheadState(NamedTuple):
     Attributes:
       fast_state: the fast optimizer's state.
       steps_since_sync: fast steps since the last synchronization (0-dim int32).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> params = fx.LookaheadParams.init_synced({"w": torch.zeros(2)})
+        >>> state = fx.lookahead(fx.sgd(0.1), 5, 0.5).init(params)
+        >>> isinstance(state, fx.LookaheadState), state._fields
+        (True, ('fast_state', 'steps_since_sync'))
     """
 
     fast_state: Any

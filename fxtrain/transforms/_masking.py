@@ -27,17 +27,38 @@ _KW = tree.optree_options()  # fxtrain's optree conventions: None is a leaf, fxt
 
 
 class MaskedState(NamedTuple):
-    """State of :func:`masked`: the inner transform's state, over the masked-in params only."""
+    """State of :func:`masked`: the inner transform's state, over the masked-in params only.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.masked(fx.sgd(0.1), {"w": True}).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.MaskedState), state._fields
+        (True, ('inner_state',))
+    """
 
     inner_state: Any
 
 
 class MaskedNode(NamedTuple):
-    """Stands for a masked-out subtree: a node with no children, so tree maps skip it (Optax's)."""
+    """Stands for a masked-out subtree: a node with no children, so tree maps skip it (Optax's).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> tx = fx.masked(fx.trace(0.9), {"w": True, "b": False})
+        >>> tx.init({"w": torch.zeros(2), "b": torch.zeros(1)}).inner_state.trace["b"]
+        MaskedNode()
+    """
 
 
 class PartitionState(NamedTuple):
-    """State of :func:`partition`: the :class:`MaskedState` of each label's transform."""
+    """State of :func:`partition`: the :class:`MaskedState` of each label's transform.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.partition({"a": fx.sgd(0.1)}, {"w": "a"}).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.PartitionState), state._fields
+        (True, ('inner_states',))
+    """
 
     inner_states: Mapping[Hashable, Any]
 

@@ -12,7 +12,14 @@ from fxtrain.transforms._moments import Scalar, as_dtype, mixed_dtypes, weak
 
 
 class TraceState(NamedTuple):
-    """State of :func:`trace`: the accumulated momentum."""
+    """State of :func:`trace`: the accumulated momentum.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.trace(0.9).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.TraceState), state._fields
+        (True, ('trace',))
+    """
 
     trace: Params
 

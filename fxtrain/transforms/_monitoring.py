@@ -17,7 +17,14 @@ __all__ = ["SnapshotState", "snapshot", "MonitorState", "monitor", "measure_with
 
 
 class SnapshotState(NamedTuple):
-    """State of :func:`snapshot` (Optax's): ``{measure_name: measurement}``."""
+    """State of :func:`snapshot` (Optax's): ``{measure_name: measurement}``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.snapshot('x', lambda state: state).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.SnapshotState), state._fields
+        (True, ('measurement',))
+    """
 
     measurement: dict
 
@@ -28,6 +35,12 @@ class MonitorState(NamedTuple):
     Attributes:
       measurements: ``{name: measurement}`` of the last update.
       measure_states: the measuring transforms' states, in the order of the names.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.monitor({"norm": fx.tree.norm}).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.MonitorState), state._fields
+        (True, ('measurements', 'measure_states'))
     """
 
     measurements: dict

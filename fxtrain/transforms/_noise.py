@@ -33,7 +33,14 @@ from fxtrain.transforms._scaling import scale_by_learning_rate
 __all__ = ["AddNoiseState", "add_noise", "noisy_sgd"]
 
 class AddNoiseState(NamedTuple):
-    """State of :func:`add_noise` (Optax's field names)."""
+    """State of :func:`add_noise` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.add_noise(0.01, 0.55, 0).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.AddNoiseState), state._fields
+        (True, ('count', 'rng_key'))
+    """
 
     count: torch.Tensor  # 0-dim int32: updates so far
     rng_key: torch.Tensor  # 0-dim int64: the key; the noise of update t hashes (rng_key, t)

@@ -377,7 +377,14 @@ def centralize() -> GradientTransformation:
 # --- DoG ------------------------------------------------------------------------------------------
 
 class ScaleByDistanceOverGradientsState(NamedTuple):
-    """State of :func:`scale_by_distance_over_gradients` (Optax's field names)."""
+    """State of :func:`scale_by_distance_over_gradients` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_distance_over_gradients().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByDistanceOverGradientsState), state._fields
+        (True, ('max_dist', 'grad_sum_of_squares', 'init_params'))
+    """
 
     max_dist: Updates  # per leaf, 0-dim (param dtype): the largest distance from the initial params so far
     grad_sum_of_squares: Updates  # per leaf, shape (1,), float32: the sum of squared gradient norms

@@ -27,6 +27,12 @@ class ApplyEvery(NamedTuple):
     Attributes:
       count: calls in the current window, in ``[0, k)`` (0-dim int32).
       grad_acc: the sum of this window's gradients, in the params' dtype.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.apply_every(2).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ApplyEvery), state._fields
+        (True, ('count', 'grad_acc'))
     """
 
     count: torch.Tensor

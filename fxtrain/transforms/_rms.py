@@ -14,27 +14,55 @@ from fxtrain.transforms._moments import Scalar, conj, counter, ema_, ema_sq_, fu
 
 
 class ScaleByRmsState(NamedTuple):
-    """State of :func:`scale_by_rms` without bias correction."""
+    """State of :func:`scale_by_rms` without bias correction.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_rms().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByRmsState), state._fields
+        (True, ('nu',))
+    """
 
     nu: Updates
 
 
 class ScaleByRmsWithCountState(NamedTuple):
-    """State of :func:`scale_by_rms` with ``bias_correction=True``."""
+    """State of :func:`scale_by_rms` with ``bias_correction=True``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_rms(bias_correction=True).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByRmsWithCountState), state._fields
+        (True, ('count', 'nu'))
+    """
 
     count: torch.Tensor  # 0-dim int32
     nu: Updates
 
 
 class ScaleByRStdDevState(NamedTuple):
-    """State of :func:`scale_by_stddev` without bias correction."""
+    """State of :func:`scale_by_stddev` without bias correction.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_stddev().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByRStdDevState), state._fields
+        (True, ('mu', 'nu'))
+    """
 
     mu: Updates
     nu: Updates
 
 
 class ScaleByRStdDevWithCountState(NamedTuple):
-    """State of :func:`scale_by_stddev` with ``bias_correction=True``."""
+    """State of :func:`scale_by_stddev` with ``bias_correction=True``.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_stddev(bias_correction=True).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByRStdDevWithCountState), state._fields
+        (True, ('count', 'mu', 'nu'))
+    """
 
     count: torch.Tensor  # 0-dim int32
     mu: Updates
@@ -42,7 +70,14 @@ class ScaleByRStdDevWithCountState(NamedTuple):
 
 
 class ScaleByRssState(NamedTuple):
-    """State of :func:`scale_by_rss`: the sum of squared gradients so far."""
+    """State of :func:`scale_by_rss`: the sum of squared gradients so far.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_rss().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByRssState), state._fields
+        (True, ('sum_of_squares',))
+    """
 
     sum_of_squares: Updates
 

@@ -16,7 +16,14 @@ Schedule = Callable[[torch.Tensor], "float | torch.Tensor"]
 
 
 class ScaleByScheduleState(NamedTuple):
-    """State of :func:`scale_by_schedule`: the number of updates so far (0-dim int32)."""
+    """State of :func:`scale_by_schedule`: the number of updates so far (0-dim int32).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_schedule(fx.constant_schedule(0.1)).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByScheduleState), state._fields
+        (True, ('count',))
+    """
 
     count: torch.Tensor
 

@@ -111,7 +111,14 @@ def signum(learning_rate: LearningRate, beta: Scalar = 0.9,
 
 
 class ScaleByRpropState(NamedTuple):
-    """State of :func:`scale_by_rprop` (Optax's field names)."""
+    """State of :func:`scale_by_rprop` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.scale_by_rprop(0.1).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ScaleByRpropState), state._fields
+        (True, ('step_sizes', 'prev_updates'))
+    """
 
     step_sizes: Updates  # per-element step sizes
     prev_updates: Updates  # the last update (0 where the gradient changed sign)

@@ -14,7 +14,14 @@ __all__ = ["EmaState", "ema", "ZeroNansState", "zero_nans", "set_to_zero", "stat
 
 
 class EmaState(NamedTuple):
-    """State of :func:`ema` (Optax's field names)."""
+    """State of :func:`ema` (Optax's field names).
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.ema(0.9).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.EmaState), state._fields
+        (True, ('count', 'ema'))
+    """
 
     count: torch.Tensor  # 0-dim int32: number of updates so far
     ema: Updates  # the moving average, not debiased, in accumulator_dtype (default: the param dtype)
@@ -68,7 +75,14 @@ def ema(decay: Scalar, debias: bool = True, accumulator_dtype: torch.dtype | str
 
 
 class ZeroNansState(NamedTuple):
-    """State of :func:`zero_nans`: per param, a 0-dim bool, whether the last update held a NaN there."""
+    """State of :func:`zero_nans`: per param, a 0-dim bool, whether the last update held a NaN there.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.zero_nans().init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.ZeroNansState), state._fields
+        (True, ('found_nan',))
+    """
 
     found_nan: Any
 

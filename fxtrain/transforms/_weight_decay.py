@@ -15,7 +15,14 @@ from fxtrain.transforms._scaling import precision
 
 
 class WeightDecaySchedule(NamedTuple):
-    """State of :func:`add_decayed_weights` when the weight decay is a schedule: updates so far."""
+    """State of :func:`add_decayed_weights` when the weight decay is a schedule: updates so far.
+
+    Example:
+        >>> import torch, fxtrain as fx
+        >>> state = fx.add_decayed_weights(fx.constant_schedule(0.1)).init({"w": torch.zeros(2)})
+        >>> isinstance(state, fx.WeightDecaySchedule), state._fields
+        (True, ('count',))
+    """
 
     count: torch.Tensor  # 0-dim int32
 

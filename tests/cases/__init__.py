@@ -7,7 +7,7 @@ Each module here (one per family, next to the family's own test file) defines up
   ``None`` leaves, repr) and tests/test_conformance_dtensor.py (DTensor leaves on 2 ranks equal plain ones).
 * ``COMPOSABLE = {id: (() -> transform, optax_module -> Optax's transform or None)}``: run by
   tests/test_composable.py under ``torch.func.vmap``/``grad``/``jvp``/``jacrev`` against Optax under JAX.
-* ``OPTIMIZERS = {name: () -> optimizer}``: run inside the recommended stack (tests/test_catalogue_stack.py:
+* ``OPTIMIZERS = {name: () -> optimizer}``: run inside the recommended stack (tests/test_optimizers.py:
   ``accumulate``, ``amp_cast``, ``sharded_apply``).
 * ``PARITY = {id: (() -> transform, optax_module -> Optax's transform[, options])}``: run by
   tests/test_optax_parity.py through tests/_parity.py's ``assert_parity`` (20 steps of updates, final params

@@ -71,7 +71,7 @@ COMPOSABLE: dict = {
     "momo_adam": (lambda: _with_value(fx.contrib.momo_adam(1e-3, weight_decay=0.1)),
                   lambda o: _with_value_optax(o.contrib.momo_adam(1e-3, weight_decay=0.1))),
     # No Optax reference, as for dog: Optax's gradient through mechanize is NaN (sqrt(v) at v = 0 on the first
-    # update), 0 here; tests/test_more.py checks the values against Optax.
+    # update), 0 here (tests/test_contrib.py checks it is finite).
     "mechanize": (lambda: fx.contrib.mechanize(fx.adam(1.0), s_init=1e-3), None),
     "dadapt_adamw": (lambda: fx.contrib.dadapt_adamw(estim_lr0=1e-3, weight_decay=0.1),
                      lambda o: o.contrib.dadapt_adamw(estim_lr0=1e-3, weight_decay=0.1)),

@@ -1,7 +1,7 @@
 """Catalogue cases of this family (see tests/cases/__init__.py): the core transforms and Optax's aliases
 (fxtrain/transforms/_adam.py, _momentum.py, _scaling.py, _weight_decay.py, _rms.py, _lion.py and
 fxtrain/optimizers.py). Their conformance, composable and stack cases are tests/test_conformance.py's,
-tests/test_composable.py's and tests/test_catalogue_stack.py's ``CORE``; here only their Optax parity.
+tests/test_composable.py's and tests/test_optimizers.py's ``CORE``; here only their Optax parity.
 
 The variants dicts are shared with the family's own test files (purity, dtypes and ``None`` leaves run on
 the same arguments).

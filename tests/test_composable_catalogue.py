@@ -1,5 +1,6 @@
-"""The breadth check (issue 25): every public factory of the catalogue, enumerated from ``fxtrain`` and
-``fxtrain.contrib`` themselves, through the same three checks in float64, or refused for a stated reason.
+"""Every public factory of the catalogue under torch.func (issue 25's breadth check), enumerated from ``fxtrain``,
+``fxtrain.extend`` and ``fxtrain.contrib`` themselves, through the same three checks in float64, or refused for a
+stated reason.
 
 Per factory, on a tiny float64 tree:
 
@@ -126,9 +127,9 @@ def _peak(s) -> float:
 
 
 def _catalogue() -> dict[str, Callable]:
-    """Every public function of fxtrain and fxtrain.contrib by name."""
+    """Every public function of fxtrain, fxtrain.extend and fxtrain.contrib by name."""
     out = {}
-    for ns in (fx, fx.contrib):
+    for ns in (fx, fx.extend, fx.contrib):
         for n in dir(ns):
             obj = getattr(ns, n)
             if not n.startswith("_") and inspect.isfunction(obj):
