@@ -38,11 +38,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import fxtrain as fx
-from fxtrain import data, distributed, extras, tasks
+from fxtrain import data, distributed, extras, float8 as float8_training, tasks
 from fxtrain._moved import moved_names
 from fxtrain.errors import ConfigError
 
-__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "MODEL_SETTINGS", "model_node", "model", "parallel_dims", "single_process_note", "mixed_precision", "cast_params",
+__all__ = ["ConfigError", "instantiate", "target", "check_args", "stack", "MODEL_SETTINGS", "model_node", "model", "parallel_dims", "single_process_note", "mixed_precision", "cast_params", "float8",
            "check_overrides", "search_path", "dataset", "data_keys", "floats_where_expected", "DATA_KEYS", "task",
            "eval_hooks", "early_stopping", "ScaledSchedule", "user_search_path", "user_configs_first",
            "settle_optimized_metric"]
@@ -614,6 +614,38 @@ def _shard_elementwise(txs: list, names: list[str], shard_over: str | None) -> l
         if tx is not None:
             out.append(tx)
     return out
+
+
+def float8(cfg: DictConfig, model: torch.nn.Module, dims: distributed.ParallelDims, device: torch.device) -> list[str]:
+    """``amp.float8`` (``amp=float8``): the model's convertible Linear layers swapped for torchao's ``Float8Linear``
+    in place, before the model is placed (:func:`fxtrain.float8.convert`); returns their names (none without it).
+
+    Refused in one line where it cannot work: tensor parallel (torch's ``ColwiseParallel``/``RowwiseParallel`` of
+    the model's ``tp_plan`` shard a Float8Linear's weight without torchao's float8 styles, ``Float8ColwiseParallel``
+    and friends, which the plans do not use), ``trainer.compile=true`` where float8 is emulated (torchao's
+    emulation is eager only, as torchtitan says), a model with nothing to convert; torchao missing is the line
+    that installs it.
+    """
+    node = cfg.amp.get("float8")
+    if node is None:
+        return []
+    if dims.enabled("tp"):
+        raise ConfigError(f"amp=float8 with {dims.describe()}: tensor parallel needs torchao's float8 TP styles "
+                          "(Float8ColwiseParallel, Float8RowwiseParallel) in the model's tp_plan, which fxtrain's plans "
+                          "do not use yet; use amp=bf16 with tp, or amp=float8 with parallel=none, dp, fsdp, hsdp or pp")
+    if cfg.trainer.get("compile") and not float8_training.hardware_float8(device):
+        raise ConfigError(f"amp=float8 with trainer.compile=true: float8 is emulated on {device.type} (no float8 "
+                          "matmuls: CPU, or CUDA below SM89), and torchao's emulation runs eager only; set "
+                          "trainer.compile=false")
+    skip = node.get("skip") or []
+    if not (OmegaConf.is_list(skip) or isinstance(skip, list)) or not all(isinstance(s, str) for s in skip):
+        raise ConfigError(f"amp.float8.skip={skip}: expected a list of Linear layer names, e.g. [head]")
+    try:
+        return float8_training.convert(model, device=device, skip=list(skip))
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def cast_params(cfg: DictConfig, params: Any) -> Any:

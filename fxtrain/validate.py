@@ -205,7 +205,8 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "trainer.checkpoint": ("best_by",),
     "debug": ("name", "checkpoints", "limit_train", "limit_val", "limit_test", "overfit_batches", "profile_steps",
               "profile_wait", "shorten", "shortened"),
-    "amp": ("policy", "loss_scale"),
+    "amp": ("policy", "loss_scale", "float8"),
+    "amp.float8": ("skip",),
     "accumulate": ("every", "mean", "accumulator_dtype"),
     "parallel": (*distributed.DIMS, "dp", "shard_optimizer", "schedule", "microbatches"),
 }
