@@ -277,7 +277,7 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     # each data-parallel rank reads only its share of every global batch (where the source can split itself)
     data, sharded = fxdata.for_rank(data, dims.data_rank, dims.data_world)
     model = build.model(cfg).to(device)
-    build.float8(cfg, model, dims, device)  # amp=float8: Float8Linear layers, before the model is placed
+    build.float8(cfg, model, device)  # amp=float8: Float8Linear layers, before the model is placed
     task = build.task(cfg) if task is None else task
     tx = build.stack(cfg, dims)
     try:
