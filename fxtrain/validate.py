@@ -61,7 +61,7 @@ import os
 import pathlib
 import types
 import typing
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from hydra.errors import CompactHydraException
@@ -528,6 +528,23 @@ def _amp(cfg: DictConfig) -> None:
         fx.amp_cast(fx.identity(), policy if policy is not None else "p=f32,c=f32,o=f32", loss_scale=scale)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"amp.loss_scale={_show(scale)}: {str(e).splitlines()[0]}") from None
+    _float8(cfg)
+
+
+def _float8(cfg: DictConfig) -> None:
+    """``amp.float8`` (``amp=float8``): null, or its ``skip`` a list of Linear layer names (checked against the model
+    when it is built: :func:`fxtrain.build.float8`)."""
+    node = _value(cfg, "amp.float8")
+    if node is None:
+        return
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"amp.float8={_show(node)}: expected null (no float8) or a node with skip: [...] "
+                          "(amp=float8 gives one)")
+    skip = _value(cfg, "amp.float8.skip")
+    if skip is not None and not (isinstance(skip, Sequence) and not isinstance(skip, str)
+                                 and all(isinstance(s, str) and s for s in skip)):
+        raise ConfigError(f"amp.float8.skip={_show(skip)}: expected a list of Linear layer names kept out of "
+                          "float8, e.g. [head], or [] for none")
 
 
 def _loss_scale_fields(cfg: DictConfig) -> None:
