@@ -623,7 +623,8 @@ def float8(cfg: DictConfig, model: torch.nn.Module, device: torch.device) -> lis
     Every layout composes: Float8Linear takes DTensor weights and activations, and computes each tensorwise scale
     from the whole tensor's amax (a reduction over its shards), so tensor parallel's plain ``ColwiseParallel`` /
     ``RowwiseParallel`` and FSDP's all-gathered weights quantize as one process does (tests/test_matrix.py: every
-    2-rank layout within 3e-3 of one process, bf16's own spread 1.4e-3). torchao's float8 TP styles and FSDP
+    layout preset, 3d's 8 ranks too, within 3e-3 of one process over 8 steps, bf16's own spread 1.4e-3; killed and
+    resumed bit-exactly, relayouted into one process). torchao's float8 TP styles and FSDP
     float8 all-gather would only move the cast before the communication (less traffic), which fxtrain does not do.
     ``trainer.compile=true`` composes too, emulated (torchtitan calls emulation eager-only; on torch 2.13 with
     torchao 0.18 the compiled blocks log the eager losses to 1e-6). Refused in one line: a model with nothing to
