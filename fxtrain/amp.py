@@ -18,6 +18,7 @@ Three pieces, each usable alone:
 The presets (:func:`amp_preset`, the Hydra group ``amp/``: ``off``, ``bf16``, ``fp16``, ``naive_fp16``,
 ``pure_bf16``, ``pure_fp16``), the seeds' names for them (apex O0-O3, Megatron's naive amp) and how they map:
 docs/stack.md ("Mixed precision presets").
+The runner's ``amp=float8`` is ``bf16`` plus torchao's float8 Linear layers in the model (:mod:`fxtrain.float8`).
 
 Example:
     >>> import torch, fxtrain as fx

@@ -45,6 +45,7 @@ OPTIONAL: dict[tuple[str, str | None], tuple[str, str, str]] = {
     ("data", "hf"): ("datasets", "datasets", "hf"),
     ("data", "webdataset"): ("webdataset", "webdataset", "webdataset"),
     ("data", "grain"): ("grain", "grain", "grain"),
+    ("amp", "float8"): ("torchao", "torchao", "float8"),
 }
 
 

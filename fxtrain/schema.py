@@ -38,7 +38,7 @@ from pydantic.fields import FieldInfo
 
 from fxtrain.errors import ConfigError
 
-__all__ = ["Settings", "Trainer", "EarlyStopping", "BestCheckpoint", "Amp", "LossScale", "Accumulate", "Parallel",
+__all__ = ["Settings", "Trainer", "EarlyStopping", "BestCheckpoint", "Amp", "LossScale", "Float8", "Accumulate", "Parallel",
            "Debug", "Launcher", "Executor", "WandbSettings", "TargetNode", "NESTED", "LAUNCHER", "ARGS", "MAX_COUNT",
            "check", "check_args", "check_value", "message", "unknown_key", "declared", "expected", "loose", "nearest",
            "describe", "show", "node_models", "Unreadable"]
@@ -123,6 +123,14 @@ class LossScale(_Node):
     max_scale: Optional[Annotated[float, Field(gt=0)]] = Field(None, description="ceiling of the scale; null: none")
 
 
+class Float8(_Node):
+    """``amp.float8`` (``amp=float8``): torchao's float8 training of the model's Linear layers (fxtrain.float8)."""
+
+    skip: Optional[list[Name]] = Field(None, description="Linear layers kept out of float8, by name (the output "
+                                                         "head by default); null or []: none",
+                                       examples=[["head"]])
+
+
 class Amp(_Node):
     """``amp``: mixed precision (fx.amp_cast), conf/amp/."""
 
@@ -132,6 +140,8 @@ class Amp(_Node):
         None, union_mode="left_to_right", description="the loss scale (fx.amp_cast's loss_scale)",
         json_schema_extra={"expected": "null (the policy's default), none, dynamic, a finite number > 0 (a static "
                                        "scale) or DynamicLossScale's settings"})
+    float8: Optional[Float8] = Field(None, description="float8 matmuls in the Linear layers (torchao, amp=float8); "
+                                                      "null: none")
 
 
 class Accumulate(_Node):

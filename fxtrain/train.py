@@ -91,8 +91,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import fxtrain as fx
 from fxtrain.errors import ConfigError
-from fxtrain import (build, checkpoint, distributed, loggers, parallel, report, rundir, schema, selection, tasks,
-                     tree, validate)
+from fxtrain import (build, checkpoint, distributed, float8, loggers, parallel, report, rundir, schema, selection,
+                     tasks, tree, validate)
 from fxtrain import run_hooks as orbax_hooks  # resume=orbax:PATH, trainer.export=orbax
 from fxtrain import data as fxdata
 from fxtrain.data import batches_per_epoch
@@ -285,6 +285,7 @@ def build_run(cfg: DictConfig, device: torch.device, dims: distributed.ParallelD
     if dims.data_world > 1:
         _check_whole_reads(data, sharded, dims)
     model = build.model(cfg).to(device)
+    build.float8(cfg, model, device)  # amp=float8: Float8Linear layers, before the model is placed
     task = build.task(cfg) if task is None else task
     tx = build.stack(cfg, dims)
     try:
@@ -974,7 +975,7 @@ def describe_run(data: Any, model: torch.nn.Module, params: Any, tx: fx.Gradient
     """The ``data``, ``model``, ``task``, ``stack`` and ``state`` lines a run prints at its start (and its
     train.log holds)."""
     return [f"data   {data}" + (NO_VALIDATION if getattr(data, "val", False) is None else ""),
-            f"model  {type(model).__name__}: {count_params(params):,} params on {device}{parallel.wrapped_note(model)}",
+            f"model  {type(model).__name__}: {count_params(params):,} params on {device}{float8.note(model)}{parallel.wrapped_note(model)}",
             *([f"task   {task!r}"] if task is not None else []),
             f"stack  {tx!r}",
             f"state  {state_bytes(opt_state):,} bytes of optimizer state per rank" +

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import fxtrain as fx
-from fxtrain import report, train as runner
+from fxtrain import float8 as fxfloat8, report, train as runner
 from fxtrain.testing import assert_trees_close
 from tests._runner import cfg_of, isolate, run_main  # noqa: F401 - isolate: autouse (runs write under tmp_path)
 from tests.test_vmap_launcher import assert_same_sweep, sweep_of
@@ -323,3 +323,27 @@ def test_vmapped_sweep_on_cuda_matches_the_basic_launcher(capsys):
     vmapped = sweep_of("vmap", *grid)
     assert "jobs 0,1,2,3,4,5 as one process" in capsys.readouterr().out
     assert_same_sweep(basic, vmapped, 6)  # test_vmap_launcher.py's bars: relative 2e-5 on every logged float
+
+
+# --- amp=float8 (fxtrain/float8.py): torchao's float8 matmuls where the GPU has them ---------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fxfloat8.hardware_float8(torch.device("cuda")),
+                    reason="needs a CUDA device with float8 matmuls (SM89 or later)")
+def test_hardware_float8_computes_what_the_emulation_does():
+    # On SM89+ convert picks torch._scaled_mm; the emulation quantizes the same way and multiplies in high precision:
+    # the same forward and gradient up to the matmul's accumulation order (bf16 output: its eps, 7.8e-3). The
+    # tolerances are that reasoning's, not measured: no session with a GPU has run this yet (make gpu-check runs it).
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    outs = []
+    for device in (torch.device("cuda"), torch.device("cpu")):  # cpu: emulated, then run on the GPU
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 16)).to(torch.bfloat16)
+        fxfloat8.convert(model, device=device)
+        assert model[0].config.emulate is (device.type == "cpu")
+        y = model.cuda()(x)
+        (grad,) = torch.autograd.grad(y.float().square().sum(), x)
+        outs.append((y.float(), grad.float()))
+    (real, real_grad), (emulated, emulated_grad) = outs
+    torch.testing.assert_close(real, emulated, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(real_grad, emulated_grad, rtol=5e-2, atol=5e-2)

@@ -24,6 +24,7 @@ CASES = [  # what the user writes, then (the module that is missing, the package
     (("data=hf",), ("datasets", "datasets", "hf")),
     (("data=webdataset",), ("webdataset", "webdataset", "webdataset")),
     (("data=grain",), ("grain", "grain", "grain")),
+    (("amp=float8",), ("torchao", "torchao", "float8")),
 ]
 
 
@@ -31,7 +32,7 @@ CASES = [  # what the user writes, then (the module that is missing, the package
 def test_a_missing_extra_stops_the_launch_with_the_line_that_installs_it(argv, need, monkeypatch, tmp_path, capsys):
     module, package, extra = need
     monkeypatch.setitem(sys.modules, module, None)  # what `import module` meets when it is not installed
-    arg = next(a for a in argv if a.startswith(("hydra/", "hparams", "logger", "data")))
+    arg = next(a for a in argv if a.startswith(("hydra/", "hparams", "logger", "data", "amp")))
     code = run_main(*argv, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep")
     assert code == f"Error: {arg} needs {package}: pip install 'fxtrain[{extra}]'"
     assert "Traceback" not in capsys.readouterr().err

@@ -57,6 +57,7 @@ ACCEPTED = {
     ("trainer.early_stopping.min_delta", "zero"): "any improvement counts",
     ("trainer.early_stopping.min_delta", "huge"): "a choice: only improvements that large count (no upper bound)",
     ("model.hidden", "empty"): "hidden=[]: a linear model, a legitimate baseline",
+    ("amp.float8.skip", "empty"): "skip=[]: every Linear torchao can convert runs in float8, the head too",
     ("optim.chain.*.learning_rate", "huge"): "no upper bound on a learning rate; a diverging run stops at its "
                                              "first non-finite loss (train.py)",
     ("optim.chain.*.weight_decay", "zero"): "no decay",
@@ -103,6 +104,7 @@ ACCEPTED = {
 ACCEPTED.update({(key, "null"): why for key, why in {
     "resume": "null: start at step 0 (documented)",
     "trainer.max_epochs": "null: the run is given in steps",
+    "amp.float8.skip": "null: no Linear layer kept out of float8, as []",
     "trainer.cpu_threads": "null: torch's default",
     "trainer.heartbeat_s": "null: no heartbeat lines",
     "trainer.early_stopping.metric": "null: early stopping off",
