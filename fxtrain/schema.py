@@ -126,8 +126,8 @@ class LossScale(_Node):
 class Float8(_Node):
     """``amp.float8`` (``amp=float8``): torchao's float8 training of the model's Linear layers (fxtrain.float8)."""
 
-    skip: Optional[list[Name]] = Field(None, description="Linear layers kept out of float8, by name (the output "
-                                                         "head by default); null or []: none",
+    skip: Optional[list[Name]] = Field(["head"], description="Linear layers kept out of float8, by name: the output "
+                                                         "head by default; null or [] for none",
                                        examples=[["head"]])
 
 
@@ -429,7 +429,7 @@ def node_models(model: type[BaseModel] = Settings, prefix: str = "") -> dict[str
     """``{key: model}`` of ``model`` and its nodes (``""``, ``"trainer"``, ``"trainer.early_stopping"``...).
 
     >>> sorted(node_models())[:4]
-    ['', 'accumulate', 'amp', 'amp.loss_scale']
+    ['', 'accumulate', 'amp', 'amp.float8']
     """
     out = {prefix: model}
     for name, info in model.model_fields.items():
@@ -486,7 +486,7 @@ def unknown_key(key: str, model: type[BaseModel] = Settings, prefix: str = "") -
     """The one line for ``key`` (dotted) when a node declared here lacks it, with the nearest name; else ``None``.
 
     >>> print(unknown_key("amp.polcy"))
-    amp.polcy: not a setting fxtrain reads (did you mean amp.policy?); amp's settings are policy, loss_scale
+    amp.polcy: not a setting fxtrain reads (did you mean amp.policy?); amp's settings are policy, loss_scale, float8
     >>> unknown_key("model.hiden") is None, unknown_key("trainer.max_steps") is None
     (True, True)
     """

@@ -102,8 +102,9 @@ def test_convert_keeps_what_torchao_cannot_run_and_ties():
      "Error: amp.float8.skip names haed, which TransformerLM has no nn.Linear of; its Linear layers are "
      "blocks.0.attn.k, blocks.0.attn.proj, blocks.0.attn.q, blocks.0.attn.v, blocks.0.mlp.0, blocks.0.mlp.2, "
      "blocks.1.attn.k, blocks.1.attn.proj, blocks.1.attn.q, blocks.1.attn.v, blocks.1.mlp.0, blocks.1.mlp.2, head"),
-    (["amp.float8.skip=head"], ("Error: amp.float8.skip=head: expected a list of Linear layer names kept out of "
-                                 "float8, e.g. [head], or [] for none")),
+    (["amp.float8.skip=head"], ("Error: amp.float8.skip=head: expected a list, each a non-blank string, or null "
+                                 "(Linear layers kept out of float8, by name: the output head by default; null or [] "
+                                 "for none)")),
     (["+amp.float8.skp=[head]"],
      "Error: amp.float8.skp: not a setting fxtrain reads (did you mean amp.float8.skip?); amp.float8's settings are skip"),
 ], ids=["nothing_to_convert", "skip_names_no_linear", "skip_not_a_list", "unknown_key"])

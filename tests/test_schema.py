@@ -27,7 +27,8 @@ DEFAULTS_FROM = {"": ("train.yaml", ""), "trainer": ("trainer/default.yaml", "")
                  "trainer.early_stopping": ("trainer/default.yaml", "early_stopping"),
                  "trainer.checkpoint": ("trainer/default.yaml", "checkpoint"),
                  "accumulate": ("accumulate/off.yaml", ""), "parallel": ("parallel/_degrees.yaml", ""),
-                 "debug": ("debug/_settings.yaml", ""), "amp.loss_scale": ("amp/naive_fp16.yaml", "loss_scale")}
+                 "debug": ("debug/_settings.yaml", ""), "amp.loss_scale": ("amp/naive_fp16.yaml", "loss_scale"),
+                 "amp.float8": ("amp/float8.yaml", "float8")}
 
 
 def _fields() -> list[tuple[str, typing.Any]]:
@@ -88,6 +89,8 @@ def _base(key: str) -> list[str]:
     """A config where ``key`` exists: its node's option picked (the loss scale's mapping, a debug option)."""
     if key.startswith("amp.loss_scale."):
         return ["amp=naive_fp16"]
+    if key.startswith("amp.float8."):
+        return ["amp=float8"]
     return ["debug=limit"] if key.startswith("debug.") else []
 
 
