@@ -39,8 +39,8 @@ def context_parallel_refusal(model: nn.Module, cp: int, context: int | None = No
         >>> from fxtrain.models import MLP, TransformerLM
         >>> context_parallel_refusal(MLP((4,), (8,), 2), 2)
         'parallel.cp=2: MLP has no sequence attention to split; use model=transformer (or model=moe), or parallel.cp=1'
-        >>> context_parallel_refusal(TransformerLM(context=12, d_model=8, n_heads=2), 2, context=12)
-        'parallel.cp=2: data.context=12 does not split into 2 * cp = 4 equal chunks (torch load-balances causal attention so); make it a multiple of 4'
+        >>> context_parallel_refusal(TransformerLM(context=10, d_model=8, n_heads=2), 2, context=10)
+        'parallel.cp=2: data.context=10 does not split into 2 * cp = 4 equal chunks (torch load-balances causal attention so); make it a multiple of 4'
         >>> context_parallel_refusal(TransformerLM(context=16, d_model=8, n_heads=2), 2, context=16) is None
         True
     """
