@@ -6,7 +6,7 @@ balance: chunks r and 3 - r of 4). The table gives, over the 100 logged steps, t
 the loss and of grad_norm from the single-process run's of the same step (the issue's acceptance: within 2e-3
 after 100 steps, amp off and on), the final loss and the wall time. Usage::
 
-    .venv/bin/python experiments/context_parallel/run.py                 # writes results.md here
+    .venv/bin/python experiments/context_parallel/run.py --write         # 100 steps, replaces results.md here
     .venv/bin/python experiments/context_parallel/run.py --steps 10 --no-write
 
 tests/test_context_parallel.py's slow test runs :func:`deviations` for each preset and amp mode.
@@ -24,6 +24,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent / "bench"))
+import _common  # noqa: E402
+
 ARGS = ["experiment=tiny_lm", "data.max_bytes=60000", "data.eval_windows=16", "model.d_model=32", "model.n_heads=2",
         "data.batch_size=8", "data.context=32", "accumulate=off", "trainer.log_every=1", "trainer.checkpoint_every=0",
         "schedule.warmup_steps=10", "hydra.run.dir=out"]
@@ -60,9 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--out", type=Path, default=HERE, help="where results.md goes (default: here)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/fxtrain_context_parallel"), help="the runs' directories")
+    _common.add_output_args(ap, HERE)  # results.md
     args = ap.parse_args(argv)
+    out = _common.output_dir(ap, args, HERE)
     rows = ["| run | ranks | amp | final loss | max rel. diff loss | max rel. diff grad_norm | wall s |",
             "|---|---|---|---|---|---|---|"]
     for amp in AMPS:
@@ -74,12 +78,12 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(f"| parallel={preset} | {ranks} | {amp} | {got[-1]['loss']:.6f} | {d['loss']:.1e} | "
                         f"{d['grad_norm']:.1e} | {wall:.0f} |")
             print(rows[-1], flush=True)
-    text = (f"# Context parallel against one process ({args.steps} steps)\n\n"
-            f"`.venv/bin/python experiments/context_parallel/run.py` (torch 2.13, gloo, CPU; {' '.join(ARGS[:-1])}):\n\n"
-            + "\n".join(rows) + "\n")
-    print(text)
-    if not args.no_write:
-        (args.out / "results.md").write_text(text)
+    body = (f"# Context parallel against one process ({args.steps} steps)\n\n{_common.environment()}\n\n"
+            f"Command: `.venv/bin/python experiments/context_parallel/run.py --steps {args.steps}` "
+            f"(`{' '.join(ARGS[:-1])}`)\n\n" + "\n".join(rows) + "\n")
+    print(body)
+    if out is not None:
+        print("wrote", _common.write_study_results(out, "experiments/context_parallel/run.py", body))
 
 
 if __name__ == "__main__":
