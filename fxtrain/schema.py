@@ -163,6 +163,7 @@ class Parallel(_Node):
     dp_replicate: Degree = Field(1, description="replicas of the params", json_schema_extra={"expected": _DEGREE})
     dp_shard: Degree = Field(1, description="FSDP ranks", json_schema_extra={"expected": _DEGREE})
     ep: Degree = Field(1, description="expert-parallel ranks", json_schema_extra={"expected": _DEGREE})
+    cp: Degree = Field(1, description="context-parallel ranks", json_schema_extra={"expected": _DEGREE})
     tp: Degree = Field(1, description="tensor-parallel ranks", json_schema_extra={"expected": _DEGREE})
     shard_optimizer: bool = Field(False, description="ZeRO-1/2 over dp_replicate")
     schedule: Literal["gpipe", "1f1b"] = Field("gpipe", description="the pipeline schedule (pp > 1)")

@@ -391,7 +391,7 @@ def _check_held_relayout(cfg: DictConfig, run: Run, step: int) -> None:
     (issue 35: tp -> dp mid-window crashed at its first step, or added the held sum twice).
     """
     every = cfg.accumulate.every
-    plain = not any(run.dims.enabled(d) for d in ("dp_replicate", "dp_shard", "tp", "ep"))
+    plain = not any(run.dims.enabled(d) for d in ("dp_replicate", "dp_shard", "cp", "tp", "ep"))
     if every > 1 and step % every and not plain:
         raise ConfigError(f"resume_relayout=true: the checkpoint {run.source} is at step {step}, inside an "
                           f"accumulation window (accumulate.every={every}: {step % every} micro-batches' gradient "

@@ -108,6 +108,7 @@ COMMANDS = {
         "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=pp",
         "torchrun --nproc_per_node=8 -m fxtrain.train experiment=tiny_lm parallel=3d",
         "torchrun --nproc_per_node=2 -m fxtrain.train experiment=tiny_lm parallel=ep model=moe",
+        "torchrun --nproc_per_node=4 -m fxtrain.train experiment=tiny_lm parallel=fsdp_cp",
         "torchrun --nproc_per_node=4 -m fxtrain.train experiment=tiny_lm parallel.tp=2 parallel.dp_shard=-1"]},
     # docs/parallel.md "Beyond one machine": two launchers at once, and a rank killed mid-run; the test runs each line as written
     **{command: (None, "tests/test_multinode.py runs it (a free port, a tiny model, 24 steps)") for command in [

@@ -206,7 +206,7 @@ def _takes_held_sums(overrides: list[str], world: int) -> bool:
 
     GlobalHydra.instance().clear()
     dims = build.parallel_dims(cfg_of(*_args(*overrides)), world)
-    return not any(dims.enabled(d) for d in ("dp_replicate", "dp_shard", "tp", "ep"))
+    return not any(dims.enabled(d) for d in ("dp_replicate", "dp_shard", "cp", "tp", "ep"))
 
 
 def _continue(source: pathlib.Path, out: pathlib.Path, step: int, *overrides: str, rel: float = REL,

@@ -7,10 +7,12 @@ A layout is a product of degrees, one per kind of parallelism, that equals the w
 * ``dp_shard``: FSDP ranks (params, gradients and optimizer state sharded); each reads its own slice. With
   ``dp_replicate`` too this is HSDP: sharded within a replica group, replicated across groups.
 * ``ep``: expert-parallel ranks (an MoE layer's experts split over them); each reads its own slice.
+* ``cp``: context-parallel ranks; they use the same slice, each its part of the sequence dim
+  (:func:`fxtrain.parallel.context_parallel`), and FSDP shards over ``dp_shard x cp`` (torchtitan's).
 * ``tp``: tensor-parallel ranks (Megatron's split of each block); they use the same slice.
 * ``pp``: pipeline stages; they use the same slice (the first stage its inputs, the last its targets).
 
-Ranks that use the same slice (tp and pp peers: :attr:`ParallelDims.data_peers`) do not each read it: the first
+Ranks that use the same slice (cp, tp and pp peers: :attr:`ParallelDims.data_peers`) do not each read it: the first
 of each group (:attr:`ParallelDims.reads_data`) reads it and hands it to the others
 (:func:`fxtrain.distributed.broadcast_batch`).
 
@@ -29,9 +31,9 @@ __all__ = ["ParallelDims", "DIMS"]
 
 # The degrees in mesh order, outermost first: pipeline stages talk least (one send per micro-batch), tensor
 # parallel most (every block), so tp gets the closest ranks (torchtitan's order). Context parallel ("cp")
-# would sit between ep and tp: its ranks read slices of the same sequences.
-DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
-# Ranks along these read different slices of a batch; tp and pp ranks read the same one.
+# sits between ep and tp: its ranks use the same rows, each its part of the sequences.
+DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+# Ranks along these read different slices of a batch; cp, tp and pp ranks read the same one.
 _BATCH_DIMS = ("dp_replicate", "dp_shard", "ep")
 
 
@@ -100,8 +102,8 @@ class ParallelDims:
 
     @property
     def params_sharded(self) -> bool:
-        """Whether FSDP shards the params (``dp_shard > 1``, with experts on their own ``ep`` dim)."""
-        return self.enabled("dp_shard")
+        """Whether FSDP shards the params (``dp_shard > 1`` or ``cp > 1``, with experts on their own ``ep`` dim)."""
+        return self.enabled("dp_shard") or self.enabled("cp")
 
     @property
     def data_world(self) -> int:
@@ -130,8 +132,16 @@ class ParallelDims:
 
     @property
     def fsdp_mesh(self) -> Any:
-        """The mesh ``fully_shard`` takes: ``dp_shard``'s, or ``(dp_replicate, dp_shard)`` for HSDP."""
-        return self.submesh(*(d for d in ("dp_replicate", "dp_shard") if self.enabled(d)))
+        """The mesh ``fully_shard`` takes: ``dp_shard``'s, or ``(dp_replicate, dp_shard)`` for HSDP; with ``cp``
+        its ranks join the shard dim (torchtitan's flattened ``dp_shard_cp``): the cp peers of a sequence hold
+        the gradients of its parts, which FSDP's reduce-scatter averages with the data ranks'."""
+        shard = tuple(d for d in ("dp_shard", "cp") if self.enabled(d))
+        if len(shard) == 2:
+            flat = self.submesh(*shard)._flatten("dp_shard_cp")  # the same one on every call (torch keeps it)
+            if not self.enabled("dp_replicate"):
+                return flat
+            return type(flat)._concatenate([self.submesh("dp_replicate"), flat])
+        return self.submesh(*(d for d in ("dp_replicate", *shard) if self.enabled(d)))
 
     @property
     def norm_groups(self) -> tuple:
@@ -152,7 +162,7 @@ class ParallelDims:
 
     @property
     def data_peers(self) -> tuple[str, ...]:
-        """The enabled dims whose ranks use the same slice of a batch (``tp``, ``pp``), in mesh order."""
+        """The enabled dims whose ranks use the same slice of a batch (``cp``, ``tp``, ``pp``), in mesh order."""
         return tuple(d for d in self.mesh_dims if d not in _BATCH_DIMS)
 
     @property

@@ -14,6 +14,8 @@ on and composes torch's own machinery in torchtitan's order, each on its sub-mes
    ``dp_replicate`` alone: replicated DTensor params (``fx.parallel.data_parallel``, or
    ``fx.parallel.tensor_parallel``'s dp x tp bridge), gradients reduced by ``fx.train_step``.
 4. ``ep``: ``fx.parallel.expert_parallel``, the MoE layers' experts ``Shard(0)`` over ep.
+5. ``cp``: FSDP over ``dp_shard x cp``, its step run on each rank's part of the sequences under torch's
+   ``context_parallel`` (``fx.parallel.context_parallel``).
 
 With none on, the model is ``fx.functional``'s and the step ``fx.train_step``. Activation checkpointing and
 ``torch.compile`` of the blocks (:mod:`fxtrain.parallel._blocks`; ``activation_checkpoint=``, ``compile=``) come
@@ -37,6 +39,7 @@ from fxtrain.amp import Uncast
 from fxtrain.distributed import ParallelDims
 from fxtrain.functional import functional
 from fxtrain.parallel._blocks import checkpoint_blocks, checkpointed_blocks, compile_blocks, compile_refusal
+from fxtrain.parallel._context_parallel import context_parallel, context_parallel_refusal
 from fxtrain.parallel._data_parallel import data_parallel
 from fxtrain.parallel._expert_parallel import expert_parallel
 from fxtrain.parallel._fully_sharded import fully_sharded, fully_sharded_step
@@ -111,7 +114,10 @@ def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims
     if dims.params_sharded:
         twin = _twin(model)
         _placed(model, dims, model.tp_plan() if dims.enabled("tp") else None, mp_policy, blocks)
-        return _fully_sharded(model, tx, task, twin, compile)
+        placed = _fully_sharded(model, tx, task, twin, compile)
+        if dims.enabled("cp"):
+            return placed._replace(step=context_parallel(placed.step, model, dims.submesh("cp")))
+        return placed
     if dims.enabled("tp"):
         mesh = dims.submesh(*(d for d in ("dp_replicate", "tp") if dims.enabled(d)))
         apply, params, buffers = tensor_parallel(model, model.tp_plan(), mesh, dp="dp_replicate")
@@ -142,6 +148,12 @@ def _check(model: nn.Module, dims: ParallelDims) -> None:
         raise ValueError(f"{shown}: {name} has no tensor-parallel plan (tp_plan); use model=transformer or model=moe")
     if dims.enabled("pp") and not hasattr(model, "pipeline_stage"):
         raise ValueError(f"{shown}: {name} has no pipeline split (pipeline_stage); use model=transformer or model=moe")
+    refused = context_parallel_refusal(model, dims.degrees["cp"], getattr(model, "context", None))
+    if refused:
+        raise ValueError(refused)
+    if dims.enabled("cp") and (dims.enabled("pp") or dims.enabled("ep")):
+        raise ValueError(f"{shown}: context parallel composes with dp_replicate, dp_shard and tp here; set "
+                         "parallel.pp and parallel.ep to 1 (or parallel.cp to 1)")
     if dims.enabled("ep") and (dims.enabled("tp") or dims.enabled("pp")):
         raise ValueError(f"{shown}: expert parallel composes with dp_replicate and dp_shard here; set parallel.tp "
                          "and parallel.pp to 1 (or drop ep)")
