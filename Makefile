@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PIP     := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: train test test-all docs studies matrix bench bench-suite gpu-check setup clean
+.PHONY: train test test-all docs studies matrix relayout bench bench-suite gpu-check setup clean
 
 # Reinstall when the project metadata or pins change; otherwise reuse the venv.
 $(STAMP): pyproject.toml constraints.txt
@@ -51,6 +51,11 @@ studies: $(STAMP)
 # moved it. ARGS="--only 'parallel=pp,pp_tp;amp=bf16'" runs a slice (printed; --write writes it as the table).
 matrix: $(STAMP)
 	$(BIN)/python experiments/matrix/run.py --write $(ARGS)
+
+# Every conf/parallel preset's checkpoint continued on every other (resume_relayout=true), into
+# experiments/relayout/results.md (~15 min on 2 cores). ARGS="--out DIR --rerun ep_fsdp" keeps DIR's other runs.
+relayout: $(STAMP)
+	$(BIN)/python experiments/relayout/run.py --write $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python experiments/bench/step.py $(ARGS)
