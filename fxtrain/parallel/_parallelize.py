@@ -182,7 +182,7 @@ def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipel
     name, per = pipeline.get("schedule", "gpipe"), int(pipeline.get("stages_per_rank", 1))
     size, microbatches = dims.degrees["pp"], int(pipeline.get("microbatches", 4))
     n = size * per  # stages in all: stages_per_rank virtual stages on each pp rank
-    refused = schedule_refusal(name, size, per, microbatches)
+    refused = schedule_refusal(name, size, per, microbatches, compile=blocks.compile)
     if refused is None and n > getattr(model, "n_layers", n):
         refused = (f"parallel.pp={size} x parallel.stages_per_rank={per} = {n} stages need at least one block "
                    f"each, but model.n_layers={model.n_layers}: raise model.n_layers or lower them")
