@@ -6,8 +6,9 @@ buffers, metrics)`` on this rank's slice of a batch, and ``evaluate(params, buff
 comes in once, as a :class:`fxtrain.distributed.ParallelDims`; :func:`parallelize` asks it which degrees are
 on and composes torch's own machinery in torchtitan's order, each on its sub-mesh:
 
-1. ``pp``: the model is cut into its stage (``model.pipeline_stage``), which the rest applies to; a
-   ``torch.distributed.pipelining`` schedule runs it (``fx.parallel.pipeline_step``).
+1. ``pp``: the model is cut into its stage (``model.pipeline_stage``), or its ``stages_per_rank`` virtual stages,
+   which the rest applies to; a ``torch.distributed.pipelining`` schedule runs them (``fx.parallel.pipeline_step``;
+   the schedules: :mod:`fxtrain.parallel._pipeline_schedules`).
 2. ``tp``: ``parallelize_module`` with ``model.tp_plan()`` on the tp mesh.
 3. ``dp_shard`` (and ``dp_replicate``, HSDP): ``fully_shard`` per block and root on the ``dp_shard`` mesh or
    the 2-D ``(dp_replicate, dp_shard)`` one; the step is ``fx.parallel.fully_sharded_step``.
