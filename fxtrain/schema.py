@@ -166,7 +166,10 @@ class Parallel(_Node):
     cp: Degree = Field(1, description="context-parallel ranks", json_schema_extra={"expected": _DEGREE})
     tp: Degree = Field(1, description="tensor-parallel ranks", json_schema_extra={"expected": _DEGREE})
     shard_optimizer: bool = Field(False, description="ZeRO-1/2 over dp_replicate")
-    schedule: Literal["gpipe", "1f1b"] = Field("gpipe", description="the pipeline schedule (pp > 1)")
+    schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "interleaved_zb", "zbv"] = Field(
+        "gpipe", description="the pipeline schedule (pp > 1)")
+    stages_per_rank: Count = Field(1, description="virtual pipeline stages per pp rank (interleaved schedules: 2+, "
+                                                  "zbv: 2)")
     microbatches: Count = Field(4, description="micro-batches per batch under pp > 1")
     dp: None = Field(None, description="the key before degrees: use parallel.dp_replicate (replicated params, "
                                        "parallel=dp) or parallel.dp_shard (FSDP, parallel=fsdp)")

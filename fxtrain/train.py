@@ -956,7 +956,8 @@ def _metric_names(train: list[str]) -> list[str]:
 
 
 def _pipeline_options(cfg: DictConfig) -> dict:
-    return {"schedule": cfg.parallel.get("schedule", "gpipe"), "microbatches": cfg.parallel.get("microbatches", 4)}
+    return {"schedule": cfg.parallel.get("schedule", "gpipe"), "microbatches": cfg.parallel.get("microbatches", 4),
+            "stages_per_rank": cfg.parallel.get("stages_per_rank", 1)}
 
 
 def choice(group: str, default: str = "?") -> str:

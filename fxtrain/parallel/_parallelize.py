@@ -6,8 +6,9 @@ buffers, metrics)`` on this rank's slice of a batch, and ``evaluate(params, buff
 comes in once, as a :class:`fxtrain.distributed.ParallelDims`; :func:`parallelize` asks it which degrees are
 on and composes torch's own machinery in torchtitan's order, each on its sub-mesh:
 
-1. ``pp``: the model is cut into its stage (``model.pipeline_stage``), which the rest applies to; a
-   ``torch.distributed.pipelining`` schedule runs it (``fx.parallel.pipeline_step``).
+1. ``pp``: the model is cut into its stage (``model.pipeline_stage``), or its ``stages_per_rank`` virtual stages,
+   which the rest applies to; a ``torch.distributed.pipelining`` schedule runs them (``fx.parallel.pipeline_step``;
+   the schedules: :mod:`fxtrain.parallel._pipeline_schedules`).
 2. ``tp``: ``parallelize_module`` with ``model.tp_plan()`` on the tp mesh.
 3. ``dp_shard`` (and ``dp_replicate``, HSDP): ``fully_shard`` per block and root on the ``dp_shard`` mesh or
    the 2-D ``(dp_replicate, dp_shard)`` one; the step is ``fx.parallel.fully_sharded_step``.
@@ -44,6 +45,8 @@ from fxtrain.parallel._data_parallel import data_parallel
 from fxtrain.parallel._expert_parallel import expert_parallel
 from fxtrain.parallel._fully_sharded import fully_sharded, fully_sharded_step
 from fxtrain.parallel._pipeline import pipeline_step
+from fxtrain.parallel._pipeline_schedules import (build_schedule, evaluate_step, schedule_refusal,
+                                                  stage_indices)
 from fxtrain.parallel._tensor_parallel import tensor_parallel
 from fxtrain.step import train_step
 
@@ -70,7 +73,8 @@ def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims
       tx: the transform stack.
       dims: the run's mesh object (built).
       task: the loss and metrics (:mod:`fxtrain.tasks`); ``None``: classification.
-      pipeline: under ``pp``: ``{"schedule": "gpipe" | "1f1b", "microbatches": int}``.
+      pipeline: under ``pp``: ``{"schedule": "gpipe" | "1f1b" | "interleaved1f1b" | "interleaved_zb" | "zbv",
+        "stages_per_rank": int, "microbatches": int}`` (:mod:`fxtrain.parallel._pipeline_schedules`).
       mp_policy: under ``dp_shard`` (whole models and pipeline stages): FSDP's ``MixedPrecisionPolicy`` (the amp
         group's compute dtype; :func:`fxtrain.build.mixed_precision`).
       activation_checkpoint: ``none``, ``full`` or ``selective``: the model's (or stage's) blocks checkpointed
@@ -186,24 +190,33 @@ def _stage_plan(model: nn.Module) -> dict:
 
 def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipeline: dict, mp_policy: Any = None,
                blocks: _Blocks = _Blocks()) -> Parallel:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage
 
-    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    name = pipeline.get("schedule", "gpipe")
-    if name not in schedules:
-        raise ValueError(f"parallel.schedule={name}: expected one of {', '.join(schedules)}")
+    name, per = pipeline.get("schedule", "gpipe"), int(pipeline.get("stages_per_rank", 1))
+    size, microbatches = dims.degrees["pp"], int(pipeline.get("microbatches", 4))
+    n = size * per  # stages in all: stages_per_rank virtual stages on each pp rank
+    refused = schedule_refusal(name, size, per, microbatches, compile=blocks.compile)
+    if refused is None and n > getattr(model, "n_layers", n):
+        refused = (f"parallel.pp={size} x parallel.stages_per_rank={per} = {n} stages need at least one block "
+                   f"each, but model.n_layers={model.n_layers}: raise model.n_layers or lower them")
+    if refused:
+        raise ValueError(f"{dims.describe()}: {refused}")
     pp = dims.submesh("pp")
-    n, stage_index = pp.size(), pp.get_local_rank()
+    indices = stage_indices(name, pp.get_local_rank(), size, per)
     plan = _stage_plan(model) if dims.enabled("tp") else None
-    module = model.pipeline_stage(stage_index, n)
-    _placed(module, dims, plan, mp_policy, blocks)
-    device = next(module.parameters()).device
-    stage = PipelineStage(module, stage_index, n, device, group=pp.get_group())
-    microbatches = int(pipeline.get("microbatches", 4))
-    schedule = schedules[name](stage, n_microbatches=microbatches, loss_fn=lambda out, y: task.compute(out, y)[0])
-    apply, params, buffers = fully_sharded(module) if dims.params_sharded else functional(module)
+    modules = [model.pipeline_stage(i, n) for i in indices]
+    for module in modules:
+        _placed(module, dims, plan, mp_policy, blocks)
+    device = next(modules[0].parameters()).device
+    stages = [PipelineStage(m, i, n, device, group=pp.get_group()) for i, m in zip(indices, modules)]
+    schedule = build_schedule(name, stages, microbatches, lambda out, y: task.compute(out, y)[0])
+    # This rank's stages' params in one tree (the model's names: the stages' are disjoint), as one stage's are.
+    placed = [fully_sharded(m) if dims.params_sharded else functional(m) for m in modules]
+    apply = placed[0][0]
+    params = {k: v for _, p, _ in placed for k, v in p.items()}
+    buffers = {k: v for _, _, b in placed for k, v in b.items()}
     train = pipeline_step(schedule, tx, pp_group=pp, compile=blocks.compile)
-    first, last = stage_index == 0, stage_index == n - 1
+    first, last = 0 in indices, n - 1 in indices
     seen: list[int] = []  # the per-rank batch size: a stage's buffers are shaped by its first micro-batches
 
     def step(params, opt_state, buffers, batch):
@@ -226,7 +239,7 @@ def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipel
             losses: list = []
             # The training schedule's own eval (forward only): a second schedule over the same stage
             # left it in a state that changed the next training steps (1.8% of the loss after 100).
-            schedule.eval(xb if first else None, target=yb if last else None, losses=losses)
+            evaluate_step(schedule, xb if first else None, target=yb if last else None, losses=losses)
             if losses:  # the mean loss of each equal micro-batch: their mean is the batch's
                 total += torch.stack([v.double() for v in losses]).mean() * yb.numel()
         # The last stage has it: summed over the pp group (its zeros elsewhere), every rank logs it.

@@ -259,10 +259,17 @@ def _computing_with(stage: Any, cast: dict) -> Any:
     if not stage.is_last:
         hooks.append(module.register_forward_hook(
             lambda m, args, out: tuple(to(o, master) for o in out) if isinstance(out, tuple) else to(out, master)))
+    masters = list(module.parameters())
     try:
         with _reparametrize_module(module, named):
+            # Zero-bubble schedules split the backward: their weight half differentiates submod.parameters(), which
+            # are the casts now, so the casts would take the weight gradients and the params none (measured:
+            # interleaved_zb under amp=bf16 left every .grad empty). The params, whose casts are on the graph, take
+            # them, in their own dtype, as the full backward of the other schedules gives them.
+            module.parameters = lambda recurse=True: iter(masters)
             yield
     finally:
+        module.__dict__.pop("parameters", None)
         for h in hooks:
             h.remove()
 
