@@ -38,7 +38,7 @@ from fxtrain.distributed import ParallelDims
 from fxtrain.functional import functional
 from fxtrain.parallel._blocks import checkpoint_blocks, checkpointed_blocks, compile_blocks, compile_refusal
 from fxtrain.parallel._data_parallel import data_parallel
-from fxtrain.parallel._expert_parallel import expert_parallel
+from fxtrain.parallel._expert_parallel import expert_parallel, fully_shard_experts
 from fxtrain.parallel._fully_sharded import fully_sharded, fully_sharded_step
 from fxtrain.parallel._pipeline import pipeline_step
 from fxtrain.parallel._tensor_parallel import tensor_parallel
@@ -103,10 +103,17 @@ def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims
                          "of the two: trainer.compile=false or model.activation_checkpoint=none")
     if dims.enabled("pp"):
         return _pipelined(model, tx, dims, task, pipeline or {}, mp_policy, blocks)
-    if dims.enabled("ep"):
-        # Experts over ep; the dense params replicated over the data ranks, or sharded (FSDP's layout) with dp_shard.
+    if dims.enabled("ep") and dims.params_sharded:
+        # torchtitan's EP x FSDP: experts Shard(0) over ep and fully_shard-ed over dp_shard, the rest over every data rank.
+        twin = _twin(model)
         blocks(model)
-        apply, params, buffers = expert_parallel(model, dims.mesh, ep="ep", shard_dense=dims.params_sharded)
+        dense = fully_shard_experts(model, dims.mesh, dims.fsdp_mesh, mp_policy=mp_policy)
+        _fully_shard(model, dense, mp_policy)
+        return _fully_sharded(model, tx, task, twin, compile)
+    if dims.enabled("ep"):
+        # Experts over ep; the dense params replicated over the data ranks.
+        blocks(model)
+        apply, params, buffers = expert_parallel(model, dims.mesh, ep="ep")
         return _autograd(apply, params, buffers, tx, task, compile)
     if dims.params_sharded:
         twin = _twin(model)
