@@ -229,7 +229,7 @@ def case_fully_sharded_experts_equal_one_process_run(world):
 
     ref = one_process_run(world)
     m, lm = mesh(world, (2, 2), ("dp_shard", "ep")), model()
-    dense = fx.parallel.fully_shard_experts(lm, m, m["dp_shard"])
+    dense = fx.parallel.fully_shard_experts(lm, m)
     for block in lm.blocks:
         fully_shard(block, mesh=dense)
     fully_shard(lm, mesh=dense)
@@ -263,7 +263,7 @@ def case_bad_input_is_named(world):
     with pytest.raises(ValueError, match="Sequential has no fxtrain.models.MoE layer"):
         fx.parallel.expert_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh(world, (world,), ("ep",)))
     with pytest.raises(ValueError, match="fully_shard_experts: MoE layer 'blocks.0.mlp' has 3 experts, not divisible"):
-        fx.parallel.fully_shard_experts(model(experts=3), mesh(world, (world,), ("ep",)), None)
+        fx.parallel.fully_shard_experts(model(experts=3), mesh(world, (world,), ("ep",)))
     apply, params, buffers = fx.parallel.expert_parallel(torch.nn.Sequential(MoE(4, 8, 2)), dp_only, ep="dp")
     with pytest.raises(ValueError, match="param '0.w_in' is a plain tensor; pass the params tree that expert_parallel"):
         apply({k: full(v) for k, v in params.items()}, buffers, torch.zeros(2, 4), train=True)

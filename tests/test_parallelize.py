@@ -57,6 +57,7 @@ def test_the_mesh_is_asked_for_after_build():
     ("hsdp", 4, {"dp_replicate": 2, "dp_shard": 2}), ("tp", 2, {"tp": 2}), ("fsdp_tp", 4, {"dp_shard": 2, "tp": 2}),
     ("pp", 2, {"pp": 2}), ("pp_fsdp", 4, {"pp": 2, "dp_shard": 2}), ("pp_tp", 4, {"pp": 2, "tp": 2}),
     ("3d", 8, {"pp": 2, "dp_shard": 2, "tp": 2}), ("ep", 2, {"ep": 2}), ("ep_fsdp", 4, {"ep": 2, "dp_shard": 2}),
+    ("ep_tp", 4, {"ep": 2, "tp": 2}), ("pp_ep", 4, {"pp": 2, "ep": 2}),
 ])
 def test_presets_are_degrees(preset, world, degrees):
     got = build.parallel_dims(cfg_of("experiment=smoke", f"parallel={preset}"), world)
@@ -82,7 +83,6 @@ def test_a_model_without_a_degree_is_named(degrees, message):
 
 
 @pytest.mark.parametrize("degrees,message", [
-    ({"ep": 2, "tp": 2}, r"^parallel ep=2 x tp=2: expert parallel composes with dp_replicate and dp_shard here"),
     ({"pp": 2, "dp_replicate": 2}, r"^parallel pp=2 x dp_replicate=2: pipeline replicas are FSDP-sharded stages; "
                                    r"use parallel.dp_shard"),
 ])

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtrain._deferred import DTensor, Partial, Replicate, Shard
+from fxtrain.distributed import DIMS, ParallelDims
 from fxtrain.functional import ApplyFn, Buffers, Params, functional
 from fxtrain.models import MoE, experts_forward
 
@@ -126,14 +127,13 @@ def expert_parallel(module: nn.Module, mesh: Any, *, ep: str = "ep",
     return apply_fn, params, buffers
 
 
-def fully_shard_experts(module: nn.Module, mesh: Any, expert_mesh: Any, *, ep: str = "ep",
-                        mp_policy: Any = None) -> Any:
+def fully_shard_experts(module: nn.Module, mesh: Any, *, ep: str = "ep", mp_policy: Any = None) -> Any:
     """torchtitan's expert parallel under FSDP2: each MoE layer's experts ``Shard(0)`` over ``ep``, then
     ``fully_shard`` on its data-parallel ranks, with the router left to the dense params' FSDP units.
 
     For every :class:`fxtrain.models.MoE` layer of ``module`` (in place): the stacked expert params become
     DTensors of this rank's ``E / ep`` rows on ``mesh[ep]``; the layer is ``fully_shard``-ed on
-    ``expert_mesh`` (the ranks that hold the same experts and read other tokens: FSDP shards those rows
+    ``mesh["dp_shard"]`` (the ranks that hold the same experts and read other tokens: FSDP shards those rows
     further over them and reduce-scatters their gradients, its FSDP x EP path, as under FSDP x TP), after its
     router on the dense mesh (``mesh``'s data dims flattened: every rank reads its own tokens), so that the
     layer's own FSDP unit holds the experts alone. Each layer's dispatch is set to the all-gather token
@@ -144,9 +144,10 @@ def fully_shard_experts(module: nn.Module, mesh: Any, expert_mesh: Any, *, ep: s
 
     Args:
       module: an ``nn.Module`` holding at least one MoE, built the same on every rank.
-      mesh: the run's ``DeviceMesh``, with a dim named ``ep`` and one named ``dp_shard`` (FSDP's).
-      expert_mesh: the FSDP mesh of the experts: ``mesh["dp_shard"]``, or HSDP's ``mesh["dp_replicate",
-        "dp_shard"]``.
+      mesh: the run's ``DeviceMesh``, with a dim named ``ep`` and one named ``dp_shard`` (FSDP's; of size 1
+        where only ep reads other tokens: :func:`expert_mesh`), optionally ``dp_replicate`` (HSDP: the
+        experts' FSDP mesh is then ``mesh["dp_replicate", "dp_shard"]``) and ``tp`` (the attention's,
+        parallelized before on ``mesh["tp"]``).
       ep: the name of the expert-parallel mesh dim.
       mp_policy: FSDP's ``MixedPrecisionPolicy`` of the run (``None``: FSDP's default); the MoE units keep
         their compute dtype (no output cast).
@@ -161,13 +162,13 @@ def fully_shard_experts(module: nn.Module, mesh: Any, expert_mesh: Any, *, ep: s
     Example (on every rank of a 4-rank world; not a doctest)::
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
-        dense = fully_shard_experts(model, mesh, mesh["dp_shard"])
+        dense = fully_shard_experts(model, mesh)
         for block in model.blocks:
             fully_shard(block, mesh=dense)
         fully_shard(model, mesh=dense)
         apply, params, buffers = fx.parallel.fully_sharded(model)
 
-    >>> fully_shard_experts(torch.nn.Linear(2, 2), None, None)
+    >>> fully_shard_experts(torch.nn.Linear(2, 2), None)
     Traceback (most recent call last):
     ...
     ValueError: fully_shard_experts: Linear has no fxtrain.models.MoE layer; ...
@@ -177,7 +178,9 @@ def fully_shard_experts(module: nn.Module, mesh: Any, expert_mesh: Any, *, ep: s
     layers = _moe_layers(module, mesh, ep, "fully_shard_experts")
     names = tuple(mesh.mesh_dim_names)
     flat = mesh[tuple(d for d in names if d in ("dp_shard", ep))]._flatten(f"dp_shard_{ep}")
-    dense = mesh["dp_replicate", f"dp_shard_{ep}"] if "dp_replicate" in names else flat
+    hsdp = "dp_replicate" in names
+    dense = mesh["dp_replicate", f"dp_shard_{ep}"] if hsdp else flat
+    experts = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
     ep_mesh = mesh[ep]
     n, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     inner = dataclasses.replace(mp_policy or MixedPrecisionPolicy(), output_dtype=None)
@@ -190,8 +193,21 @@ def fully_shard_experts(module: nn.Module, mesh: Any, expert_mesh: Any, *, ep: s
             setattr(layer, k, nn.Parameter(rows))
         layer.dispatch = dispatch
         fully_shard(layer.router, mesh=dense, mp_policy=inner)
-        fully_shard(layer, mesh=expert_mesh, mp_policy=inner)
+        fully_shard(layer, mesh=experts, mp_policy=inner)
     return dense
+
+
+def expert_mesh(dims: ParallelDims) -> Any:
+    """The mesh :func:`fully_shard_experts` takes for a run's degrees: the run's own, or, where ``dp_shard`` is 1
+    (ep with tp), one over the same ranks with a ``dp_shard`` dim of size 1 (the experts' FSDP mesh), in
+    :data:`fxtrain.distributed.DIMS` order; the tp mesh of ``parallelize_module`` must come from it too (FSDP
+    composes a DTensor param's mesh with its own only under one root mesh)."""
+    if dims.enabled("dp_shard"):
+        return dims.mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = tuple(d for d in DIMS if dims.enabled(d) or d == "dp_shard")
+    return init_device_mesh(dims.mesh.device_type, tuple(dims.degrees[d] for d in names), mesh_dim_names=names)
 
 
 def _moe_layers(module: nn.Module, mesh: Any, ep: str, caller: str) -> dict[str, MoE]:
