@@ -199,7 +199,7 @@ def fully_shard_experts(module: nn.Module, mesh: Any, *, ep: str = "ep", mp_poli
 
 def expert_mesh(dims: ParallelDims) -> Any:
     """The mesh :func:`fully_shard_experts` takes for a run's degrees: the run's own, or, where ``dp_shard`` is 1
-    (ep with tp), one over the same ranks with a ``dp_shard`` dim of size 1 (the experts' FSDP mesh), in
+    (ep with tp or pp), one over the same ranks with a ``dp_shard`` dim of size 1 (the experts' FSDP mesh), in
     :data:`fxtrain.distributed.DIMS` order; the tp mesh of ``parallelize_module`` must come from it too (FSDP
     composes a DTensor param's mesh with its own only under one root mesh)."""
     if dims.enabled("dp_shard"):
