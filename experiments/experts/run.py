@@ -70,15 +70,20 @@ def main(argv: list[str] | None = None) -> None:
                          f"{spread(records, base, 'grad_norm'):.1e}", f"{metrics['test_loss']:.4f}",
                          f"{seconds:.0f}"])
             print(rows[-1], flush=True)
-    table = _common.table(["run", "ranks", "final train loss", "max rel. diff of loss, any step",
-                           "max rel. diff of grad_norm, any step", "test_loss", "wall s"], rows)
-    body = (f"# Experts with FSDP, TP and PP, and the 8-rank rows, against one process\n\n{_common.environment()}\n\n"
-            f"Command: `.venv/bin/python experiments/experts/run.py --write --steps {args.steps}` "
-            f"(`experiment=tiny_lm amp=off accumulate=off trainer.max_steps={args.steps} trainer.log_every=1`; "
-            "the MoE rows are compared with the one-process MoE run)\n\n" + table + "\n")
+    body = report(rows, args.steps)
     print(body)
     if out is not None:
         print("wrote", _common.write_study_results(out, "experiments/experts/run.py", body))
+
+
+def report(rows: list[list], steps: int) -> str:
+    """results.md's text: the environment, the command and the table of ``rows``."""
+    headers = ["run", "ranks", "final train loss", "max rel. diff of loss, any step",
+               "max rel. diff of grad_norm, any step", "test_loss", "wall s"]
+    return (f"# Experts with FSDP, TP and PP, and the 8-rank rows, against one process\n\n{_common.environment()}\n\n"
+            f"Command: `.venv/bin/python experiments/experts/run.py --write --steps {steps}` "
+            f"(`experiment=tiny_lm amp=off accumulate=off trainer.max_steps={steps} trainer.log_every=1`; "
+            "the MoE rows are compared with the one-process MoE run)\n\n" + _common.table(headers, rows) + "\n")
 
 
 if __name__ == "__main__":
