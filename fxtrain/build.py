@@ -500,7 +500,7 @@ def fsdp_casts(dims: distributed.ParallelDims) -> bool:
     all-gather replaces whatever ``amp_cast`` would cast, so its casts never reach the gradients: issue 35's
     ``pp_fsdp`` under bf16 trained nothing). Unsharded pipeline stages are cast by ``amp_cast`` through
     :func:`fxtrain.parallel.pipeline_step`."""
-    return dims.params_sharded and not dims.enabled("ep")
+    return dims.params_sharded
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -596,7 +596,7 @@ def _half_params(cfg: DictConfig, dims: distributed.ParallelDims) -> None:
         where = "pipeline stages" if dims.enabled("pp") else "FSDP's sharded modules"
         raise ConfigError(f"amp.policy={policy}: {_short(p)} params are not supported under {dims.describe()} "
                           f"({where} keep float32 params); use amp=bf16 (float32 params, bf16 compute), or a layout "
-                          "without pp or dp_shard (parallel=dp, tp, ep_fsdp)")
+                          "without pp or dp_shard (parallel=dp, tp, ep)")
 
 
 def _shard_elementwise(txs: list, names: list[str], shard_over: str | None) -> list:

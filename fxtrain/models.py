@@ -387,8 +387,10 @@ class TransformerLM(nn.Module):
         Returns:
           The plan. Applying it raises ``ValueError`` when ``n_heads`` is not divisible by the tp mesh size.
 
-        Raises:
-          ValueError: the model has MoE blocks (``experts > 0``): shard those with ``parallel=ep``.
+        With MoE blocks (``experts > 0``) the plan is the attention's and the embeddings' without sequence
+        parallel (torchtitan's EP x TP without expert tensor parallel): every tp rank routes the whole tokens
+        and runs the MoE on them, its experts identical on the tp ranks, or ``Shard(0)`` over ``ep``
+        (:func:`fxtrain.parallel.fully_shard_experts`), whatever ``sequence_parallel`` asks.
 
         Example (on 2 ranks, ``torchrun --nproc-per-node 2``; not a doctest)::
 
@@ -404,13 +406,10 @@ class TransformerLM(nn.Module):
             ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
         )
 
-        if self.experts:
-            raise ValueError(f"TransformerLM.tp_plan: model.experts={self.experts} (MoE blocks) has no tensor-"
-                             f"parallel plan; shard the experts with parallel=ep, or use model=transformer")
         heads_colwise, tied_colwise = _tp_styles()
         heads = heads_colwise(self.n_heads)
-        if not sequence_parallel:
-            return {
+        if not sequence_parallel or self.experts:
+            plan = {
                 "tok": RowwiseParallel(input_layouts=Replicate()),
                 "pos": RowwiseParallel(input_layouts=Replicate()),
                 "blocks.*.attn.[qkv]": heads,
@@ -419,6 +418,7 @@ class TransformerLM(nn.Module):
                 "blocks.*.mlp.2": RowwiseParallel(),
                 "head": tied_colwise(self.tok, output_layouts=Replicate()),
             }
+            return {k: v for k, v in plan.items() if not (self.experts and k.startswith("blocks.*.mlp"))}
         # Each block's attention and MLP read the whole sequence: gather the Shard(1) norm output once, as a
         # plain tensor (x.shape inside the attention is then the full (B, T, C)).
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),

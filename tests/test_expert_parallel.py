@@ -104,6 +104,27 @@ def sq(ts) -> float:
     return sum(float(t.double().square().sum()) for t in ts)
 
 
+def tx():
+    import fxtrain as fx
+
+    # A tensor learning rate keeps every run on the foreach kernels, so donated, pure and one process agree to
+    # 1e-12 (the fused kernel's float64 bias corrections differ from the foreach path's by ~1e-7 relative;
+    # tests/test_sharding.py runs the fused kernel on this layout).
+    return fx.chain(fx.clip_by_global_norm(CLIP), fx.sharded_apply(fx.adamw(torch.tensor(1e-2, dtype=torch.float64))))
+
+
+def one_process_run(world: int) -> dict:
+    """The params after 3 steps of :func:`tx` on the whole batches, one process."""
+    import fxtrain as fx
+
+    apply, ref, buffers = fx.functional(model())
+    step, t = fx.train_step(loss_of(apply, buffers), tx()), tx()
+    state = t.init(ref)
+    for i in range(3):
+        ref, state, _ = step(ref, state, batch(world, seed=i))
+    return ref
+
+
 # --- cases ------------------------------------------------------------------------------------------
 
 @case()
@@ -184,16 +205,7 @@ def _clip_norm(local: dict) -> torch.Tensor:
 def case_three_steps_equal_one_process_run(world):
     import fxtrain as fx
 
-    # A tensor learning rate keeps every run on the foreach kernels, so donated, pure and one process agree to
-    # 1e-12 (the fused kernel's float64 bias corrections differ from the foreach path's by ~1e-7 relative;
-    # tests/test_sharding.py runs the fused kernel on this layout).
-    lr = torch.tensor(1e-2, dtype=torch.float64)
-    tx = lambda: fx.chain(fx.clip_by_global_norm(CLIP), fx.sharded_apply(fx.adamw(lr)))  # noqa: E731
-    apply, ref, buffers = fx.functional(model())
-    step, t = fx.train_step(loss_of(apply, buffers), tx()), tx()
-    state = t.init(ref)
-    for i in range(3):
-        ref, state, _ = step(ref, state, batch(world, seed=i))
+    ref = one_process_run(world)
     for shape, names in layouts(world):
         for donate in (True, False):
             apply, params, buffers = fx.parallel.expert_parallel(model(), mesh(world, shape, names))
@@ -205,6 +217,35 @@ def case_three_steps_equal_one_process_run(world):
                 torch.testing.assert_close(full(params[k]), ref[k], rtol=1e-12, atol=1e-14, msg=(names, donate, k))
             moved = max(float((full(params[k]) - v).abs().max()) for k, v in fx.functional(model())[1].items())
             assert moved > 1e-3  # the params did train
+
+
+@case(4)
+def case_fully_sharded_experts_equal_one_process_run(world):
+    """torchtitan's EP x FSDP (fully_shard_experts): experts Shard(0) over ep and fully_shard-ed over dp_shard,
+    the rest fully_shard-ed over the four data ranks; three steps of fully_sharded_step equal one process's."""
+    import fxtrain as fx
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    ref = one_process_run(world)
+    m, lm = mesh(world, (2, 2), ("dp_shard", "ep")), model()
+    dense = fx.parallel.fully_shard_experts(lm, m)
+    for block in lm.blocks:
+        fully_shard(block, mesh=dense)
+    fully_shard(lm, mesh=dense)
+    apply, params, buffers = fx.parallel.fully_sharded(lm)
+    w_in, router = params["blocks.0.mlp.w_in"], params["blocks.0.mlp.router.weight"]
+    # the experts: this rank's 2 of 4 over ep, FSDP's half of them over dp_shard; the router over all 4 ranks
+    assert w_in.device_mesh.mesh_dim_names == ("dp_shard", "ep") and w_in.placements[1] == Shard(0)
+    assert w_in.to_local().shape[0] == 1 and router.device_mesh.size() == 4 and router.placements == (Shard(0),)
+    step, t = fx.parallel.fully_sharded_step(loss_of(apply, buffers), tx(), lm), tx()
+    state = t.init(params)
+    for i in range(3):
+        params, state, _ = step(params, state, mine(batch(world, seed=i)))
+    for k in ref:
+        torch.testing.assert_close(full(params[k]), ref[k], rtol=1e-10, atol=1e-12, msg=k)
+    moved = max(float((full(params[k]) - v).abs().max()) for k, v in fx.functional(model())[1].items())
+    assert moved > 1e-3  # the params did train
 
 
 @case(2)
@@ -221,6 +262,8 @@ def case_bad_input_is_named(world):
         fx.parallel.expert_parallel(model(experts=3), mesh(world, (world,), ("ep",)))
     with pytest.raises(ValueError, match="Sequential has no fxtrain.models.MoE layer"):
         fx.parallel.expert_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh(world, (world,), ("ep",)))
+    with pytest.raises(ValueError, match="fully_shard_experts: MoE layer 'blocks.0.mlp' has 3 experts, not divisible"):
+        fx.parallel.fully_shard_experts(model(experts=3), mesh(world, (world,), ("ep",)))
     apply, params, buffers = fx.parallel.expert_parallel(torch.nn.Sequential(MoE(4, 8, 2)), dp_only, ep="dp")
     with pytest.raises(ValueError, match="param '0.w_in' is a plain tensor; pass the params tree that expert_parallel"):
         apply({k: full(v) for k, v in params.items()}, buffers, torch.zeros(2, 4), train=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fxtrain as fx
-from fxtrain import build, parallel, validate
+from fxtrain import build, distributed, parallel, validate
 from fxtrain import train as runner
 from fxtrain.distributed import ParallelDims
 from fxtrain.models import MLP, TransformerLM
@@ -22,7 +22,7 @@ def dims(world: int = 2, **degrees: int) -> ParallelDims:
 
 def test_degrees_resolve_the_rest_of_the_world_and_answer_questions():
     d = dims(8, pp=2, dp_shard=-1, tp=2)
-    assert d.degrees == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "ep": 1, "tp": 2}
+    assert d.degrees == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "ep": 1, "cp": 1, "tp": 2}
     assert d.mesh_dims == ("pp", "dp_shard", "tp") and d.data_world == 2 and d.params_sharded
     assert [d.enabled(x) for x in ("pp", "dp_replicate", "tp")] == [True, False, True]
     hsdp = dims(4, dp_replicate=2, dp_shard=-1)
@@ -40,7 +40,7 @@ def test_degrees_resolve_the_rest_of_the_world_and_answer_questions():
     ({"dp_shard": -1, "tp": 3}, r"^tp=3 = 3 ranks does not divide the world of 4"),
     ({"dp_shard": -1, "tp": -1}, r"^dp_shard=-1 and tp=-1: only one degree can take the rest"),
     ({"tp": 0}, r"^tp=0: expected a positive whole number of ranks, or -1"),
-    ({"cp": 2}, r"^cp: not a parallel degree; the degrees are pp, dp_replicate, dp_shard, ep, tp"),
+    ({"sp": 2}, r"^sp: not a parallel degree; the degrees are pp, dp_replicate, dp_shard, ep, cp, tp"),
 ])
 def test_bad_degrees_are_named(degrees, message):
     with pytest.raises(ValueError, match=message):
@@ -57,6 +57,7 @@ def test_the_mesh_is_asked_for_after_build():
     ("hsdp", 4, {"dp_replicate": 2, "dp_shard": 2}), ("tp", 2, {"tp": 2}), ("fsdp_tp", 4, {"dp_shard": 2, "tp": 2}),
     ("pp", 2, {"pp": 2}), ("pp_fsdp", 4, {"pp": 2, "dp_shard": 2}), ("pp_tp", 4, {"pp": 2, "tp": 2}),
     ("3d", 8, {"pp": 2, "dp_shard": 2, "tp": 2}), ("ep", 2, {"ep": 2}), ("ep_fsdp", 4, {"ep": 2, "dp_shard": 2}),
+    ("ep_tp", 4, {"ep": 2, "tp": 2}), ("pp_ep", 4, {"pp": 2, "ep": 2}),
 ])
 def test_presets_are_degrees(preset, world, degrees):
     got = build.parallel_dims(cfg_of("experiment=smoke", f"parallel={preset}"), world)
@@ -82,7 +83,6 @@ def test_a_model_without_a_degree_is_named(degrees, message):
 
 
 @pytest.mark.parametrize("degrees,message", [
-    ({"ep": 2, "tp": 2}, r"^parallel ep=2 x tp=2: expert parallel composes with dp_replicate and dp_shard here"),
     ({"pp": 2, "dp_replicate": 2}, r"^parallel pp=2 x dp_replicate=2: pipeline replicas are FSDP-sharded stages; "
                                    r"use parallel.dp_shard"),
 ])
@@ -116,7 +116,7 @@ def test_a_preset_on_one_process_says_that_nothing_is_split(preset):
     """Issue 35: parallel=tp on one process trained unsharded without a line. The presets' -1 degrees take the
     rest of the world by design (one command on 1 or N processes), so the run line says it instead of refusing."""
     cfg = cfg_of("experiment=smoke", f"parallel={preset}")
-    if any(cfg.parallel.get(d) not in (1, -1, None) for d in ("pp", "dp_replicate", "dp_shard", "ep", "tp")):
+    if any(cfg.parallel.get(d) not in (1, -1, None) for d in distributed.DIMS):
         with pytest.raises(build.ConfigError, match=r"needs several processes: launch with torchrun"):
             build.parallel_dims(cfg, 1)  # a fixed size (hsdp's dp_replicate=2) is refused on one process
         return

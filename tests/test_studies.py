@@ -25,6 +25,7 @@ SCRIPTS = {
     "clip_parallel/scale.py": ("main", [], ["results.md", "scale.png"]),
     "clip_parallel/run.py": ("parse", [], ["results_mlp.md"]),
     "strategies/run.py": ("main", [], ["results.md"]),
+    "experts/run.py": ("main", [], ["results.md"]),
 }
 
 

@@ -218,7 +218,8 @@ def test_parallel_sizes_are_checked_against_the_world(overrides, world, message)
 
 
 @pytest.mark.parametrize("layout,world", [("pp", 2), ("pp_tp", 4), ("pp_fsdp", 4), ("3d", 8), ("fsdp", 2),
-                                          ("fsdp_tp", 4), ("hsdp", 4)])
+                                          ("fsdp_tp", 4), ("hsdp", 4), ("ep_fsdp", 4),
+                                          ("ep_tp", 4), ("pp_ep", 4)])
 @pytest.mark.parametrize("amp", ["pure_bf16", "pure_fp16"])
 def test_half_params_are_refused_where_the_modules_keep_float32(layout, world, amp):
     # matrix: the step computed with the modules' float32 tensors, not the cast copies, and raised at step 1
@@ -229,9 +230,10 @@ def test_half_params_are_refused_where_the_modules_keep_float32(layout, world, a
     assert message.count(f"params are not supported under parallel ") == 1
 
 
-@pytest.mark.parametrize("layout,world", [("ep_fsdp", 4), ("dp", 2), ("tp", 2)])
+@pytest.mark.parametrize("layout,world", [("ep", 2), ("dp", 2), ("tp", 2)])
 def test_half_params_are_taken_where_the_step_reads_the_cast_tree(layout, world):
-    # ep_fsdp, dp, tp: the functional step computes with the params tree it is given (cast_params' copies)
+    # ep, dp, tp: the functional step computes with the params tree it is given (cast_params' copies); ep_fsdp's,
+    # ep_tp's and pp_ep's experts and dense params are FSDP's (fully_shard_experts) and refused above
     build.parallel_dims(cfg_of("experiment=smoke", f"parallel={layout}", "amp=pure_bf16"), world)
 
 

@@ -102,8 +102,11 @@ class ParallelDims:
 
     @property
     def params_sharded(self) -> bool:
-        """Whether FSDP shards the params (``dp_shard > 1`` or ``cp > 1``, with experts on their own ``ep`` dim)."""
-        return self.enabled("dp_shard") or self.enabled("cp")
+        """Whether FSDP shards the params: ``dp_shard > 1``, ``cp > 1`` (the cp ranks join the shard dim), or ``ep``
+        with ``tp`` or ``pp`` (the dense params over the ep ranks, torchtitan's EP x TP / PP; experts on their own
+        ``ep`` dim either way)."""
+        return (self.enabled("dp_shard") or self.enabled("cp")
+                or (self.enabled("ep") and (self.enabled("tp") or self.enabled("pp"))))
 
     @property
     def data_world(self) -> int:

@@ -14,7 +14,8 @@ torchtitan-style, one module per parallelism; the collectives, norms and the mes
   the stack on this rank's stage params, in place (global transforms checked to span the pp group).
 * ``_expert_parallel``: :func:`expert_parallel`, ``fx.functional`` for a module with
   :class:`fxtrain.models.MoE` layers: experts ``Shard(0)`` over a mesh dim ``ep``, dense params on the dp
-  mesh, tokens dispatched by an autograd-aware all-gather / reduce-scatter.
+  mesh, tokens dispatched by an autograd-aware all-gather / reduce-scatter; :func:`fully_shard_experts`,
+  torchtitan's EP x FSDP2 (experts ``Shard(0)`` over ep, each MoE layer ``fully_shard``-ed on its own mesh).
 * ``_context_parallel``: :func:`context_parallel`, a step run on each cp rank's part of the sequences under
   torch's ``context_parallel`` (ring attention; the CPU SDPA kernel entered by :func:`cpu_ring_attention`).
 * ``_blocks``: per-block activation checkpointing and ``torch.compile`` (torchtitan's ``apply_ac`` and
@@ -36,15 +37,15 @@ from fxtrain.parallel._blocks import (
 )
 from fxtrain.parallel._context_parallel import context_parallel, context_parallel_refusal, cpu_ring_attention
 from fxtrain.parallel._data_parallel import data_parallel
-from fxtrain.parallel._expert_parallel import expert_parallel
+from fxtrain.parallel._expert_parallel import expert_parallel, fully_shard_experts
 from fxtrain.parallel._fully_sharded import fully_sharded, fully_sharded_step
 from fxtrain.parallel._parallelize import Parallel, evaluate, forward, loss_function, parallelize
 from fxtrain.parallel._pipeline import pipeline_step
 from fxtrain.parallel._tensor_parallel import tensor_parallel
 
 __all__ = [
-    "data_parallel", "expert_parallel", "tensor_parallel", "fully_sharded", "fully_sharded_step", "pipeline_step",
-    "context_parallel", "context_parallel_refusal", "cpu_ring_attention",
+    "data_parallel", "expert_parallel", "fully_shard_experts", "tensor_parallel", "fully_sharded", "fully_sharded_step",
+    "pipeline_step", "context_parallel", "context_parallel_refusal", "cpu_ring_attention",
     # per-block wrappers
     "AC_MODES", "blocks_of", "checkpoint_blocks", "checkpointed_blocks", "compile_blocks", "compile_refusal",
     "wrapped_note",

@@ -16,6 +16,7 @@ dense ones ``Partial("avg")`` on the dp mesh, and the step reduces them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -23,10 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fxtrain._deferred import DTensor, Partial, Replicate, Shard
+from fxtrain.distributed import DIMS, ParallelDims
 from fxtrain.functional import ApplyFn, Buffers, Params, functional
 from fxtrain.models import MoE, experts_forward
 
-__all__ = ["expert_parallel"]
+__all__ = ["expert_parallel", "fully_shard_experts"]
 
 
 def expert_parallel(module: nn.Module, mesh: Any, *, ep: str = "ep",
@@ -80,20 +82,9 @@ def expert_parallel(module: nn.Module, mesh: Any, *, ep: str = "ep",
     ValueError: expert_parallel: Linear has no fxtrain.models.MoE layer; ...
     """
 
-    layers = {name: m for name, m in module.named_modules() if isinstance(m, MoE)}
-    if not layers:
-        raise ValueError(f"expert_parallel: {type(module).__name__} has no fxtrain.models.MoE layer; use "
-                         "fx.functional for a dense module, or build its MLPs as MoE(...)")
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if ep not in names:
-        raise ValueError(f"expert_parallel: the mesh has dims {names}, none named {ep!r}; pass "
-                         f"ep=<its expert dim> or build it with init_device_mesh(..., mesh_dim_names=(..., {ep!r}))")
+    layers = _moe_layers(module, mesh, ep, "expert_parallel")
+    names = tuple(mesh.mesh_dim_names)
     n = mesh[ep].size()
-    for name, layer in layers.items():
-        if layer.num_experts % n:
-            raise ValueError(f"expert_parallel: MoE layer '{name}' has {layer.num_experts} experts, not "
-                             f"divisible by the {ep!r} mesh dim's size {n}; use a multiple of {n} experts or "
-                             "a smaller ep dim")
     inner, full, buffers = functional(module)
     # One process group over all of mesh's ranks, so a dense gradient is averaged in one all-reduce, not
     # one per mesh dim. _flatten is torch's own way (private in 2.13; torchtitan relies on it) and is
@@ -134,6 +125,108 @@ def expert_parallel(module: nn.Module, mesh: Any, *, ep: str = "ep",
                 layer.dispatch = None
 
     return apply_fn, params, buffers
+
+
+def fully_shard_experts(module: nn.Module, mesh: Any, *, ep: str = "ep", mp_policy: Any = None) -> Any:
+    """torchtitan's expert parallel under FSDP2: each MoE layer's experts ``Shard(0)`` over ``ep``, then
+    ``fully_shard`` on its data-parallel ranks, with the router left to the dense params' FSDP units.
+
+    For every :class:`fxtrain.models.MoE` layer of ``module`` (in place): the stacked expert params become
+    DTensors of this rank's ``E / ep`` rows on ``mesh[ep]``; the layer is ``fully_shard``-ed on
+    ``mesh["dp_shard"]`` (the ranks that hold the same experts and read other tokens: FSDP shards those rows
+    further over them and reduce-scatters their gradients, its FSDP x EP path, as under FSDP x TP), after its
+    router on the dense mesh (``mesh``'s data dims flattened: every rank reads its own tokens), so that the
+    layer's own FSDP unit holds the experts alone. Each layer's dispatch is set to the all-gather token
+    dispatcher over ep (:func:`expert_parallel`'s), which takes the unsharded experts' local rows and scales
+    their gradients by ``1 / ep`` (they sum the tokens of the whole ep group). The caller then
+    ``fully_shard``-s the blocks and the root on the dense mesh returned, and trains with
+    :func:`fxtrain.parallel.fully_sharded_step`: every param is then FSDP's.
+
+    Args:
+      module: an ``nn.Module`` holding at least one MoE, built the same on every rank.
+      mesh: the run's ``DeviceMesh``, with a dim named ``ep`` and one named ``dp_shard`` (FSDP's; of size 1
+        where only ep reads other tokens: :func:`expert_mesh`), optionally ``dp_replicate`` (HSDP: the
+        experts' FSDP mesh is then ``mesh["dp_replicate", "dp_shard"]``) and ``tp`` (the attention's,
+        parallelized before on ``mesh["tp"]``).
+      ep: the name of the expert-parallel mesh dim.
+      mp_policy: FSDP's ``MixedPrecisionPolicy`` of the run (``None``: FSDP's default); the MoE units keep
+        their compute dtype (no output cast).
+
+    Returns:
+      The dense params' FSDP mesh: ``dp_shard`` and ``ep`` flattened (``dp_shard_ep``), 2-D with
+      ``dp_replicate`` for HSDP.
+
+    Raises:
+      ValueError: as :func:`expert_parallel`, naming the layer or the mesh's dims.
+
+    Example (on every rank of a 4-rank world; not a doctest)::
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+        dense = fully_shard_experts(model, mesh)
+        for block in model.blocks:
+            fully_shard(block, mesh=dense)
+        fully_shard(model, mesh=dense)
+        apply, params, buffers = fx.parallel.fully_sharded(model)
+
+    >>> fully_shard_experts(torch.nn.Linear(2, 2), None)
+    Traceback (most recent call last):
+    ...
+    ValueError: fully_shard_experts: Linear has no fxtrain.models.MoE layer; ...
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    layers = _moe_layers(module, mesh, ep, "fully_shard_experts")
+    names = tuple(mesh.mesh_dim_names)
+    flat = mesh[tuple(d for d in names if d in ("dp_shard", ep))]._flatten(f"dp_shard_{ep}")
+    hsdp = "dp_replicate" in names
+    dense = mesh["dp_replicate", f"dp_shard_{ep}"] if hsdp else flat
+    experts = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
+    ep_mesh = mesh[ep]
+    n, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    inner = dataclasses.replace(mp_policy or MixedPrecisionPolicy(), output_dtype=None)
+    dispatch = _LocalExperts(ep_mesh)
+    for layer in layers.values():
+        for k in layer.expert_params:
+            full = getattr(layer, k).detach()
+            rows = DTensor.from_local(full.chunk(n)[rank].clone(), ep_mesh, (Shard(0),), run_check=False,
+                                      shape=full.shape, stride=full.stride())
+            setattr(layer, k, nn.Parameter(rows))
+        layer.dispatch = dispatch
+        fully_shard(layer.router, mesh=dense, mp_policy=inner)
+        fully_shard(layer, mesh=experts, mp_policy=inner)
+    return dense
+
+
+def expert_mesh(dims: ParallelDims) -> Any:
+    """The mesh :func:`fully_shard_experts` takes for a run's degrees: the run's own, or, where ``dp_shard`` is 1
+    (ep with tp or pp), one over the same ranks with a ``dp_shard`` dim of size 1 (the experts' FSDP mesh), in
+    :data:`fxtrain.distributed.DIMS` order; the tp mesh of ``parallelize_module`` must come from it too (FSDP
+    composes a DTensor param's mesh with its own only under one root mesh)."""
+    if dims.enabled("dp_shard"):
+        return dims.mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = tuple(d for d in DIMS if dims.enabled(d) or d == "dp_shard")
+    return init_device_mesh(dims.mesh.device_type, tuple(dims.degrees[d] for d in names), mesh_dim_names=names)
+
+
+def _moe_layers(module: nn.Module, mesh: Any, ep: str, caller: str) -> dict[str, MoE]:
+    """``module``'s MoE layers by name, checked against ``mesh``'s ``ep`` dim (see :func:`expert_parallel`)."""
+    layers = {name: m for name, m in module.named_modules() if isinstance(m, MoE)}
+    if not layers:
+        raise ValueError(f"{caller}: {type(module).__name__} has no fxtrain.models.MoE layer; use "
+                         "fx.functional for a dense module, or build its MLPs as MoE(...)")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if ep not in names:
+        raise ValueError(f"{caller}: the mesh has dims {names}, none named {ep!r}; pass "
+                         f"ep=<its expert dim> or build it with init_device_mesh(..., mesh_dim_names=(..., {ep!r}))")
+    n = mesh[ep].size()
+    for name, layer in layers.items():
+        if layer.num_experts % n:
+            raise ValueError(f"{caller}: MoE layer '{name}' has {layer.num_experts} experts, not "
+                             f"divisible by the {ep!r} mesh dim's size {n}; use a multiple of {n} experts or "
+                             "a smaller ep dim")
+    return layers
 
 
 def _local(name: str, p: Any, grad_placements: tuple, scale: float | None) -> torch.Tensor:
@@ -213,6 +306,20 @@ class _AllGatherDispatch:
         every = [_AllGather.apply(t, self.group) for t in (tokens, gates, chosen)]
         mine = experts_forward(*every, weights, first=self.rank * weights[0].shape[0])
         return _ReduceScatter.apply(mine, self.group)
+
+
+class _LocalExperts:
+    """The dispatcher of a module whose expert params are DTensors, ``Shard(0)`` on the ep mesh (FSDP's
+    unsharded ones under :func:`fully_shard_experts`): their local rows, whose gradients come back ``Shard(0)``
+    and scaled by ``1 / ep`` (as :func:`expert_parallel`'s), through the all-gather dispatcher."""
+
+    def __init__(self, ep_mesh: Any):
+        self.dispatch = _AllGatherDispatch(ep_mesh, 0, ep_mesh.get_local_rank())
+        self.scale = 1.0 / ep_mesh.size()
+
+    def __call__(self, tokens, gates, chosen, weights):
+        local = [_ScaleGrad.apply(w.to_local(grad_placements=(Shard(0),)), self.scale) for w in weights]
+        return self.dispatch(tokens, gates, chosen, local)
 
 
 def _gather(x: torch.Tensor, group: Any) -> torch.Tensor:

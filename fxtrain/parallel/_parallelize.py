@@ -14,7 +14,10 @@ on and composes torch's own machinery in torchtitan's order, each on its sub-mes
    the 2-D ``(dp_replicate, dp_shard)`` one; the step is ``fx.parallel.fully_sharded_step``.
    ``dp_replicate`` alone: replicated DTensor params (``fx.parallel.data_parallel``, or
    ``fx.parallel.tensor_parallel``'s dp x tp bridge), gradients reduced by ``fx.train_step``.
-4. ``ep``: ``fx.parallel.expert_parallel``, the MoE layers' experts ``Shard(0)`` over ep.
+4. ``ep``: the MoE layers' experts ``Shard(0)`` over ep. Alone (or with ``dp_replicate``):
+   ``fx.parallel.expert_parallel``. With ``dp_shard``, ``tp`` or ``pp`` (torchtitan's EP x FSDP / TP / PP):
+   ``fx.parallel.fully_shard_experts`` on the model or its stage, after tp's ``parallelize_module``: each MoE
+   layer ``fully_shard``-ed over dp_shard, the dense params over dp_shard x ep; the step is FSDP's.
 5. ``cp``: FSDP over ``dp_shard x cp``, its step run on each rank's part of the sequences under torch's
    ``context_parallel`` (``fx.parallel.context_parallel``).
 
@@ -42,7 +45,7 @@ from fxtrain.functional import functional
 from fxtrain.parallel._blocks import checkpoint_blocks, checkpointed_blocks, compile_blocks, compile_refusal
 from fxtrain.parallel._context_parallel import context_parallel, context_parallel_refusal
 from fxtrain.parallel._data_parallel import data_parallel
-from fxtrain.parallel._expert_parallel import expert_parallel
+from fxtrain.parallel._expert_parallel import expert_mesh, expert_parallel, fully_shard_experts
 from fxtrain.parallel._fully_sharded import fully_sharded, fully_sharded_step
 from fxtrain.parallel._pipeline import pipeline_step
 from fxtrain.parallel._pipeline_schedules import (build_schedule, evaluate_step, schedule_refusal,
@@ -110,10 +113,16 @@ def parallelize(model: nn.Module, tx: GradientTransformation, dims: ParallelDims
                          "of the two: trainer.compile=false or model.activation_checkpoint=none")
     if dims.enabled("pp"):
         return _pipelined(model, tx, dims, task, pipeline or {}, mp_policy, blocks)
+    if dims.enabled("ep") and dims.params_sharded:
+        # torchtitan's EP x FSDP (x TP): experts Shard(0) over ep, fully_shard-ed over dp_shard, the rest over every
+        # data rank (dp_shard x ep), the attention tensor-parallel first.
+        twin = _twin(model)
+        _experts_placed(model, dims, model.tp_plan() if dims.enabled("tp") else None, mp_policy, blocks)
+        return _fully_sharded(model, tx, task, twin, compile)
     if dims.enabled("ep"):
-        # Experts over ep; the dense params replicated over the data ranks, or sharded (FSDP's layout) with dp_shard.
+        # Experts over ep; the dense params replicated over the data ranks.
         blocks(model)
-        apply, params, buffers = expert_parallel(model, dims.mesh, ep="ep", shard_dense=dims.params_sharded)
+        apply, params, buffers = expert_parallel(model, dims.mesh, ep="ep")
         return _autograd(apply, params, buffers, tx, task, compile)
     if dims.params_sharded:
         twin = _twin(model)
@@ -158,9 +167,6 @@ def _check(model: nn.Module, dims: ParallelDims) -> None:
     if dims.enabled("cp") and (dims.enabled("pp") or dims.enabled("ep")):
         raise ValueError(f"{shown}: context parallel composes with dp_replicate, dp_shard and tp here; set "
                          "parallel.pp and parallel.ep to 1 (or parallel.cp to 1)")
-    if dims.enabled("ep") and (dims.enabled("tp") or dims.enabled("pp")):
-        raise ValueError(f"{shown}: expert parallel composes with dp_replicate and dp_shard here; set parallel.tp "
-                         "and parallel.pp to 1 (or drop ep)")
     if dims.enabled("pp") and dims.enabled("dp_replicate") and not dims.params_sharded:
         raise ValueError(f"{shown}: pipeline replicas are FSDP-sharded stages; use parallel.dp_shard for them "
                          "(parallel.dp_replicate with dp_shard > 1 is HSDP per stage)")
@@ -179,6 +185,20 @@ def _placed(module: nn.Module, dims: ParallelDims, plan: dict | None, mp_policy:
         blocks(module)
     if dims.params_sharded:
         _fully_shard(module, dims.fsdp_mesh, mp_policy)
+
+
+def _experts_placed(module: nn.Module, dims: ParallelDims, plan: dict | None, mp_policy: Any,
+                    blocks: Callable[[nn.Module], None]) -> None:
+    """:func:`_placed` for a module with MoE layers under ep (torchtitan's order): ``parallelize_module`` with
+    ``plan`` on tp, the per-block wrappers, then the experts ``Shard(0)`` over ep and ``fully_shard``-ed over
+    dp_shard (:func:`fxtrain.parallel.fully_shard_experts`), the blocks and root over dp_shard x ep."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = expert_mesh(dims)  # one root mesh for the tp, ep and FSDP meshes, which FSDP composes
+    if plan is not None:
+        parallelize_module(module, mesh["tp"], plan)
+    blocks(module)
+    _fully_shard(module, fully_shard_experts(module, mesh, mp_policy=mp_policy), mp_policy)
 
 
 def _stage_plan(model: nn.Module) -> dict:
@@ -206,7 +226,7 @@ def _pipelined(model: nn.Module, tx, dims: ParallelDims, task: tasks.Task, pipel
     plan = _stage_plan(model) if dims.enabled("tp") else None
     modules = [model.pipeline_stage(i, n) for i in indices]
     for module in modules:
-        _placed(module, dims, plan, mp_policy, blocks)
+        (_experts_placed if dims.enabled("ep") else _placed)(module, dims, plan, mp_policy, blocks)
     device = next(modules[0].parameters()).device
     stages = [PipelineStage(m, i, n, device, group=pp.get_group()) for i, m in zip(indices, modules)]
     schedule = build_schedule(name, stages, microbatches, lambda out, y: task.compute(out, y)[0])
