@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import fxtrain as fx
-from fxtrain import build, parallel
+from fxtrain import build, distributed, parallel
 from fxtrain import train as runner
 from fxtrain.distributed import ParallelDims
 from fxtrain.models import TransformerLM
@@ -227,7 +227,8 @@ def test_every_preset_takes_both_keys_or_refuses_in_one_line(preset):
     both = cfg_of(*SMALL, f"parallel={preset}", *model, "trainer.compile=true", "model.activation_checkpoint=selective")
     if not expert:
         runner.check(both)
-        assert preset in _presets() or preset in ("none", "3d")  # 3d needs 8 ranks: not a test world
+        # 3d, hsdp_cp and fsdp_tp_cp need 8 ranks: not a test world here
+        assert preset in _presets() or preset == "none" or _world_of(preset) > 4, preset
         return
     with pytest.raises(build.ConfigError, match=r"^trainer.compile=true: TransformerLM's blocks.0.mlp \(MoE\): "
                                                 r"[^\n]*use trainer.compile=false$"):
@@ -260,7 +261,7 @@ def _presets() -> dict[str, tuple[int, list[str]]]:
         name = path.stem
         if name.startswith("_") or name == "none":
             continue
-        named = [d for d in OmegaConf.load(path) if d in ("dp_replicate", "dp_shard", "tp", "pp", "ep")]
+        named = [d for d in OmegaConf.load(path) if d in distributed.DIMS]
         for world in (2, 4):
             try:
                 dims = build.parallel_dims(cfg_of(*SMALL, f"parallel={name}", *WORLD_BATCH), world)
@@ -271,6 +272,21 @@ def _presets() -> dict[str, tuple[int, list[str]]]:
             out[name] = (world, [f"parallel={name}"])
             break
     return out
+
+
+def _world_of(name: str) -> int:
+    """The smallest world of 2, 4 or 8 ranks in which every degree the preset sets splits the work (9: none)."""
+    from omegaconf import OmegaConf
+
+    named = [d for d in OmegaConf.load(runner.CONF_DIR / "parallel" / f"{name}.yaml") if d in distributed.DIMS]
+    for world in (2, 4, 8):
+        try:
+            dims = build.parallel_dims(cfg_of(*SMALL, f"parallel={name}", *WORLD_BATCH), world)
+        except build.ConfigError:
+            continue
+        if all(dims.enabled(d) for d in named):
+            return world
+    return 9
 
 
 def _layout_case(name: str, world: int, overrides: list[str]):

@@ -45,9 +45,11 @@ which rounds to 0 there); naive_fp16 (scale 2**32, hysteresis 2) skips every upd
 compare the forward passes and the skip decisions only.
 
 **Covers** (``FXTRAIN_MATRIX``, :func:`covering`). ``make test`` (the fast suite) runs
-:func:`each_value_and_bf16`: every value of every axis in at least one cell, and every layout under bf16 (22
-groups, 51 cells; 147 CPU seconds with amp=float8 among them), with the cells that cost no other run on a layout
-(``whole`` and ``relayout`` of each group). ``make test-all`` runs :func:`pairwise` (a deterministic greedy
+:func:`each_value_and_bf16`: every value of every axis in at least one cell, tried on the layouts of one
+and two ranks, and every layout under bf16 (21 groups, 48 cells with issue 39's presets, 8 of the groups on 4 ranks
+and one on 8; each value cycled over every layout had put 15 groups on 4 ranks and doubled the 4-rank world's
+time), with the cells that cost no other run on a layout (``whole`` and ``relayout`` of each group).
+``make test-all`` runs :func:`pairwise` (a deterministic greedy
 all-pairs generator, tested below): every pair of values in at least one cell (84 groups, 184 cells since
 amp=float8; at 73 groups and 161 cells it took about 340 CPU seconds on the 2-core machine, the gloo worlds
 included, which is why it left the 10-minute suite, issue 36). ``make matrix`` (experiments/matrix/run.py) runs
@@ -493,11 +495,14 @@ def each_value(axes: dict[str, list]) -> list[dict]:
     return [{k: v[i % len(v)] for k, v in axes.items()} for i in range(n)]
 
 
-def each_value_and_bf16(axes: dict[str, list]) -> list[dict]:
-    """:func:`each_value`, and every layout under ``amp=bf16`` (the recommended stack's precision, where the
-    pairwise cover found its defects: pipelines and FSDP trained nothing or n times the gradient), the other
-    axes cycled."""
-    cells = each_value(axes)
+def each_value_and_bf16(axes: dict[str, list], cheap: list | None = None) -> list[dict]:
+    """:func:`each_value` with the layouts cycled from ``cheap`` (default: all of them), and every layout under
+    ``amp=bf16`` (the recommended stack's precision, where the pairwise cover found its defects: pipelines and
+    FSDP trained nothing or n times the gradient), the other axes cycled. The fast suite passes the layouts of
+    one and two ranks as ``cheap``: the other axes' values are each tried there, and every layout of 4 and 8
+    ranks trains once, under bf16 (a 4-rank group costs about twice a 2-rank one on 2 cores).
+    """
+    cells = each_value({**axes, "parallel": cheap or axes["parallel"]})
     seen = {cell_id(c) for c in cells}
     for i, name in enumerate(axes["parallel"]):
         cell = {k: name if k == "parallel" else "bf16" if k == "amp" else v[i % len(v)] for k, v in axes.items()}
@@ -527,7 +532,7 @@ def covering(axes: dict[str, list], cover=pairwise) -> list[dict]:
 
 
 # FXTRAIN_MATRIX (set in the environment, so the world ranks see it too): ``each`` (make test: every value of every
-# axis and every layout under bf16, 22 groups), ``pairwise`` (make test-all: every pair of values, 84 groups),
+# axis and every layout under bf16, 21 groups), ``pairwise`` (make test-all: every pair of values, 84 groups),
 # ``full`` (make matrix: the product).
 COVER = os.environ.get("FXTRAIN_MATRIX", "each")
 if COVER not in COVERS:
@@ -538,7 +543,9 @@ if COVER not in COVERS:
 FAST_LAYOUTS = [n for n in LAYOUTS if not (LAYOUTS[n].world == 8 and OmegaConf.load(CONF / "parallel" / f"{n}.yaml")
                                            .get("cp", 1) != 1)]
 CELLS = selected(product(AXES) if COVER == "full" else
-                 covering({**AXES, "parallel": FAST_LAYOUTS} if COVER == "each" else AXES, COVERS[COVER]),
+                 covering({**AXES, "parallel": FAST_LAYOUTS}, functools.partial(
+                     each_value_and_bf16, cheap=[n for n in FAST_LAYOUTS if LAYOUTS[n].world <= 2]))
+                 if COVER == "each" else covering(AXES, COVERS[COVER]),
                  os.environ.get("FXTRAIN_MATRIX_ONLY", ""))
 GROUPS = groups_of(CELLS)
 CASES, case = _worlds.registry(worlds=())
@@ -673,6 +680,13 @@ def test_the_fast_cover_has_every_value_and_every_layout_under_bf16():
     assert {c["parallel"] for c in cells if c["amp"] == "bf16"} == set(AXES["parallel"])
     assert len(cells) < len(pairwise(AXES)) and each_value_and_bf16(AXES) == cells  # smaller, deterministic
     assert {c["parallel"] for c in each_value(AXES)} == set(AXES["parallel"])
+    # the fast suite's: the other axes' values on the cheap layouts, every other layout once, under bf16
+    cheap = [n for n in AXES["parallel"] if LAYOUTS[n].world <= 2]
+    fast = each_value_and_bf16(AXES, cheap=cheap)
+    for name, values in AXES.items():
+        assert {c[name] for c in fast} == set(values), name
+    assert all(c["amp"] == "bf16" for c in fast if c["parallel"] not in cheap)
+    assert sum(c["parallel"] not in cheap for c in fast) == len(AXES["parallel"]) - len(cheap)
 
 
 def test_pairwise_misses_a_pair_when_a_cell_is_dropped():

@@ -15,6 +15,7 @@ are continued on another schedule in the world and in one process here (:func:`t
 from __future__ import annotations
 
 import json
+import os
 import sys
 import typing
 
@@ -89,16 +90,20 @@ def _schedule_case(name: str):
     return case()(run)
 
 
-for _name in SCHEDULES:
+# make test: the schedules with virtual stages (interleaved1f1b, interleaved_zb, zbv); gpipe and 1f1b each cost as
+# much again and have their own fast tests against one process (test_pipeline.py; test_train_resume_layouts.py's
+# bf16 and mid-window cases; test_matrix.py's pp cells). make test-all (FXTRAIN_SLOW): every schedule.
+TRAINED = [s for s in SCHEDULES if os.environ.get("FXTRAIN_SLOW") or s not in ("gpipe", "1f1b")]
+for _name in TRAINED:
     _schedule_case(_name)
 
 
 @case()
 def case_relayout_between_schedules(world):
     """A checkpoint of virtual stages taken inside a window (interleaved1f1b's, step 3) continued on one stage per
-    rank (gpipe), and gpipe's on zbv's V: the held sums are plain tensors on both sides, so each continues like
-    the uninterrupted run of its source (bf16, in another order: the tolerance of bf16)."""
-    for src, dst in (("interleaved1f1b", "gpipe"), ("gpipe", "zbv")):
+    rank (gpipe), and zbv's V on interleaved_zb's loop: the held sums are plain tensors on both sides, so each
+    continues like the uninterrupted run of its source (bf16, in another order: the tolerance of bf16)."""
+    for src, dst in (("interleaved1f1b", "gpipe"), ("zbv", "interleaved_zb")):
         source, out = _worlds.OUT_DIR / src / "killed", _worlds.OUT_DIR / f"{src}-{dst}"
         args = [*layout(dst), "amp=bf16", "accumulate=k4", "trainer.checkpoint_every=3", "resume_relayout=true",
                 f"resume={source / 'checkpoints' / f'step_{MID:07d}'}"]
@@ -170,7 +175,7 @@ def test_continued_in_one_process(tmp_path_factory, tmp_path):
     from tests._runner import cfg_of
 
     root = _worlds.out_dir(2, __file__, tmp_path_factory)
-    for name in SCHEDULES:
+    for name in TRAINED:
         source = root / name / "whole"
         killed = root / name / "killed" / "checkpoints" / f"step_{MID:07d}"
         args = [*(a for a in layout(name) if not a.startswith("parallel")), "amp=bf16", "accumulate=k4",

@@ -20,7 +20,7 @@ import pathlib
 import pytest
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from fxtrain import build, validate
+from fxtrain import build, distributed, validate
 from fxtrain import train as runner
 from tests._runner import cfg_of, isolate  # noqa: F401 - isolate: autouse (runs in tmp_path)
 
@@ -115,7 +115,7 @@ ACCEPTED.update({(key, "null"): why for key, why in {
     "amp.loss_scale.min_scale": "null: no floor", "amp.loss_scale.max_scale": "null: no ceiling",
     "accumulate.accumulator_dtype": "null: the gradients' dtype",
     "parallel.dp": "null: the default (the key before degrees)",
-    **{f"parallel.{d}": "null: the degree is 1 (ParallelDims.of)" for d in ("pp", "dp_replicate", "dp_shard", "ep", "tp")},
+    **{f"parallel.{d}": "null: the degree is 1 (ParallelDims.of)" for d in distributed.DIMS},
     "debug.name": "null: a custom debug run", "debug.shortened": "null: nothing shortened", "debug.limit_*": "null: the whole split",
     "optim.chain.*.momentum": "null: no momentum (sgd)",
     "trainer.eval_hooks": "null: no hooks",

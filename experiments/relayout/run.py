@@ -95,7 +95,8 @@ def _train_sources(layouts: dict, root: pathlib.Path, world: int, train, rerun: 
         if lay.world != world:
             continue
         for model in MODELS:
-            if _kept(root / "src" / model / name, rerun, name) and (root / "src" / model / name / "summary.json").exists():
+            run = root / "src" / model / name
+            if _kept(run, rerun, name) and (run / "summary.json").exists():
                 taken[f"{model}/{name}"] = True
                 continue
             try:
@@ -144,7 +145,8 @@ def _continue_into(layouts: dict, taken: dict, root: pathlib.Path, world: int, t
                 if torch.distributed.is_initialized():
                     torch.distributed.barrier()
                 continue
-            loss, norm = _deviation([r for r in _records(out) if "loss" in r], [r for r in want_all if r["step"] > step])
+            got = [r for r in _records(out) if "loss" in r]
+            loss, norm = _deviation(got, [r for r in want_all if r["step"] > step])
             verdicts[key] = {"kind": "holds" if max(loss, norm) <= REL else "FAILS", "model": model,
                              "loss": loss, "grad_norm": norm}
     return verdicts
@@ -298,7 +300,8 @@ def table(layouts: dict, taken: dict, verdicts: dict, counts, args, total: float
     if refused:
         lines += ["## Refused", "", "| why (the refusal's words) | continuations |", "| --- | --- |"]
         lines += [f"| {why.replace('|', '/')} | {len(keys)}: {', '.join(sorted(keys)[:5])}"
-                  f"{' ...' if len(keys) > 5 else ''} |" for why, keys in sorted(refused.items(), key=lambda x: -len(x[1]))]
+                  f"{' ...' if len(keys) > 5 else ''} |"
+                  for why, keys in sorted(refused.items(), key=lambda x: -len(x[1]))]
         lines.append("")
     models = [f"`{k}`: {v}" for k, v in sorted(taken.items()) if v is not True]
     if models:
