@@ -24,7 +24,8 @@ import torch
 
 from fxtrain import schema
 from tests import _worlds
-from tests.test_train_resume_layouts import TINY, _mid_window_resume, _records, _train, assert_steps_close
+from tests.test_train_resume_layouts import (TINY, _mid_window_resume, _records, _train, assert_steps_close,
+                                           one_process_run)
 
 CASES, case = _worlds.registry(worlds=(2,))
 
@@ -43,24 +44,10 @@ _REFS: dict = {}
 
 
 def one_process(*overrides: str) -> tuple[list[dict], float]:
-    """The one-process run of a config on this rank (the runner's build and step on each whole batch): each step's
+    """The one-process run of a config on this rank (test_train_resume_layouts' one_process_run): each step's
     loss and grad_norm, and the final test_loss; computed once per config for every case of the world."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from fxtrain import train as runner
-
     if overrides not in _REFS:
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[*overrides, "parallel=none"])
-        built = runner.build_run(cfg, torch.device("cpu"))
-        params, state, buffers, out = built.params, built.opt_state, built.buffers, []
-        for i in range(cfg.trainer.max_steps):
-            params, state, buffers, metrics = built.step(params, state, buffers, built.data.train[i])
-            out.append({k: float(metrics[k]) for k in ("loss", "grad_norm")})
-        test = built.evaluate(params, buffers, built.data.test, cfg.trainer.eval_batch_size)["test_loss"]
-        _REFS[overrides] = out, test
+        _REFS[overrides] = one_process_run(*overrides)
     return _REFS[overrides]
 
 

@@ -120,6 +120,11 @@ BF16 = {**LAYOUTS, "pp_1f1b": ["parallel=pp", "parallel.microbatches=2", "parall
 def one_process_metrics(*overrides: str) -> list[dict]:
     """The loss and grad_norm of every step of the one-process run of a config, computed on this rank (the
     runner's build and step on each whole batch)."""
+    return one_process_run(*overrides)[0]
+
+
+def one_process_run(*overrides: str) -> tuple[list[dict], float]:
+    """:func:`one_process_metrics`, and the final ``test_loss`` of that run."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -133,7 +138,7 @@ def one_process_metrics(*overrides: str) -> list[dict]:
     for i in range(cfg.trainer.max_steps):
         params, state, buffers, metrics = built.step(params, state, buffers, built.data.train[i])
         out.append({k: float(metrics[k]) for k in ("loss", "grad_norm")})
-    return out
+    return out, built.evaluate(params, buffers, built.data.test, cfg.trainer.eval_batch_size)["test_loss"]
 
 
 def assert_steps_close(name: str, got: list[dict], ref: list[dict], loss_rel: float, norm_rel: float) -> None:
